@@ -1,0 +1,1 @@
+"""Communication managers: what a prepare/finalize class gets its transport from."""

@@ -1,0 +1,16 @@
+"""moe-plugins: expert-parallel MoE prepare/finalize backends for vLLM.
+
+Importing this package needs torch alone; vendor libraries are imported by the backend that
+needs them. See DESIGN.md in the project for the contracts.
+"""
+from moe_plugins.interface import (ActivationFormat, PrepareFinalize, PrepareResult,
+                                   RowScatterTarget, row_scatter_add)
+from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
+from moe_plugins.quant import QuantScheme, QuantSpec
+from moe_plugins.strategy import ReductionStrategy, choose_strategy
+
+__version__ = "0.1.0"
+
+__all__ = ["ActivationFormat", "PrepareFinalize", "PrepareResult", "RowScatterTarget",
+           "row_scatter_add", "ParallelLayout", "owned_rows", "slice_owned", "QuantScheme",
+           "QuantSpec", "ReductionStrategy", "choose_strategy", "__version__"]

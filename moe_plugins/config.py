@@ -1,0 +1,32 @@
+"""Per-layer dispatch configuration handed to a backend's manager and prepare/finalize."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_plugins.quant import QuantSpec
+
+__all__ = ["DispatchConfig"]
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """num_experts: experts of the layer (global); hidden: model width; num_topk: experts per
+    token; max_tokens_per_rank: the most tokens one rank dispatches in a call (buffer sizing);
+    dtype: activation dtype; quant: dispatch quantization."""
+
+    num_experts: int
+    hidden: int
+    num_topk: int
+    max_tokens_per_rank: int = 256
+    dtype: torch.dtype = torch.bfloat16
+    quant: QuantSpec = field(default_factory=QuantSpec)
+
+    def __post_init__(self) -> None:
+        if self.num_topk < 1 or self.num_topk > self.num_experts:
+            raise ValueError(f"num_topk must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_topk}")
+        if self.max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        self.quant.check_hidden(self.hidden)

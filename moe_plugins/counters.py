@@ -1,0 +1,59 @@
+"""What a layer really did: dispatch traffic per rank and TP collectives, counted where they happen."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DispatchStats", "CollectiveRecord", "CollectiveLog", "tensor_bytes"]
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass
+class DispatchStats:
+    """Sent by this rank, summed over calls (self-sends included: they cross the same all-to-all).
+
+    pairs: (token, expert) pairs dispatched (== tokens given to prepare x num_topk).
+    rows: rows sent (a token goes once to each rank holding one of its experts, or once per
+        pair for per-expert layouts such as DeepEP LL).
+    act_bytes / sf_bytes / meta_bytes: dispatch payload (activations, x_sf, topk ids+weights).
+    combine_bytes: expert outputs sent back in combine.
+    """
+
+    calls: int = 0
+    pairs: int = 0
+    rows: int = 0
+    act_bytes: int = 0
+    sf_bytes: int = 0
+    meta_bytes: int = 0
+    combine_bytes: int = 0
+
+    @property
+    def dispatch_bytes(self) -> int:
+        return self.act_bytes + self.sf_bytes + self.meta_bytes
+
+    def reset(self) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One TP collective: kind ('all_reduce' | 'all_gather') and the bytes this rank contributed."""
+
+    kind: str
+    bytes: int
+
+
+@dataclass
+class CollectiveLog:
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    def add(self, kind: str, t: torch.Tensor) -> None:
+        self.records.append(CollectiveRecord(kind, tensor_bytes(t)))
+
+    def reset(self) -> None:
+        self.records.clear()

@@ -1,0 +1,98 @@
+"""The CPU demo: a MoE layer on R gloo ranks under every applicable strategy, checked against the
+single-process reference, with what each strategy really communicated."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.groups import cached_dist_context
+from moe_plugins.launch import RankPool
+from moe_plugins.layer import MoELayer
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.overlap import OverlapConfig
+from moe_plugins.quant import QuantSpec
+from moe_plugins.reference import reference_moe, within_tolerance
+from moe_plugins.registry import get_backend
+from moe_plugins.strategy import ReductionStrategy, applicable_strategies
+
+__all__ = ["DemoRow", "demo_inputs", "run_demo", "strategies_for"]
+
+
+@dataclass(frozen=True)
+class DemoRow:
+    strategy: str
+    default: bool
+    ok: bool
+    max_abs_err: float
+    tp_collectives: int
+    tp_collective_bytes: int
+    dispatched_pairs: list[int]
+    dispatched_bytes: list[int]
+    ms_per_layer: float
+
+
+def demo_inputs(cfg: MoEConfig, num_tokens: int, dp_rank: int, seed: int) -> torch.Tensor:
+    """x [num_tokens, hidden] of DP group ``dp_rank`` (the same on all its TP ranks)."""
+    g = torch.Generator().manual_seed(seed * 7919 + dp_rank + 1)
+    return torch.randn(num_tokens, cfg.hidden, generator=g).to(cfg.dtype)
+
+
+def strategies_for(layout: ParallelLayout, backend: str, cfg: MoEConfig) -> list[ReductionStrategy]:
+    caps = get_backend(backend).capabilities
+    return applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                                 has_shared_expert=cfg.has_shared_expert)
+
+
+def _demo_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, backend: str,
+               strategy: ReductionStrategy, num_tokens: int, quant: QuantSpec, seed: int,
+               iters: int) -> dict:
+    ctx = cached_dist_context(layout)
+    weights = MoEWeights.random(cfg, seed)
+    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
+    # CPU ranks: the shared expert runs inline; the CLI says so once instead of every rank
+    # warning (the layer warns when overlap is requested without CUDA).
+    layer = MoELayer(weights, ctx, get_backend(backend), strategy, quant,
+                     OverlapConfig.from_env(overlap=False), max_tokens_per_rank=max(num_tokens, 1))
+    out = layer(x)  # the counted call
+    stats = layer.dispatch_stats
+    counted = dict(collectives=list(layer.collectives.records), pairs=stats.pairs,
+                   bytes=stats.dispatch_bytes)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        layer(x)
+    ms = (time.perf_counter() - t0) * 1e3 / max(iters, 1)
+    layer.destroy()
+    return dict(out=out, ms=ms, **counted)
+
+
+def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: str, num_tokens: int,
+             quant: QuantSpec = QuantSpec(), seed: int = 0, iters: int = 3,
+             strategies: list[ReductionStrategy] | None = None) -> list[DemoRow]:
+    """Run every applicable strategy (or ``strategies``) and compare each rank with the reference."""
+    from moe_plugins.strategy import choose_strategy
+
+    caps = get_backend(backend).capabilities
+    default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                              has_shared_expert=cfg.has_shared_expert,
+                              single_collective=OverlapConfig.from_env().single_collective).strategy
+    weights = MoEWeights.random(cfg, seed)
+    refs = [reference_moe(demo_inputs(cfg, num_tokens, d, seed), weights, quant)
+            for d in range(layout.dp)]
+    rows = []
+    for strategy in strategies or strategies_for(layout, backend, cfg):
+        per_rank = pool.run(_demo_rank, layout, cfg, backend, strategy, num_tokens, quant, seed, iters)
+        checks = [within_tolerance(r["out"], refs[layout.dp_rank(i)]) for i, r in enumerate(per_rank)]
+        colls = per_rank[0]["collectives"]
+        rows.append(DemoRow(
+            strategy=strategy.value, default=strategy is default,
+            ok=all(ok for ok, _ in checks), max_abs_err=max(err for _, err in checks),
+            tp_collectives=len(colls), tp_collective_bytes=sum(c.bytes for c in colls),
+            dispatched_pairs=[r["pairs"] for r in per_rank],
+            dispatched_bytes=[r["bytes"] for r in per_rank],
+            ms_per_layer=max(r["ms"] for r in per_rank)))
+    return rows

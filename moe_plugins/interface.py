@@ -1,0 +1,234 @@
+"""The prepare/finalize interface every backend implements (vLLM's modular-kernel split).
+
+A prepare/finalize moves the owned tokens of a rank to the ranks that hold their experts
+(``prepare``) and brings the expert outputs back (``finalize``). The experts in between are a
+separate object (:mod:`moe_plugins.experts`).
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from moe_plugins.layout import OwnedRows
+from moe_plugins.overlap import SharedExpertHandle, join
+from moe_plugins.quant import QuantSpec
+
+__all__ = [
+    "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
+    "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "row_scatter_add",
+]
+
+Hook = Callable[[], None]
+
+
+class ActivationFormat(enum.Enum):
+    """STANDARD: [num_recv_tokens, hidden] rows with per-row topk ids/weights.
+    BATCHED: [num_local_experts, max_recv_tokens, hidden] with a token count per expert."""
+
+    STANDARD = "standard"
+    BATCHED = "batched"
+
+
+@dataclass(frozen=True)
+class ExpertTokensMeta:
+    """expert_num_tokens: int32 [num_local_experts], received tokens per local expert."""
+
+    expert_num_tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """What a prepare hands the experts.
+
+    x: STANDARD [num_recv_tokens, hidden] or BATCHED [num_local_experts, max_recv_tokens, hidden];
+        model dtype, float8_e4m3fn (fp8 block-128) or uint8 with hidden // 2 columns (nvfp4).
+    x_sf: None exactly when x is unquantized; fp8: float32 [..., hidden // 128];
+        nvfp4: float8_e4m3fn [..., hidden // 16] (or swizzled, flat).
+    expert_tokens_meta: per-local-expert counts (BATCHED always; STANDARD may give it).
+    topk_ids: STANDARD only: int64 [num_recv_tokens, num_topk], LOCAL expert ids, -1 where the
+        expert lives on another rank. None for BATCHED.
+    topk_weights: STANDARD only: float32 [num_recv_tokens, num_topk]. None for BATCHED (the
+        combine applies the weights).
+    """
+
+    x: torch.Tensor
+    x_sf: Optional[torch.Tensor]
+    expert_tokens_meta: Optional[ExpertTokensMeta]
+    topk_ids: Optional[torch.Tensor]
+    topk_weights: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RowScatterTarget:
+    """Where a row-scatter finalize adds its output: the shared expert's gated partial and its
+    ready event travel together in ``shared`` (so having the buffer means having the event).
+
+    shared.output: [num_tokens, hidden], this rank's gated shared-expert partial for ALL rows.
+    rows: the rows this rank owns; the finalize adds the combined routed output there and touches
+        no other row.
+    """
+
+    shared: SharedExpertHandle
+    rows: OwnedRows
+
+    def __post_init__(self) -> None:
+        buf = self.shared.output
+        if buf is None:
+            raise ValueError("a row-scatter target needs the shared expert's output buffer, got None")
+        if buf.dim() != 2 or buf.shape[0] != self.rows.num_tokens:
+            raise ValueError(
+                f"row-scatter buffer has shape {tuple(buf.shape)}, expected "
+                f"[{self.rows.num_tokens}, hidden] (all tokens of the DP group)"
+            )
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        out = self.shared.output
+        assert out is not None
+        return out
+
+
+def row_scatter_add(target: RowScatterTarget, combined: torch.Tensor) -> torch.Tensor:
+    """The one join-and-add every row-scatter finalize calls.
+
+    Waits for the shared expert (even when this rank owns no rows: the all_reduce that follows
+    reads the whole buffer), then adds ``combined`` [>= num_owned, hidden] into the owned rows of
+    the buffer and returns the buffer object itself.
+    """
+    buf = join(target.shared)
+    assert buf is not None
+    n = target.rows.num_owned
+    if combined.dim() != 2 or combined.shape[0] < n or combined.shape[1] != buf.shape[1]:
+        raise ValueError(
+            f"combined output has shape {tuple(combined.shape)}, expected [>= {n}, {buf.shape[1]}] "
+            "to add into the owned rows of the row-scatter buffer"
+        )
+    if combined.dtype != buf.dtype or combined.device != buf.device:
+        raise ValueError(
+            f"row-scatter buffer is {buf.dtype} on {buf.device} but the combined output is "
+            f"{combined.dtype} on {combined.device}; allocate the shared-expert output with the "
+            "activation dtype on the activation device"
+        )
+    if n:
+        buf[target.rows.as_slice].add_(combined[:n])
+    return buf
+
+
+def check_prepare_inputs(
+    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
+    """hidden_states [num_tokens, hidden], topk_weights float [num_tokens, num_topk], topk_ids
+    int32/int64 [num_tokens, num_topk]; all from the same token slice."""
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be [num_tokens, hidden], got {tuple(hidden_states.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}; "
+                        "cast the router's indices with .to(torch.int64)")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
+    if (topk_ids.shape[0] != hidden_states.shape[0] or topk_weights.shape != topk_ids.shape
+            or topk_ids.dim() != 2):
+        raise ValueError(
+            f"hidden_states {tuple(hidden_states.shape)}, topk_ids {tuple(topk_ids.shape)} and "
+            f"topk_weights {tuple(topk_weights.shape)} must cover the same tokens: slice all three "
+            "together with moe_plugins.layout.slice_owned"
+        )
+
+
+@dataclass(frozen=True)
+class AsyncResult:
+    """``hook`` (None when nothing is left to wait for) completes the receive; ``receiver``
+    returns the result once the hook has run."""
+
+    hook: Optional[Hook]
+    receiver: Callable[[], object]
+
+
+class PrepareFinalize(ABC):
+    """Dispatch (prepare) and combine (finalize) of one backend over one EP group.
+
+    Subclasses implement ``prepare_async`` and ``finalize_async``; the synchronous ``prepare`` and
+    ``finalize`` run the hook at once, so the async path and the sync path are the same code.
+    """
+
+    activation_format: ActivationFormat = ActivationFormat.STANDARD
+
+    def supports_row_scatter_finalize(self) -> bool:
+        """True when ``finalize`` accepts a :class:`RowScatterTarget`."""
+        return True
+
+    def supports_async(self) -> bool:
+        """True when the hooks really defer work (so the shared expert can run between)."""
+        return False
+
+    def max_num_tokens_per_rank(self) -> Optional[int]:
+        return None
+
+    @abstractmethod
+    def num_dispatchers(self) -> int:
+        """Ranks that send tokens to this one."""
+
+    @abstractmethod
+    def prepare_async(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        quant: QuantSpec,
+    ) -> AsyncResult:
+        """Send the owned tokens. hidden_states [num_tokens, hidden] (model dtype),
+        topk_weights float32 [num_tokens, num_topk], topk_ids int [num_tokens, num_topk] with
+        GLOBAL expert ids. The receiver returns a :class:`PrepareResult`."""
+
+    @abstractmethod
+    def finalize_async(
+        self,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        output: torch.Tensor | RowScatterTarget,
+    ) -> AsyncResult:
+        """Send expert outputs back to their tokens' owners. ``output`` is either a plain
+        [num_tokens, hidden] tensor to fill, or a :class:`RowScatterTarget` to add into through
+        :func:`row_scatter_add`. The receiver returns the tensor it wrote."""
+
+    def reset_call_state(self) -> None:
+        """Drop per-call state (dispatch handles). Called in ``finally`` after every layer call,
+        so an error in one call never shows up as a stale-handle error in the next."""
+
+    def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        res = self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
+        if res.hook is not None:
+            res.hook()
+        out = res.receiver()
+        assert isinstance(out, PrepareResult)
+        return out
+
+    def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        if isinstance(output, RowScatterTarget) and not self.supports_row_scatter_finalize():
+            raise TypeError(f"{type(self).__name__} has no row-scatter finalize; pass a plain "
+                            "output tensor or pick a backend whose capabilities list row_scatter")
+        res = self.finalize_async(fused_expert_output, topk_weights, topk_ids, output)
+        if res.hook is not None:
+            res.hook()
+        return check_finalize_result(self, output, res.receiver())
+
+
+def check_finalize_result(backend: object, output: torch.Tensor | RowScatterTarget,
+                          result: object) -> torch.Tensor:
+    """A finalize must hand back the very tensor it was given to write."""
+    expected = output.buffer if isinstance(output, RowScatterTarget) else output
+    if result is not expected:
+        raise TypeError(
+            f"{type(backend).__name__}.finalize returned "
+            f"{type(result).__name__ if not isinstance(result, torch.Tensor) else 'another tensor'} "
+            "instead of the output buffer it was given; a finalize must write (row-scatter: add) "
+            "into that buffer in place and return it"
+        )
+    return expected

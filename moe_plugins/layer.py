@@ -1,0 +1,181 @@
+"""Engine-agnostic MoE layer runner: router, routed experts through a backend, shared expert,
+and every reduction strategy of DESIGN.md. Used by the tests, the demo and the benchmarks."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.config import DispatchConfig
+from moe_plugins.counters import CollectiveLog, DispatchStats
+from moe_plugins.experts import TorchExperts
+from moe_plugins.groups import DistContext
+from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
+from moe_plugins.layout import owned_rows, slice_owned
+from moe_plugins.model import MoEWeights, route
+from moe_plugins.overlap import OverlapConfig, SharedExpertHandle, join, launch_shared
+from moe_plugins.quant import QuantSpec
+from moe_plugins.registry import BackendSpec
+from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
+                                  choose_strategy)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MoELayer"]
+
+_LOGGED: set[tuple] = set()
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated); older torch has only that name.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+class MoELayer:
+    """One MoE layer on one rank.
+
+    ``weights`` are the full weights (each rank takes its shard); ``strategy`` None picks the
+    default for the layout. ``forward(x)`` takes x [num_tokens, hidden], the same on every TP rank
+    of a DP group, and returns the layer output [num_tokens, hidden] in ``x.dtype``.
+    """
+
+    def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
+                 strategy: Optional[ReductionStrategy] = None, quant: QuantSpec = QuantSpec(),
+                 overlap: Optional[OverlapConfig] = None, max_tokens_per_rank: int = 256,
+                 shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED):
+        cfg = weights.config
+        self.cfg, self.ctx, self.quant = cfg, ctx, quant
+        self.overlap = overlap or OverlapConfig.from_env()
+        layout = ctx.layout
+        caps = backend.capabilities
+        options = applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                                        has_shared_expert=cfg.has_shared_expert)
+        if strategy is None:
+            choice = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                                     has_shared_expert=cfg.has_shared_expert,
+                                     single_collective=self.overlap.single_collective,
+                                     shared_placement=shared_placement)
+            strategy, reason = choice.strategy, choice.reason
+        elif strategy not in options:
+            raise ValueError(f"strategy {strategy.value} does not apply to layout {layout.describe()} "
+                             f"with backend {backend.name}; applicable: {[s.value for s in options]}")
+        else:
+            reason = "requested explicitly"
+        self.strategy = strategy
+        tp, tp_rank = layout.tp, ctx.tp_rank
+
+        if layout.ep:
+            self.expert_weights = weights.local_experts(layout.ep_size, ctx.rank)
+        else:
+            self.expert_weights = weights.tp_sharded_experts(tp, tp_rank)
+        self.experts = TorchExperts(self.expert_weights, quant, cfg.dtype)
+        self.shared = (weights.shared(tp, tp_rank) if strategy.shared_placement is SharedPlacement.TP_SHARDED
+                       else weights.shared())
+        self.router = weights.router
+        self.collectives = CollectiveLog()
+        self.pf: Optional[PrepareFinalize] = None
+        if strategy.dispatches and layout.ep_size > 1:
+            self.pf = backend.build(ctx, DispatchConfig(
+                num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
+                max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant))
+
+        key = (backend.name, layout, strategy, self.overlap, quant, cfg)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("moe-plugins layer: backend=%s layout=%s strategy=%s (%s) overlap=%s "
+                        "quant=%s%s", backend.name, layout.describe(), strategy.value, reason,
+                        "on" if self.overlap.overlap else "off", quant.scheme.value,
+                        " (deferred)" if quant.defer_input_quant else "")
+
+    # -- counted TP collectives (the dispatch all-to-alls are counted by the backend) -----------
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.collectives.add("all_reduce", t)
+        dist.all_reduce(t, group=self.ctx.tp_group)
+        return t
+
+    def _all_gather_rows(self, owned: torch.Tensor, num_tokens: int, chunk: int) -> torch.Tensor:
+        """owned [num_owned, hidden] on each TP rank -> [num_tokens, hidden] in token order."""
+        tp = self.ctx.layout.tp
+        padded = owned.new_zeros(chunk, owned.shape[1])
+        padded[: owned.shape[0]] = owned
+        gathered = owned.new_empty(chunk * tp, owned.shape[1])
+        self.collectives.add("all_gather", padded)
+        _all_gather_single(gathered, padded, group=self.ctx.tp_group)
+        return gathered[:num_tokens]
+
+    @property
+    def dispatch_stats(self) -> DispatchStats:
+        return getattr(self.pf, "stats", None) or DispatchStats()
+
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        base, n = self.expert_weights.first_expert, self.expert_weights.num_local_experts
+        return torch.where((topk_ids >= base) & (topk_ids < base + n), topk_ids - base,
+                           torch.full_like(topk_ids, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route(x, self.router, self.cfg.num_topk, self.cfg.renormalize)
+        if self.pf is None:
+            return self._forward_no_dispatch(x, topk_weights, topk_ids)
+        return self._forward_dispatch(x, topk_weights, topk_ids)
+
+    def _forward_no_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                             topk_ids: torch.Tensor) -> torch.Tensor:
+        """TP_UNIFIED (or a single rank): every rank runs its experts on all tokens."""
+        handle = launch_shared(self.shared, x, self.overlap)
+        out = self.experts.apply(PrepareResult(x, None, None, self._local_ids(topk_ids), topk_weights))
+        shared = join(handle)
+        if shared is not None:
+            out += shared
+        if self.strategy is ReductionStrategy.TP_UNIFIED:
+            self._all_reduce(out)
+        return out
+
+    def _forward_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+        assert self.pf is not None
+        layout, n_tokens = self.ctx.layout, x.shape[0]
+        rows = owned_rows(n_tokens, layout.tp, self.ctx.tp_rank)
+        owned = slice_owned(rows, x, topk_ids, topk_weights)
+        sp = self.strategy is ReductionStrategy.SP_ALLGATHER
+        handle: Optional[SharedExpertHandle] = None
+        try:
+            sent = self.pf.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
+                                         self.quant)
+            # Send issued, shared expert launched, then the receive hook (DESIGN: hook order).
+            handle = launch_shared(self.shared, owned.hidden_states if sp else x, self.overlap)
+            if sent.hook is not None:
+                sent.hook()
+            prep = sent.receiver()
+            assert isinstance(prep, PrepareResult)
+            expert_out = self.experts.apply(prep)
+            if self.strategy is ReductionStrategy.ROW_SCATTER_ALLREDUCE:
+                out = self.pf.finalize(expert_out, owned.topk_weights, owned.topk_ids,
+                                       RowScatterTarget(handle, rows))
+                return self._all_reduce(out)
+            routed = self.pf.finalize(expert_out, owned.topk_weights, owned.topk_ids,
+                                      x.new_empty(rows.num_owned, x.shape[1]))
+            shared = join(handle)
+            if self.strategy is ReductionStrategy.LOCAL:
+                return routed if shared is None else routed + shared
+            if sp:
+                return self._all_gather_rows(routed if shared is None else routed + shared,
+                                             n_tokens, rows.chunk)
+            full = self._all_gather_rows(routed, n_tokens, rows.chunk)
+            if shared is not None:
+                full = full + self._all_reduce(shared)
+            return full
+        finally:
+            if handle is not None:
+                join(handle)
+            self.pf.reset_call_state()
+
+    __call__ = forward
+
+    def destroy(self) -> None:
+        if self.pf is not None:
+            destroy = getattr(getattr(self.pf, "manager", None), "destroy", None)
+            if destroy is not None:
+                destroy()

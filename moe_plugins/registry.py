@@ -1,0 +1,214 @@
+"""Backend registry: entry-point group ``moe_plugins.backends``, capability matrix, selection.
+
+Backend names are compared here and nowhere else. Each entry point names a :class:`BackendSpec`
+(or a zero-argument callable returning one); the built-in backends are registered through the same
+entry points in pyproject.toml, so a third-party package adds a backend exactly as we do.
+
+``BACKEND_EP_DP_TP_SUPPORT[name] = (ep_dp, dp, tp, sp)`` and ``BACKEND_SUPPORTED_QUANTS[name]``
+are built from the registered specs on first access.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from moe_plugins.interface import ActivationFormat
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.quant import QuantScheme
+
+if TYPE_CHECKING:
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.groups import DistContext
+    from moe_plugins.interface import PrepareFinalize
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "moe_plugins.backends"
+AUTO = "auto"
+
+__all__ = ["Capabilities", "RequiredPackage", "BackendSpec", "BackendSelectionError",
+           "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
+           "refusal_reason", "reload_backends"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """ep_dp: dispatches across an EP group of several ranks; dp: dp > 1; tp: tp > 1 together with
+    dp > 1 (TP slicing before dispatch); sp: sequence parallel; row_scatter: row-scatter finalize;
+    recv_hook: prepare/finalize return a receive hook that really defers the receive."""
+
+    ep_dp: bool
+    dp: bool
+    tp: bool
+    sp: bool
+    row_scatter: bool = True
+    recv_hook: bool = False
+    activation_format: ActivationFormat = ActivationFormat.STANDARD
+
+
+@dataclass(frozen=True)
+class RequiredPackage:
+    """An import the backend needs, and the pip extra (or instruction) that provides it."""
+
+    module: str
+    install: str
+
+    def missing(self) -> str | None:
+        try:
+            found = importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"package '{self.module}' not installed ({self.install})"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registered backend.
+
+    prepare_finalize(manager, cfg) and manager(ctx, cfg) are the classes built for a layer; their
+    constructors raise ImportError naming the extra when a required package is missing.
+    """
+
+    name: str
+    prepare_finalize: Callable[..., "PrepareFinalize"]
+    manager: Callable[..., Any]
+    capabilities: Capabilities
+    quants: frozenset[QuantScheme]
+    required: tuple[RequiredPackage, ...] = ()
+    needs_cuda: bool = False
+    description: str = ""
+    distribution: str = ""
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can be built on this machine, else exactly why not."""
+        reasons = [r for r in (p.missing() for p in self.required) if r]
+        if self.needs_cuda and not torch.cuda.is_available():
+            reasons.append("needs a CUDA GPU, none visible")
+        return "; ".join(reasons) or None
+
+    @property
+    def ep_dp_tp_support(self) -> tuple[bool, bool, bool, bool]:
+        c = self.capabilities
+        return (c.ep_dp, c.dp, c.tp, c.sp)
+
+    def build(self, ctx: "DistContext", cfg: "DispatchConfig") -> "PrepareFinalize":
+        """Create the manager and the prepare/finalize for one layer."""
+        return self.prepare_finalize(self.manager(ctx, cfg), cfg)
+
+
+class BackendSelectionError(ValueError):
+    """No backend fits; the message lists every backend and what is missing for each."""
+
+
+def _load_entry_points() -> dict[str, BackendSpec]:
+    specs: dict[str, BackendSpec] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist_name = ep.dist.name if ep.dist is not None else "?"
+        try:
+            obj = ep.load()
+            spec = obj() if callable(obj) and not isinstance(obj, BackendSpec) else obj
+        except Exception as e:  # a broken third-party backend must not break the others
+            logger.warning("backend entry point %r from %s failed to load: %s: %s",
+                           ep.name, dist_name, type(e).__name__, e)
+            continue
+        if not isinstance(spec, BackendSpec):
+            logger.warning("backend entry point %r from %s gave %s, expected a BackendSpec; skipped",
+                           ep.name, dist_name, type(spec).__name__)
+            continue
+        if spec.name != ep.name:
+            logger.warning("backend entry point %r from %s names spec %r; the entry point name "
+                           "must equal BackendSpec.name; skipped", ep.name, dist_name, spec.name)
+            continue
+        if spec.name == AUTO or spec.name in specs:
+            logger.warning("backend %r from %s is already registered by %s (or reserved); skipped",
+                           spec.name, dist_name, specs[spec.name].distribution
+                           if spec.name in specs else "moe-plugins")
+            continue
+        specs[spec.name] = BackendSpec(**{**spec.__dict__, "distribution": dist_name})
+    return specs
+
+
+@functools.lru_cache(maxsize=1)
+def _registry() -> dict[str, BackendSpec]:
+    specs = _load_entry_points()
+    if not specs:
+        raise RuntimeError(
+            f"no backends are registered in the entry-point group '{ENTRY_POINT_GROUP}': "
+            "moe-plugins is not installed as a distribution; run `pip install -e .` in its checkout"
+        )
+    return specs
+
+
+def reload_backends() -> None:
+    """Forget the loaded entry points (after installing a package that registers a backend)."""
+    _registry.cache_clear()
+
+
+def registered_backends() -> dict[str, BackendSpec]:
+    return dict(_registry())
+
+
+def get_backend(name: str) -> BackendSpec:
+    specs = _registry()
+    if name not in specs:
+        raise ValueError(f"unknown moe-plugins backend {name!r}; registered: {sorted(specs)} "
+                         f"(or {AUTO!r} to pick by layout)")
+    return specs[name]
+
+
+def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme,
+                   require_available: bool = True) -> str | None:
+    """Why ``spec`` cannot serve ``layout`` with ``quant``, or None."""
+    c, why = spec.capabilities, []
+    if layout.ep and layout.world_size > 1 and layout.dp > 1:
+        if not c.ep_dp:
+            why.append("no EP dispatch")
+        if not c.dp:
+            why.append(f"no DP (dp={layout.dp})")
+        if layout.tp > 1 and not c.tp:
+            why.append(f"no TP inside the EP group (tp={layout.tp})")
+    if quant not in spec.quants:
+        why.append(f"quant {quant.value} not in {sorted(q.value for q in spec.quants)}")
+    if require_available:
+        missing = spec.unavailable_reason()
+        if missing:
+            why.append(missing)
+    return "; ".join(why) or None
+
+
+def select_backend(layout: ParallelLayout, quant: QuantScheme = QuantScheme.NONE,
+                   name: str = AUTO, require_available: bool = True) -> BackendSpec:
+    """The backend for this layout and quant: ``name`` itself (checked), or with ``auto`` the
+    first registered backend that fits. Raises :class:`BackendSelectionError` listing why each
+    backend was refused."""
+    specs = _registry()
+    candidates = list(specs.values()) if name == AUTO else [get_backend(name)]
+    refusals = {}
+    for spec in candidates:
+        why = refusal_reason(spec, layout, quant, require_available)
+        if why is None:
+            return spec
+        refusals[spec.name] = why
+    fits = [s.name for s in specs.values()
+            if refusal_reason(s, layout, quant, require_available) is None]
+    lines = "\n".join(f"  - {n}: {w}" for n, w in refusals.items())
+    raise BackendSelectionError(
+        f"backend {name!r} cannot serve layout {layout.describe()} with quant {quant.value}:\n"
+        f"{lines}\nbackends that would: {fits or 'none'}; change the layout or quant, or install "
+        "what is missing"
+    )
+
+
+def __getattr__(attr: str) -> Any:
+    # Built from the registry on access, so importing moe_plugins loads no entry point.
+    if attr == "BACKEND_EP_DP_TP_SUPPORT":
+        return {n: s.ep_dp_tp_support for n, s in _registry().items()}
+    if attr == "BACKEND_SUPPORTED_QUANTS":
+        return {n: s.quants for n, s in _registry().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

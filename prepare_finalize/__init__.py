@@ -1,0 +1,1 @@
+"""Prepare/finalize backends, one module per class; each module exports its BackendSpec as SPEC."""

@@ -1,0 +1,30 @@
+"""Shared fixtures: persistent gloo rank pools (one per world size), restored logging/env."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+# rank_fns lives beside this file; spawned ranks import it by name, so tests/ must be on the path
+# of the parent (children inherit sys.path through multiprocessing's spawn preparation).
+sys.path.insert(0, str(Path(__file__).parent))
+
+from moe_plugins.launch import RankPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def rank_pool() -> Iterator[Callable[[int], RankPool]]:
+    """rank_pool(n) -> a live pool of n gloo ranks, started on first use and reused."""
+    pools: dict[int, RankPool] = {}
+
+    def get(n: int) -> RankPool:
+        pool = pools.get(n)
+        if pool is None or not pool.alive:
+            pool = pools[n] = RankPool(n, timeout_s=90)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,104 @@
+"""Functions the tests run on every rank of a RankPool (importable by spawned ranks)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.demo import demo_inputs
+from moe_plugins.groups import cached_dist_context
+from moe_plugins.layer import MoELayer
+from moe_plugins.layout import ParallelLayout, owned_rows
+from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.overlap import OverlapConfig
+from moe_plugins.quant import QuantSpec
+from moe_plugins.registry import get_backend
+from moe_plugins.strategy import ReductionStrategy
+
+_COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather",
+            "reduce_scatter_tensor", "all_to_all_single", "broadcast")
+
+
+@contextlib.contextmanager
+def count_dist_calls() -> Iterator[list[tuple[str, int]]]:
+    """Wrap the real torch.distributed collectives; yields [(name, bytes of the first tensor)].
+    Nested calls (a torch wrapper calling another) are counted once, at the outermost."""
+    calls: list[tuple[str, int]] = []
+    saved = {n: getattr(dist, n) for n in _COUNTED if hasattr(dist, n)}
+    depth = [0]
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                t = args[1] if name.startswith("all_gather") and len(args) > 1 else args[0]
+                calls.append((name, t.numel() * t.element_size()
+                              if isinstance(t, torch.Tensor) else 0))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counted
+
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(n, fn))
+    try:
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
+def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+              strategy: Optional[ReductionStrategy], num_tokens: int,
+              quant: QuantSpec = QuantSpec(), seed: int = 0, backend: str = "torch",
+              overlap: bool = False) -> dict:
+    """One forward of a MoE layer on this rank, with every torch.distributed call counted."""
+    ctx = cached_dist_context(layout)
+    layer = MoELayer(MoEWeights.random(cfg, seed), ctx, get_backend(backend), strategy, quant,
+                     OverlapConfig(overlap=overlap), max_tokens_per_rank=max(num_tokens, 1))
+    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
+    with count_dist_calls() as calls:
+        out = layer(x)
+    stats = layer.dispatch_stats
+    rows = owned_rows(num_tokens, layout.tp, ctx.tp_rank)
+    return dict(out=out, strategy=layer.strategy, calls=calls, pairs=stats.pairs,
+                rows_sent=stats.rows, owned=rows.num_owned, sf_bytes=stats.sf_bytes,
+                recorded=[(c.kind, c.bytes) for c in layer.collectives.records])
+
+
+def run_prepare(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
+                quant: QuantSpec, seed: int = 0) -> dict:
+    """prepare + finalize alone on the owned slice; reports what prepare returned and sent."""
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.layout import slice_owned
+    from moe_plugins.model import route
+
+    ctx = cached_dist_context(layout)
+    w = MoEWeights.random(cfg, seed)
+    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
+                                                        max(num_tokens, 1), cfg.dtype, quant))
+    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
+    tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+    owned = slice_owned(owned_rows(num_tokens, layout.tp, ctx.tp_rank), x, ti, tw)
+    with count_dist_calls() as calls:
+        prep = pf.prepare(owned.hidden_states, owned.topk_weights, owned.topk_ids, quant)
+    out = torch.empty_like(owned.hidden_states)
+    pf.finalize(torch.zeros(prep.x.shape[0], cfg.hidden, dtype=cfg.dtype), owned.topk_weights,
+                owned.topk_ids, out)
+    return dict(x_dtype=prep.x.dtype, x_shape=tuple(prep.x.shape),
+                x_sf=None if prep.x_sf is None else (prep.x_sf.dtype, tuple(prep.x_sf.shape)),
+                a2a_calls=sum(1 for n, _ in calls if n == "all_to_all_single"),
+                sf_bytes=pf.stats.sf_bytes)
+
+
+def prepare_mismatched(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> None:
+    """prepare with hidden_states of 4 tokens and topk of 8: must raise before any collective."""
+    from moe_plugins.config import DispatchConfig
+
+    ctx = cached_dist_context(layout)
+    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk))
+    pf.prepare(torch.zeros(4, cfg.hidden), torch.ones(8, cfg.num_topk),
+               torch.zeros(8, cfg.num_topk, dtype=torch.int64), QuantSpec())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,7 +15,9 @@ __all__ = ["DispatchConfig"]
 class DispatchConfig:
     """num_experts: experts of the layer (global); hidden: model width; num_topk: experts per
     token; max_tokens_per_rank: the most tokens one rank dispatches in a call (buffer sizing);
-    dtype: activation dtype; quant: dispatch quantization."""
+    dtype: activation dtype; quant: dispatch quantization; backend_options: the backend's own
+    typed options dataclass (e.g. NixlEP's store group), None for its defaults; each backend
+    checks the type it expects and raises TypeError naming it."""
 
     num_experts: int
     hidden: int
@@ -22,6 +25,7 @@ class DispatchConfig:
     max_tokens_per_rank: int = 256
     dtype: torch.dtype = torch.bfloat16
     quant: QuantSpec = field(default_factory=QuantSpec)
+    backend_options: Any = None
 
     def __post_init__(self) -> None:
         if self.num_topk < 1 or self.num_topk > self.num_experts:

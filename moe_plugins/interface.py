@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_plugins.counters import DispatchStats
 from moe_plugins.layout import OwnedRows
 from moe_plugins.overlap import SharedExpertHandle, join
 from moe_plugins.quant import QuantSpec
@@ -153,7 +154,11 @@ class PrepareFinalize(ABC):
 
     Subclasses implement ``prepare_async`` and ``finalize_async``; the synchronous ``prepare`` and
     ``finalize`` run the hook at once, so the async path and the sync path are the same code.
+    Subclasses keep a :class:`moe_plugins.counters.DispatchStats` in ``self.stats`` and add to it
+    what they send (the layer runner and the plan tests read it).
     """
+
+    stats: DispatchStats
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
 

@@ -78,7 +78,7 @@ class MoELayer:
         self.router = weights.router
         self.collectives = CollectiveLog()
         self.pf: Optional[PrepareFinalize] = None
-        if strategy.dispatches and layout.ep_size > 1:
+        if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
             self.pf = backend.build(ctx, DispatchConfig(
                 num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant))

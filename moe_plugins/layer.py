@@ -15,7 +15,8 @@ from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
 from moe_plugins.layout import owned_rows, slice_owned
 from moe_plugins.model import MoEWeights, route
-from moe_plugins.overlap import OverlapConfig, SharedExpertHandle, join, launch_shared
+from moe_plugins.overlap import (OverlapConfig, SharedExpertHandle, join, launch_shared,
+                                 overlap_off_reason)
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
@@ -83,13 +84,16 @@ class MoELayer:
                 num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant))
 
-        key = (backend.name, layout, strategy, self.overlap, quant, cfg)
+        key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type)
         if key not in _LOGGED:
             _LOGGED.add(key)
+            off = overlap_off_reason(self.overlap, ctx.device, 0) if cfg.has_shared_expert \
+                else "no shared expert"
             logger.info("moe-plugins layer: backend=%s layout=%s strategy=%s (%s) overlap=%s "
                         "quant=%s%s", backend.name, layout.describe(), strategy.value, reason,
-                        "on" if self.overlap.overlap else "off", quant.scheme.value,
-                        " (deferred)" if quant.defer_input_quant else "")
+                        f"off ({off})" if off else
+                        f"on (up to {self.overlap.overlap_max_tokens} tokens per call)",
+                        quant.scheme.value, " (deferred)" if quant.defer_input_quant else "")
 
     # -- counted TP collectives (the dispatch all-to-alls are counted by the backend) -----------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -106,3 +106,15 @@ def test_failure_in_routed_path_resets_state_and_next_call_works(rank_pool, layo
         assert r["handle_after"] is None
         ref = reference_moe(demo_inputs(CFG, 5, layout.dp_rank(rank), 0), weights)
         torch.testing.assert_close(r["out"], ref, **dict(zip(("atol", "rtol"), tolerance_for(ref, CFG.dtype))))
+
+
+def test_layer_config_logged_once_at_info_with_strategy_and_overlap_reason(caplog, monkeypatch):
+    from moe_plugins import layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="moe_plugins.layer"):
+        _single_rank_layer(True)
+        _single_rank_layer(True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_plugins.layer"]
+    assert len(lines) == 1
+    assert "strategy=LOCAL" in lines[0] and "overlap=off (no CUDA device" in lines[0]

@@ -131,3 +131,19 @@ def run_layer_after_failure(rank: int, world: int, layout: ParallelLayout, cfg: 
     except RuntimeError as e:
         first_error = str(e)
     return dict(first_error=first_error, out=layer(x), handle_after=layer.pf._handle)  # type: ignore[union-attr]
+
+
+def expert_counts(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                  num_tokens: int) -> dict:
+    """prepare's per-local-expert counts next to the received local topk ids."""
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.model import route
+
+    ctx = cached_dist_context(layout)
+    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk))
+    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, 0)
+    tw, ti = route(x, MoEWeights.random(cfg, 0).router, cfg.num_topk, cfg.renormalize)
+    prep = pf.prepare(x, tw, ti, QuantSpec())
+    pf.reset_call_state()
+    assert prep.expert_tokens_meta is not None and prep.topk_ids is not None
+    return dict(counts=prep.expert_tokens_meta.expert_num_tokens, local_ids=prep.topk_ids)

@@ -202,11 +202,11 @@ class Dispatched:
 
 
 def _pad_row_bytes(t: torch.Tensor) -> torch.Tensor:
-    """t [rows, cols] -> t itself when a row is a multiple of 16 bytes, else a copy whose rows are
-    zero-padded to that (the kernels move rows as 16-byte vectors)."""
+    """t [rows, cols] -> t (contiguous) when a row is a multiple of 16 bytes, else a copy whose
+    rows are zero-padded to that (the kernels move rows as 16-byte vectors)."""
     row_bytes = t.shape[1] * t.element_size()
     if row_bytes % ROW_ALIGN_BYTES == 0:
-        return t
+        return t.contiguous()
     padded = torch.zeros(t.shape[0], math.ceil(row_bytes / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES,
                          dtype=torch.uint8, device=t.device)
     padded[:, :row_bytes] = t.contiguous().view(torch.uint8)
@@ -277,8 +277,8 @@ class _MnnvlMoeTransport(_Transport):
             if _MNNVL_WORKSPACES:
                 raise ValueError(
                     "flashinfer's MnnvlMoe holds the workspaces of one EP mapping per process and "
-                    f"another EP group already uses them; destroy that group's layers first, or "
-                    f"use FlashInferTwoSidedOptions(api=TwoSidedApi.MOE_EP)"
+                    "another EP group already uses them; destroy that group's layers first, or "
+                    "use FlashInferTwoSidedOptions(api=TwoSidedApi.MOE_EP)"
                 )
             from flashinfer.comm.mapping import Mapping
             from flashinfer.comm.mnnvl import MnnvlConfig, MnnvlMemory

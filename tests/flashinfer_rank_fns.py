@@ -4,21 +4,23 @@ rank of a RankPool, and destroys what it built so the next test starts clean."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from emulation import flashinfer_two_sided as emu
 from moe_plugins.config import DispatchConfig
 from moe_plugins.demo import demo_inputs
 from moe_plugins.experts import TorchExperts
-from moe_plugins.groups import cached_dist_context
+from moe_plugins.groups import DistContext, cached_dist_context
 from moe_plugins.interface import PrepareFinalize, RowScatterTarget
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig, SharedExpertHandle
-from moe_plugins.quant import QuantSpec
+from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend
 
 BACKEND = "flashinfer_nvlink_two_sided"
@@ -28,17 +30,48 @@ def _traffic(op: str) -> list[dict]:
     return [dict(t) for t in emu.TRAFFIC if t["op"] == op]
 
 
+def _build(ctx: DistContext, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
+           options: Any = None) -> PrepareFinalize:
+    return get_backend(BACKEND).build(ctx, DispatchConfig(
+        cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1), cfg.dtype, quant, options))
+
+
 @contextlib.contextmanager
 def _backend(layout: ParallelLayout, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
              options: Any = None) -> Iterator[PrepareFinalize]:
     """The backend built for ``cfg`` (emulation installed by the caller), destroyed on exit."""
-    ctx = cached_dist_context(layout)
-    pf = get_backend(BACKEND).build(ctx, DispatchConfig(
-        cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1), cfg.dtype, quant, options))
+    pf = _build(cached_dist_context(layout), cfg, num_tokens, quant, options)
     try:
         yield pf
     finally:
         pf.manager.destroy()  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Routed:
+    """This rank's tokens, their routing and its experts."""
+
+    experts: TorchExperts
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    quant: QuantSpec
+
+    @classmethod
+    def make(cls, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
+             seed: int = 0) -> "_Routed":
+        ctx = cached_dist_context(layout)
+        w = MoEWeights.random(cfg, seed)
+        x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
+        tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+        return cls(TorchExperts(w.local_experts(layout.ep_size, ctx.rank), quant, cfg.dtype),
+                   x, tw, ti, quant)
+
+    def call(self, pf: PrepareFinalize, output: Optional[Any] = None) -> torch.Tensor:
+        """prepare -> experts -> finalize (into ``output``, default a fresh tensor)."""
+        prep = pf.prepare(self.x, self.topk_weights, self.topk_ids, self.quant)
+        return pf.finalize(self.experts.apply(prep), self.topk_weights, self.topk_ids,
+                           torch.empty_like(self.x) if output is None else output)
 
 
 def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
@@ -63,18 +96,14 @@ def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num
 
 
 def run_routed(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
-               quant: QuantSpec, flavor: str, options: Any = None, seed: int = 0) -> dict:
+               quant: QuantSpec, flavor: str, options: Any = None) -> dict:
     """prepare -> TorchExperts -> finalize on this rank's tokens; reports what prepare returned,
     the traffic of the prepare alone and the routed output."""
     with emu.installed(flavor), _backend(layout, cfg, num_tokens, quant, options) as pf:
-        ctx = cached_dist_context(layout)
-        w = MoEWeights.random(cfg, seed)
-        experts = TorchExperts(w.local_experts(layout.ep_size, ctx.rank), quant, cfg.dtype)
-        x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
-        tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
-        prep = pf.prepare(x, tw, ti, quant)
+        r = _Routed.make(layout, cfg, num_tokens, quant)
+        prep = pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
         dispatch_comm = _traffic("moe_comm")
-        out = pf.finalize(experts.apply(prep), tw, ti, torch.empty_like(x))
+        out = pf.finalize(r.experts.apply(prep), r.topk_weights, r.topk_ids, torch.empty_like(r.x))
         return dict(out=out, x_dtype=prep.x.dtype, x_shape=tuple(prep.x.shape),
                     x_sf=None if prep.x_sf is None else (prep.x_sf.dtype, tuple(prep.x_sf.shape)),
                     x_sf_swizzled=prep.x_sf_swizzled, topk_ids=prep.topk_ids,
@@ -83,22 +112,17 @@ def run_routed(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, nu
 
 
 def row_scatter(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
-                flavor: str, seed: int = 0) -> dict:
+                flavor: str) -> dict:
     """The same dispatch finalized twice: into a plain output, and added into a row-scatter
     target that already holds a shared-expert partial."""
     quant = QuantSpec()
     with emu.installed(flavor), _backend(layout, cfg, num_tokens, quant) as pf:
-        ctx = cached_dist_context(layout)
-        w = MoEWeights.random(cfg, seed)
-        experts = TorchExperts(w.local_experts(layout.ep_size, ctx.rank), quant, cfg.dtype)
-        x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
-        tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
-        plain = pf.finalize(experts.apply(pf.prepare(x, tw, ti, quant)), tw, ti, torch.empty_like(x))
-        partial = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank + 5)).to(x.dtype)
-        buf = partial.clone()
-        target = RowScatterTarget(SharedExpertHandle(buf, joined=True),
-                                  owned_rows(num_tokens, layout.tp, ctx.tp_rank))
-        got = pf.finalize(experts.apply(pf.prepare(x, tw, ti, quant)), tw, ti, target)
+        r = _Routed.make(layout, cfg, num_tokens, quant)
+        plain = r.call(pf)
+        partial = torch.randn(r.x.shape, generator=torch.Generator().manual_seed(rank + 5))
+        buf = partial.to(r.x.dtype).clone()
+        rows = owned_rows(num_tokens, layout.tp, cached_dist_context(layout).tp_rank)
+        got = r.call(pf, RowScatterTarget(SharedExpertHandle(buf, joined=True), rows))
         return dict(plain=plain, partial=partial, row_scatter=got, same_buffer=got is buf)
 
 
@@ -108,32 +132,22 @@ def lifecycle(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, fla
     quant, seen = QuantSpec(), {}
     with emu.installed(flavor):
         ctx = cached_dist_context(layout)
-        spec = get_backend(BACKEND)
-        dcfg = DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk, 4, cfg.dtype, quant)
-        first, second = spec.build(ctx, dcfg), spec.build(ctx, dcfg)
+        first, second = _build(ctx, cfg, 4, quant), _build(ctx, cfg, 4, quant)
         seen["after_construction"] = emu.live_allocations()
-        w = MoEWeights.random(cfg, 0)
-        experts = TorchExperts(w.local_experts(layout.ep_size, ctx.rank), quant, cfg.dtype)
-        x = demo_inputs(cfg, 4, ctx.dp_rank, 0)
-        tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
-
-        def call(pf: PrepareFinalize) -> torch.Tensor:
-            return pf.finalize(experts.apply(pf.prepare(x, tw, ti, quant)), tw, ti,
-                               torch.empty_like(x))
-
-        out_first = call(first)
+        r = _Routed.make(layout, cfg, 4, quant)
+        out_first = r.call(first)
         seen["after_first_dispatch"] = emu.live_allocations()
-        out_second = call(second)
+        out_second = r.call(second)
         seen["after_second_dispatch"] = emu.live_allocations()
         first.manager.destroy()  # type: ignore[attr-defined]
         first.manager.destroy()  # type: ignore[attr-defined]  (idempotent)
         seen["after_first_destroy"] = emu.live_allocations()
-        out_again = call(second)  # the survivor still works
+        out_again = r.call(second)  # the survivor still works
         second.manager.destroy()  # type: ignore[attr-defined]
         seen["after_last_destroy"] = emu.live_allocations()
         seen["mnnvl_moe_cache_cleared"] = emu.MnnvlMoe.moe_workspace is None
         try:
-            call(second)
+            r.call(second)
             seen["use_after_destroy"] = None
         except RuntimeError as e:
             seen["use_after_destroy"] = str(e)
@@ -142,32 +156,72 @@ def lifecycle(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, fla
         return seen
 
 
+def second_mapping(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> dict:
+    """MnnvlMoe keeps one EP mapping per process: a layer on another EP group is refused at its
+    first dispatch (on every rank, before any collective) until the first group's layers go."""
+    quant, seen = QuantSpec(), {}
+    with emu.installed("0.7.2.post1"):
+        ctx = cached_dist_context(layout)
+        other = DistContext(layout, ctx.rank, dist.new_group(list(range(world))), None, ctx.device)
+        a, b = _build(ctx, cfg, 4, quant), _build(other, cfg, 4, quant)
+        r = _Routed.make(layout, cfg, 4, quant)
+        try:
+            out_a = r.call(a)
+            try:
+                r.call(b)
+            except ValueError as e:
+                seen["refused"] = str(e)
+            b.reset_call_state()
+            a.manager.destroy()  # type: ignore[attr-defined]
+            seen["after_first_group_went"] = torch.equal(r.call(b), out_a)
+        finally:
+            a.manager.destroy()  # type: ignore[attr-defined]
+            b.manager.destroy()  # type: ignore[attr-defined]
+        return seen
+
+
 def reset_after_error(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                       flavor: str) -> dict:
     """A call that fails on every rank between prepare and finalize, then reset_call_state (what
-    the layer does in `finally`): the next call works and gives the same output."""
+    the layer does in `finally`): the next call works and gives the right output."""
     quant = QuantSpec()
     with emu.installed(flavor), _backend(layout, cfg, 4, quant) as pf:
-        ctx = cached_dist_context(layout)
-        w = MoEWeights.random(cfg, 0)
-        experts = TorchExperts(w.local_experts(layout.ep_size, ctx.rank), quant, cfg.dtype)
-        x = demo_inputs(cfg, 4, ctx.dp_rank, 0)
-        tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
-        pf.prepare(x, tw, ti, quant)  # experts "raise" here on every rank: no finalize
+        r = _Routed.make(layout, cfg, 4, quant)
+        pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)  # experts "raise" on every rank here
         pf.reset_call_state()
-        out = pf.finalize(experts.apply(pf.prepare(x, tw, ti, quant)), tw, ti, torch.empty_like(x))
-        return dict(out=out)
+        return dict(out=r.call(pf))
 
 
-def call_error(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, case: str,
-               flavor: str = "0.7.2.post1") -> None:
+def issue_order(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, flavor: str) -> dict:
+    """prepare_async and finalize_async issue nothing; their receivers issue every collective
+    (what lets a shared expert forked in between overlap with the whole routed path)."""
+    from rank_fns import count_dist_calls
+
+    quant, seen = QuantSpec(QuantScheme.NVFP4), {}
+    with emu.installed(flavor), _backend(layout, cfg, 4, quant) as pf:
+        r = _Routed.make(layout, cfg, 4, quant)
+        with count_dist_calls() as calls:
+            sent = pf.prepare_async(r.x, r.topk_weights, r.topk_ids, quant)
+            seen["prepare_async"] = (len(calls), len(emu.TRAFFIC), sent.hook)
+            prep = sent.receiver()
+            seen["prepare_receiver"] = (len(calls), len(emu.TRAFFIC))
+            calls.clear()
+            emu.TRAFFIC.clear()
+            back = pf.finalize_async(r.experts.apply(prep), r.topk_weights, r.topk_ids,
+                                     torch.empty_like(r.x))
+            seen["finalize_async"] = (len(calls), len(emu.TRAFFIC), back.hook)
+            back.receiver()
+            seen["finalize_receiver"] = (len(calls), len(emu.TRAFFIC))
+        seen["supports_async"] = pf.supports_async()
+    return seen
+
+
+def call_error(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, case: str) -> None:
     """Misuse that must raise on every rank before any collective is entered."""
     quant = QuantSpec()
-    with emu.installed(flavor), _backend(layout, cfg, 4, quant) as pf:
-        ctx = cached_dist_context(layout)
-        w = MoEWeights.random(cfg, 0)
-        x = demo_inputs(cfg, 8, ctx.dp_rank, 0)
-        tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+    with emu.installed("0.7.2.post1"), _backend(layout, cfg, 4, quant) as pf:
+        r = _Routed.make(layout, cfg, 8, quant)
+        x, tw, ti = r.x, r.topk_weights, r.topk_ids
         if case == "too_many_tokens":  # built for 4 tokens per rank, given 8
             pf.prepare(x, tw, ti, quant)
         elif case == "mismatched_tokens":
@@ -186,8 +240,6 @@ def call_error(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, ca
 def handle_exchange_comm(rank: int, world: int) -> dict:
     """TorchGroupComm, the CommBackend flashinfer exchanges MNNVL handles through: allgather and
     bcast of Python objects, Split into the whole group, and a real split refused."""
-    import torch.distributed as dist
-
     from all2all.flashinfer import TorchGroupComm
 
     comm = TorchGroupComm(dist.group.WORLD)

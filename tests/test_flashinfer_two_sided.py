@@ -169,11 +169,30 @@ def test_workspaces_are_lazy_shared_and_freed(rank_pool, flavor, api):
 
 
 @pytest.mark.multirank
+def test_mnnvl_moe_serves_one_ep_group_per_process(rank_pool):
+    for r in rank_pool(2).run(fi.second_mapping, EP2, _cfg()):
+        assert "one EP mapping per process" in r["refused"]
+        assert r["after_first_group_went"]
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("flavor", [f[0] for f in FLAVORS])
 def test_reset_after_a_failed_call(rank_pool, flavor):
     cfg = _cfg(shared_intermediate=0)
     results = rank_pool(2).run(fi.reset_after_error, EP2, cfg, flavor)
     _check(results, EP2, cfg, 4, QuantSpec())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("flavor", [f[0] for f in FLAVORS])
+def test_receivers_issue_the_communication(rank_pool, flavor):
+    """No receive hook: prepare_async/finalize_async send nothing, their receivers do it all, so
+    a shared expert the layer forks after prepare_async overlaps with dispatch, experts, combine."""
+    for r in rank_pool(2).run(fi.issue_order, EP2, _cfg(), flavor):
+        assert r["prepare_async"] == (0, 0, None) and r["finalize_async"] == (0, 0, None)
+        assert r["prepare_receiver"][0] > 0 and r["prepare_receiver"][1] == 3  # prepare, x, x_sf
+        assert r["finalize_receiver"][0] > 0 and r["finalize_receiver"][1] == 1  # combine
+        assert r["supports_async"] is False
 
 
 CALL_ERRORS = [

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from moe_plugins.interface import PrepareResult
 from moe_plugins.model import ExpertWeights
-from moe_plugins.quant import QuantSpec, dequantize, quantize_dequantize
+from moe_plugins.quant import (NVFP4_BLOCK, QuantScheme, QuantSpec, dequantize,
+                               quantize_dequantize, unswizzle_nvfp4_sf)
 
 __all__ = ["TorchExperts"]
 
@@ -16,7 +17,8 @@ class TorchExperts:
 
     Quantized input (``x_sf is not None``) is dequantized; unquantized input under a quant scheme
     (deferred quant, or no dispatch) is rounded here exactly as dispatch would have, so every path
-    computes on the same numbers.
+    computes on the same numbers. Swizzled nvfp4 scales (``PrepareResult.x_sf_swizzled``) are
+    unswizzled here, the only consumer that reads them.
     """
 
     def __init__(self, weights: ExpertWeights, quant: QuantSpec, out_dtype: torch.dtype):
@@ -26,8 +28,16 @@ class TorchExperts:
         self._w13 = weights.w13.float()
         self._w2 = weights.w2.float()
 
-    def _input(self, x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
+    def _input(self, x: torch.Tensor, x_sf: torch.Tensor | None,
+               x_sf_swizzled: bool = False) -> torch.Tensor:
         if x_sf is not None:
+            if x_sf_swizzled:
+                # The one place swizzled scales are read back: the tiled layout is padded, so the
+                # row count comes from x (nvfp4 packs two values per byte).
+                if self.quant.scheme is not QuantScheme.NVFP4:
+                    raise ValueError(f"swizzled scales are an nvfp4 layout, got them for quant "
+                                     f"scheme {self.quant.scheme.value}")
+                x_sf = unswizzle_nvfp4_sf(x_sf, x.shape[0], x.shape[1] * 2 // NVFP4_BLOCK)
             return dequantize(x, x_sf, self.quant)
         return quantize_dequantize(x, self.quant)
 
@@ -43,7 +53,7 @@ class TorchExperts:
         if prep.topk_ids is None:
             return self._apply_batched(prep)
         assert prep.topk_weights is not None
-        x = self._input(prep.x, prep.x_sf)
+        x = self._input(prep.x, prep.x_sf, prep.x_sf_swizzled)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # Every local expert runs on every received row and is weighted by the row's router
         # weight for it (0 where not routed): no data-dependent shapes, so no host sync and the
@@ -55,6 +65,9 @@ class TorchExperts:
 
     def _apply_batched(self, prep: PrepareResult) -> torch.Tensor:
         assert prep.expert_tokens_meta is not None
+        if prep.x_sf_swizzled:
+            raise ValueError("BATCHED activations with swizzled scales are not supported; "
+                             "return row-aligned x_sf [num_local_experts, max_recv_tokens, ...]")
         counts = prep.expert_tokens_meta.expert_num_tokens.tolist()
         e_l, t = prep.x.shape[0], prep.x.shape[1]
         x_sf = prep.x_sf

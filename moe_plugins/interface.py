@@ -54,6 +54,9 @@ class PrepareResult:
         expert lives on another rank. None for BATCHED.
     topk_weights: STANDARD only: float32 [num_recv_tokens, num_topk]. None for BATCHED (the
         combine applies the weights).
+    x_sf_swizzled: True when x_sf holds nvfp4 scales in the 128x4 tiled layout NVFP4 GEMMs read
+        (flat, see :func:`moe_plugins.quant.swizzle_nvfp4_sf`); the experts unswizzle them with
+        ``num_recv_tokens`` rows. False: x_sf is row-aligned with x.
     """
 
     x: torch.Tensor
@@ -61,6 +64,12 @@ class PrepareResult:
     expert_tokens_meta: Optional[ExpertTokensMeta]
     topk_ids: Optional[torch.Tensor]
     topk_weights: Optional[torch.Tensor]
+    x_sf_swizzled: bool = False
+
+    def __post_init__(self) -> None:
+        if self.x_sf_swizzled and self.x_sf is None:
+            raise ValueError("PrepareResult says x_sf is swizzled but x_sf is None; swizzle only "
+                             "scales that exist (guard with `x_sf is not None`)")
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,8 @@ def dequantize_nvfp4(x_q: torch.Tensor, x_sf: torch.Tensor, global_scale: float)
     codes = torch.stack([x_q & 0xF, x_q >> 4], dim=-1).reshape(m, half * 2).long()
     grid = torch.tensor(_E2M1_GRID, device=x_q.device)
     vals = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    blocks = vals.reshape(m, -1, NVFP4_BLOCK) * x_sf.float().unsqueeze(-1) / global_scale
+    blocks = vals.reshape(m, half * 2 // NVFP4_BLOCK, NVFP4_BLOCK)
+    blocks = blocks * x_sf.float().unsqueeze(-1) / global_scale
     return blocks.reshape(m, half * 2)
 
 

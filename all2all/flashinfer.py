@@ -1,0 +1,513 @@
+"""Transport of the ``flashinfer_nvlink_two_sided`` backend: flashinfer's MNNVL all-to-all-v.
+
+Two flashinfer Python APIs reach the same two-sided kernels (``moe_prepare`` exchanges routing and
+per-rank counts, ``moe_comm`` moves rows through per-peer FIFOs in MNNVL symmetric memory):
+
+- ``flashinfer.comm.trtllm_alltoall.MnnvlMoe`` (flashinfer-python 0.7.2.post1, the version vLLM
+  0.33 pins; gone in 0.7.4): static methods over two MNNVL workspaces (FIFOs and prepare) that the
+  caller creates for an EP ``Mapping``. MnnvlMoe caches them on the class: one mapping per process.
+- ``flashinfer.moe_ep.NVLinkTwoSidedAlltoAll`` (0.7.4+): one object per EP group and layer shape
+  with ``dispatch``/``combine``/``destroy``.
+
+:class:`FlashInferAll2AllManager` picks one (``auto`` prefers MnnvlMoe, the API vLLM 0.33 runs)
+and hides it behind one small transport interface, so the backend never branches on the API.
+Workspaces are created on the first dispatch (a collective every rank reaches together) and freed
+by :meth:`FlashInferAll2AllManager.destroy`. flashinfer is imported here, lazily.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import pickle
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.config import DispatchConfig
+from moe_plugins.groups import DistContext
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TwoSidedApi", "FlashInferTwoSidedOptions", "Dispatched", "TorchGroupComm",
+           "FlashInferAll2AllManager", "detect_api", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'moe-plugins[flashinfer]'"
+# Kernel limits (flashinfer csrc/trtllm_alltoall*.cu): moe_prepare checks expertCount % 4 == 0 and
+# 1 <= topK <= 32; moe_comm moves rows as 16-byte vectors.
+EXPERT_COUNT_MULTIPLE = 4
+MAX_TOPK = 32
+ROW_ALIGN_BYTES = 16
+
+_LOGGED: set[tuple] = set()
+
+
+class TwoSidedApi(str, enum.Enum):
+    """Which flashinfer API drives the kernels. AUTO: MnnvlMoe when present, else moe_ep."""
+
+    AUTO = "auto"
+    MNNVL_MOE = "mnnvl_moe"  # flashinfer.comm.trtllm_alltoall.MnnvlMoe (0.7.2.post1)
+    MOE_EP = "moe_ep"  # flashinfer.moe_ep.NVLinkTwoSidedAlltoAll (0.7.4+)
+
+
+@dataclass(frozen=True)
+class FlashInferTwoSidedOptions:
+    """``DispatchConfig.backend_options`` of ``flashinfer_nvlink_two_sided``.
+
+    api: which flashinfer API to use (see :class:`TwoSidedApi`).
+    nvfp4_swizzled_sf: after the all-to-all, interleave nvfp4 scales into the 128x4 tiled layout
+        flashinfer's CUTLASS/TRT-LLM NVFP4 MoE GEMMs read (vLLM's ``is_scale_swizzled``); the
+        prepare result then says ``x_sf_swizzled``. Scales always cross the all-to-all unswizzled:
+        the swizzle pads rows to 128, so they would no longer be row-aligned with the tokens.
+    gpus_per_node: for the MNNVL ``Mapping`` (None: ``torch.cuda.device_count()``).
+    """
+
+    api: TwoSidedApi = TwoSidedApi.AUTO
+    nvfp4_swizzled_sf: bool = True
+    gpus_per_node: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "api", TwoSidedApi(self.api))
+        except ValueError:
+            raise ValueError(f"api={self.api!r} is not a flashinfer two-sided API; expected one of "
+                             f"{[a.value for a in TwoSidedApi]}") from None
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1 or None, got {self.gpus_per_node}")
+
+
+def _available_apis() -> tuple[str, list[TwoSidedApi]]:
+    """(flashinfer version, APIs it has). Raises ImportError when flashinfer is missing."""
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise ImportError(
+            "backend 'flashinfer_nvlink_two_sided' needs flashinfer (flashinfer-python >= 0.7.2), "
+            f"which is not installed ({e}); install it with: {INSTALL_HINT}"
+        ) from e
+    found = []
+    try:
+        from flashinfer.comm.trtllm_alltoall import MnnvlMoe  # noqa: F401
+        found.append(TwoSidedApi.MNNVL_MOE)
+    except ImportError:
+        pass
+    try:
+        from flashinfer.moe_ep import NVLinkTwoSidedAlltoAll  # noqa: F401
+        found.append(TwoSidedApi.MOE_EP)
+    except ImportError:
+        pass
+    return str(getattr(flashinfer, "__version__", "unknown")), found
+
+
+def detect_api(requested: TwoSidedApi = TwoSidedApi.AUTO) -> tuple[TwoSidedApi, str]:
+    """The API to use and the flashinfer version; probed once per manager. ImportError (naming
+    the extra) when flashinfer is missing or has no two-sided API, or not the one requested."""
+    version, found = _available_apis()
+    if not found:
+        raise ImportError(
+            f"flashinfer {version} has neither flashinfer.comm.trtllm_alltoall.MnnvlMoe "
+            "(flashinfer-python 0.7.2.post1) nor flashinfer.moe_ep.NVLinkTwoSidedAlltoAll (0.7.4+); "
+            f"install a supported version: {INSTALL_HINT}"
+        )
+    if requested is TwoSidedApi.AUTO:
+        return found[0], version
+    if requested not in found:
+        raise ImportError(
+            f"FlashInferTwoSidedOptions(api={requested.value!r}) but flashinfer {version} only has "
+            f"{[a.value for a in found]}; pick one of those (or 'auto'), or install a flashinfer "
+            f"that has it: {INSTALL_HINT}"
+        )
+    return requested, version
+
+
+class TorchGroupComm:
+    """flashinfer's ``CommBackend`` interface (``Get_rank``, ``Get_size``, ``allgather``,
+    ``bcast``, ``barrier``, ``Split``) over a torch.distributed group. flashinfer uses it to
+    exchange the MNNVL memory handles when it creates a workspace (instead of MPI). Objects travel
+    pickled in uint8 tensors (torch's *_object collectives need numpy, which moe-plugins does not)."""
+
+    def __init__(self, group: Optional["dist.ProcessGroup"]):
+        self.group = group if group is not None else dist.group.WORLD
+
+    def Get_rank(self) -> int:  # noqa: N802 (flashinfer's MPI-style names)
+        return dist.get_rank(self.group)
+
+    def Get_size(self) -> int:  # noqa: N802
+        return dist.get_world_size(self.group)
+
+    def _device(self) -> torch.device:
+        if "nccl" in str(dist.get_backend(self.group)):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def allgather(self, data: Any) -> tuple[Any, ...]:
+        dev, n = self._device(), self.Get_size()
+        payload = torch.tensor(list(pickle.dumps(data)), dtype=torch.uint8, device=dev)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()], device=dev), group=self.group)
+        lengths = [int(t) for t in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
+        padded[: payload.numel()] = payload
+        bufs = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(bufs, padded, group=self.group)
+        return tuple(pickle.loads(bytes(b[:k].tolist())) for b, k in zip(bufs, lengths))
+
+    def bcast(self, data: Any, root: int) -> Any:
+        dev, src = self._device(), dist.get_global_rank(self.group, root)
+        is_root = self.Get_rank() == root
+        payload = list(pickle.dumps(data)) if is_root else []
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+        dist.broadcast(size, src=src, group=self.group)
+        buf = torch.tensor(payload, dtype=torch.uint8, device=dev) if is_root \
+            else torch.empty(int(size), dtype=torch.uint8, device=dev)
+        dist.broadcast(buf, src=src, group=self.group)
+        return pickle.loads(bytes(buf.tolist()))
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def Split(self, color: int, key: int) -> "TorchGroupComm":  # noqa: N802
+        """MPI_Comm_split. The EP mapping this manager builds (tp_size = EP size, one pp/cp rank)
+        always splits into the whole group in rank order, which is this communicator itself."""
+        members = self.allgather((color, key, self.Get_rank()))
+        colors = {c for c, _, _ in members}
+        order = [r for _, r in sorted((k, r) for _, k, r in members)]
+        if len(colors) == 1 and order == list(range(len(members))):
+            return self
+        raise NotImplementedError(
+            f"splitting the handle-exchange group into colors {sorted(colors)} (or reordering it) "
+            "is not supported; moe-plugins builds an EP mapping that is one group in rank order"
+        )
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What one dispatch delivered to this rank, in the kernels' rank-major receive layout.
+
+    x: [num_ranks * max_tokens_per_rank, *] the dispatched dtype; rows past the received tokens
+        hold unspecified values.
+    x_sf: same rows as x, or None when no scales were sent.
+    topk_ids: int32 [num_ranks * max_tokens_per_rank, num_topk], GLOBAL expert ids; ids of other
+        ranks' experts and every id of a row that carries no token lie outside this rank's range.
+    topk_weights: float32 [num_ranks * max_tokens_per_rank, num_topk].
+    """
+
+    x: torch.Tensor
+    x_sf: Optional[torch.Tensor]
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+def _pad_row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t [rows, cols] -> t (contiguous) when a row is a multiple of 16 bytes, else a copy whose
+    rows are zero-padded to that (the kernels move rows as 16-byte vectors)."""
+    row_bytes = t.shape[1] * t.element_size()
+    if row_bytes % ROW_ALIGN_BYTES == 0:
+        return t.contiguous()
+    padded = torch.zeros(t.shape[0], math.ceil(row_bytes / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES,
+                         dtype=torch.uint8, device=t.device)
+    padded[:, :row_bytes] = t.contiguous().view(torch.uint8)
+    return padded.view(t.dtype)
+
+
+class _Transport(ABC):
+    """One flashinfer API behind the calls the backend makes. Per-call state (the dispatch's
+    routing info) lives here until the matching combine or :meth:`reset`."""
+
+    api: TwoSidedApi
+
+    def __init__(self, manager: "FlashInferAll2AllManager"):
+        self.m = manager
+
+    @abstractmethod
+    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> Dispatched:
+        """Rows already 16-byte aligned; topk_ids int32, topk_weights float32."""
+
+    @abstractmethod
+    def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """expert_output [num_ranks * max_tokens_per_rank, *] -> [num_tokens, *] summed per token."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget a dispatch whose combine will not come (an error in between)."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Free what this transport holds; idempotent."""
+
+
+@dataclass
+class _MnnvlWorkspaces:
+    """MnnvlMoe's two workspaces (uint64 [num_ranks, words]) for one EP mapping, shared by every
+    manager of that mapping in this process (MnnvlMoe keeps one mapping per process)."""
+
+    key: tuple
+    mapping: Any
+    workspace: torch.Tensor
+    prepare_workspace: torch.Tensor
+    users: int = 0
+
+
+_MNNVL_WORKSPACES: dict[tuple, _MnnvlWorkspaces] = {}
+_MNNVL_MOE_CACHE_ATTRS = ("moe_workspace", "moe_prepare_workspace", "moe_workspace_tensor",
+                          "moe_prepare_workspace_tensor", "moe_mapping")
+
+
+class _MnnvlMoeTransport(_Transport):
+    """flashinfer.comm.trtllm_alltoall.MnnvlMoe (0.7.2.post1), as vLLM 0.33 calls it."""
+
+    api = TwoSidedApi.MNNVL_MOE
+
+    def __init__(self, manager: "FlashInferAll2AllManager"):
+        super().__init__(manager)
+        self._ws: Optional[_MnnvlWorkspaces] = None
+        self._info: Any = None
+
+    def _workspaces(self) -> _MnnvlWorkspaces:
+        if self._ws is not None:
+            return self._ws
+        m = self.m
+        key = (id(m.group), m.rank, m.num_ranks)
+        ws = _MNNVL_WORKSPACES.get(key)
+        if ws is None:
+            if _MNNVL_WORKSPACES:
+                raise ValueError(
+                    "flashinfer's MnnvlMoe holds the workspaces of one EP mapping per process and "
+                    "another EP group already uses them; destroy that group's layers first, or "
+                    "use FlashInferTwoSidedOptions(api=TwoSidedApi.MOE_EP)"
+                )
+            from flashinfer.comm.mapping import Mapping
+            from flashinfer.comm.mnnvl import MnnvlConfig, MnnvlMemory
+            from flashinfer.comm.trtllm_alltoall import MnnvlMoe
+
+            mapping = Mapping(m.num_ranks, m.rank, m.gpus_per_node, tp_size=m.num_ranks)
+            config = MnnvlConfig(comm_backend=TorchGroupComm(m.group))
+            MnnvlMemory.initialize()
+            ws = _MnnvlWorkspaces(key, mapping, MnnvlMoe.get_moe_workspaces(mapping, config),
+                                  MnnvlMoe.get_moe_prepare_workspace(mapping, config))
+            _MNNVL_WORKSPACES[key] = ws
+        ws.users += 1
+        self._ws = ws
+        return ws
+
+    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> Dispatched:
+        from flashinfer.comm.trtllm_alltoall import MnnvlMoe
+
+        if self._info is not None:
+            raise RuntimeError("dispatch called twice without combine (or reset_call_state)")
+        m, ws = self.m, self._workspaces()
+        info, recv_ids, recv_weights, _ = MnnvlMoe.mnnvl_moe_alltoallv_prepare_without_allgather(
+            topk_ids, topk_weights, None, ws.prepare_workspace, m.max_tokens_per_rank, m.rank,
+            m.num_ranks, m.num_experts, m.num_experts, m.num_topk)
+        # Releases before flashinfer PR #2048 returned the float32 weights typed as int32.
+        if recv_weights.dtype != torch.float32:
+            recv_weights = recv_weights.view(torch.float32)
+        recv_x = MnnvlMoe.mnnvl_moe_alltoallv(x, info, ws.workspace, m.rank, m.num_ranks)
+        recv_sf = None
+        if x_sf is not None:
+            recv_sf = MnnvlMoe.mnnvl_moe_alltoallv(x_sf, info, ws.workspace, m.rank, m.num_ranks)
+        self._info = info
+        return Dispatched(recv_x, recv_sf, recv_ids, recv_weights)
+
+    def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        from flashinfer.comm.trtllm_alltoall import MnnvlMoe
+
+        if self._info is None or self._ws is None:
+            raise RuntimeError("combine called without a matching dispatch")
+        m, info = self.m, self._info
+        self._info = None
+        return MnnvlMoe.mnnvl_moe_alltoallv_combine(
+            expert_output, info, self._ws.workspace, ep_rank=m.rank, ep_size=m.num_ranks,
+            top_k=m.num_topk, token_count=num_tokens)
+
+    def reset(self) -> None:
+        self._info = None
+
+    def destroy(self) -> None:
+        self._info = None
+        ws, self._ws = self._ws, None
+        if ws is None:
+            return
+        ws.users -= 1
+        if ws.users:
+            return
+        del _MNNVL_WORKSPACES[ws.key]
+        # MnnvlMoe caches the MnnvlMemory objects on the class; dropping them unmaps the memory
+        # (MnnvlMemory.__del__) and lets a later mapping allocate again.
+        from flashinfer.comm.trtllm_alltoall import MnnvlMoe
+
+        for attr in _MNNVL_MOE_CACHE_ATTRS:
+            setattr(MnnvlMoe, attr, None)
+
+
+class _MoeEpTransport(_Transport):
+    """flashinfer.moe_ep.NVLinkTwoSidedAlltoAll (0.7.4+): one object per EP group and shape."""
+
+    api = TwoSidedApi.MOE_EP
+
+    def __init__(self, manager: "FlashInferAll2AllManager"):
+        super().__init__(manager)
+        self._comm: Any = None
+        self._pending = False
+
+    def _communication(self) -> Any:
+        if self._comm is None:
+            from flashinfer.moe_ep import (BootstrapConfig, MoEEpCommParams,
+                                           NVLinkTwoSidedAlltoAll, NVLinkTwoSidedConfig)
+
+            m = self.m
+            bootstrap = BootstrapConfig(world_size=m.num_ranks, rank=m.rank, process_group=m.group)
+            params = MoEEpCommParams(num_experts=m.num_experts, top_k=m.num_topk,
+                                     max_tokens_per_rank=m.max_tokens_per_rank,
+                                     hidden_size=m.cfg.hidden, dtype=m.cfg.dtype)
+            self._comm = NVLinkTwoSidedAlltoAll(
+                bootstrap, params, NVLinkTwoSidedConfig(comm_backend=TorchGroupComm(m.group)))
+        return self._comm
+
+    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> Dispatched:
+        # Without max_tokens_per_rank the receive rows stay num_ranks * params.max_tokens_per_rank
+        # (static shapes, as with MnnvlMoe).
+        res = self._communication().dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf)
+        self._pending = True
+        return Dispatched(res.hidden_states, res.hidden_states_scale, res.topk_ids,
+                          res.topk_weights)
+
+    def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        if self._comm is None:
+            raise RuntimeError("combine called without a matching dispatch")
+        out = self._comm.combine(expert_output)
+        self._pending = False
+        assert out.shape[0] == num_tokens, (tuple(out.shape), num_tokens)
+        return out
+
+    def reset(self) -> None:
+        if self._pending and self._comm is not None:
+            # NVLinkTwoSidedAlltoAll refuses a dispatch while its previous one awaits combine and
+            # has no public way to drop it. When every rank failed between dispatch and combine
+            # the FIFOs are consistent (dispatch completed), so forgetting the routing is safe.
+            if hasattr(self._comm, "_state"):
+                self._comm._state = None
+        self._pending = False
+
+    def destroy(self) -> None:
+        comm, self._comm = self._comm, None
+        self._pending = False
+        if comm is not None:
+            comm.destroy()
+
+
+_TRANSPORTS: dict[TwoSidedApi, type[_Transport]] = {
+    TwoSidedApi.MNNVL_MOE: _MnnvlMoeTransport,
+    TwoSidedApi.MOE_EP: _MoeEpTransport,
+}
+
+
+class FlashInferAll2AllManager:
+    """One per layer config and EP group. Experts are placed in contiguous blocks: expert ``e``
+    lives on EP rank ``e // (num_experts // num_ranks)`` (what the kernels assume).
+
+    Raises at construction: ImportError (flashinfer missing, naming the extra), TypeError
+    (backend_options of another type), ValueError (one EP rank, or a number of experts / topk the
+    kernels do not support). Nothing is allocated until the first dispatch.
+    """
+
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig):
+        options = cfg.backend_options if cfg.backend_options is not None \
+            else FlashInferTwoSidedOptions()
+        if not isinstance(options, FlashInferTwoSidedOptions):
+            raise TypeError(
+                f"backend 'flashinfer_nvlink_two_sided' takes backend_options of type "
+                f"FlashInferTwoSidedOptions (all2all.flashinfer), got {type(options).__name__}"
+            )
+        self.options, self.cfg = options, cfg
+        self.api, self.flashinfer_version = detect_api(options.api)
+
+        layout = ctx.layout
+        if layout.ep_size < 2:
+            raise ValueError(
+                f"backend 'flashinfer_nvlink_two_sided' needs an EP group of >= 2 ranks, got layout "
+                f"{layout.describe()} (EP size {layout.ep_size}); with one rank nothing is "
+                "dispatched: enable expert parallelism over >= 2 ranks, or use backend 'torch'"
+            )
+        if cfg.num_experts % EXPERT_COUNT_MULTIPLE:
+            raise ValueError(
+                f"flashinfer's two-sided all-to-all kernels need num_experts divisible by "
+                f"{EXPERT_COUNT_MULTIPLE}, got {cfg.num_experts}; use another backend (e.g. 'torch') "
+                "for this model"
+            )
+        if cfg.num_experts % layout.ep_size:
+            raise ValueError(
+                f"num_experts={cfg.num_experts} is not divisible by the EP size {layout.ep_size}; "
+                "pick an EP size that divides the experts"
+            )
+        if cfg.num_topk > MAX_TOPK:
+            raise ValueError(f"flashinfer's two-sided all-to-all supports num_topk <= {MAX_TOPK}, "
+                             f"got {cfg.num_topk}; use another backend for this model")
+
+        self.group = ctx.ep_group
+        self.num_ranks = dist.get_world_size(self.group)
+        if self.num_ranks != layout.ep_size:
+            raise ValueError(f"the EP process group has {self.num_ranks} ranks but layout "
+                             f"{layout.describe()} says {layout.ep_size}")
+        self.rank = dist.get_rank(self.group)
+        self.num_experts, self.num_topk = cfg.num_experts, cfg.num_topk
+        self.experts_per_rank = cfg.num_experts // self.num_ranks
+        self.max_tokens_per_rank = cfg.max_tokens_per_rank
+        self.gpus_per_node = options.gpus_per_node or torch.cuda.device_count() or self.num_ranks
+        self._transport: Optional[_Transport] = _TRANSPORTS[self.api](self)
+
+        key = (self.api, self.num_ranks, cfg.num_experts, cfg.num_topk, cfg.hidden,
+               cfg.max_tokens_per_rank, options)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("flashinfer_nvlink_two_sided: flashinfer %s, %s API, EP size %d, %d experts, "
+                        "topk %d, max %d tokens per rank, nvfp4 scales %s", self.flashinfer_version,
+                        self.api.value, self.num_ranks, cfg.num_experts, cfg.num_topk,
+                        cfg.max_tokens_per_rank,
+                        "swizzled" if options.nvfp4_swizzled_sf else "row-aligned")
+
+    @property
+    def recv_rows(self) -> int:
+        """Rows of every receive buffer: num_ranks * max_tokens_per_rank."""
+        return self.num_ranks * self.max_tokens_per_rank
+
+    def _live(self) -> _Transport:
+        if self._transport is None:
+            raise RuntimeError("the flashinfer all-to-all manager was destroyed")
+        return self._transport
+
+    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> Dispatched:
+        """x [num_tokens, *] (model dtype or quantized), x_sf [num_tokens, *] unswizzled or None,
+        topk_ids int [num_tokens, num_topk] GLOBAL ids, topk_weights float [num_tokens, num_topk].
+        Scales travel only when ``x_sf is not None``. Collective over the EP group."""
+        t = self._live()
+        d = t.dispatch(_pad_row_bytes(x), None if x_sf is None else _pad_row_bytes(x_sf),
+                       topk_ids.to(torch.int32).contiguous(),
+                       topk_weights.to(torch.float32).contiguous())
+        return Dispatched(d.x[:, : x.shape[1]],
+                          None if d.x_sf is None or x_sf is None else d.x_sf[:, : x_sf.shape[1]],
+                          d.topk_ids, d.topk_weights)
+
+    def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """expert_output [num_ranks * max_tokens_per_rank, hidden] (each row: the weighted sum of
+        this rank's experts for that row) -> [num_tokens, hidden] summed over ranks, same dtype.
+        Collective over the EP group."""
+        out = self._live().combine(_pad_row_bytes(expert_output), num_tokens)
+        return out[:, : expert_output.shape[1]]
+
+    def reset_call_state(self) -> None:
+        if self._transport is not None:
+            self._transport.reset()
+
+    def destroy(self) -> None:
+        """Free the workspaces (shared ones when the last manager of the mapping goes); idempotent."""
+        t, self._transport = self._transport, None
+        if t is not None:
+            t.destroy()

@@ -1,0 +1,185 @@
+"""Backend ``flashinfer_nvlink_two_sided``: flashinfer's MNNVL two-sided all-to-all-v (STANDARD).
+
+prepare: the routing (topk ids and weights) goes first (``moe_prepare``), then the activations
+and, only when they are quantized (``x_sf is not None``), their scales. Quantization happens
+before the all-to-all with scales left unswizzled (the nvfp4 swizzle pads rows to 128, so swizzled
+scales would no longer be row-aligned with the tokens); with ``nvfp4_swizzled_sf`` the received
+nvfp4 scales are interleaved afterwards, again only when present. ``defer_input_quant`` sends the
+raw activations and returns ``x_sf = None``.
+
+finalize: the combine sends each row back to its token's top-k slot and sums the slots; the result
+is copied into the output, or added into the owned rows of a row-scatter target after the join.
+
+This backend has no receive hook: the whole dispatch is issued by the receiver, i.e. after the
+layer has forked the shared expert onto the side stream, so the shared expert overlaps with the
+dispatch, the experts and the combine.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from all2all.flashinfer import INSTALL_HINT, FlashInferAll2AllManager
+from moe_plugins.config import DispatchConfig
+from moe_plugins.counters import DispatchStats
+from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
+                                   RowScatterTarget, check_prepare_inputs, row_scatter_add)
+from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
+from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
+
+__all__ = ["FlashInferNVLinkTwoSidedPrepareFinalize", "SPEC"]
+
+
+@dataclass
+class _CallState:
+    """Between prepare and finalize. recv_tokens: rows that carry a token (None: not counted,
+    e.g. during CUDA-graph capture)."""
+
+    num_tokens: int
+    recv_tokens: Optional[int] = None
+
+
+def _host_int(t: torch.Tensor) -> Optional[int]:
+    """A device scalar on the host, for the stats; None while a CUDA graph is being captured."""
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return int(t)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
+    """STANDARD layout with fixed receive shapes: prepare returns
+    ``num_recv_tokens = num_ranks * max_tokens_per_rank`` rows (source-rank major); rows that carry
+    no token have topk_ids -1 in every column and unspecified x. topk_ids are LOCAL expert ids,
+    -1 where the expert lives on another rank. expert_tokens_meta is None."""
+
+    activation_format = ActivationFormat.STANDARD
+
+    def __init__(self, manager: FlashInferAll2AllManager, cfg: DispatchConfig):
+        if not isinstance(manager, FlashInferAll2AllManager):
+            raise TypeError(f"FlashInferNVLinkTwoSidedPrepareFinalize needs a "
+                            f"FlashInferAll2AllManager, got {type(manager).__name__}")
+        self.manager = manager
+        self.cfg = cfg
+        self.stats = DispatchStats()
+        self._state: Optional[_CallState] = None
+
+    def num_dispatchers(self) -> int:
+        return self.manager.num_ranks
+
+    def max_num_tokens_per_rank(self) -> Optional[int]:
+        return self.manager.max_tokens_per_rank
+
+    def reset_call_state(self) -> None:
+        self._state = None
+        self.manager.reset_call_state()
+
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """GLOBAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
+        experts, the kernels' invalid id on rows that carry no token)."""
+        m = self.manager
+        ids = topk_ids.long()
+        base = m.rank * m.experts_per_rank
+        mine = (ids >= base) & (ids < base + m.experts_per_rank)
+        return torch.where(mine, ids - base, torch.full_like(ids, -1))
+
+    def _count_dispatch(self, topk_ids: torch.Tensor, x: torch.Tensor, x_sf: Optional[torch.Tensor],
+                        local_ids: torch.Tensor) -> Optional[int]:
+        """Add this call's payload (without the kernels' 16-byte row padding) to the stats;
+        returns the received rows that carry a token."""
+        m, s = self.manager, self.stats
+        s.calls += 1
+        s.pairs += topk_ids.numel()
+        hit = torch.zeros(topk_ids.shape[0], m.num_ranks, dtype=torch.bool, device=topk_ids.device)
+        hit.scatter_(1, topk_ids.long() // m.experts_per_rank, True)
+        rows = _host_int(hit.sum())
+        if rows is not None:
+            s.rows += rows
+            s.act_bytes += rows * _row_bytes(x)
+            s.sf_bytes += rows * _row_bytes(x_sf) if x_sf is not None else 0
+            s.meta_bytes += rows * m.num_topk * (4 + 4)  # int32 ids + float32 weights
+        return _host_int((local_ids >= 0).any(dim=1).sum())
+
+    def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        if self._state is not None:
+            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
+        m, cfg = self.manager, self.cfg
+        n = hidden_states.shape[0]
+        if n > m.max_tokens_per_rank:
+            raise ValueError(
+                f"prepare got {n} tokens but the layer was built for max_tokens_per_rank="
+                f"{m.max_tokens_per_rank} (it sizes flashinfer's receive buffers); build the layer "
+                "with a larger max_tokens_per_rank"
+            )
+        if hidden_states.shape[1] != cfg.hidden or topk_ids.shape[1] != cfg.num_topk:
+            raise ValueError(
+                f"hidden_states {tuple(hidden_states.shape)} / topk_ids {tuple(topk_ids.shape)} do "
+                f"not match the layer (hidden={cfg.hidden}, num_topk={cfg.num_topk})"
+            )
+        state = self._state = _CallState(n)
+
+        def receiver() -> PrepareResult:
+            # Unswizzled scales, or (hidden_states, None) when unquantized or deferred.
+            x, x_sf = quantize_for_dispatch(hidden_states, quant)
+            d = m.dispatch(x, x_sf, topk_ids, topk_weights)
+            recv_sf, swizzled = d.x_sf, False
+            if recv_sf is not None and quant.scheme is QuantScheme.NVFP4 \
+                    and m.options.nvfp4_swizzled_sf:
+                recv_sf, swizzled = swizzle_nvfp4_sf(recv_sf), True
+            local = self._local_ids(d.topk_ids)
+            state.recv_tokens = self._count_dispatch(topk_ids, x, x_sf, local)
+            return PrepareResult(x=d.x, x_sf=recv_sf, expert_tokens_meta=None, topk_ids=local,
+                                 topk_weights=d.topk_weights, x_sf_swizzled=swizzled)
+
+        return AsyncResult(None, receiver)
+
+    def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
+        state = self._state
+        if state is None:
+            raise RuntimeError("finalize called without a matching prepare on this backend")
+        m = self.manager
+        if fused_expert_output.dim() != 2 or fused_expert_output.shape[0] != m.recv_rows:
+            raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}, "
+                             f"expected [{m.recv_rows}, hidden] (the rows prepare returned)")
+        # Checked before the combine so that a bad output fails on this rank without leaving the
+        # other ranks inside the collective.
+        expected = (state.num_tokens, fused_expert_output.shape[1])
+        if not isinstance(output, RowScatterTarget) and tuple(output.shape) != expected:
+            raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
+                             f"{expected} (the tokens given to prepare)")
+
+        def receiver() -> torch.Tensor:
+            combined = m.combine(fused_expert_output, state.num_tokens)
+            self._state = None
+            if state.recv_tokens is not None:
+                self.stats.combine_bytes += state.recv_tokens * _row_bytes(fused_expert_output)
+            if isinstance(output, RowScatterTarget):
+                return row_scatter_add(output, combined)
+            output.copy_(combined)
+            return output
+
+        return AsyncResult(None, receiver)
+
+
+SPEC = BackendSpec(
+    name="flashinfer_nvlink_two_sided",
+    prepare_finalize=FlashInferNVLinkTwoSidedPrepareFinalize,
+    manager=FlashInferAll2AllManager,
+    # EP/DP yes, TP and SP no, as in vLLM's matrix for this backend.
+    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True,
+                              recv_hook=False),
+    quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
+    required=(RequiredPackage("flashinfer", INSTALL_HINT),),
+    needs_cuda=True,
+    description="flashinfer MNNVL two-sided all-to-all-v (MnnvlMoe in 0.7.2.post1, moe_ep in "
+                "0.7.4+); shared expert overlaps on the side stream",
+)

@@ -3,13 +3,17 @@ formats)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from dataclasses import asdict
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from moe_plugins.plan import Estimate, LayerPlan
 
 __all__ = ["main"]
 
@@ -101,7 +105,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _SHAPE_FLAGS = ("hidden", "experts", "topk", "intermediate", "shared_intermediate", "dtype")
 
 
-def _plan_inputs(args: argparse.Namespace):
+def _plan_inputs(args: argparse.Namespace) -> tuple:
     """(ModelSpec, layout, QuantSpec, LinkModel) from the flags: an explicit shape flag overrides
     the --model-config value, which overrides demo's default."""
     from moe_plugins.link_model import LinkModel
@@ -130,9 +134,7 @@ def _plan_inputs(args: argparse.Namespace):
     over = {fields[k]: v for k, v in given.items() if k in fields}
     if "dtype" in given:
         over["dtype"] = _DTYPES[given["dtype"]]
-    if "shared_intermediate" in over and base is None:
-        over["shared_gate"] = cfg.shared_gate
-    cfg = MoEConfig(**{**cfg.__dict__, **over})
+    cfg = dataclasses.replace(cfg, **over)
     layers = args.layers if args.layers is not None else (base.num_moe_layers if base else 1)
     if layers < 1:
         raise ValueError(f"--layers must be >= 1, got {layers}")
@@ -143,14 +145,14 @@ def _plan_inputs(args: argparse.Namespace):
     return model, layout, quant, link
 
 
-def _est(e, fmt: str = "{:.1f}") -> str:
+def _est(e: "Estimate", fmt: str = "{:.1f}") -> str:
     """An Estimate as 'v' (exact) or 'expected [min..max]'."""
     if e.is_exact:
         return str(e.min)
     return f"{fmt.format(e.expected)} [{e.min}..{e.max}]"
 
 
-def _plan_json(plan) -> list[dict]:
+def _plan_json(plan: "LayerPlan") -> list[dict]:
     rows = []
     for sp in plan.strategies:
         rk = sp.ranks
@@ -158,7 +160,10 @@ def _plan_json(plan) -> list[dict]:
                   "wire_bytes": [r.tp_collectives[i].wire_bytes for r in rk], "link": c.link,
                   "time_us": max(r.tp_collectives[i].time_us for r in rk)}
                  for i, c in enumerate(rk[0].tp_collectives)]
-        per = lambda name: [getattr(r, name).as_dict() for r in rk]  # noqa: E731
+
+        def per(name: str, rk: tuple = rk) -> list[dict]:
+            return [getattr(r, name).as_dict() for r in rk]
+
         rows.append({
             "strategy": sp.strategy.value, "recommended": sp.recommended, "reason": sp.reason,
             "layout": plan.layout.describe(), "backend": plan.backend,
@@ -187,7 +192,7 @@ def _plan_json(plan) -> list[dict]:
     return rows
 
 
-def _plan_table(plan, per_rank: bool) -> None:
+def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
     from moe_plugins.plan import expected_ranks_hit
 
     m, lay, w, ln = plan.model.moe, plan.layout, plan.wire, plan.link
@@ -205,7 +210,7 @@ def _plan_table(plan, per_rank: bool) -> None:
              "one row per (token, destination rank)"))
     print(f"link model: NVLink {ln.nvlink_gbps:g} GB/s + {ln.nvlink_latency_us:g} us, "
           f"RDMA {ln.rdma_gbps:g} GB/s + {ln.rdma_latency_us:g} us; communication only")
-    if not w.per_pair and not plan.routing_given and lay.ep_size > 1:
+    if not w.per_pair and not plan.routing_given and any(s.dispatches for s in plan.strategies):
         hit = float(expected_ranks_hit(m.num_experts, m.num_topk, lay.ep_size))
         print(f"rows depend on routing: expected under uniform routing [exact min..max]; "
               f"a token reaches {hit:.2f} of {lay.ep_size} ranks on average")
@@ -246,7 +251,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from moe_plugins.strategy import SharedPlacement
 
     model, layout, quant, link = _plan_inputs(args)
-    plan = plan_layer(model, layout, args.tokens, get_backend(args.backend), quant, link=link,
+    tokens: int | list[int] = args.tokens
+    if args.tokens_per_dp is not None:
+        try:
+            tokens = [int(t) for t in args.tokens_per_dp.split(",")]
+        except ValueError:
+            raise ValueError(f"--tokens-per-dp {args.tokens_per_dp!r}: expected comma-separated "
+                             f"token counts, one per DP group ({layout.dp})") from None
+    plan = plan_layer(model, layout, tokens, get_backend(args.backend), quant, link=link,
                       shared_placement=SharedPlacement(args.shared_placement),
                       single_collective=OverlapConfig.from_env().single_collective)
     if args.json:
@@ -279,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model-config", metavar="CONFIG_JSON",
                       help="Hugging Face config.json (DeepSeek-V2/V3 or Qwen2/3-MoE); shape flags "
                       "given as well override its values")
+    plan.add_argument("--tokens-per-dp", metavar="N0,N1,...",
+                      help="tokens of each DP group (instead of --tokens, for uneven DP groups)")
     plan.add_argument("--layers", type=int, help="MoE layers (default: from --model-config, else 1)")
     plan.add_argument("--shared-placement", default="tp_sharded",
                       choices=["tp_sharded", "replicated"],

@@ -28,7 +28,7 @@ num_ranks)``, as the layer's weights and the reference transport place them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
 
@@ -274,7 +274,7 @@ class LayerPlan:
     link: LinkModel
     wire: WireFormat
     routing_given: bool
-    strategies: tuple[StrategyPlan, ...] = field(default=())
+    strategies: tuple[StrategyPlan, ...]
 
     @property
     def recommended(self) -> StrategyPlan:

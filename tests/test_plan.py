@@ -3,6 +3,8 @@ on real multi-rank gloo runs; its routing statistics; the link model; model-conf
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import json
 from fractions import Fraction
 from pathlib import Path
@@ -411,3 +413,101 @@ def test_model_config_file_errors(tmp_path):
     bad.write_text("{hidden_size: 1")
     with pytest.raises(ValueError, match="is not valid JSON"):
         load_model_config(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI (subprocess of the installed console script)
+# --------------------------------------------------------------------------------------------
+CLI = str(Path(sys.executable).parent / "moe-plugins")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=240)
+
+
+def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def test_cli_plan_json_with_demo_flags():
+    rows = _json_lines(_cli("plan", "--ranks", "4", "--tp", "2", "--ep", "--tokens", "5", "--json"))
+    assert [r["strategy"] for r in rows] == ["ROW_SCATTER_ALLREDUCE", "SP_ALLGATHER",
+                                             "GATHER_PLUS_ALLREDUCE"]
+    assert [r["recommended"] for r in rows] == [True, False, False]
+    assert "one all_reduce" in rows[0]["reason"]
+    for r in rows:  # 5 tokens over tp=2: TP ranks own 3 and 2 rows, topk 2
+        assert r["dispatched_pairs"] == [6, 4, 6, 4]
+    assert [[c["kind"] for c in r["tp_collectives"]] for r in rows] == [
+        ["all_reduce"], ["all_gather"], ["all_gather", "all_reduce"]]
+    assert rows[0]["tp_collectives"][0]["bytes"] == [5 * 256 * 4] * 4
+
+
+def test_cli_plan_tokens_per_dp_group():
+    rows = _json_lines(_cli("plan", "--ranks", "4", "--ep", "--tokens-per-dp", "7,0,3,2", "--json"))
+    assert [r["strategy"] for r in rows] == ["LOCAL"]
+    assert rows[0]["tokens_per_dp_group"] == [7, 0, 3, 2]
+    assert rows[0]["dispatched_pairs"] == [14, 0, 6, 4]
+    assert rows[0]["dispatched_rows"][1] == {"min": 0, "max": 0, "expected": 0.0}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("flags", [["--ranks", "4", "--tp", "2", "--ep", "--tokens", "5"],
+                                   ["--ranks", "2", "--ep", "--tokens", "7", "--quant", "nvfp4"]],
+                         ids=["dp2-tp2", "dp2-nvfp4"])
+def test_cli_plan_agrees_with_demo(flags):
+    """The same flags to `demo` (measured on CPU ranks) and `plan` (analytic)."""
+    demo = {r["strategy"]: r for r in _json_lines(_cli("demo", *flags, "--iters", "1", "--json"))}
+    plan = {r["strategy"]: r for r in _json_lines(_cli("plan", *flags, "--json"))}
+    assert sorted(demo) == sorted(plan)
+    for name, d in demo.items():
+        p = plan[name]
+        assert d["default"] == p["recommended"]
+        assert d["dispatched_pairs"] == p["dispatched_pairs"]
+        assert d["tp_collectives"] == len(p["tp_collectives"])
+        assert d["tp_collective_bytes"] == sum(c["bytes"][0] for c in p["tp_collectives"])
+        for measured, planned in zip(d["dispatched_bytes"], p["dispatched_bytes"]):
+            assert planned["min"] <= measured <= planned["max"]
+
+
+def test_cli_plan_model_config_table():
+    proc = _cli("plan", "--model-config", str(EXAMPLES / "deepseek-v3.json"), "--dp", "16", "--ep",
+                "--tokens", "128", "--quant", "fp8_block128")
+    assert proc.returncode == 0, proc.stderr
+    assert "hidden=7168 experts=256 topk=8" in proc.stdout and "moe_layers=58" in proc.stdout
+    assert "wire per row: act 7168 B, x_sf 224 B, meta 96 B; combine 14336 B" in proc.stdout
+    assert "LOCAL*" in proc.stdout and "* LOCAL: tp == 1" in proc.stdout
+
+
+def test_cli_plan_flags_override_model_config():
+    rows = _json_lines(_cli("plan", "--model-config", str(EXAMPLES / "qwen1.5-moe-a2.7b.json"),
+                            "--dp", "1", "--tp", "2", "--ranks", "2", "--tokens", "6", "--topk", "2",
+                            "--json"))
+    assert [r["strategy"] for r in rows] == ["TP_UNIFIED"]
+    assert rows[0]["num_moe_layers"] == 24 and rows[0]["dispatched_pairs"] == [0, 0]
+    # routed experts TP-sharded (EP off): 60 x 3 x 1408/2 x 2048 bf16 values per rank
+    assert rows[0]["expert_weight_bytes"] == [60 * 3 * 704 * 2048 * 2] * 2
+    # gated shared expert, TP-sharded: 3 x 5632/2 x 2048 + gate 2048, bf16
+    assert rows[0]["shared_weight_bytes"] == [(3 * 2816 * 2048 + 2048) * 2] * 2
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_experts_per_tok", _DROP, "field 'num_experts_per_tok' is missing"),
+    ("hidden_size", "big", "field 'hidden_size' is 'big'"),
+])
+def test_cli_plan_bad_model_config(tmp_path, field, value, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_mutated("deepseek-v3.json", field, value)))
+    proc = _cli("plan", "--model-config", str(path), "--ranks", "8", "--ep")
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dp", "2", "--tp", "2", "--ranks", "8"], "--ranks 8 contradicts --dp 2 x --tp 2"),
+    (["--ranks", "4", "--ep", "--backend", "nope"], "unknown moe-plugins backend 'nope'"),
+    (["--ranks", "3", "--ep"], "num_experts=8 is not divisible by the EP size 3"),
+    (["--ranks", "4", "--ep", "--tokens-per-dp", "7,1"], "one per DP group (4), got [7, 1]"),
+])
+def test_cli_plan_usage_errors(args, message):
+    proc = _cli("plan", *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -149,7 +149,8 @@ def wire_format(activation_format: ActivationFormat, cfg: MoEConfig, quant: Quan
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Routing:
-    """Where each EP rank's owned tokens went.
+    """Where each EP rank's owned tokens went: build it with :meth:`from_topk_ids`, or directly
+    from counts measured elsewhere.
 
     owned[s]: tokens rank s handed to prepare. tokens[s][d]: of those, how many have at least one
     expert on rank d (rows a once-per-rank backend sends). pairs[s][d]: (token, expert) pairs of
@@ -174,6 +175,10 @@ class Routing:
             if ids.dim() != 2:
                 raise ValueError(f"topk_ids of rank {s} has shape {tuple(ids.shape)}, expected "
                                  "[num_owned, num_topk]")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+                raise ValueError(f"topk_ids of rank {s} hold ids in [{int(ids.min())}, "
+                                 f"{int(ids.max())}], expected GLOBAL expert ids in "
+                                 f"[0, {num_experts})")
             dest = ids.long() // per
             hit = torch.zeros(ids.shape[0], n, dtype=torch.bool)
             hit[torch.arange(ids.shape[0]).unsqueeze(1).expand_as(dest), dest] = True
@@ -309,9 +314,6 @@ def _weight_bytes(cfg: MoEConfig, layout: ParallelLayout, placement: SharedPlace
              if placement is SharedPlacement.TP_SHARDED else cfg.shared_intermediate)
         shared = (3 * s * h + (h if cfg.shared_gate else 0)) * item
     if layout.ep:
-        if cfg.num_experts % layout.ep_size:
-            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
-                             f"{layout.ep_size}; pick an EP size that divides the experts")
         routed = cfg.num_experts // layout.ep_size * 3 * cfg.intermediate * h * item
     else:
         routed = cfg.num_experts * 3 * _shard(cfg.intermediate, layout.tp,
@@ -408,6 +410,9 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
         raise ValueError(f"backend {backend.name!r} cannot serve layout {layout.describe()} with "
                          f"quant {quant.scheme.value}: {why}; change the layout, quant or backend")
     tokens = _per_dp(num_tokens, layout.dp)
+    if layout.ep and cfg.num_experts % layout.ep_size:
+        raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
+                         f"{layout.ep_size}; pick an EP size that divides the experts")
     wire = wire_format(caps.activation_format, cfg, quant)
     world = layout.world_size
     rows = [owned_rows(tokens[layout.dp_rank(r)], layout.tp, layout.tp_rank(r)) for r in range(world)]

@@ -289,6 +289,11 @@ def test_strategies_and_recommendation_come_from_strategy_module(layout, shared,
     assert plan.recommended.reason.startswith(choice.reason)
 
 
+def test_routing_rejects_local_or_out_of_range_ids():
+    with pytest.raises(ValueError, match=r"rank 1 hold ids in \[-1, 3\], expected GLOBAL expert ids"):
+        Routing.from_topk_ids([torch.tensor([[0, 5]]), torch.tensor([[-1, 3]])], 8)
+
+
 def test_plan_errors_name_what_is_wrong():
     torch_backend = get_backend("torch")
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by the EP size 4"):

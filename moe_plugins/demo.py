@@ -16,8 +16,8 @@ from moe_plugins.model import MoEConfig, MoEWeights
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
 from moe_plugins.reference import reference_moe, within_tolerance
-from moe_plugins.registry import get_backend
-from moe_plugins.strategy import ReductionStrategy, applicable_strategies
+from moe_plugins.registry import get_backend, select_backend
+from moe_plugins.strategy import ReductionStrategy, applicable_strategies, choose_strategy
 
 __all__ = ["DemoRow", "demo_inputs", "run_demo", "strategies_for"]
 
@@ -74,9 +74,7 @@ def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: st
              quant: QuantSpec = QuantSpec(), seed: int = 0, iters: int = 3,
              strategies: list[ReductionStrategy] | None = None) -> list[DemoRow]:
     """Run every applicable strategy (or ``strategies``) and compare each rank with the reference."""
-    from moe_plugins.strategy import choose_strategy
-
-    caps = get_backend(backend).capabilities
+    caps = select_backend(layout, quant.scheme, backend).capabilities
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                               has_shared_expert=cfg.has_shared_expert,
                               single_collective=OverlapConfig.from_env().single_collective).strategy

@@ -45,14 +45,12 @@ class TorchExperts:
         assert prep.topk_weights is not None
         x = self._input(prep.x, prep.x_sf)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        ids = prep.topk_ids
+        # Every local expert runs on every received row and is weighted by the row's router
+        # weight for it (0 where not routed): no data-dependent shapes, so no host sync and the
+        # path can be captured in a CUDA graph. This is a reference, not a fast kernel.
         for e in range(self.weights.num_local_experts):
-            hit = ids == e
-            rows = hit.any(dim=1).nonzero(as_tuple=True)[0]
-            if rows.numel() == 0:
-                continue
-            w = (prep.topk_weights.float() * hit).sum(dim=1)[rows]
-            out.index_add_(0, rows, self._expert(e, x[rows]) * w[:, None])
+            w = (prep.topk_weights.float() * (prep.topk_ids == e)).sum(dim=1)
+            out += self._expert(e, x) * w[:, None]
         return out.to(self.out_dtype)
 
     def _apply_batched(self, prep: PrepareResult) -> torch.Tensor:

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from moe_plugins.layout import ParallelLayout
 
-__all__ = ["DistContext", "make_dist_context", "cached_dist_context"]
+__all__ = ["DistContext", "make_dist_context", "cached_dist_context", "all_gather_tensor",
+           "reduce_scatter_tensor"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,18 @@ def cached_dist_context(layout: ParallelLayout, device: torch.device | str = "cp
     if key not in _CONTEXTS:
         _CONTEXTS[key] = make_dist_context(layout, device)
     return _CONTEXTS[key]
+
+
+# torch 2.13 renamed the tensor collectives (*_into_tensor / *_tensor now warn as deprecated);
+# older torch (the GPU image has 2.11) has only the old names. Resolved at call time so a test
+# that wraps torch.distributed sees the call.
+def all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group: "dist.ProcessGroup | None") -> None:
+    """out [world * n, ...] <- every rank's inp [n, ...], in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: "dist.ProcessGroup | None") -> None:
+    """out [n, ...] <- sum over ranks of block ``rank`` of inp [world * n, ...]."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)

@@ -1,7 +1,7 @@
 """Typed multi-process launcher: CPU ranks on 127.0.0.1 with a gloo process group.
 
 ``RankPool(world_size)`` starts the ranks once and runs any number of picklable functions on all
-of them (``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns
+of them (``pool.run(fn, *args, **kwargs)`` calls ``fn(rank, world_size, *args, **kwargs)`` on every rank and returns
 the per-rank results in rank order). Tests keep one pool per world size; the demo uses one.
 """
 from __future__ import annotations
@@ -48,9 +48,9 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue[Any]", resul
         task = tasks.get()
         if task is None:
             break
-        fn, args = task
+        fn, args, kwargs = task
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            results.put((rank, "ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException as e:  # report, keep serving: the parent decides what is fatal
             results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
     dist.destroy_process_group()
@@ -92,13 +92,13 @@ class RankPool(Generic[T]):
             assert accept(status), status
         return [got[r][1] for r in range(self.world_size)]
 
-    def run(self, fn: Callable[..., T], *args: Any) -> list[T]:
-        """Call ``fn(rank, world_size, *args)`` on every rank; results in rank order. A raise on
-        any rank becomes :class:`RankError` (the first rank's, in rank order)."""
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
+        """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; results in rank order.
+        A raise on any rank becomes :class:`RankError` (the first rank's, in rank order)."""
         if not self.alive:
             raise RuntimeError("rank pool is closed")
         for q in self._tasks:
-            q.put((fn, args))
+            q.put((fn, args, kwargs))
         return self._collect(lambda status: status == "ok")
 
     @property

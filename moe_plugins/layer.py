@@ -11,13 +11,14 @@ import torch.distributed as dist
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.experts import TorchExperts
-from moe_plugins.groups import DistContext
+from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
 from moe_plugins.layout import owned_rows, slice_owned
 from moe_plugins.model import MoEWeights, route
-from moe_plugins.overlap import OverlapConfig, SharedExpertHandle, join, launch_shared
+from moe_plugins.overlap import (OverlapConfig, SharedExpertHandle, join, launch_shared,
+                                 overlap_off_reason)
 from moe_plugins.quant import QuantSpec
-from moe_plugins.registry import BackendSpec
+from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
                                   choose_strategy)
 
@@ -26,12 +27,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["MoELayer"]
 
 _LOGGED: set[tuple] = set()
-
-
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (now deprecated); older torch has only that name.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
 
 
 class MoELayer:
@@ -51,6 +46,13 @@ class MoELayer:
         self.overlap = overlap or OverlapConfig.from_env()
         layout = ctx.layout
         caps = backend.capabilities
+        # Availability (packages, GPU) is checked by the engine's selection; here the layout
+        # and quant, so a layer never runs on a backend that cannot serve it.
+        refused = refusal_reason(backend, layout, quant.scheme, require_available=False)
+        if refused:
+            raise BackendSelectionError(f"backend {backend.name!r} cannot serve layout "
+                                        f"{layout.describe()} with quant {quant.scheme.value}: "
+                                        f"{refused}; `moe-plugins list` shows what each backend supports")
         options = applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                                         has_shared_expert=cfg.has_shared_expert)
         if strategy is None:
@@ -77,18 +79,21 @@ class MoELayer:
         self.router = weights.router
         self.collectives = CollectiveLog()
         self.pf: Optional[PrepareFinalize] = None
-        if strategy.dispatches and layout.ep_size > 1:
+        if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
             self.pf = backend.build(ctx, DispatchConfig(
                 num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant))
 
-        key = (backend.name, layout, strategy, self.overlap, quant, cfg)
+        key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type)
         if key not in _LOGGED:
             _LOGGED.add(key)
+            off = overlap_off_reason(self.overlap, ctx.device, 0) if cfg.has_shared_expert \
+                else "no shared expert"
             logger.info("moe-plugins layer: backend=%s layout=%s strategy=%s (%s) overlap=%s "
                         "quant=%s%s", backend.name, layout.describe(), strategy.value, reason,
-                        "on" if self.overlap.overlap else "off", quant.scheme.value,
-                        " (deferred)" if quant.defer_input_quant else "")
+                        f"off ({off})" if off else
+                        f"on (up to {self.overlap.overlap_max_tokens} tokens per call)",
+                        quant.scheme.value, " (deferred)" if quant.defer_input_quant else "")
 
     # -- counted TP collectives (the dispatch all-to-alls are counted by the backend) -----------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +108,7 @@ class MoELayer:
         padded[: owned.shape[0]] = owned
         gathered = owned.new_empty(chunk * tp, owned.shape[1])
         self.collectives.add("all_gather", padded)
-        _all_gather_single(gathered, padded, group=self.ctx.tp_group)
+        all_gather_tensor(gathered, padded, self.ctx.tp_group)
         return gathered[:num_tokens]
 
     @property

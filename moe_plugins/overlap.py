@@ -123,6 +123,10 @@ class SharedExpertHandle:
     event: "torch.cuda.Event | None" = None
     joined: bool = False
 
+    def __post_init__(self) -> None:
+        if self.event is None:
+            self.joined = True  # ran inline: nothing to wait for
+
     @property
     def overlapped(self) -> bool:
         return self.event is not None
@@ -138,13 +142,13 @@ def launch_shared(
     Requested overlap that cannot run logs one WARNING (per reason), never silently.
     """
     if fn is None:
-        return SharedExpertHandle(output=None, joined=True)
+        return SharedExpertHandle(output=None)
     reason = overlap_off_reason(config, x.device, x.shape[0])
     if reason is not None:
         if config.overlap and not reason.startswith(f"{x.shape[0]} tokens"):
             _warn_once(reason, f"shared-expert overlap was requested but is off: {reason}; "
                                "the shared expert runs inline")
-        return SharedExpertHandle(output=fn(x), joined=True)
+        return SharedExpertHandle(output=fn(x))
     main = torch.cuda.current_stream(x.device)
     side = side_stream(x.device)
     side.wait_stream(main)
@@ -163,6 +167,6 @@ def join(handle: SharedExpertHandle) -> torch.Tensor | None:
     """Make the current stream wait for the shared expert; idempotent. Returns its output."""
     if not handle.joined:
         assert handle.event is not None
-        torch.cuda.current_stream().wait_event(handle.event)
+        handle.event.wait()  # the current stream waits; the host does not block
         handle.joined = True
     return handle.output

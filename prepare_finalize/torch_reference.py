@@ -96,9 +96,10 @@ class TorchPrepareFinalize(PrepareFinalize):
             base = m.rank * m.experts_per_rank
             local = torch.where((ids >= base) & (ids < base + m.experts_per_rank), ids - base,
                                 torch.full_like(ids, -1))
-            counts = torch.stack([(local == e).any(dim=1).sum()
-                                  for e in range(m.experts_per_rank)]).to(torch.int32) \
-                if m.experts_per_rank else torch.zeros(0, dtype=torch.int32)
+            # a token's experts are distinct, so pairs per local expert == tokens per expert
+            valid = local >= 0
+            counts = torch.zeros(m.experts_per_rank, dtype=torch.int32, device=ids.device)
+            counts.scatter_add_(0, local.clamp(min=0).flatten(), valid.flatten().to(torch.int32))
             return PrepareResult(
                 x=sent["x"][0],
                 x_sf=sent["x_sf"][0] if "x_sf" in sent else None,

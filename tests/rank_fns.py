@@ -54,11 +54,11 @@ def count_dist_calls() -> Iterator[list[tuple[str, int]]]:
 def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
               strategy: Optional[ReductionStrategy], num_tokens: int,
               quant: QuantSpec = QuantSpec(), seed: int = 0, backend: str = "torch",
-              overlap: bool = False) -> dict:
+              overlap: bool = False, single_collective: bool = True) -> dict:
     """One forward of a MoE layer on this rank, with every torch.distributed call counted."""
     ctx = cached_dist_context(layout)
     layer = MoELayer(MoEWeights.random(cfg, seed), ctx, get_backend(backend), strategy, quant,
-                     OverlapConfig(overlap=overlap), max_tokens_per_rank=max(num_tokens, 1))
+                     OverlapConfig(single_collective, overlap), max_tokens_per_rank=max(num_tokens, 1))
     x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
     with count_dist_calls() as calls:
         out = layer(x)
@@ -102,3 +102,48 @@ def prepare_mismatched(rank: int, world: int, layout: ParallelLayout, cfg: MoECo
     pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk))
     pf.prepare(torch.zeros(4, cfg.hidden), torch.ones(8, cfg.num_topk),
                torch.zeros(8, cfg.num_topk, dtype=torch.int64), QuantSpec())
+
+
+class _FailOnce:
+    """Experts that raise on their first call, then delegate (a routed-path failure)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.failed = inner, False
+
+    def apply(self, prep: Any) -> torch.Tensor:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected expert failure")
+        return self.inner.apply(prep)
+
+
+def run_layer_after_failure(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                            strategy: ReductionStrategy, num_tokens: int) -> dict:
+    """First call fails inside the routed path (after dispatch); the second must succeed."""
+    ctx = cached_dist_context(layout)
+    layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend("torch"), strategy, QuantSpec(),
+                     OverlapConfig(overlap=True), max_tokens_per_rank=num_tokens)
+    layer.experts = _FailOnce(layer.experts)  # type: ignore[assignment]
+    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, 0)
+    try:
+        layer(x)
+        first_error = None
+    except RuntimeError as e:
+        first_error = str(e)
+    return dict(first_error=first_error, out=layer(x), handle_after=layer.pf._handle)  # type: ignore[union-attr]
+
+
+def expert_counts(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                  num_tokens: int) -> dict:
+    """prepare's per-local-expert counts next to the received local topk ids."""
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.model import route
+
+    ctx = cached_dist_context(layout)
+    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk))
+    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, 0)
+    tw, ti = route(x, MoEWeights.random(cfg, 0).router, cfg.num_topk, cfg.renormalize)
+    prep = pf.prepare(x, tw, ti, QuantSpec())
+    pf.reset_call_state()
+    assert prep.expert_tokens_meta is not None and prep.topk_ids is not None
+    return dict(counts=prep.expert_tokens_meta.expert_num_tokens, local_ids=prep.topk_ids)

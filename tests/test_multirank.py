@@ -181,3 +181,12 @@ def test_prepare_rejects_mismatched_token_counts(rank_pool):
         rank_pool(2).run(rank_fns.prepare_mismatched, ParallelLayout(2, 1, True), _cfg())
     assert e.value.exc_type == "ValueError"
     assert "(4, 256)" in e.value.message and "(8, 2)" in e.value.message
+
+
+def test_expert_token_counts_match_received_rows(rank_pool):
+    cfg = _cfg(num_topk=4)
+    for r in rank_pool(2).run(rank_fns.expert_counts, ParallelLayout(2, 1, True), cfg, 9):
+        ids = r["local_ids"]
+        expected = [int((ids == e).any(dim=1).sum()) for e in range(cfg.num_experts // 2)]
+        assert r["counts"].dtype == torch.int32 and r["counts"].tolist() == expected
+        assert sum(expected) > 0

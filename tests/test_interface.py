@@ -1,0 +1,103 @@
+"""The prepare/finalize contract: row-scatter target, the join-and-add helper, finalize result."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_plugins.interface import (AsyncResult, PrepareFinalize, RowScatterTarget,
+                                   check_prepare_inputs, row_scatter_add)
+from moe_plugins.layout import owned_rows
+from moe_plugins.overlap import SharedExpertHandle
+
+
+def _target(n: int = 5, tp: int = 2, rank: int = 1, dtype=torch.float32) -> RowScatterTarget:
+    buf = torch.arange(n * 4, dtype=dtype).reshape(n, 4)
+    return RowScatterTarget(SharedExpertHandle(buf), owned_rows(n, tp, rank))
+
+
+def test_row_scatter_adds_owned_rows_only_and_returns_the_buffer():
+    t = _target()
+    before = t.buffer.clone()
+    out = row_scatter_add(t, torch.ones(3, 4))  # rank 1 of tp 2 owns rows 3..4 (chunk 3)
+    assert out is t.buffer
+    assert torch.equal(out[:3], before[:3])
+    assert torch.equal(out[3:], before[3:] + 1)
+
+
+class _RecordingEvent:
+    """Stands in for the side stream's CUDA event on CPU: records that someone waited on it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+@pytest.mark.parametrize("num_tokens,tp,rank", [(1, 4, 3), (5, 2, 1)], ids=["zero-rows", "two-rows"])
+def test_row_scatter_joins_the_shared_expert_before_touching_the_buffer(num_tokens, tp, rank):
+    event = _RecordingEvent()
+    rows = owned_rows(num_tokens, tp, rank)
+    target = RowScatterTarget(SharedExpertHandle(torch.zeros(num_tokens, 4), event), rows)  # type: ignore[arg-type]
+    row_scatter_add(target, torch.ones(rows.chunk, 4))
+    assert event.waits == 1 and target.shared.joined
+    row_scatter_add(target, torch.zeros(rows.chunk, 4))  # idempotent: joined once
+    assert event.waits == 1
+
+
+@pytest.mark.parametrize("combined,match", [
+    (torch.ones(3, 4, dtype=torch.bfloat16), "float32 on cpu but the combined output is torch.bfloat16"),
+    (torch.ones(1, 4), r"expected \[>= 2, 4\]"),
+    (torch.ones(3, 5), r"expected \[>= 2, 4\]"),
+])
+def test_row_scatter_rejects_mismatched_output(combined, match):
+    with pytest.raises(ValueError, match=match):
+        row_scatter_add(_target(), combined)
+
+
+def test_row_scatter_target_checks_buffer_shape():
+    with pytest.raises(ValueError, match=r"buffer has shape \(4, 4\), expected \[5, hidden\]"):
+        RowScatterTarget(SharedExpertHandle(torch.zeros(4, 4)), owned_rows(5, 2, 0))
+
+
+def test_row_scatter_target_needs_a_buffer():
+    with pytest.raises(ValueError, match="needs the shared expert's output buffer"):
+        RowScatterTarget(SharedExpertHandle(None), owned_rows(5, 2, 0))
+
+
+class _CopyingBackend(PrepareFinalize):
+    """A third-party backend that breaks the contract: returns a fresh tensor."""
+
+    def num_dispatchers(self) -> int:
+        return 1
+
+    def prepare_async(self, hidden_states, topk_weights, topk_ids, quant):  # pragma: no cover
+        raise NotImplementedError
+
+    def finalize_async(self, fused_expert_output, topk_weights, topk_ids, output):
+        return AsyncResult(None, lambda: fused_expert_output.clone())
+
+
+@pytest.mark.parametrize("row_scatter", [False, True])
+def test_finalize_returning_another_buffer_is_an_error(row_scatter):
+    out = _target() if row_scatter else torch.zeros(2, 4)
+    with pytest.raises(TypeError, match="instead of the output buffer it was given"):
+        _CopyingBackend().finalize(torch.ones(2, 4), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), out)
+
+
+@pytest.mark.parametrize("ids_dtype,exc,match", [
+    (torch.float32, TypeError, "topk_ids must be int32 or int64, got torch.float32"),
+    (torch.int64, None, None),
+])
+def test_check_prepare_inputs_topk_dtype(ids_dtype, exc, match):
+    args = (torch.zeros(3, 8), torch.ones(3, 2), torch.zeros(3, 2, dtype=ids_dtype))
+    if exc is None:
+        check_prepare_inputs(*args)
+    else:
+        with pytest.raises(exc, match=match):
+            check_prepare_inputs(*args)
+
+
+def test_check_prepare_inputs_names_both_shapes():
+    with pytest.raises(ValueError, match=r"hidden_states \(4, 8\), topk_ids \(8, 2\)"):
+        check_prepare_inputs(torch.zeros(4, 8), torch.ones(8, 2), torch.zeros(8, 2, dtype=torch.long))

@@ -1,0 +1,54 @@
+"""Token ownership: the one function that decides which rows a TP rank owns."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_owned_rows_partition_all_tokens_in_order(num_tokens, tp):
+    rows = [owned_rows(num_tokens, tp, r) for r in range(tp)]
+    covered = [i for r in rows for i in range(r.start, r.stop)]
+    assert covered == list(range(num_tokens))
+    chunk = -(-num_tokens // tp)
+    assert all(r.chunk == chunk and r.num_owned <= chunk for r in rows)
+
+
+def test_trailing_ranks_may_own_zero_rows():
+    assert [owned_rows(1, 4, r).num_owned for r in range(4)] == [1, 0, 0, 0]
+    assert [owned_rows(5, 4, r).num_owned for r in range(4)] == [2, 2, 1, 0]
+
+
+def test_owned_rows_rejects_bad_rank():
+    with pytest.raises(ValueError, match=r"tp_rank must be in \[0, 2\), got 2"):
+        owned_rows(4, 2, 2)
+
+
+def test_slice_owned_slices_hidden_and_routing_together():
+    rows = owned_rows(5, 2, 1)
+    h, ids, w = torch.arange(10.).reshape(5, 2), torch.arange(5).reshape(5, 1), torch.ones(5, 1)
+    owned = slice_owned(rows, h, ids, w)
+    assert owned.hidden_states.tolist() == [[6., 7.], [8., 9.]]
+    assert owned.topk_ids.flatten().tolist() == [3, 4]
+
+
+def test_slice_owned_refuses_routing_of_another_batch():
+    with pytest.raises(ValueError, match=r"topk_ids has 8 tokens \(shape \(8, 2\)\).*computed for 4"):
+        slice_owned(owned_rows(4, 2, 0), torch.zeros(4, 16), torch.zeros(8, 2, dtype=torch.long),
+                    torch.zeros(4, 2))
+
+
+def test_dp_without_ep_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="enable expert parallelism"):
+        ParallelLayout(dp=2, tp=1, ep=False)
+
+
+@pytest.mark.parametrize("layout,sp", [
+    (ParallelLayout(2, 2, True), True), (ParallelLayout(1, 2, True), False),
+    (ParallelLayout(2, 1, True), False), (ParallelLayout(1, 4, False), False)])
+def test_sequence_parallel_rule(layout, sp):
+    assert layout.sequence_parallel(backend_supports_sp=True) is sp
+    assert layout.sequence_parallel(backend_supports_sp=False) is False

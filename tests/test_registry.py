@@ -1,0 +1,94 @@
+"""Entry-point registry, capability matrix, selection errors, and a real third-party backend."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from moe_plugins import registry
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.quant import QuantScheme
+from moe_plugins.registry import (BackendSelectionError, BackendSpec, Capabilities, RequiredPackage,
+                                  refusal_reason, select_backend)
+from prepare_finalize.torch_reference import TorchPrepareFinalize
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_capability_matrix_is_built_from_registered_specs():
+    assert registry.BACKEND_EP_DP_TP_SUPPORT["torch"] == (True, True, True, True)
+    assert registry.BACKEND_SUPPORTED_QUANTS["torch"] == frozenset(QuantScheme)
+
+
+def test_builtin_backend_comes_from_the_entry_point_of_this_distribution():
+    assert registry.get_backend("torch").distribution == "moe-plugins"
+
+
+def test_unknown_backend_name_lists_registered_ones():
+    with pytest.raises(ValueError, match=r"unknown moe-plugins backend 'nope'; registered: \[.*'torch'"):
+        registry.get_backend("nope")
+
+
+def _spec(**kw: object) -> BackendSpec:
+    base = dict(name="t", prepare_finalize=TorchPrepareFinalize, manager=object,
+                capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False),
+                quants=frozenset({QuantScheme.NONE}))
+    return BackendSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec,layout,quant,expected", [
+    (_spec(), ParallelLayout(2, 2, True), QuantScheme.NONE, "no TP inside the EP group (tp=2)"),
+    (_spec(), ParallelLayout(4, 1, True), QuantScheme.FP8_BLOCK128, "quant fp8_block128 not in ['none']"),
+    (_spec(required=(RequiredPackage("moe_plugins_missing_pkg", "pip install 'moe-plugins[x]'"),)),
+     ParallelLayout(4, 1, True), QuantScheme.NONE,
+     "package 'moe_plugins_missing_pkg' not installed (pip install 'moe-plugins[x]')"),
+])
+def test_refusal_reason_says_what_is_missing(spec, layout, quant, expected):
+    assert expected in (refusal_reason(spec, layout, quant) or "")
+
+
+def test_auto_selection_serves_every_cpu_layout_with_the_reference_backend():
+    assert select_backend(ParallelLayout(2, 2, True), QuantScheme.FP8_BLOCK128).name in \
+        {n for n, s in registry.registered_backends().items() if s.capabilities.tp}
+
+
+@pytest.fixture
+def third_party_backend() -> Iterator[None]:
+    """Install examples/third_party_backend into this environment; uninstall afterwards."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation",
+                          str(ROOT / "examples" / "third_party_backend")], check=True)
+    registry.reload_backends()
+    try:
+        yield
+    finally:
+        subprocess.run(pip + ["uninstall", "-y", "moe-plugins-example-backend"], check=True)
+        registry.reload_backends()
+
+
+def test_third_party_backend_registers_lists_and_is_selectable(third_party_backend):
+    out = subprocess.run([str(BIN / "moe-plugins"), "list", "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["example_allgather"] == dict(
+        name="example_allgather", usable=True, reason=None, ep_dp=True, dp=True, tp=False,
+        sp=False, quants=["none"], distribution="moe-plugins-example-backend")
+    assert select_backend(ParallelLayout(2, 1, True), name="example_allgather").name == "example_allgather"
+    # and it really runs: the demo on 2 gloo ranks, checked against the reference
+    demo = subprocess.run([str(BIN / "moe-plugins"), "demo", "--ranks", "2", "--ep", "--backend",
+                           "example_allgather", "--json"], capture_output=True, text=True, timeout=120)
+    assert demo.returncode == 0, demo.stderr
+    assert [json.loads(line)["strategy"] for line in demo.stdout.splitlines()] == ["LOCAL"]
+
+
+def test_unsupported_layout_lists_the_alternatives(third_party_backend):
+    with pytest.raises(BackendSelectionError) as e:
+        select_backend(ParallelLayout(2, 2, True), name="example_allgather")
+    msg = str(e.value)
+    assert "example_allgather: no TP inside the EP group (tp=2)" in msg
+    assert "backends that would: ['torch']" in msg or "'torch'" in msg.split("backends that would:")[1]

@@ -424,7 +424,8 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
     choice = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                              has_shared_expert=cfg.has_shared_expert,
                              single_collective=single_collective, shared_placement=shared_placement)
-    dispatching = [s for s in options if s.dispatches and layout.ep_size > 1]
+    # As MoELayer builds a backend: EP on and a dispatching strategy (one rank sends to itself).
+    dispatching = [s for s in options if s.dispatches and layout.ep]
     if routing is not None and dispatching:
         _check_routing(routing, owned, cfg.num_topk)
     sent, recv, recv_pairs, row_matrix = (

@@ -56,6 +56,7 @@ def _run(rank_pool, layout, cfg, strategy, tokens, quant=QuantSpec()):
 # The plan against measured runs
 # --------------------------------------------------------------------------------------------
 LAYOUTS = [
+    (ParallelLayout(1, 1, True), S.LOCAL),
     (ParallelLayout(2, 1, True), S.LOCAL),
     (ParallelLayout(4, 1, True), S.LOCAL),
     (ParallelLayout(1, 2, False), S.TP_UNIFIED),
@@ -90,7 +91,7 @@ def _quant_id(q: QuantSpec) -> str:
 
 MATRIX = ([(lay, s, t, QuantSpec()) for (lay, s), t in itertools.product(LAYOUTS, TOKENS)]
           + [(lay, s, "ragged", q) for (lay, s), q in itertools.product(
-              [LAYOUTS[1], LAYOUTS[4], LAYOUTS[7]], QUANTS[1:])])
+              [LAYOUTS[2], LAYOUTS[5], LAYOUTS[8]], QUANTS[1:])])
 
 
 def _check_deterministic(plan, strategy, results, layout, cfg):

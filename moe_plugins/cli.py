@@ -152,6 +152,19 @@ def _est(e: "Estimate", fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(e.expected)} [{e.min}..{e.max}]"
 
 
+def _size(num_bytes: float, unit: tuple[str, int]) -> str:
+    return f"{num_bytes / unit[1]:.2f}" if unit[1] > 1 else f"{num_bytes:.0f}"
+
+
+def _est_bytes(e: "Estimate") -> str:
+    """Bytes of an Estimate in one unit: 'v unit' (exact) or 'expected [min..max] unit'."""
+    unit = next(u for u in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                if e.max >= u[1] or u[1] == 1)
+    if e.is_exact:
+        return f"{_size(e.min, unit)} {unit[0]}"
+    return f"{_size(e.expected, unit)} [{_size(e.min, unit)}..{_size(e.max, unit)}] {unit[0]}"
+
+
 def _plan_json(plan: "LayerPlan") -> list[dict]:
     rows = []
     for sp in plan.strategies:
@@ -193,7 +206,7 @@ def _plan_json(plan: "LayerPlan") -> list[dict]:
 
 
 def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
-    from moe_plugins.plan import expected_ranks_hit
+    from moe_plugins.plan import Estimate, expected_ranks_hit
 
     m, lay, w, ln = plan.model.moe, plan.layout, plan.wire, plan.link
     q = plan.quant.scheme.value + (" (deferred)" if plan.quant.defer_input_quant else "")
@@ -215,9 +228,9 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
         print(f"rows depend on routing: expected under uniform routing [exact min..max]; "
               f"a token reaches {hit:.2f} of {lay.ep_size} ranks on average")
     print("busiest rank per column:")
-    print(f"{'strategy':<24} {'TP collectives':<22} {'TP bytes':>10} {'pairs':>7} "
-          f"{'rows sent':<18} {'dispatch bytes':<26} {'x_sf bytes':<20} {'combine bytes':<26} "
-          f"{'shared W MiB':>12} {'us/layer':>9} {'ms/fwd':>8}")
+    print(f"{'strategy':<24} {'TP collectives':<22} {'TP bytes':>11} {'pairs':>6} "
+          f"{'rows sent':<20} {'dispatch sent':<26} {'x_sf sent':<26} {'combine sent':<26} "
+          f"{'shared W':>10} {'us/layer':>9} {'ms/fwd':>8}")
 
     def busiest(sp, name: str):
         return max((getattr(r, name) for r in sp.ranks), key=lambda e: (e.expected, e.max))
@@ -226,10 +239,12 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
         rk = sp.ranks
         colls = "+".join(c.kind for c in rk[0].tp_collectives) or "-"
         print(f"{sp.strategy.value + ('*' if sp.recommended else ''):<24} {colls:<22} "
-              f"{max(r.tp_collective_bytes for r in rk):>10} {max(r.pairs for r in rk):>7} "
-              f"{_est(busiest(sp, 'rows')):<18} {_est(busiest(sp, 'dispatch_bytes')):<26} "
-              f"{_est(busiest(sp, 'sf_bytes')):<20} {_est(busiest(sp, 'combine_bytes')):<26} "
-              f"{max(r.shared_weight_bytes for r in rk) / 2**20:>12.2f} "
+              f"{_est_bytes(Estimate.exact(max(r.tp_collective_bytes for r in rk))):>11} "
+              f"{max(r.pairs for r in rk):>6} "
+              f"{_est(busiest(sp, 'rows')):<20} {_est_bytes(busiest(sp, 'dispatch_bytes')):<26} "
+              f"{_est_bytes(busiest(sp, 'sf_bytes')):<26} "
+              f"{_est_bytes(busiest(sp, 'combine_bytes')):<26} "
+              f"{_est_bytes(Estimate.exact(max(r.shared_weight_bytes for r in rk))):>10} "
               f"{sp.time.total_us:>9.1f} {sp.time.total_us * plan.model.num_moe_layers / 1e3:>8.3f}")
         if per_rank:
             for r in rk:
@@ -240,6 +255,8 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
                       f"{_est(r.combine_bytes)} recv {_est(r.recv_combine_bytes)} | TP "
                       + (", ".join(f"{c.kind} {c.bytes} B" for c in r.tp_collectives) or "-")
                       + f" | shared W {r.shared_weight_bytes} B, experts W {r.expert_weight_bytes} B")
+    print(f"us/layer: dispatch + combine + TP collectives; ms/fwd: x {plan.model.num_moe_layers} "
+          "MoE layers")
     for sp in plan.strategies:
         print(("* " if sp.recommended else "  ") + f"{sp.strategy.value}: {sp.reason}")
 

@@ -492,6 +492,6 @@ def _with_comparison(p: StrategyPlan, plans: list[StrategyPlan]) -> StrategyPlan
     else:
         dt = p.time.total_us - rec.time.total_us
         dw = p.ranks[0].shared_weight_bytes - rec.ranks[0].shared_weight_bytes
-        reason = (f"{colls}; {dt:+.1f} us/layer and {dw:+d} shared-expert weight bytes/rank vs "
-                  f"{rec.strategy.value}")
+        reason = (f"{colls}; {dt:+.1f} us/layer and {dw / 2**20:+.2f} MiB shared-expert weights "
+                  f"per rank vs {rec.strategy.value}")
     return StrategyPlan(p.strategy, p.recommended, reason, p.dispatches, p.ranks, p.time)

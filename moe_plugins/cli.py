@@ -1,14 +1,19 @@
-"""``moe-plugins`` command line: list backends, run the CPU demo (the CLI only formats)."""
+"""``moe-plugins`` command line: list backends, run the CPU demo, plan a layout (the CLI only
+formats)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from dataclasses import asdict
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from moe_plugins.plan import Estimate, LayerPlan
 
 __all__ = ["main"]
 
@@ -96,6 +101,191 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+# -- plan ------------------------------------------------------------------------------------
+_SHAPE_FLAGS = ("hidden", "experts", "topk", "intermediate", "shared_intermediate", "dtype")
+
+
+def _plan_inputs(args: argparse.Namespace) -> tuple:
+    """(ModelSpec, layout, QuantSpec, LinkModel) from the flags: an explicit shape flag overrides
+    the --model-config value, which overrides demo's default."""
+    from moe_plugins.link_model import LinkModel
+    from moe_plugins.model import MoEConfig
+    from moe_plugins.model_config import ModelSpec, load_model_config
+    from moe_plugins.quant import QuantScheme, QuantSpec
+
+    if args.dp is not None:
+        if args.ranks is not None and args.ranks != args.dp * args.tp:
+            raise ValueError(f"--ranks {args.ranks} contradicts --dp {args.dp} x --tp {args.tp}; "
+                             "give --dp or --ranks, not both")
+        args.ranks = args.dp * args.tp
+    elif args.ranks is None:
+        args.ranks = args.shape_defaults["ranks"]
+    layout = layout_from_args(args)
+    base = load_model_config(args.model_config) if args.model_config else None
+    cfg = base.moe if base else None
+    given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
+    if cfg is None:
+        d = args.shape_defaults
+        cfg = MoEConfig(hidden=d["hidden"], num_experts=d["experts"], num_topk=d["topk"],
+                        intermediate=d["intermediate"], shared_intermediate=d["shared_intermediate"],
+                        dtype=_DTYPES[d["dtype"]])
+    fields = {"hidden": "hidden", "experts": "num_experts", "topk": "num_topk",
+              "intermediate": "intermediate", "shared_intermediate": "shared_intermediate"}
+    over = {fields[k]: v for k, v in given.items() if k in fields}
+    if "dtype" in given:
+        over["dtype"] = _DTYPES[given["dtype"]]
+    cfg = dataclasses.replace(cfg, **over)
+    layers = args.layers if args.layers is not None else (base.num_moe_layers if base else 1)
+    if layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    model = ModelSpec(cfg, layers, base.name if base else "flags")
+    quant = QuantSpec(QuantScheme(args.quant), args.defer_input_quant)
+    link = LinkModel(args.nvlink_gbps, args.nvlink_us, args.rdma_gbps, args.rdma_us,
+                     args.gpus_per_node)
+    return model, layout, quant, link
+
+
+def _est(e: "Estimate", fmt: str = "{:.1f}") -> str:
+    """An Estimate as 'v' (exact) or 'expected [min..max]'."""
+    if e.is_exact:
+        return str(e.min)
+    return f"{fmt.format(e.expected)} [{e.min}..{e.max}]"
+
+
+def _size(num_bytes: float, unit: tuple[str, int]) -> str:
+    return f"{num_bytes / unit[1]:.2f}" if unit[1] > 1 else f"{num_bytes:.0f}"
+
+
+def _est_bytes(e: "Estimate") -> str:
+    """Bytes of an Estimate in one unit: 'v unit' (exact) or 'expected [min..max] unit'."""
+    unit = next(u for u in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                if e.max >= u[1] or u[1] == 1)
+    if e.is_exact:
+        return f"{_size(e.min, unit)} {unit[0]}"
+    return f"{_size(e.expected, unit)} [{_size(e.min, unit)}..{_size(e.max, unit)}] {unit[0]}"
+
+
+def _plan_json(plan: "LayerPlan") -> list[dict]:
+    rows = []
+    for sp in plan.strategies:
+        rk = sp.ranks
+        colls = [{"kind": c.kind, "bytes": [r.tp_collectives[i].bytes for r in rk],
+                  "wire_bytes": [r.tp_collectives[i].wire_bytes for r in rk], "link": c.link,
+                  "time_us": max(r.tp_collectives[i].time_us for r in rk)}
+                 for i, c in enumerate(rk[0].tp_collectives)]
+
+        def per(name: str, rk: tuple = rk) -> list[dict]:
+            return [getattr(r, name).as_dict() for r in rk]
+
+        rows.append({
+            "strategy": sp.strategy.value, "recommended": sp.recommended, "reason": sp.reason,
+            "layout": plan.layout.describe(), "backend": plan.backend,
+            "quant": plan.quant.scheme.value, "defer_input_quant": plan.quant.defer_input_quant,
+            "model": plan.model.name, "num_moe_layers": plan.model.num_moe_layers,
+            "tokens_per_dp_group": list(plan.num_tokens), "dispatches": sp.dispatches,
+            "rows_per_pair": plan.wire.per_pair,
+            "dispatched_tokens": [r.owned for r in rk],
+            "dispatched_pairs": [r.pairs for r in rk],
+            "dispatched_rows": per("rows"),
+            "dispatched_bytes": [r.dispatch_bytes.as_dict() for r in rk],
+            "dispatch_act_bytes": per("act_bytes"), "dispatch_sf_bytes": per("sf_bytes"),
+            "dispatch_meta_bytes": per("meta_bytes"),
+            "recv_pairs": per("recv_pairs"), "recv_rows": per("recv_rows"),
+            "recv_dispatch_bytes": [r.recv_dispatch_bytes.as_dict() for r in rk],
+            "recv_sf_bytes": per("recv_sf_bytes"),
+            "combine_bytes": per("combine_bytes"), "recv_combine_bytes": per("recv_combine_bytes"),
+            "tp_collectives": colls,
+            "tp_collective_bytes": [r.tp_collective_bytes for r in rk],
+            "shared_weight_bytes": [r.shared_weight_bytes for r in rk],
+            "expert_weight_bytes": [r.expert_weight_bytes for r in rk],
+            "time_us": {"dispatch": sp.time.dispatch_us, "combine": sp.time.combine_us,
+                        "tp": sp.time.tp_us, "total": sp.time.total_us},
+            "time_ms_all_layers": sp.time.total_us * plan.model.num_moe_layers / 1e3,
+        })
+    return rows
+
+
+def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
+    from moe_plugins.plan import Estimate, expected_ranks_hit
+
+    m, lay, w, ln = plan.model.moe, plan.layout, plan.wire, plan.link
+    q = plan.quant.scheme.value + (" (deferred)" if plan.quant.defer_input_quant else "")
+    print(f"model {plan.model.name}: hidden={m.hidden} experts={m.num_experts} topk={m.num_topk} "
+          f"intermediate={m.intermediate} shared_intermediate={m.shared_intermediate}"
+          f"{' (gated)' if m.shared_gate and m.has_shared_expert else ''} "
+          f"dtype={str(m.dtype).replace('torch.', '')} moe_layers={plan.model.num_moe_layers}")
+    print(f"layout {lay.describe()} ({lay.world_size} ranks, {ln.gpus_per_node} GPUs/node) "
+          f"backend={plan.backend} quant={q} tokens/DP group="
+          + (f"{plan.num_tokens[0]}" if len(set(plan.num_tokens)) == 1 else str(list(plan.num_tokens))))
+    print(f"wire per row: act {w.act_bytes} B, x_sf {w.sf_bytes} B, meta {w.meta_bytes} B; "
+          f"combine {w.combine_bytes} B; "
+          + ("one row per (token, expert) pair" if w.per_pair else
+             "one row per (token, destination rank)"))
+    print(f"link model: NVLink {ln.nvlink_gbps:g} GB/s + {ln.nvlink_latency_us:g} us, "
+          f"RDMA {ln.rdma_gbps:g} GB/s + {ln.rdma_latency_us:g} us; communication only")
+    if not w.per_pair and not plan.routing_given and any(s.dispatches for s in plan.strategies):
+        hit = float(expected_ranks_hit(m.num_experts, m.num_topk, lay.ep_size))
+        print(f"rows depend on routing: expected under uniform routing [exact min..max]; "
+              f"a token reaches {hit:.2f} of {lay.ep_size} ranks on average")
+    print("busiest rank per column:")
+    print(f"{'strategy':<24} {'TP collectives':<22} {'TP bytes':>11} {'pairs':>6} "
+          f"{'rows sent':<20} {'dispatch sent':<26} {'x_sf sent':<26} {'combine sent':<26} "
+          f"{'shared W':>10} {'us/layer':>9} {'ms/fwd':>8}")
+
+    def busiest(sp, name: str):
+        return max((getattr(r, name) for r in sp.ranks), key=lambda e: (e.expected, e.max))
+
+    for sp in plan.strategies:
+        rk = sp.ranks
+        colls = "+".join(c.kind for c in rk[0].tp_collectives) or "-"
+        print(f"{sp.strategy.value + ('*' if sp.recommended else ''):<24} {colls:<22} "
+              f"{_est_bytes(Estimate.exact(max(r.tp_collective_bytes for r in rk))):>11} "
+              f"{max(r.pairs for r in rk):>6} "
+              f"{_est(busiest(sp, 'rows')):<20} {_est_bytes(busiest(sp, 'dispatch_bytes')):<26} "
+              f"{_est_bytes(busiest(sp, 'sf_bytes')):<26} "
+              f"{_est_bytes(busiest(sp, 'combine_bytes')):<26} "
+              f"{_est_bytes(Estimate.exact(max(r.shared_weight_bytes for r in rk))):>10} "
+              f"{sp.time.total_us:>9.1f} {sp.time.total_us * plan.model.num_moe_layers / 1e3:>8.3f}")
+        if per_rank:
+            for r in rk:
+                print(f"    rank {r.rank} (dp {r.dp_rank}, tp {r.tp_rank}): tokens {r.owned} "
+                      f"pairs {r.pairs} rows {_est(r.rows)} act {_est(r.act_bytes)} "
+                      f"x_sf {_est(r.sf_bytes)} meta {_est(r.meta_bytes)} | recv rows "
+                      f"{_est(r.recv_rows)} recv pairs {_est(r.recv_pairs)} | combine sent "
+                      f"{_est(r.combine_bytes)} recv {_est(r.recv_combine_bytes)} | TP "
+                      + (", ".join(f"{c.kind} {c.bytes} B" for c in r.tp_collectives) or "-")
+                      + f" | shared W {r.shared_weight_bytes} B, experts W {r.expert_weight_bytes} B")
+    print(f"us/layer: dispatch + combine + TP collectives; ms/fwd: x {plan.model.num_moe_layers} "
+          "MoE layers")
+    for sp in plan.strategies:
+        print(("* " if sp.recommended else "  ") + f"{sp.strategy.value}: {sp.reason}")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from moe_plugins.overlap import OverlapConfig
+    from moe_plugins.plan import plan_layer
+    from moe_plugins.registry import get_backend
+    from moe_plugins.strategy import SharedPlacement
+
+    model, layout, quant, link = _plan_inputs(args)
+    tokens: int | list[int] = args.tokens
+    if args.tokens_per_dp is not None:
+        try:
+            tokens = [int(t) for t in args.tokens_per_dp.split(",")]
+        except ValueError:
+            raise ValueError(f"--tokens-per-dp {args.tokens_per_dp!r}: expected comma-separated "
+                             f"token counts, one per DP group ({layout.dp})") from None
+    plan = plan_layer(model, layout, tokens, get_backend(args.backend), quant, link=link,
+                      shared_placement=SharedPlacement(args.shared_placement),
+                      single_collective=OverlapConfig.from_env().single_collective)
+    if args.json:
+        for row in _plan_json(plan):
+            print(json.dumps(row))
+    else:
+        _plan_table(plan, args.per_rank)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-plugins", description=__doc__)
     p.add_argument("--log-level", default="WARNING")
@@ -108,6 +298,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--iters", type=int, default=3, help="timed calls per strategy")
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(fn=_cmd_demo)
+    plan = sub.add_parser("plan", help="analytic per-rank traffic, TP collectives, weights and "
+                          "time of every applicable strategy, with the recommended one")
+    add_layout_args(plan)
+    shape_defaults = {k: plan.get_default(k) for k in ("ranks",) + _SHAPE_FLAGS}
+    plan.set_defaults(fn=_cmd_plan, shape_defaults=shape_defaults,
+                      **{k: None for k in shape_defaults})
+    plan.add_argument("--dp", type=int, help="DP size (instead of --ranks: ranks = dp x tp)")
+    plan.add_argument("--model-config", metavar="CONFIG_JSON",
+                      help="Hugging Face config.json (DeepSeek-V2/V3 or Qwen2/3-MoE); shape flags "
+                      "given as well override its values")
+    plan.add_argument("--tokens-per-dp", metavar="N0,N1,...",
+                      help="tokens of each DP group (instead of --tokens, for uneven DP groups)")
+    plan.add_argument("--layers", type=int, help="MoE layers (default: from --model-config, else 1)")
+    plan.add_argument("--shared-placement", default="tp_sharded",
+                      choices=["tp_sharded", "replicated"],
+                      help="how the shared expert's weights sit on TP ranks (strategy choice)")
+    plan.add_argument("--nvlink-gbps", type=float, default=450.0,
+                      help="NVLink GB/s per GPU and direction (H100/H200 NVLink4: 450)")
+    plan.add_argument("--nvlink-us", type=float, default=3.0, help="NVLink latency per message")
+    plan.add_argument("--rdma-gbps", type=float, default=50.0,
+                      help="RDMA GB/s per GPU (one 400 Gb/s NIC per GPU: 50)")
+    plan.add_argument("--rdma-us", type=float, default=5.0, help="RDMA latency per message")
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--per-rank", action="store_true", help="table: a line per rank as well")
+    plan.add_argument("--json", action="store_true", help="one JSON object per strategy and line")
     return p
 
 

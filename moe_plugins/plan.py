@@ -1,0 +1,497 @@
+"""Analytic cost model of one MoE layer under every applicable reduction strategy.
+
+For a model shape, a parallel layout, the tokens of each DP group, a backend and a dispatch
+quant scheme, :func:`plan_layer` gives per EP rank and per MoE layer: the tokens handed to
+prepare and the (token, expert) pairs dispatched, the rows on the wire and the bytes sent and
+received in dispatch (activations, ``x_sf`` and routing metadata separately) and combine, the TP
+collectives with their bytes, the shared-expert and routed-expert weight bytes a rank holds, and a
+communication time from :class:`moe_plugins.link_model.LinkModel`. The recommended strategy is
+the one :func:`moe_plugins.strategy.choose_strategy` picks (the one a layer uses by default).
+
+What is exact and what is not (tests hold every exact quantity to what the reference backend and
+torch.distributed counted on a real multi-rank run):
+
+- exact: tokens and pairs per rank (owned rows x num_topk, with the ownership of
+  :func:`moe_plugins.layout.owned_rows`), the TP collectives and their bytes, weight bytes, and
+  every per-row byte count.
+- routing-dependent: a STANDARD-format backend sends a token ONCE to each rank holding one of its
+  experts, so its rows (and the bytes of those rows) depend on where the router sends tokens.
+  Without routing the plan gives exact bounds (``min``/``max``) and the expected value under
+  uniform routing (a token's num_topk distinct experts drawn uniformly from num_experts, spread
+  evenly over the ranks). Pass the measured routing (:class:`Routing`) and every quantity is exact.
+  A BATCHED-format (per-expert, DeepEP-LL-style) backend sends one row per pair: its sent rows are
+  exact without routing.
+
+Experts are placed in contiguous blocks: expert ``e`` lives on EP rank ``e // (num_experts //
+num_ranks)``, as the layer's weights and the reference transport place them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional, Sequence
+
+import torch
+
+from moe_plugins.interface import ActivationFormat
+from moe_plugins.layout import ParallelLayout, owned_rows
+from moe_plugins.link_model import LinkModel
+from moe_plugins.model import MoEConfig
+from moe_plugins.model_config import ModelSpec
+from moe_plugins.quant import FP8_BLOCK, NVFP4_BLOCK, QuantScheme, QuantSpec
+from moe_plugins.registry import BackendSpec, refusal_reason
+from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
+                                  choose_strategy)
+
+__all__ = ["Estimate", "WireFormat", "wire_format", "Routing", "CollectivePlan", "RankPlan",
+           "TimeEstimate", "StrategyPlan", "LayerPlan", "plan_layer", "expected_ranks_hit",
+           "ranks_hit_bounds"]
+
+
+# --------------------------------------------------------------------------------------------
+# Quantities that may be known only within bounds
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Estimate:
+    """A count known exactly (``min == max == expected``) or within exact bounds ``[min, max]``
+    with ``expected`` its mean under uniform routing."""
+
+    min: int
+    max: int
+    expected: float
+
+    @classmethod
+    def exact(cls, value: int) -> "Estimate":
+        return cls(value, value, float(value))
+
+    @property
+    def is_exact(self) -> bool:
+        return self.min == self.max
+
+    def contains(self, value: float) -> bool:
+        return self.min <= value <= self.max
+
+    def scaled(self, k: int) -> "Estimate":
+        return Estimate(self.min * k, self.max * k, self.expected * k)
+
+    def __add__(self, other: "Estimate") -> "Estimate":
+        return Estimate(self.min + other.min, self.max + other.max, self.expected + other.expected)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"min": self.min, "max": self.max, "expected": self.expected}
+
+
+_ZERO = Estimate.exact(0)
+
+
+def expected_ranks_hit(num_experts: int, num_topk: int, num_ranks: int) -> Fraction:
+    """Expected number of ranks a token's ``num_topk`` distinct experts (uniform over all
+    ``num_experts``, placed evenly on ``num_ranks`` ranks) touch: ``R * (1 - C(E - E/R, K) /
+    C(E, K))`` (a rank is missed when all K experts fall among the other ranks' experts)."""
+    per = num_experts // num_ranks
+    miss = Fraction(math.comb(num_experts - per, num_topk), math.comb(num_experts, num_topk))
+    return num_ranks * (1 - miss)
+
+
+def ranks_hit_bounds(num_experts: int, num_topk: int, num_ranks: int) -> tuple[int, int]:
+    """(fewest, most) ranks one token's ``num_topk`` distinct experts can touch."""
+    per = num_experts // num_ranks
+    return -(-num_topk // per), min(num_topk, num_ranks)
+
+
+# --------------------------------------------------------------------------------------------
+# What one dispatched row carries
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WireFormat:
+    """Bytes of one dispatched row and how rows are formed.
+
+    per_pair: one row per (token, expert) pair (BATCHED format, DeepEP-LL style); else one row
+        per (token, destination rank).
+    act_bytes: activations of a row on the wire (model dtype, fp8 e4m3: hidden bytes, nvfp4:
+        hidden / 2 bytes).
+    sf_bytes: its ``x_sf`` (fp8 block-128: float32 per 128 values; nvfp4: e4m3 per 16 values,
+        unswizzled on the wire); 0 when ``x_sf is None`` (unquantized or deferred quant).
+    meta_bytes: routing metadata of a row (STANDARD: the token's num_topk int64 ids and float32
+        weights, which a STANDARD prepare hands the experts; BATCHED: none counted).
+    combine_bytes: one combined row sent back (model dtype).
+    """
+
+    per_pair: bool
+    act_bytes: int
+    sf_bytes: int
+    meta_bytes: int
+    combine_bytes: int
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def wire_format(activation_format: ActivationFormat, cfg: MoEConfig, quant: QuantSpec) -> WireFormat:
+    """The :class:`WireFormat` of a backend with ``activation_format`` for this layer and quant."""
+    quant.check_hidden(cfg.hidden)
+    h, model_bytes = cfg.hidden, _itemsize(cfg.dtype)
+    if not quant.quantized_on_wire:
+        act, sf = h * model_bytes, 0
+    elif quant.scheme is QuantScheme.FP8_BLOCK128:
+        act, sf = h, (h // FP8_BLOCK) * 4
+    else:
+        act, sf = h // 2, h // NVFP4_BLOCK
+    per_pair = activation_format is ActivationFormat.BATCHED
+    meta = 0 if per_pair else cfg.num_topk * (8 + 4)
+    return WireFormat(per_pair, act, sf, meta, h * model_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# Measured routing
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Routing:
+    """Where each EP rank's owned tokens went: build it with :meth:`from_topk_ids`, or directly
+    from counts measured elsewhere.
+
+    owned[s]: tokens rank s handed to prepare. tokens[s][d]: of those, how many have at least one
+    expert on rank d (rows a once-per-rank backend sends). pairs[s][d]: (token, expert) pairs of
+    rank s whose expert lives on rank d.
+    """
+
+    owned: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    pairs: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_topk_ids(cls, topk_ids: Sequence[torch.Tensor], num_experts: int) -> "Routing":
+        """topk_ids[s]: int [num_owned_s, num_topk], GLOBAL expert ids of the rows EP rank s
+        handed to prepare (``len(topk_ids)`` is the EP size)."""
+        n = len(topk_ids)
+        if n < 1 or num_experts % n:
+            raise ValueError(f"routing of {n} ranks for {num_experts} experts: the EP size must "
+                             "divide the experts")
+        per = num_experts // n
+        tokens, pairs = [], []
+        for s, ids in enumerate(topk_ids):
+            if ids.dim() != 2:
+                raise ValueError(f"topk_ids of rank {s} has shape {tuple(ids.shape)}, expected "
+                                 "[num_owned, num_topk]")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+                raise ValueError(f"topk_ids of rank {s} hold ids in [{int(ids.min())}, "
+                                 f"{int(ids.max())}], expected GLOBAL expert ids in "
+                                 f"[0, {num_experts})")
+            dest = ids.long() // per
+            hit = torch.zeros(ids.shape[0], n, dtype=torch.bool)
+            hit[torch.arange(ids.shape[0]).unsqueeze(1).expand_as(dest), dest] = True
+            tokens.append(tuple(int(v) for v in hit.sum(dim=0)))
+            pairs.append(tuple(int(v) for v in torch.bincount(dest.flatten(), minlength=n)))
+        return cls(tuple(int(t.shape[0]) for t in topk_ids), tuple(tokens), tuple(pairs))
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CollectivePlan:
+    """One TP collective per layer: ``bytes`` is the tensor this rank contributes (what the layer's
+    CollectiveLog records), ``wire_bytes`` what it sends under a ring algorithm."""
+
+    kind: str
+    bytes: int
+    wire_bytes: int
+    link: str
+    time_us: float
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One EP rank, one MoE layer. Sent quantities are named as in
+    :class:`moe_plugins.counters.DispatchStats`; ``recv_*`` are what this rank receives."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    num_tokens: int  # tokens of this rank's DP group
+    owned: int  # tokens handed to prepare (0 when the strategy does not dispatch)
+    pairs: int
+    rows: Estimate
+    act_bytes: Estimate
+    sf_bytes: Estimate
+    meta_bytes: Estimate
+    combine_bytes: Estimate
+    recv_pairs: Estimate
+    recv_rows: Estimate
+    recv_act_bytes: Estimate
+    recv_sf_bytes: Estimate
+    recv_meta_bytes: Estimate
+    recv_combine_bytes: Estimate
+    tp_collectives: tuple[CollectivePlan, ...]
+    shared_weight_bytes: int
+    expert_weight_bytes: int
+
+    @property
+    def dispatch_bytes(self) -> Estimate:
+        return self.act_bytes + self.sf_bytes + self.meta_bytes
+
+    @property
+    def recv_dispatch_bytes(self) -> Estimate:
+        return self.recv_act_bytes + self.recv_sf_bytes + self.recv_meta_bytes
+
+    @property
+    def tp_collective_bytes(self) -> int:
+        return sum(c.bytes for c in self.tp_collectives)
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Communication time of one layer (us): dispatch and combine all-to-alls, TP collectives.
+    Expected routing, or the measured one when the plan was given it."""
+
+    dispatch_us: float
+    combine_us: float
+    tp_us: float
+
+    @property
+    def total_us(self) -> float:
+        return self.dispatch_us + self.combine_us + self.tp_us
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    strategy: ReductionStrategy
+    recommended: bool
+    reason: str
+    dispatches: bool
+    ranks: tuple[RankPlan, ...]
+    time: TimeEstimate
+
+    @property
+    def num_tp_collectives(self) -> int:
+        return len(self.ranks[0].tp_collectives)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    model: ModelSpec
+    layout: ParallelLayout
+    num_tokens: tuple[int, ...]  # per DP group
+    backend: str
+    quant: QuantSpec
+    link: LinkModel
+    wire: WireFormat
+    routing_given: bool
+    strategies: tuple[StrategyPlan, ...]
+
+    @property
+    def recommended(self) -> StrategyPlan:
+        return next(s for s in self.strategies if s.recommended)
+
+    def strategy(self, strategy: ReductionStrategy) -> StrategyPlan:
+        for s in self.strategies:
+            if s.strategy is strategy:
+                return s
+        raise ValueError(f"strategy {strategy.value} does not apply to layout "
+                         f"{self.layout.describe()} with backend {self.backend}; applicable: "
+                         f"{[s.strategy.value for s in self.strategies]}")
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+def _shard(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{what} {size} is not divisible by tp={parts}; pick a tp that divides it")
+    return size // parts
+
+
+def _weight_bytes(cfg: MoEConfig, layout: ParallelLayout, placement: SharedPlacement
+                  ) -> tuple[int, int]:
+    """(shared-expert bytes, routed-expert bytes) one rank holds: SwiGLU w13 [2I, H] + w2 [H, I]
+    per expert, plus the shared expert's gate [1, H] when it has one."""
+    item, h = _itemsize(cfg.dtype), cfg.hidden
+    shared = 0
+    if cfg.has_shared_expert:
+        s = (_shard(cfg.shared_intermediate, layout.tp, "shared expert intermediate size")
+             if placement is SharedPlacement.TP_SHARDED else cfg.shared_intermediate)
+        shared = (3 * s * h + (h if cfg.shared_gate else 0)) * item
+    if layout.ep:
+        routed = cfg.num_experts // layout.ep_size * 3 * cfg.intermediate * h * item
+    else:
+        routed = cfg.num_experts * 3 * _shard(cfg.intermediate, layout.tp,
+                                              "routed expert intermediate size") * h * item
+    return shared, routed
+
+
+def _tp_collectives(strategy: ReductionStrategy, cfg: MoEConfig, num_tokens: int, chunk: int
+                    ) -> list[tuple[str, int]]:
+    """(kind, rows of [rows, hidden]) of each TP collective the layer issues, in order."""
+    if strategy is ReductionStrategy.LOCAL:
+        return []
+    if strategy in (ReductionStrategy.TP_UNIFIED, ReductionStrategy.ROW_SCATTER_ALLREDUCE):
+        return [("all_reduce", num_tokens)]
+    if strategy is ReductionStrategy.SP_ALLGATHER:
+        return [("all_gather", chunk)]
+    # GATHER_PLUS_ALLREDUCE: the routed rows (padded chunk), then the shared partials.
+    return [("all_gather", chunk)] + ([("all_reduce", num_tokens)] if cfg.has_shared_expert else [])
+
+
+def _bounded(owned: Sequence[int], lo: int, hi: int, mean: Fraction) -> Estimate:
+    n = sum(owned)
+    return Estimate(n * lo, n * hi, float(n * mean))
+
+
+def _traffic(cfg: MoEConfig, num_ranks: int, owned: Sequence[int], wire: WireFormat,
+             routing: Optional[Routing]) -> tuple[list[Estimate], list[Estimate], list[Estimate],
+                                                   list[list[float]]]:
+    """Per rank: sent rows, received rows, received pairs; and the [src][dst] rows matrix (exact
+    with routing, else expected) for the link model."""
+    e, k, r = cfg.num_experts, cfg.num_topk, num_ranks
+    if routing is not None:
+        mat = routing.pairs if wire.per_pair else routing.tokens
+        sent = [Estimate.exact(sum(mat[s])) for s in range(r)]
+        recv = [Estimate.exact(sum(mat[s][d] for s in range(r))) for d in range(r)]
+        recv_pairs = [Estimate.exact(sum(routing.pairs[s][d] for s in range(r))) for d in range(r)]
+        return sent, recv, recv_pairs, [[float(v) for v in row] for row in mat]
+    per = e // r
+    must = max(0, k - (e - per))  # experts of a token that must land on any given rank
+    pair_lo, pair_hi, pair_mean = must, min(k, per), Fraction(k, r)
+    recv_pairs = [_bounded(owned, pair_lo, pair_hi, pair_mean)] * r
+    if wire.per_pair:
+        sent = [Estimate.exact(n * k) for n in owned]
+        recv, p_dest = recv_pairs, pair_mean
+    else:
+        lo, hi = ranks_hit_bounds(e, k, r)
+        hit = expected_ranks_hit(e, k, r)
+        sent = [_bounded([n], lo, hi, hit) for n in owned]
+        recv = [_bounded(owned, 1 if must else 0, 1, hit / r)] * r
+        p_dest = hit / r
+    return sent, recv, recv_pairs, [[float(n * p_dest) for _ in range(r)] for n in owned]
+
+
+def _check_routing(routing: Routing, owned: Sequence[int], num_topk: int) -> None:
+    if len(routing.owned) != len(owned):
+        raise ValueError(f"routing covers {len(routing.owned)} ranks, the layout has {len(owned)}")
+    for s, (got, want) in enumerate(zip(routing.owned, owned)):
+        if got != want:
+            raise ValueError(
+                f"routing of rank {s} has {got} tokens but the rank owns {want} rows; pass the "
+                "topk_ids of the owned rows only (sliced with moe_plugins.layout.owned_rows), "
+                "never the whole DP group's")
+        if sum(routing.pairs[s]) != got * num_topk:
+            raise ValueError(f"routing of rank {s} has {sum(routing.pairs[s])} pairs for {got} "
+                             f"tokens, expected {got} x num_topk={num_topk}")
+
+
+def _per_dp(num_tokens: int | Sequence[int], dp: int) -> tuple[int, ...]:
+    tokens = (num_tokens,) * dp if isinstance(num_tokens, int) else tuple(num_tokens)
+    if len(tokens) != dp or any(not isinstance(t, int) or t < 0 for t in tokens):
+        raise ValueError(f"num_tokens must be one count >= 0 or one per DP group ({dp}), "
+                         f"got {num_tokens!r}")
+    return tokens
+
+
+def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
+               num_tokens: int | Sequence[int], backend: BackendSpec,
+               quant: QuantSpec = QuantSpec(), *, link: LinkModel = LinkModel(),
+               routing: Optional[Routing] = None,
+               shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED,
+               single_collective: bool = True) -> LayerPlan:
+    """Plan one MoE layer under every strategy that applies to ``layout`` and ``backend``.
+
+    num_tokens: tokens of each DP group (one count for all, or one per DP group).
+    routing: the measured routing of the dispatching strategies (each EP rank's owned rows; all
+        dispatching strategies slice the same rows); makes every routing-dependent count exact.
+    shared_placement, single_collective: as in :func:`moe_plugins.strategy.choose_strategy`,
+        which picks the recommended strategy.
+    """
+    spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
+    cfg, caps = spec.moe, backend.capabilities
+    why = refusal_reason(backend, layout, quant.scheme, require_available=False)
+    if why:
+        raise ValueError(f"backend {backend.name!r} cannot serve layout {layout.describe()} with "
+                         f"quant {quant.scheme.value}: {why}; change the layout, quant or backend")
+    tokens = _per_dp(num_tokens, layout.dp)
+    if layout.ep and cfg.num_experts % layout.ep_size:
+        raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
+                         f"{layout.ep_size}; pick an EP size that divides the experts")
+    wire = wire_format(caps.activation_format, cfg, quant)
+    world = layout.world_size
+    rows = [owned_rows(tokens[layout.dp_rank(r)], layout.tp, layout.tp_rank(r)) for r in range(world)]
+    owned = [o.num_owned for o in rows]
+    item = _itemsize(cfg.dtype)
+
+    options = applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                                    has_shared_expert=cfg.has_shared_expert)
+    choice = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                             has_shared_expert=cfg.has_shared_expert,
+                             single_collective=single_collective, shared_placement=shared_placement)
+    # As MoELayer builds a backend: EP on and a dispatching strategy (one rank sends to itself).
+    dispatching = [s for s in options if s.dispatches and layout.ep]
+    if routing is not None and dispatching:
+        _check_routing(routing, owned, cfg.num_topk)
+    sent, recv, recv_pairs, row_matrix = (
+        _traffic(cfg, world, owned, wire, routing) if dispatching else ([], [], [], []))
+
+    plans = []
+    for strategy in options:
+        dispatches = strategy in dispatching
+        shared_b, routed_b = _weight_bytes(cfg, layout, strategy.shared_placement)
+        ranks, tp_time = [], 0.0
+        for r in range(world):
+            colls = []
+            for kind, n_rows in _tp_collectives(strategy, cfg, rows[r].num_tokens, rows[r].chunk):
+                b = n_rows * cfg.hidden * item
+                group = layout.tp_group_ranks(layout.dp_rank(r))
+                t = (link.all_reduce_us if kind == "all_reduce" else link.all_gather_us)(b, group)
+                colls.append(CollectivePlan(kind, b, link.ring_wire_bytes(kind, b, layout.tp),
+                                            link.link(group), t))
+            tp_time = max(tp_time, sum(c.time_us for c in colls))
+            s_rows = sent[r] if dispatches else _ZERO
+            r_rows = recv[r] if dispatches else _ZERO
+            ranks.append(RankPlan(
+                rank=r, dp_rank=layout.dp_rank(r), tp_rank=layout.tp_rank(r),
+                num_tokens=rows[r].num_tokens, owned=owned[r] if dispatches else 0,
+                pairs=owned[r] * cfg.num_topk if dispatches else 0,
+                rows=s_rows, act_bytes=s_rows.scaled(wire.act_bytes),
+                sf_bytes=s_rows.scaled(wire.sf_bytes), meta_bytes=s_rows.scaled(wire.meta_bytes),
+                combine_bytes=r_rows.scaled(wire.combine_bytes),
+                recv_pairs=recv_pairs[r] if dispatches else _ZERO, recv_rows=r_rows,
+                recv_act_bytes=r_rows.scaled(wire.act_bytes),
+                recv_sf_bytes=r_rows.scaled(wire.sf_bytes),
+                recv_meta_bytes=r_rows.scaled(wire.meta_bytes),
+                recv_combine_bytes=s_rows.scaled(wire.combine_bytes),
+                tp_collectives=tuple(colls), shared_weight_bytes=shared_b,
+                expert_weight_bytes=routed_b))
+        if dispatches:
+            row_bytes = wire.act_bytes + wire.sf_bytes + wire.meta_bytes
+            disp = link.all_to_all_us([[v * row_bytes for v in row] for row in row_matrix])
+            comb = link.all_to_all_us([[row_matrix[s][d] * wire.combine_bytes for s in range(world)]
+                                       for d in range(world)])
+        else:
+            disp = comb = 0.0
+        recommended = strategy is choice.strategy
+        plans.append(StrategyPlan(strategy, recommended, choice.reason if recommended else "",
+                                  dispatches, tuple(ranks), TimeEstimate(disp, comb, tp_time)))
+    plans = [_with_comparison(p, plans) for p in plans]
+    return LayerPlan(spec, layout, tokens, backend.name, quant, link, wire, routing is not None,
+                     tuple(plans))
+
+
+def _with_comparison(p: StrategyPlan, plans: list[StrategyPlan]) -> StrategyPlan:
+    """The recommended strategy's reason gets the modelled cost; every other one says how it
+    differs from the recommended."""
+    rec = next(q for q in plans if q.recommended)
+    colls = f"{p.num_tp_collectives} TP collective{'s' if p.num_tp_collectives != 1 else ''}"
+    if p.recommended:
+        fastest = min(plans, key=lambda q: q.time.total_us)
+        note = ""
+        if fastest.time.total_us < p.time.total_us:
+            note = (f"; the link model puts {fastest.strategy.value} "
+                    f"{p.time.total_us - fastest.time.total_us:.1f} us/layer faster (compute and "
+                    "overlap are not modelled)")
+        reason = f"{p.reason}; {colls}, est. {p.time.total_us:.1f} us/layer communication{note}"
+    else:
+        dt = p.time.total_us - rec.time.total_us
+        dw = p.ranks[0].shared_weight_bytes - rec.ranks[0].shared_weight_bytes
+        reason = (f"{colls}; {dt:+.1f} us/layer and {dw / 2**20:+.2f} MiB shared-expert weights "
+                  f"per rank vs {rec.strategy.value}")
+    return StrategyPlan(p.strategy, p.recommended, reason, p.dispatches, p.ranks, p.time)

@@ -21,6 +21,7 @@ from moe_plugins.quant import QuantSpec
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
     "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "row_scatter_add",
+    "write_output",
 ]
 
 Hook = Callable[[], None]
@@ -126,6 +127,19 @@ def row_scatter_add(target: RowScatterTarget, combined: torch.Tensor) -> torch.T
     if n:
         buf[target.rows.as_slice].add_(combined[:n])
     return buf
+
+
+def write_output(output: "torch.Tensor | RowScatterTarget", combined: torch.Tensor) -> torch.Tensor:
+    """The last step of every finalize: ``combined`` [num_tokens, hidden] (the owned tokens'
+    routed output) is added into a row-scatter target through :func:`row_scatter_add`, or copied
+    into a plain output tensor of the same shape. Returns the tensor written."""
+    if isinstance(output, RowScatterTarget):
+        return row_scatter_add(output, combined)
+    if output.shape != combined.shape:
+        raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
+                         f"{tuple(combined.shape)} (the tokens given to prepare)")
+    output.copy_(combined)
+    return output
 
 
 def check_prepare_inputs(

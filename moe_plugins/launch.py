@@ -12,7 +12,7 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 

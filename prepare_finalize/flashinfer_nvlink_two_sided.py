@@ -26,7 +26,7 @@ from all2all.flashinfer import INSTALL_HINT, FlashInferAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
-                                   RowScatterTarget, check_prepare_inputs, row_scatter_add)
+                                   RowScatterTarget, check_prepare_inputs, write_output)
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
 
@@ -162,10 +162,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
             self._state = None
             if state.recv_tokens is not None:
                 self.stats.combine_bytes += state.recv_tokens * _row_bytes(fused_expert_output)
-            if isinstance(output, RowScatterTarget):
-                return row_scatter_add(output, combined)
-            output.copy_(combined)
-            return output
+            return write_output(output, combined)
 
         return AsyncResult(None, receiver)
 

@@ -16,7 +16,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, row_scatter_add)
+                                   check_prepare_inputs, write_output)
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities
 
@@ -132,13 +132,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             acc.index_add_(0, h.token_index, recv.float())
             combined = acc.to(fused_expert_output.dtype)
             self._handle = None
-            if isinstance(output, RowScatterTarget):
-                return row_scatter_add(output, combined)
-            if output.shape != combined.shape:
-                raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
-                                 f"{tuple(combined.shape)} (the tokens given to prepare)")
-            output.copy_(combined)
-            return output
+            return write_output(output, combined)
 
         return AsyncResult(hook, receiver)
 

@@ -15,7 +15,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.groups import DistContext, all_gather_tensor, reduce_scatter_tensor
 from moe_plugins.interface import (AsyncResult, PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, row_scatter_add)
+                                   check_prepare_inputs, write_output)
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities
 
@@ -94,10 +94,7 @@ class AllGatherPrepareFinalize(PrepareFinalize):
         self._handle = None
 
         def receiver() -> torch.Tensor:
-            if isinstance(output, RowScatterTarget):
-                return row_scatter_add(output, mine)
-            output.copy_(mine[: h.num_tokens])
-            return output
+            return write_output(output, mine[: h.num_tokens])
 
         return AsyncResult(None, receiver)
 

@@ -7,8 +7,9 @@
    group, every registered backend that is usable on this machine; each rank's output is compared
    element-wise with the single-process reference (moe_plugins.reference).
 2. latency: dispatch + combine of the reference backend at 1/8/32/128/256 tokens per rank
-   (hidden 7168, topk 8, 256 experts), through our prepare/finalize classes and through the raw
-   all_to_all_single calls with the same splits, in the same process; prints our overhead.
+   (hidden 7168, topk 8, 256 experts), through our prepare/finalize classes and through the same
+   transport written directly against torch.distributed, in the same process; prints our
+   overhead.
    (DeepEP LL against its raw Buffer calls: benchmarks/deepep_ll_latency.py.)
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc. are set here too, as the device docs ask).
@@ -108,26 +109,27 @@ def _time(fn, iters: int = 30) -> float:
 
 def _raw_round_trip(pf: TorchPrepareFinalize, x: torch.Tensor, ids: torch.Tensor,
                     w: torch.Tensor) -> Callable[[], None]:
-    """The transport's own calls for this batch: the counts exchange, the three dispatch
-    all_to_all_single (rows, ids, weights) and the combine one, with the splits precomputed."""
+    """The same dispatch + combine written directly against torch.distributed, as a user would
+    without our classes: destination ranks, counts exchange, the three dispatch
+    all_to_all_single (rows, ids, weights), the combine one, and the sum back into tokens."""
     m = pf.manager
-    hit = torch.zeros(x.shape[0], m.num_ranks, dtype=torch.bool, device=x.device)
-    hit.scatter_(1, ids // m.experts_per_rank, True)
-    _, token_index = hit.t().nonzero(as_tuple=True)
-    counts = hit.sum(0)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts)
-    send, recv = counts.tolist(), recv_counts.tolist()
-    rows, rids, rw = x[token_index], ids[token_index], w[token_index]
-    bufs = [torch.empty(sum(recv), *t.shape[1:], dtype=t.dtype, device=t.device) for t in (rows, rids, rw)]
-    back = torch.empty_like(rows)
 
     def run() -> None:
-        c = torch.empty_like(counts)
-        dist.all_to_all_single(c, counts)
-        for out, inp in zip(bufs, (rows, rids, rw)):
-            dist.all_to_all_single(out, inp, recv, send)
-        dist.all_to_all_single(back, bufs[0], send, recv)
+        hit = torch.zeros(x.shape[0], m.num_ranks, dtype=torch.bool, device=x.device)
+        hit.scatter_(1, ids // m.experts_per_rank, True)
+        counts = hit.sum(0)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts)
+        send, recv = torch.stack([counts, recv_counts]).tolist()
+        _, token_index = hit.t().nonzero(as_tuple=True)
+        sent = []
+        for t in (x[token_index], ids[token_index], w[token_index]):
+            out = torch.empty(sum(recv), *t.shape[1:], dtype=t.dtype, device=t.device)
+            dist.all_to_all_single(out, t, recv, send)
+            sent.append(out)
+        back = torch.empty(sum(send), x.shape[1], dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(back, sent[0], send, recv)
+        torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_index, back.float())
     return run
 
 

@@ -64,11 +64,11 @@ class TorchPrepareFinalize(PrepareFinalize):
         dest = topk_ids.long() // m.experts_per_rank  # [num_tokens, num_topk]
         hit = torch.zeros(n, m.num_ranks, dtype=torch.bool, device=hidden_states.device)
         hit.scatter_(1, dest, True)
+        send_counts = hit.sum(dim=0)
+        # One host sync for both split lists (the receive sizes must be known to allocate).
+        send_splits, recv_splits = torch.stack([send_counts, m.exchange_counts(send_counts)]).tolist()
         # Rows sent, grouped by destination rank, each token once per rank.
         _, token_index = hit.t().nonzero(as_tuple=True)
-        send_counts = hit.sum(dim=0)
-        send_splits = send_counts.tolist()
-        recv_splits = m.exchange_counts(send_counts).tolist()
 
         x, x_sf = quantize_for_dispatch(hidden_states, quant)
         payload = {"x": x[token_index], "ids": topk_ids.long()[token_index],

@@ -65,6 +65,11 @@ class NixlEPManager(LowLatencyManager):
             raise ValueError(_NO_STORE)
         super().__init__(ctx, cfg)
 
+    def _layout_ranks_multiple(self) -> int:
+        # The receive layout spans the active rank bound (highest unmasked rank + 1), which
+        # masking changes: keep the token capacity itself a multiple of 4.
+        return 1
+
     def _size_hint(self, max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
         return int(self.lib.Buffer.get_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts))
 

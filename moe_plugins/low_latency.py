@@ -24,6 +24,7 @@ With ``pad_hidden=False`` an unsupported size is a ValueError; above 8192 it alw
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import math
@@ -111,7 +112,9 @@ def kernel_hidden_size(hidden: int, pad_hidden: bool, backend: str) -> int:
 
 def token_capacity(max_tokens_per_rank: int, num_ranks: int) -> int:
     """Smallest capacity >= ``max_tokens_per_rank`` with ``num_ranks * capacity`` a multiple of 4
-    (the kernels' TMA needs the packed token dimension to be a multiple of 4)."""
+    (the kernels' TMA needs the packed token dimension, ranks x capacity, to be a multiple of 4).
+    Pass ``num_ranks=1`` when the number of ranks in the layout can change (NIXL EP's active rank
+    bound): the capacity itself is then a multiple of 4."""
     step = 4 // math.gcd(num_ranks, 4)
     return -(-max_tokens_per_rank // step) * step
 
@@ -200,6 +203,10 @@ class LowLatencyManager(ABC):
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.options = self._options(cfg.backend_options)
         self._check_layer(cfg)
+        self.kernel_hidden = kernel_hidden_size(cfg.hidden, self.options.pad_hidden,
+                                                self.backend_name)
+        self.lib = _import_vendor(self.required, self.backend_name)
+        self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
         self.group = ctx.ep_group
         self.num_ranks = dist.get_world_size(self.group)
@@ -210,14 +217,15 @@ class LowLatencyManager(ABC):
         self.num_experts = cfg.num_experts
         self.num_local_experts = cfg.num_experts // self.num_ranks
         self.hidden = cfg.hidden
-        self.kernel_hidden = kernel_hidden_size(cfg.hidden, self.options.pad_hidden,
-                                                self.backend_name)
-        self.max_tokens_per_rank = token_capacity(cfg.max_tokens_per_rank, self.num_ranks)
+        self.max_tokens_per_rank = token_capacity(cfg.max_tokens_per_rank,
+                                                  self._layout_ranks_multiple())
         self._check_limits()
-        self.lib = _import_vendor(self.required, self.backend_name)
-        self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
+        # Plain option values (switches) separate buffers; objects such as a store do not.
+        switches = tuple((f.name, v) for f in dataclasses.fields(self.options)
+                         if isinstance(v := getattr(self.options, f.name), (bool, int, str))
+                         and f.name != "pad_hidden")
         key = (self.backend_name, id(self.group), self.rank, self.num_ranks, self.kernel_hidden,
-               self.max_tokens_per_rank, self.num_experts, self.options)
+               self.max_tokens_per_rank, self.num_experts, switches)
         self.buffer = _BUFFERS.acquire(key, self._create_buffer, self._destroy_buffer)
         self._key: Optional[tuple] = key
         logger.info(
@@ -255,6 +263,11 @@ class LowLatencyManager(ABC):
 
     def _check_limits(self) -> None:
         """Library-specific limits on the computed sizes (raise ValueError with the fix)."""
+
+    def _layout_ranks_multiple(self) -> int:
+        """What the rank count of the receive layout is always a multiple of (for the token
+        capacity rounding): the EP size where the layout always spans every rank."""
+        return self.num_ranks
 
     @property
     def padded(self) -> bool:

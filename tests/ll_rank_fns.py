@@ -6,8 +6,9 @@ plain tensors/values to the test process.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,13 +16,14 @@ import torch.distributed as dist
 from emulation import installed
 from moe_plugins.config import DispatchConfig
 from moe_plugins.demo import demo_inputs
-from moe_plugins.groups import DistContext, cached_dist_context
+from moe_plugins.groups import cached_dist_context
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
+from moe_plugins.low_latency import LowLatencyPrepareFinalize
 from moe_plugins.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
-from moe_plugins.registry import BackendSpec, get_backend
+from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy
 from rank_fns import count_dist_calls
 
@@ -46,12 +48,36 @@ def make_options(backend: str, **overrides: Any) -> Any:
     return options_type(**overrides)
 
 
+def _dispatch_config(backend: str, cfg: MoEConfig, max_tokens: int, quant: QuantSpec,
+                     options: Optional[dict]) -> DispatchConfig:
+    return DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk, max_tokens, cfg.dtype, quant,
+                          backend_options=make_options(backend, **(options or {})))
+
+
+@contextlib.contextmanager
+def built(backend: str, layout: ParallelLayout, cfg: MoEConfig, max_tokens: int = 4,
+          quant: QuantSpec = QuantSpec(), options: Optional[dict] = None
+          ) -> Iterator[LowLatencyPrepareFinalize]:
+    """The backend's prepare/finalize on the emulated library; state reset and manager
+    destroyed on exit."""
+    with installed(vendor_module(backend)):
+        pf = get_backend(backend).build(cached_dist_context(layout),
+                                        _dispatch_config(backend, cfg, max_tokens, quant, options))
+        assert isinstance(pf, LowLatencyPrepareFinalize)
+        try:
+            yield pf
+        finally:
+            pf.reset_call_state()
+            pf.manager.destroy()
+
+
 def run_ll_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
                  strategy: Optional[ReductionStrategy], num_tokens: int,
                  quant: QuantSpec = QuantSpec(), seed: int = 0,
                  options: Optional[dict] = None, masked_rank: Optional[int] = None) -> dict:
     """One forward of a MoE layer through the backend on the emulated library. With
-    ``masked_rank``, every other rank masks that rank before the forward."""
+    ``masked_rank``, every other rank masks that rank before the forward. Also records how
+    many receives were pending when the shared expert ran."""
     with installed(vendor_module(backend)):
         ctx = cached_dist_context(layout)
         layer = MoELayer(MoEWeights.random(cfg, seed), ctx, get_backend(backend), strategy, quant,
@@ -59,6 +85,14 @@ def run_ll_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cf
                          backend_options=make_options(backend, **(options or {})))
         try:
             assert layer.pf is not None
+            runtime = layer.pf.manager.buffer.runtime
+            pending_at_shared: list[int] = []
+            shared = layer.shared
+            if shared is not None:
+                def shared_spy(x: torch.Tensor) -> torch.Tensor:
+                    pending_at_shared.append(runtime.pending_receives)
+                    return shared(x)
+                layer.shared = shared_spy  # type: ignore[assignment]
             if masked_rank is not None and rank != masked_rank:
                 layer.pf.manager.set_rank_masked(masked_rank)
             masked = layer.pf.manager.masked_ranks() if masked_rank is not None else []
@@ -70,124 +104,137 @@ def run_ll_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cf
             layer.destroy()
     rows = owned_rows(num_tokens, layout.tp, ctx.tp_rank)
     return dict(out=out, strategy=layer.strategy, pairs=stats.pairs, owned=rows.num_owned,
-                sf_bytes=stats.sf_bytes, masked=masked,
+                sf_bytes=stats.sf_bytes, masked=masked, pending_at_shared=pending_at_shared,
+                pending_after=runtime.pending_receives,
                 tp_collectives=[n for n, _ in calls if n != "all_to_all_single"])
 
 
-def _build(backend: str, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
-           quant: QuantSpec, options: Optional[dict]) -> Any:
-    ctx = cached_dist_context(layout)
-    return get_backend(backend).build(ctx, DispatchConfig(
-        cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1), cfg.dtype, quant,
-        backend_options=make_options(backend, **(options or {}))))
-
-
-def run_ll_prepare(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
-                   num_tokens: int, quant: QuantSpec, seed: int = 0,
-                   options: Optional[dict] = None, ue8m0_experts: bool = False) -> dict:
-    """prepare alone on the owned slice; returns what it gave the experts, plus this rank's
-    owned tokens and routing (the test checks them against the other ranks' receive)."""
-    with installed(vendor_module(backend)):
-        pf = _build(backend, layout, cfg, num_tokens, quant, options)
-        try:
-            if ue8m0_experts:
-                pf.post_init_setup(_PackedUE8M0Experts())
-            w = MoEWeights.random(cfg, seed)
-            x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), seed)
-            tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
-            owned = slice_owned(owned_rows(num_tokens, layout.tp, layout.tp_rank(rank)), x, ti, tw)
-            sent = pf.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids, quant)
-            assert sent.hook is not None
-            pending = pf.manager.buffer.runtime.pending_receives
-            sent.hook()
-            prep = sent.receiver()
-            result = dict(
-                x=prep.x.clone(), x_sf=None if prep.x_sf is None else prep.x_sf.clone(),
-                counts=prep.expert_tokens_meta.expert_num_tokens.clone(),
-                topk_ids=prep.topk_ids, topk_weights=prep.topk_weights,
-                pending_before_hook=pending,
-                pending_after_hook=pf.manager.buffer.runtime.pending_receives,
-                tokens=owned.hidden_states, ids=owned.topk_ids,
-                num_local_experts=pf.manager.num_local_experts,
-                max_tokens=pf.max_num_tokens_per_rank(), stats=dataclasses.asdict(pf.stats))
-        finally:
-            pf.reset_call_state()
-            pf.manager.destroy()
-    return result
-
-
-class _PackedUE8M0Experts:
+class PackedUE8M0Experts:
     """An experts object that asks for packed UE8M0 activation scales (as DeepGEMM does)."""
 
     def supports_packed_ue8m0_act_scales(self) -> bool:
         return True
 
 
-def run_ll_call(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
-                action: str, options: Optional[dict] = None) -> Any:
-    """Build the backend and do one thing that is expected to fail or report; see the tests."""
-    with installed(vendor_module(backend)):
-        pf = _build(backend, layout, cfg, 4, QuantSpec(), options)
-        h = cfg.hidden
+def run_ll_prepare(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+                   num_tokens: int, quant: QuantSpec, seed: int = 0,
+                   options: Optional[dict] = None, ue8m0_experts: bool = False) -> dict:
+    """prepare alone on the owned slice; returns what it gave the experts, this rank's owned
+    tokens and routing, and the receives pending before/after the hook."""
+    with built(backend, layout, cfg, max(num_tokens, 1), quant, options) as pf:
+        if ue8m0_experts:
+            pf.post_init_setup(PackedUE8M0Experts())
+        w = MoEWeights.random(cfg, seed)
+        x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), seed)
+        tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+        owned = slice_owned(owned_rows(num_tokens, layout.tp, layout.tp_rank(rank)), x, ti, tw)
+        runtime = pf.manager.buffer.runtime
+        sent = pf.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids, quant)
+        pending_before = runtime.pending_receives
+        assert sent.hook is not None
+        sent.hook()
+        prep = sent.receiver()
+        meta = prep.expert_tokens_meta
+        return dict(
+            x=prep.x.clone(), x_sf=None if prep.x_sf is None else prep.x_sf.clone(),
+            counts=None if meta is None else meta.expert_num_tokens.clone(),
+            topk_ids=prep.topk_ids, topk_weights=prep.topk_weights,
+            pending_before_hook=pending_before, pending_after_hook=runtime.pending_receives,
+            tokens=owned.hidden_states, ids=owned.topk_ids,
+            num_local_experts=pf.manager.num_local_experts,
+            max_tokens=pf.max_num_tokens_per_rank(), stats=dataclasses.asdict(pf.stats))
+
+
+def _zeros_call(pf: LowLatencyPrepareFinalize, n: int, ids_dtype: torch.dtype = torch.int64
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k = pf.cfg.num_topk
+    return (torch.zeros(n, pf.cfg.hidden, dtype=torch.bfloat16), torch.full((n, k), 1.0 / k),
+            (torch.arange(n * k) % pf.cfg.num_experts).view(n, k).to(ids_dtype))
+
+
+def prepare_with_ids(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+                     ids_dtype: torch.dtype) -> list[int]:
+    """prepare + finalize with topk ids of ``ids_dtype``; returns the receive counts."""
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 2, ids_dtype)
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        out = torch.empty(2, cfg.hidden, dtype=torch.bfloat16)
+        pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids, out)
+        assert prep.expert_tokens_meta is not None
+        return prep.expert_tokens_meta.expert_num_tokens.tolist()
+
+
+def prepare_too_many_tokens(rank: int, world: int, backend: str, layout: ParallelLayout,
+                            cfg: MoEConfig) -> None:
+    with built(backend, layout, cfg, max_tokens=4) as pf:
+        cap = pf.max_num_tokens_per_rank()
+        assert cap is not None
+        pf.prepare(*_zeros_call(pf, cap + 1), QuantSpec())
+
+
+def finalize_wrong_shape_then_prepare(rank: int, world: int, backend: str, layout: ParallelLayout,
+                                      cfg: MoEConfig) -> dict:
+    """finalize with an expert output of the wrong shape (must raise ValueError and drop the
+    dispatch handle), then prepare + finalize again (must work)."""
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 2)
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        e_l, slots, h = prep.x.shape
+        out = torch.empty(2, h, dtype=torch.bfloat16)
         try:
-            if action == "float_topk_ids":
-                pf.prepare(torch.zeros(2, h, dtype=torch.bfloat16), torch.ones(2, cfg.num_topk),
-                           torch.zeros(2, cfg.num_topk), QuantSpec())
-            elif action == "int32_topk_ids":
-                ids = torch.arange(2 * cfg.num_topk, dtype=torch.int32).view(2, -1) % cfg.num_experts
-                prep = pf.prepare(torch.ones(2, h, dtype=torch.bfloat16),
-                                  torch.full((2, cfg.num_topk), 0.5), ids, QuantSpec())
-                return prep.expert_tokens_meta.expert_num_tokens.tolist()
-            elif action == "too_many_tokens":
-                n = pf.max_num_tokens_per_rank() + 1
-                pf.prepare(torch.zeros(n, h, dtype=torch.bfloat16), torch.ones(n, cfg.num_topk),
-                           torch.zeros(n, cfg.num_topk, dtype=torch.int64), QuantSpec())
-            elif action == "wrong_expert_output_shape":
-                prep = pf.prepare(torch.zeros(2, h, dtype=torch.bfloat16),
-                                  torch.ones(2, cfg.num_topk),
-                                  torch.zeros(2, cfg.num_topk, dtype=torch.int64), QuantSpec())
-                e_l, slots, _ = prep.x.shape
-                pf.finalize(torch.zeros(e_l, slots - 1, h, dtype=torch.bfloat16),
-                            torch.ones(2, cfg.num_topk),
-                            torch.zeros(2, cfg.num_topk, dtype=torch.int64),
-                            torch.empty(2, h, dtype=torch.bfloat16))
-            elif action == "state_after_failed_finalize":
-                # A finalize that raises still drops the handle: the next prepare works.
-                ids = torch.zeros(2, cfg.num_topk, dtype=torch.int64)
-                x = torch.ones(2, h, dtype=torch.bfloat16)
-                pf.prepare(x, torch.ones(2, cfg.num_topk), ids, QuantSpec())
-                try:
-                    pf.finalize(torch.zeros(1, 1, h, dtype=torch.bfloat16),
-                                torch.ones(2, cfg.num_topk), ids,
-                                torch.empty(2, h, dtype=torch.bfloat16))
-                except ValueError:
-                    pass
-                prep = pf.prepare(x, torch.ones(2, cfg.num_topk), ids, QuantSpec())
-                return prep.expert_tokens_meta.expert_num_tokens.tolist()
-            elif action == "mask_without_support":
-                pf.manager.set_rank_masked((rank + 1) % world)
-            elif action == "mask_self":
-                pf.manager.set_rank_masked(rank)
-            elif action == "buffer_sharing":
-                other = _build(backend, layout, cfg, 4, QuantSpec(), options)
-                shared = other.manager.buffer is pf.manager.buffer
-                runtime = pf.manager.buffer.runtime
-                other.manager.destroy()
-                alive_after_one = pf.manager.buffer.runtime is runtime and not runtime.destroyed
-                return dict(shared=shared, alive_after_one=alive_after_one, runtime=runtime)
-            elif action == "buffer_args":
-                b = pf.manager.buffer
-                return {k: v for k, v in vars(b).items()
-                        if isinstance(v, (int, bool, str, type(None)))} | dict(
-                    expected_rdma=type(b).get_low_latency_rdma_size_hint(
-                        pf.manager.max_tokens_per_rank, pf.manager.kernel_hidden,
-                        pf.manager.num_ranks, pf.manager.num_experts)
-                    if hasattr(type(b), "get_low_latency_rdma_size_hint") else None)
-            else:
-                raise ValueError(f"unknown action {action!r}")
-        finally:
-            pf.reset_call_state()
-            pf.manager.destroy()
-    if action == "buffer_sharing":
+            pf.finalize(torch.zeros(e_l, slots - 1, h, dtype=torch.bfloat16), w, ids, out)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids, out)
+        return dict(error=error, out=out)
+
+
+def mask_peer(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+              offset: int, options: Optional[dict] = None) -> list[int]:
+    """Mask EP rank (rank + offset) % world (offset 0: this rank itself)."""
+    with built(backend, layout, cfg, options=options) as pf:
+        pf.manager.set_rank_masked((rank + offset) % world)
+        return pf.manager.masked_ranks()
+
+
+def buffer_sharing(rank: int, world: int, backend: str, layout: ParallelLayout,
+                   cfg: MoEConfig) -> dict:
+    """Two layers of the same sizes share one buffer; the last destroy() destroys it."""
+    with built(backend, layout, cfg) as first:
+        with built(backend, layout, cfg) as second:
+            shared = second.manager.buffer is first.manager.buffer
+        runtime = first.manager.buffer.runtime
+        alive_after_one = runtime is not None and not runtime.destroyed
+        with built(backend, layout, dataclasses.replace(cfg, num_topk=cfg.num_topk + 1)) as other:
+            same_size_other_topk = other.manager.buffer is first.manager.buffer
+    return dict(shared=shared, alive_after_one=alive_after_one,
+                destroyed_after_last=runtime.destroyed, same_size_other_topk=same_size_other_topk)
+
+
+def buffer_state(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+                 options: Optional[dict] = None) -> dict:
+    """The emulated buffer's constructor arguments and state, and the sizes the manager chose."""
+    with built(backend, layout, cfg, options=options) as pf:
+        m, b = pf.manager, pf.manager.buffer
+        state = {k: v for k, v in vars(b).items() if isinstance(v, (int, bool, str))}
+        runtime = b.runtime
+        store = m.options.tcp_store_group if hasattr(m.options, "tcp_store_group") else None
+        return dict(
+            buffer=state, kernel_hidden=m.kernel_hidden, max_tokens=m.max_tokens_per_rank,
+            num_ranks=m.num_ranks, num_experts=m.num_experts,
+            num_local_experts=m.num_local_experts,
+            expected_rdma=type(b).get_rdma_size_hint(m.max_tokens_per_rank, m.kernel_hidden,
+                                                     m.num_ranks, m.num_experts)
+            if hasattr(type(b), "get_rdma_size_hint") else
+            type(b).get_low_latency_rdma_size_hint(m.max_tokens_per_rank, m.kernel_hidden,
+                                                   m.num_ranks, m.num_experts),
+            connected=sorted(getattr(runtime, "connected", [])),
+            own_key_left=None if store is None else store.check([f"NIXL_EP/{rank}"]))
+
+
+def build_only(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+               max_tokens: int, options: Optional[dict] = None) -> None:
+    with built(backend, layout, cfg, max_tokens=max_tokens, options=options):
         pass
-    return None

@@ -67,14 +67,17 @@ _QUANTS = frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128})
 class LowLatencyOptions:
     """Settings both low-latency backends share (each backend's options class extends this).
 
-    allow_nvlink: let the kernels move data over NVLink between GPUs of one node (default on).
-        DeepEP warns that NVLink is "somehow incompatible with the hook-based overlapping": over
-        NVLink the *send* half of a hook-mode dispatch/combine already copies the rows with SM
-        stores, so less transfer is left for the shared expert to overlap with. NVLink wins by
-        default because it never changes results, and on a node without RDMA NICs (a single
-        H200) it is the only transport; hook mode stays on either way (the shared expert is
-        still launched before the receive wait). Turn it off on RDMA-equipped nodes to keep the
-        whole transfer in the hook window.
+    allow_nvlink: let the kernels move data over NVLink between GPUs of one node (default on;
+        DeepEP ``allow_nvlink_for_low_latency_mode``, NIXL EP ``not disable_ll_nvlink``).
+        DeepEP warns that NVLink is "somehow incompatible with the hook-based overlapping": for
+        an NVLink peer the *send* half of a hook-mode dispatch/combine copies the rows itself
+        with SM stores into the peer's memory (for an RDMA peer it only posts the writes), so
+        less of the transfer is left for the shared expert to overlap with. NVLink wins by
+        default: it changes no result on NVLink-connected GPUs (DeepEP warns PCIe peers may hit
+        memory-ordering errors), it is the only transport on a node without RDMA NICs (a single
+        H200), and hook mode stays on either way (the shared expert is still launched between
+        the send and the receive). Turn it off on RDMA-equipped nodes to keep the whole
+        transfer inside the hook window.
     pad_hidden: pad an unsupported hidden size up to the next kernel size (see module doc);
         False makes it a ValueError at construction.
     """
@@ -173,6 +176,7 @@ class _BufferCache:
 
 
 _BUFFERS = _BufferCache()
+_PADDING_LOGGED: set[tuple] = set()
 
 
 def destroy_all_buffers() -> None:
@@ -184,8 +188,11 @@ def destroy_all_buffers() -> None:
 class LowLatencyManager(ABC):
     """Buffer, kernel limits and library calls of one low-latency backend for one layer config.
 
-    Subclasses set the class attributes and implement :meth:`_create_buffer` /
-    :meth:`_destroy_buffer` (plus :meth:`_check_limits` for library-specific limits).
+    Subclasses set the class attributes (package, options type, the library's method names)
+    and implement :meth:`_size_hint`, :meth:`_create_buffer` and :meth:`_destroy_buffer`
+    (plus :meth:`_check_limits` / :meth:`_check_can_mask` for library-specific limits).
+    Construction order: options and layer checks (no collective), the vendor import (ImportError
+    naming the extra), the EP group's sizes, then the shared buffer (collective on creation).
 
     Attributes after construction: ``num_ranks``/``rank`` (EP group), ``num_experts``,
     ``num_local_experts``, ``hidden`` (the layer's), ``kernel_hidden`` (what the kernels run),
@@ -226,13 +233,23 @@ class LowLatencyManager(ABC):
                          and f.name != "pad_hidden")
         key = (self.backend_name, id(self.group), self.rank, self.num_ranks, self.kernel_hidden,
                self.max_tokens_per_rank, self.num_experts, switches)
-        self.buffer = _BUFFERS.acquire(key, self._create_buffer, self._destroy_buffer)
+        self.buffer = _BUFFERS.acquire(key, self._create_logged, self._destroy_buffer)
         self._key: Optional[tuple] = key
-        logger.info(
-            "%s: EP rank %d/%d, %d local experts, hidden %d%s, %d tokens per rank, NVLink %s",
-            self.backend_name, self.rank, self.num_ranks, self.num_local_experts, self.hidden,
-            f" (kernels run {self.kernel_hidden}, padded)" if self.padded else "",
-            self.max_tokens_per_rank, "on" if self.options.allow_nvlink else "off")
+        if self.padded and key not in _PADDING_LOGGED:
+            _PADDING_LOGGED.add(key)
+            logger.info("%s: hidden %d is not a kernel size; activations are zero-padded to %d "
+                        "inside prepare/finalize (build the layer with hidden=%d to avoid the "
+                        "copies)", self.backend_name, self.hidden, self.kernel_hidden,
+                        self.kernel_hidden)
+
+    def _create_logged(self) -> Any:
+        buffer = self._create_buffer()
+        logger.info("%s: buffer for EP rank %d/%d, %d local experts, kernel hidden %d, %d tokens "
+                    "per rank, %d RDMA bytes, NVLink %s", self.backend_name, self.rank,
+                    self.num_ranks, self.num_local_experts, self.kernel_hidden,
+                    self.max_tokens_per_rank, self.num_rdma_bytes,
+                    "on" if self.options.allow_nvlink else "off")
+        return buffer
 
     # -- configuration ---------------------------------------------------------------------
     def _options(self, given: object) -> LowLatencyOptions:
@@ -258,8 +275,6 @@ class LowLatencyManager(ABC):
         if cfg.quant.scheme not in _QUANTS:
             raise ValueError(f"{name}: quant scheme {cfg.quant.scheme.value} is not supported; "
                              f"supported: {sorted(q.value for q in _QUANTS)}")
-        if cfg.hidden > KERNEL_HIDDEN_SIZES[-1]:
-            round_up_hidden_size(cfg.hidden)  # raises with the supported sizes
 
     def _check_limits(self) -> None:
         """Library-specific limits on the computed sizes (raise ValueError with the fix)."""
@@ -504,6 +519,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             hook = m.combine(self._pad_last(fused_expert_output),
                              topk_ids.to(m.topk_idx_dtype).contiguous(),
                              topk_weights.float().contiguous(), st.handle, dest)
+            # Rows combine brings back to this rank's pairs (what this rank sends is only
+            # known on the device; summed over ranks the two are equal).
             self.stats.combine_bytes += topk_ids.numel() * m.kernel_hidden * 2
         finally:
             self._state = None

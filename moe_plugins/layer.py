@@ -3,7 +3,7 @@ and every reduction strategy of DESIGN.md. Used by the tests, the demo and the b
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,14 +33,17 @@ class MoELayer:
     """One MoE layer on one rank.
 
     ``weights`` are the full weights (each rank takes its shard); ``strategy`` None picks the
-    default for the layout. ``forward(x)`` takes x [num_tokens, hidden], the same on every TP rank
-    of a DP group, and returns the layer output [num_tokens, hidden] in ``x.dtype``.
+    default for the layout; ``backend_options`` goes to the backend as
+    ``DispatchConfig.backend_options`` (its typed options dataclass, None for its defaults).
+    ``forward(x)`` takes x [num_tokens, hidden], the same on every TP rank of a DP group, and
+    returns the layer output [num_tokens, hidden] in ``x.dtype``.
     """
 
     def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
                  strategy: Optional[ReductionStrategy] = None, quant: QuantSpec = QuantSpec(),
                  overlap: Optional[OverlapConfig] = None, max_tokens_per_rank: int = 256,
-                 shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED):
+                 shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED,
+                 backend_options: Any = None):
         cfg = weights.config
         self.cfg, self.ctx, self.quant = cfg, ctx, quant
         self.overlap = overlap or OverlapConfig.from_env()
@@ -82,7 +85,8 @@ class MoELayer:
         if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
             self.pf = backend.build(ctx, DispatchConfig(
                 num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
-                max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant))
+                max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant,
+                backend_options=backend_options))
 
         key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type)
         if key not in _LOGGED:

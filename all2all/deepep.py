@@ -1,0 +1,98 @@
+"""Transport of ``deepep_ll``: DeepEP's V1 ``deep_ep.Buffer`` in low-latency mode.
+
+Follows DeepEP's V1 line (commit 567632d, the last before the V2 rewrite): ``Buffer(group,
+num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink)``
+with ``low_latency_dispatch/low_latency_combine``. ``deep_ep`` is imported when a manager is
+built, never at import time.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from moe_plugins.low_latency import LowLatencyManager, LowLatencyOptions
+from moe_plugins.registry import RequiredPackage
+
+__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
+
+DEEPEP_PACKAGE = RequiredPackage(
+    module="deep_ep",
+    install="DeepEP publishes no wheel: build its V1 line (commit 567632d, the last before the V2 "
+            "rewrite) from source against CUDA + NVSHMEM, see https://github.com/deepseek-ai/DeepEP, "
+            "then `pip install 'moe-plugins[deepep]'`",
+)
+
+_DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
+
+
+@dataclass(frozen=True)
+class DeepEPLLOptions(LowLatencyOptions):
+    """DeepEP LL settings (``DispatchConfig.backend_options``); see :class:`LowLatencyOptions`
+    for ``allow_nvlink`` (which wins over hook overlap, and why) and ``pad_hidden``.
+
+    enable_shrink: allocate DeepEP's rank mask buffer, needed for :meth:`set_rank_masked`.
+    allow_mnnvl: allow multi-node NVLink.
+    """
+
+    enable_shrink: bool = False
+    allow_mnnvl: bool = False
+
+
+class DeepEPLLManager(LowLatencyManager):
+    """One ``deep_ep.Buffer`` per EP group and size: RDMA bytes from DeepEP's size hint for
+    (tokens per rank, kernel hidden, ranks, experts), low-latency mode, one QP per local expert,
+    NVLink per ``allow_nvlink``; built with ``explicitly_destroy`` and destroyed by the last
+    :meth:`destroy`."""
+
+    backend_name = "deepep_ll"
+    required = DEEPEP_PACKAGE
+    options_type = DeepEPLLOptions
+    dispatch_method = "low_latency_dispatch"
+    combine_method = "low_latency_combine"
+    update_mask_method = "low_latency_update_mask_buffer"
+    query_mask_method = "low_latency_query_mask_buffer"
+    options: DeepEPLLOptions
+
+    def _check_limits(self) -> None:
+        # Buffer.low_latency_dispatch asserts qp_depth >= 2 * (max tokens + 1).
+        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", _DEFAULT_QP_DEPTH))
+        need = 2 * (self.max_tokens_per_rank + 1)
+        if need > depth:
+            raise ValueError(
+                f"deepep_ll: {self.max_tokens_per_rank} tokens per rank need NVSHMEM_QP_DEPTH >= "
+                f"{need} (DeepEP asserts qp depth >= 2 * (tokens + 1)), it is {depth}; set "
+                f"NVSHMEM_QP_DEPTH={need} before the first layer is built, or lower "
+                "max_tokens_per_rank"
+            )
+
+    def _size_hint(self, max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+        return int(self.lib.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks,
+                                                                  num_experts))
+
+    def _create_buffer(self) -> Any:
+        extra: dict[str, Any] = {}
+        # Passed only when set: DeepEP builds older than 567632d do not take them.
+        if self.options.allow_mnnvl:
+            extra["allow_mnnvl"] = True
+        if self.options.enable_shrink:
+            extra["enable_shrink"] = True
+        return self.lib.Buffer(
+            self.group,
+            num_nvl_bytes=0,
+            num_rdma_bytes=self.num_rdma_bytes,
+            low_latency_mode=True,
+            num_qps_per_rank=self.num_local_experts,
+            allow_nvlink_for_low_latency_mode=self.options.allow_nvlink,
+            explicitly_destroy=True,
+            **extra,
+        )
+
+    def _destroy_buffer(self, buffer: Any) -> None:
+        buffer.destroy()
+
+    def _check_can_mask(self, rank: Optional[int]) -> None:
+        if not self.options.enable_shrink:
+            raise ValueError("deepep_ll: rank masking needs DeepEP's mask buffer; build the layer "
+                             "with DeepEPLLOptions(enable_shrink=True)")

@@ -1,0 +1,97 @@
+"""Transport of ``nixl_ep``: NIXL EP's ``nixl_ep.Buffer`` (low-latency kernels over NIXL).
+
+Follows the nixl_ep Python API of ai-dynamo/nixl v1.4.0 (examples/device/ep/nixl_ep):
+``Buffer(disable_ll_nvlink, explicitly_destroy, rank, low_latency_mode, group, comm,
+tcp_store_group, timeout_ms)``, ``update_memory_buffers(num_ranks, num_experts_per_rank,
+num_rdma_bytes)``, ``connect_ranks(remote_ranks)``, ``dispatch/combine`` (the names every nixl
+release since v1.0.0 has; v1.1+ also calls them ``low_latency_*``), ``update_mask_buffer`` /
+``query_mask_buffer``. ``nixl_ep`` is imported when a manager is built, never at import time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from moe_plugins.config import DispatchConfig
+from moe_plugins.groups import DistContext
+from moe_plugins.low_latency import LowLatencyManager, LowLatencyOptions
+from moe_plugins.registry import RequiredPackage
+
+__all__ = ["NixlEPOptions", "NixlEPManager", "NIXL_PACKAGE"]
+
+NIXL_PACKAGE = RequiredPackage(module="nixl_ep", install="pip install 'moe-plugins[nixl]'")
+
+_NO_STORE = (
+    "nixl_ep needs a tcp_store_group: a torch.distributed Store through which the ranks exchange "
+    "their NIXL agent metadata when they connect (connect_ranks writes NIXL_EP/<rank> and reads "
+    "the peers' keys). Pass one in the backend options, for example a prefix store on the store "
+    "the process group was initialized with: DispatchConfig(backend_options=NixlEPOptions("
+    "tcp_store_group=torch.distributed.PrefixStore('nixl_ep', store)))"
+)
+
+
+@dataclass(frozen=True)
+class NixlEPOptions(LowLatencyOptions):
+    """NIXL EP settings (``DispatchConfig.backend_options``); see :class:`LowLatencyOptions`
+    for ``allow_nvlink`` (``disable_ll_nvlink`` here) and ``pad_hidden``.
+
+    tcp_store_group: required; a ``torch.distributed.Store`` (TCPStore, or a PrefixStore on
+        one) shared by the EP ranks, used to exchange agent metadata when ranks connect.
+    timeout_ms: GPU kernel timeout (nixl v1.2+); in low-latency mode a timed-out peer is masked
+        out. None: the library's default (30 s).
+    """
+
+    tcp_store_group: Any = None
+    timeout_ms: Optional[int] = None
+
+
+class NixlEPManager(LowLatencyManager):
+    """One ``nixl_ep.Buffer`` per EP group and size. Lifecycle: ``Buffer(rank, tcp_store_group)``
+    -> ``update_memory_buffers`` (NIXL's size hint) -> ``connect_ranks`` (every EP rank) ->
+    (layers) -> clean up on the last :meth:`destroy`: drop the store, ``destroy()``."""
+
+    backend_name = "nixl_ep"
+    required = NIXL_PACKAGE
+    options_type = NixlEPOptions
+    dispatch_method = "dispatch"
+    combine_method = "combine"
+    update_mask_method = "update_mask_buffer"
+    query_mask_method = "query_mask_buffer"
+    options: NixlEPOptions
+
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig):
+        opts = cfg.backend_options
+        if opts is None or (isinstance(opts, NixlEPOptions) and opts.tcp_store_group is None):
+            raise ValueError(_NO_STORE)
+        super().__init__(ctx, cfg)
+
+    def _layout_ranks_multiple(self) -> int:
+        # The receive layout spans the active rank bound (highest unmasked rank + 1), which
+        # masking changes: keep the token capacity itself a multiple of 4.
+        return 1
+
+    def _size_hint(self, max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+        return int(self.lib.Buffer.get_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts))
+
+    def _create_buffer(self) -> Any:
+        extra = {} if self.options.timeout_ms is None else {"timeout_ms": self.options.timeout_ms}
+        buffer = self.lib.Buffer(  # low-latency mode is the default (and the only v1.0 mode)
+            disable_ll_nvlink=not self.options.allow_nvlink,
+            explicitly_destroy=True,
+            rank=self.rank,
+            tcp_store_group=self.options.tcp_store_group,
+            **extra,
+        )
+        buffer.update_memory_buffers(num_ranks=self.num_ranks,
+                                     num_experts_per_rank=self.num_local_experts,
+                                     num_rdma_bytes=self.num_rdma_bytes)
+        buffer.connect_ranks(list(range(self.num_ranks)))  # the local rank is filtered out
+        return buffer
+
+    def _destroy_buffer(self, buffer: Any) -> None:
+        buffer.set_tcp_store_group(None)
+        buffer.destroy()
+
+    def _check_can_mask(self, rank: Optional[int]) -> None:
+        if rank is not None and rank == self.rank:
+            raise ValueError(f"nixl_ep cannot mask the local rank ({rank}); mask it on its peers")

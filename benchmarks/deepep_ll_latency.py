@@ -1,0 +1,176 @@
+"""Dispatch/combine latency of the deepep_ll backend vs the raw DeepEP V1 Buffer calls.
+
+One GPU, one process (EP world size 1), DeepEP's V1 line (commit 567632d) built from source.
+Both sides use the SAME ``deep_ep.Buffer`` (the one our manager built) and the same call shape
+our backend makes: hook mode (``return_recv_hook=True``) with the hook run right away, FP8
+dispatch (``--bf16`` for bf16), combine into a preallocated ``out``. What differs is only our
+layer on top: input checks, topk dtype cast, PrepareResult/handle bookkeeping, stats.
+
+Each iteration records CUDA events around dispatch and combine; the GPU time between events
+includes any gap the host leaves, so host overhead of our classes shows up there. A second
+figure is host wall time per iteration (synchronized at the end of the timed loop). The raw
+non-hook calls are printed as a reference line. Example:
+
+    python benchmarks/deepep_ll_latency.py --tokens 64 --hidden 7168 --topk 8 --experts 32
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moe_plugins.config import DispatchConfig  # noqa: E402
+from moe_plugins.groups import DistContext  # noqa: E402
+from moe_plugins.layout import ParallelLayout  # noqa: E402
+from moe_plugins.low_latency import destroy_all_buffers  # noqa: E402
+from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time_pairs(dispatch: Callable[[], object], combine: Callable[[object], None], iters: int,
+                warmup: int) -> dict:
+    """Run dispatch -> combine ``warmup + iters`` times; per-op GPU-event means (us) and host
+    wall time per iteration (us)."""
+    for _ in range(warmup):
+        combine(dispatch())
+    torch.cuda.synchronize()
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    start = time.perf_counter()
+    for e0, e1, e2 in events:
+        e0.record()
+        state = dispatch()
+        e1.record()
+        combine(state)
+        e2.record()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / iters * 1e6
+    d = [a.elapsed_time(b) * 1e3 for a, b, _ in events]
+    c = [b.elapsed_time(c) * 1e3 for _, b, c in events]
+    return dict(dispatch_us=statistics.mean(d), combine_us=statistics.mean(c),
+                dispatch_median_us=statistics.median(d), combine_median_us=statistics.median(c),
+                wall_us=wall)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--bf16", action="store_true", help="bf16 dispatch (default: FP8 block-128)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError as e:
+        print(f"needs DeepEP's V1 line built from source ({e})", file=sys.stderr)
+        return 2
+    from prepare_finalize.deepep_ll import SPEC
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=120))
+    dev = torch.device("cuda")
+    quant = QuantSpec() if args.bf16 else QuantSpec(QuantScheme.FP8_BLOCK128)
+    ctx = DistContext(ParallelLayout(1, 1, True), 0, dist.group.WORLD, None, dev)
+    pf = SPEC.build(ctx, DispatchConfig(args.experts, args.hidden, args.topk, args.tokens,
+                                        torch.bfloat16, quant))
+    m = pf.manager
+    buffer = m.buffer
+    use_fp8 = quant.quantized_on_wire
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
+    scores = torch.rand(args.tokens, args.experts, device=dev, generator=g)
+    topk_w, topk_ids = scores.topk(args.topk, dim=-1)
+    topk_w = (topk_w / topk_w.sum(dim=-1, keepdim=True)).float().contiguous()
+    topk_ids = topk_ids.to(m.topk_idx_dtype).contiguous()
+    expert_out = torch.randn(m.num_local_experts, m.max_tokens_per_rank * m.num_ranks,
+                             args.hidden, device=dev, generator=g).to(torch.bfloat16)
+    out = torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device=dev)
+
+    def raw_dispatch(hook_mode: bool) -> Callable[[], object]:
+        def run() -> object:
+            _recv, _count, handle, _event, hook = buffer.low_latency_dispatch(
+                x, topk_ids, m.max_tokens_per_rank, m.num_experts, use_fp8=use_fp8,
+                async_finish=False, return_recv_hook=hook_mode)
+            if hook_mode:
+                hook()
+            return handle
+        return run
+
+    def raw_combine(hook_mode: bool) -> Callable[[object], None]:
+        def run(handle: object) -> None:
+            _combined, _event, hook = buffer.low_latency_combine(
+                expert_out, topk_ids, topk_w, handle, async_finish=False, zero_copy=False,
+                return_recv_hook=hook_mode, out=out)
+            if hook_mode:
+                hook()
+        return run
+
+    def ours_dispatch() -> object:
+        return pf.prepare(x, topk_w, topk_ids, quant)
+
+    def ours_combine(_prep: object) -> None:
+        pf.finalize(expert_out, topk_w, topk_ids, out)
+
+    rows = {
+        "raw, hook mode": _time_pairs(raw_dispatch(True), raw_combine(True), args.iters,
+                                      args.warmup),
+        "deepep_ll (ours)": _time_pairs(ours_dispatch, ours_combine, args.iters, args.warmup),
+        "raw, no hook": _time_pairs(raw_dispatch(False), raw_combine(False), args.iters,
+                                    args.warmup),
+    }
+    raw, ours = rows["raw, hook mode"], rows["deepep_ll (ours)"]
+    ratio = {k: ours[k] / raw[k] for k in ("dispatch_us", "combine_us", "wall_us")}
+    ratio["total_us"] = ((ours["dispatch_us"] + ours["combine_us"])
+                         / (raw["dispatch_us"] + raw["combine_us"]))
+
+    print(f"DeepEP LL, 1 rank, {args.tokens} tokens, hidden {args.hidden}, topk {args.topk}, "
+          f"{args.experts} experts, {'bf16' if args.bf16 else 'fp8'} dispatch, "
+          f"{args.iters} iterations (mean of CUDA-event intervals, us)")
+    print(f"{'path':<20} {'dispatch':>10} {'combine':>10} {'total':>10} {'host/iter':>10}")
+    for name, r in rows.items():
+        print(f"{name:<20} {r['dispatch_us']:>10.2f} {r['combine_us']:>10.2f} "
+              f"{r['dispatch_us'] + r['combine_us']:>10.2f} {r['wall_us']:>10.2f}")
+    print(f"{'overhead ours/raw':<20} {ratio['dispatch_us']:>10.3f} {ratio['combine_us']:>10.3f} "
+          f"{ratio['total_us']:>10.3f} {ratio['wall_us']:>10.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(
+            config=dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk,
+                        experts=args.experts, fp8=not args.bf16, iters=args.iters,
+                        device=torch.cuda.get_device_name(), deep_ep=getattr(
+                            sys.modules["deep_ep"], "__file__", "?")),
+            results=rows, overhead_ratio=ratio), indent=2))
+
+    pf.reset_call_state()
+    m.destroy()
+    destroy_all_buffers()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,555 @@
+"""Low-latency (batched, per-expert) dispatch/combine shared by DeepEP LL and NIXL EP.
+
+DeepEP's V1 ``Buffer.low_latency_dispatch/low_latency_combine`` and ``nixl_ep.Buffer.dispatch/
+combine`` have one API shape: dispatch sends every (token, expert) pair to the rank holding the
+expert and returns a packed receive layout ``[num_local_experts, num_max_dispatch_tokens_per_rank
+* num_ranks, hidden]`` with a receive count per local expert; combine sends each expert output
+back and reduces it **with the router weights** into ``out``. So the logic lives here once:
+
+- :class:`LowLatencyManager`: validation of the layer against the kernels' limits, the buffer
+  (one per EP group and size, cached, destroyed explicitly), the library calls, rank masking.
+  A backend's manager only names its package, its method names and how its buffer is built.
+- :class:`LowLatencyPrepareFinalize`: prepare (dispatch with ``return_recv_hook``) and finalize
+  (combine with ``out=``, row-scatter variant), per-call handle reset in ``finally``.
+
+Hidden-size rule. The kernels are compiled for :data:`KERNEL_HIDDEN_SIZES` only. A layer whose
+hidden size is one of them runs as is. A smaller one runs **padded to the next kernel size**
+when ``pad_hidden`` is on (the default): prepare copies the tokens into zero-padded rows before
+the dispatch and hands the experts views of the first ``hidden`` columns; finalize pads the
+expert outputs the same way and copies the first ``hidden`` columns of the combined rows out.
+Zero columns change no real column (combine is a per-column weighted sum); the cost is one
+copy each way and ``kernel_hidden - hidden`` more columns on the wire, logged once at INFO.
+Build the layer with :func:`round_up_hidden_size` (as vLLM rounds its layer up) to avoid it.
+With ``pad_hidden=False`` an unsupported size is a ValueError; above 8192 it always is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.config import DispatchConfig
+from moe_plugins.counters import DispatchStats
+from moe_plugins.groups import DistContext
+from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, Hook,
+                                   PrepareFinalize, PrepareResult, RowScatterTarget,
+                                   check_prepare_inputs, row_scatter_add)
+from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
+from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
+    "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
+    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers",
+]
+
+#: Hidden sizes the low-latency kernels are compiled for (DeepEP V1 and nixl_ep SWITCH_HIDDEN).
+KERNEL_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+#: Largest top-k of the dispatch kernel (``kNumMaxTopK`` in both libraries).
+MAX_TOPK = 11
+#: Each dispatched pair carries a 16-byte header (the source token index) in front of its row.
+_MSG_HEADER_BYTES = 16
+_UE8M0_PACK = 4  # UE8M0 scales are packed four to an int32: one int32 per 512 columns
+_QUANTS = frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128})
+
+
+@dataclass(frozen=True)
+class LowLatencyOptions:
+    """Settings both low-latency backends share (each backend's options class extends this).
+
+    allow_nvlink: let the kernels move data over NVLink between GPUs of one node (default on;
+        DeepEP ``allow_nvlink_for_low_latency_mode``, NIXL EP ``not disable_ll_nvlink``).
+        DeepEP warns that NVLink is "somehow incompatible with the hook-based overlapping": for
+        an NVLink peer the *send* half of a hook-mode dispatch/combine copies the rows itself
+        with SM stores into the peer's memory (for an RDMA peer it only posts the writes), so
+        less of the transfer is left for the shared expert to overlap with. NVLink wins by
+        default: it changes no result on NVLink-connected GPUs (DeepEP warns PCIe peers may hit
+        memory-ordering errors), it is the only transport on a node without RDMA NICs (a single
+        H200), and hook mode stays on either way (the shared expert is still launched between
+        the send and the receive). Turn it off on RDMA-equipped nodes to keep the whole
+        transfer inside the hook window.
+    pad_hidden: pad an unsupported hidden size up to the next kernel size (see module doc);
+        False makes it a ValueError at construction.
+    """
+
+    allow_nvlink: bool = True
+    pad_hidden: bool = True
+
+
+def round_up_hidden_size(hidden: int) -> int:
+    """The smallest kernel hidden size >= ``hidden`` (build a layer with it to avoid padding)."""
+    for size in KERNEL_HIDDEN_SIZES:
+        if size >= hidden:
+            return size
+    raise ValueError(
+        f"hidden={hidden} is larger than the largest hidden size the low-latency kernels support "
+        f"({KERNEL_HIDDEN_SIZES[-1]}); supported: {list(KERNEL_HIDDEN_SIZES)}; use another "
+        "backend (e.g. 'torch') for this layer"
+    )
+
+
+def kernel_hidden_size(hidden: int, pad_hidden: bool, backend: str) -> int:
+    """The hidden size the kernels run for a layer of ``hidden`` (the module doc's rule)."""
+    if hidden in KERNEL_HIDDEN_SIZES:
+        return hidden
+    padded = round_up_hidden_size(hidden)
+    if not pad_hidden:
+        raise ValueError(
+            f"{backend}: hidden={hidden} is not a size the kernels are compiled for "
+            f"({list(KERNEL_HIDDEN_SIZES)}); build the layer with hidden={padded} "
+            f"(moe_plugins.low_latency.round_up_hidden_size), or set pad_hidden=True in the "
+            "backend options to pad the activations inside prepare/finalize"
+        )
+    return padded
+
+
+def token_capacity(max_tokens_per_rank: int, num_ranks: int) -> int:
+    """Smallest capacity >= ``max_tokens_per_rank`` with ``num_ranks * capacity`` a multiple of 4
+    (the kernels' TMA needs the packed token dimension, ranks x capacity, to be a multiple of 4).
+    Pass ``num_ranks=1`` when the number of ranks in the layout can change (NIXL EP's active rank
+    bound): the capacity itself is then a multiple of 4."""
+    step = 4 // math.gcd(num_ranks, 4)
+    return -(-max_tokens_per_rank // step) * step
+
+
+def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Packed UE8M0 scales -> float32 scales.
+
+    packed: int32 [..., hidden // 512], four biased 8-bit exponents per int32, lowest byte first
+    (the layout DeepEP/NIXL EP return with ``use_ue8m0=True``). Returns float32
+    [..., hidden // 128] holding ``2 ** (e - 127)``.
+    """
+    if packed.dtype != torch.int32:
+        raise TypeError(f"packed UE8M0 scales must be int32, got {packed.dtype}")
+    shifts = torch.arange(0, 32, 8, device=packed.device, dtype=torch.int32)
+    exps = (packed.unsqueeze(-1) >> shifts) & 0xFF  # [..., hidden // 512, 4]
+    return torch.exp2(exps.flatten(-2).float() - 127.0)
+
+
+def _import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+    try:
+        return importlib.import_module(required.module)
+    except ImportError as e:
+        raise ImportError(
+            f"backend {backend!r} needs the '{required.module}' package, which is not "
+            f"importable ({type(e).__name__}: {e}); {required.install}"
+        ) from e
+
+
+class _BufferCache:
+    """Library buffers shared by the managers of one EP group and size (a model's MoE layers all
+    share one), reference-counted; the last :meth:`release` destroys the buffer."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, list[Any]] = {}  # key -> [buffer, refs, destroy]
+
+    def acquire(self, key: tuple, create: Callable[[], Any], destroy: Callable[[Any], None]) -> Any:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = [create(), 0, destroy]
+        entry[1] += 1
+        return entry[0]
+
+    def release(self, key: tuple) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._entries[key]
+            entry[2](entry[0])
+
+    def clear(self) -> None:
+        entries, self._entries = list(self._entries.values()), {}
+        for buffer, _, destroy in entries:
+            destroy(buffer)
+
+
+_BUFFERS = _BufferCache()
+_PADDING_LOGGED: set[tuple] = set()
+
+
+def destroy_all_buffers() -> None:
+    """Destroy every cached low-latency buffer of this process (engine teardown, tests). The
+    managers that used them must not be used afterwards."""
+    _BUFFERS.clear()
+
+
+class LowLatencyManager(ABC):
+    """Buffer, kernel limits and library calls of one low-latency backend for one layer config.
+
+    Subclasses set the class attributes (package, options type, the library's method names)
+    and implement :meth:`_size_hint`, :meth:`_create_buffer` and :meth:`_destroy_buffer`
+    (plus :meth:`_check_limits` / :meth:`_check_can_mask` for library-specific limits).
+    Construction order: options and layer checks (no collective), the vendor import (ImportError
+    naming the extra), the EP group's sizes, then the shared buffer (collective on creation).
+
+    Attributes after construction: ``num_ranks``/``rank`` (EP group), ``num_experts``,
+    ``num_local_experts``, ``hidden`` (the layer's), ``kernel_hidden`` (what the kernels run),
+    ``max_tokens_per_rank`` (the token capacity every rank passes to dispatch), ``buffer``.
+    """
+
+    backend_name: ClassVar[str]
+    required: ClassVar[RequiredPackage]
+    options_type: ClassVar[type[LowLatencyOptions]]
+    dispatch_method: ClassVar[str]  # e.g. "low_latency_dispatch"
+    combine_method: ClassVar[str]
+    update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
+    query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
+
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig):
+        self.options = self._options(cfg.backend_options)
+        self._check_layer(cfg)
+        self.kernel_hidden = kernel_hidden_size(cfg.hidden, self.options.pad_hidden,
+                                                self.backend_name)
+        self.lib = _import_vendor(self.required, self.backend_name)
+        self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
+        self.ctx, self.cfg = ctx, cfg
+        self.group = ctx.ep_group
+        self.num_ranks = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if cfg.num_experts % self.num_ranks:
+            raise ValueError(f"{self.backend_name}: num_experts={cfg.num_experts} is not divisible "
+                             f"by the EP size {self.num_ranks}; pick an EP size that divides it")
+        self.num_experts = cfg.num_experts
+        self.num_local_experts = cfg.num_experts // self.num_ranks
+        self.hidden = cfg.hidden
+        self.max_tokens_per_rank = token_capacity(cfg.max_tokens_per_rank,
+                                                  self._layout_ranks_multiple())
+        self._check_limits()
+        # Plain option values (switches) separate buffers; objects such as a store do not.
+        switches = tuple((f.name, v) for f in dataclasses.fields(self.options)
+                         if isinstance(v := getattr(self.options, f.name), (bool, int, str))
+                         and f.name != "pad_hidden")
+        key = (self.backend_name, id(self.group), self.rank, self.num_ranks, self.kernel_hidden,
+               self.max_tokens_per_rank, self.num_experts, switches)
+        self.buffer = _BUFFERS.acquire(key, self._create_logged, self._destroy_buffer)
+        self._key: Optional[tuple] = key
+        if self.padded and key not in _PADDING_LOGGED:
+            _PADDING_LOGGED.add(key)
+            logger.info("%s: hidden %d is not a kernel size; activations are zero-padded to %d "
+                        "inside prepare/finalize (build the layer with hidden=%d to avoid the "
+                        "copies)", self.backend_name, self.hidden, self.kernel_hidden,
+                        self.kernel_hidden)
+
+    def _create_logged(self) -> Any:
+        buffer = self._create_buffer()
+        logger.info("%s: buffer for EP rank %d/%d, %d local experts, kernel hidden %d, %d tokens "
+                    "per rank, %d RDMA bytes, NVLink %s", self.backend_name, self.rank,
+                    self.num_ranks, self.num_local_experts, self.kernel_hidden,
+                    self.max_tokens_per_rank, self.num_rdma_bytes,
+                    "on" if self.options.allow_nvlink else "off")
+        return buffer
+
+    # -- configuration ---------------------------------------------------------------------
+    def _options(self, given: object) -> LowLatencyOptions:
+        if given is None:
+            return self.options_type()
+        if not isinstance(given, self.options_type):
+            raise TypeError(
+                f"{self.backend_name}: backend_options must be a {self.options_type.__name__}, got "
+                f"{type(given).__name__}; pass DispatchConfig(backend_options="
+                f"{self.options_type.__name__}(...))"
+            )
+        return given
+
+    def _check_layer(self, cfg: DispatchConfig) -> None:
+        name = self.backend_name
+        if cfg.dtype != torch.bfloat16:
+            raise ValueError(f"{name}: the low-latency kernels move bfloat16 activations, the layer "
+                             f"is {cfg.dtype}; build the layer in torch.bfloat16 or use another "
+                             "backend (e.g. 'torch')")
+        if cfg.num_topk > MAX_TOPK:
+            raise ValueError(f"{name}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
+                             f"of {MAX_TOPK} experts per token; use another backend (e.g. 'torch')")
+        if cfg.quant.scheme not in _QUANTS:
+            raise ValueError(f"{name}: quant scheme {cfg.quant.scheme.value} is not supported; "
+                             f"supported: {sorted(q.value for q in _QUANTS)}")
+
+    def _check_limits(self) -> None:
+        """Library-specific limits on the computed sizes (raise ValueError with the fix)."""
+
+    def _layout_ranks_multiple(self) -> int:
+        """What the rank count of the receive layout is always a multiple of (for the token
+        capacity rounding): the EP size where the layout always spans every rank."""
+        return self.num_ranks
+
+    @property
+    def padded(self) -> bool:
+        return self.kernel_hidden != self.hidden
+
+    @property
+    def num_rdma_bytes(self) -> int:
+        """The library's size hint for this layer's (tokens, kernel hidden, ranks, experts)."""
+        return self._size_hint(self.max_tokens_per_rank, self.kernel_hidden, self.num_ranks,
+                               self.num_experts)
+
+    @abstractmethod
+    def _size_hint(self, max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+        """The library's RDMA buffer size hint, in bytes."""
+
+    @abstractmethod
+    def _create_buffer(self) -> Any:
+        """Build the library buffer for this manager's sizes (collective over the EP group)."""
+
+    @abstractmethod
+    def _destroy_buffer(self, buffer: Any) -> None:
+        """Release a buffer built by :meth:`_create_buffer`."""
+
+    # -- the library calls -----------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, use_ue8m0: bool
+                 ) -> tuple[Any, torch.Tensor, Any, Hook]:
+        """Issue the send of x bf16 [num_tokens, kernel_hidden] (contiguous) to the experts in
+        topk_idx topk_idx_dtype [num_tokens, num_topk]. Returns (recv_x or (recv_x, recv_x_sf),
+        recv_count int32 [num_local_experts], handle, hook); the receive happens in ``hook``."""
+        recv, count, handle, _event, hook = getattr(self.buffer, self.dispatch_method)(
+            x, topk_idx, self.max_tokens_per_rank, self.num_experts,
+            use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
+            async_finish=False, return_recv_hook=True)
+        return recv, count, handle, hook
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: Any, out: torch.Tensor) -> Hook:
+        """Issue the send of expert outputs x bf16 [num_local_experts, num_recv_slots,
+        kernel_hidden]; ``hook`` receives and reduces them with topk_weights float32
+        [num_tokens, num_topk] into out bf16 [num_tokens, kernel_hidden]."""
+        _combined, _event, hook = getattr(self.buffer, self.combine_method)(
+            x, topk_idx, topk_weights, handle, async_finish=False, zero_copy=False,
+            return_recv_hook=True, out=out)
+        return hook
+
+    # -- elastic rank masking --------------------------------------------------------------
+    def set_rank_masked(self, rank: int, masked: bool = True) -> None:
+        """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``; combine
+        then leaves out the experts of masked ranks (their topk weights count as zero)."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        self._check_can_mask(rank)
+        getattr(self.buffer, self.update_mask_method)(rank, masked)
+
+    def masked_ranks(self) -> list[int]:
+        """EP ranks currently masked in the library's mask buffer."""
+        self._check_can_mask(None)
+        status = torch.zeros(self._mask_len(), dtype=torch.int32, device=self.ctx.device)
+        getattr(self.buffer, self.query_mask_method)(status)
+        return [r for r, m in enumerate(status.tolist()) if m]
+
+    def _check_can_mask(self, rank: Optional[int]) -> None:
+        """Raise ValueError when this buffer cannot mask ``rank`` (None: cannot mask at all)."""
+
+    def _mask_len(self) -> int:
+        return self.num_ranks
+
+    def destroy(self) -> None:
+        """Release this manager's share of the buffer (the last one destroys it); idempotent."""
+        if self._key is not None:
+            key, self._key = self._key, None
+            _BUFFERS.release(key)
+
+
+@dataclass
+class _CallState:
+    """What finalize needs from prepare: the library's handle, the tokens given to prepare and
+    the packed receive shape (num_local_experts, num_recv_slots, kernel_hidden)."""
+
+    handle: Any
+    num_tokens: int
+    recv_shape: tuple[int, int, int]
+
+
+class LowLatencyPrepareFinalize(PrepareFinalize):
+    """BATCHED layout: prepare returns x [num_local_experts, num_recv_slots, hidden] with a
+    token count per local expert, topk ids/weights None (combine applies the weights).
+
+    num_recv_slots = ``max_tokens_per_rank * num_ranks`` (NIXL EP: times the active rank bound);
+    only the first ``expert_num_tokens[e]`` rows of expert ``e`` are valid. x is bfloat16
+    (``x_sf is None``) or float8_e4m3fn with x_sf float32 [..., hidden // 128], block-128
+    scales in the kernels' column-major layout; with packed UE8M0 scales (experts that ask
+    for them, :meth:`post_init_setup`) x_sf is int32 [..., ceil(hidden / 512)].
+    """
+
+    activation_format = ActivationFormat.BATCHED
+
+    def __init__(self, manager: LowLatencyManager, cfg: DispatchConfig):
+        self.manager = manager
+        self.cfg = cfg
+        self.stats = DispatchStats()
+        self.use_ue8m0 = False
+        self._state: Optional[_CallState] = None
+
+    def num_dispatchers(self) -> int:
+        return self.manager.num_ranks
+
+    def supports_async(self) -> bool:
+        return True
+
+    def max_num_tokens_per_rank(self) -> Optional[int]:
+        return self.manager.max_tokens_per_rank
+
+    def topk_indices_dtype(self) -> torch.dtype:
+        """The dtype the library wants topk ids in (int32 router ids are widened in prepare)."""
+        return self.manager.topk_idx_dtype
+
+    def post_init_setup(self, experts: object) -> None:
+        """Dispatch packed UE8M0 scales when ``experts.supports_packed_ue8m0_act_scales()``."""
+        asks = getattr(experts, "supports_packed_ue8m0_act_scales", None)
+        if asks is None or not asks():
+            return
+        if self.cfg.quant.quantized_on_wire:
+            self.use_ue8m0 = True
+            logger.info("%s: experts read packed UE8M0 scales; dispatching power-of-two scales "
+                        "packed four to an int32", self.manager.backend_name)
+        else:
+            logger.warning("%s: %s can take FP8 activations with packed UE8M0 scales, but this "
+                           "layer dispatches unquantized activations (quant %s)",
+                           self.manager.backend_name, type(experts).__name__,
+                           self.cfg.quant.scheme.value)
+
+    def reset_call_state(self) -> None:
+        self._state = None
+
+    # -- padding of the hidden dimension (see the module doc) ------------------------------
+    def _pad_last(self, t: torch.Tensor) -> torch.Tensor:
+        m = self.manager
+        if not m.padded:
+            return t.contiguous()
+        out = t.new_zeros(*t.shape[:-1], m.kernel_hidden)
+        out[..., : m.hidden] = t
+        return out
+
+    def _check_quant(self, quant: QuantSpec) -> None:
+        if quant.scheme not in _QUANTS:
+            raise ValueError(f"{self.manager.backend_name}: quant scheme {quant.scheme.value} is "
+                             f"not supported; supported: {sorted(q.value for q in _QUANTS)}")
+
+    def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        """hidden_states bf16 [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
+        topk_ids int32/int64 [num_tokens, num_topk] (GLOBAL ids, -1 for none). The send is
+        issued here; the hook receives; the receiver returns the :class:`PrepareResult`."""
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        self._check_quant(quant)
+        m = self.manager
+        n, hidden = hidden_states.shape
+        if hidden != m.hidden:
+            raise ValueError(f"hidden_states has hidden={hidden}, the layer was built for "
+                             f"{m.hidden}")
+        if hidden_states.dtype != torch.bfloat16:
+            raise TypeError(f"{m.backend_name}: hidden_states must be bfloat16 (the kernels "
+                            f"dispatch bf16 and quantize to FP8 themselves), got "
+                            f"{hidden_states.dtype}")
+        if n > m.max_tokens_per_rank:
+            raise ValueError(f"{m.backend_name}: prepare got {n} tokens but the buffers hold "
+                             f"{m.max_tokens_per_rank} per rank; raise "
+                             "DispatchConfig.max_tokens_per_rank")
+        if self._state is not None:
+            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
+        use_fp8 = quant.quantized_on_wire
+        ue8m0 = use_fp8 and self.use_ue8m0
+        x = self._pad_last(hidden_states)
+        ids = topk_ids.to(m.topk_idx_dtype).contiguous()
+        recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0)
+        recv_x, recv_sf = recv if use_fp8 else (recv, None)
+        self._state = _CallState(handle, n, tuple(recv_x.shape))
+
+        pairs = topk_ids.numel()  # -1 entries included: counting them exactly would need a sync
+        s = self.stats
+        s.calls += 1
+        s.pairs += pairs
+        s.rows += pairs  # one message per (token, expert) pair
+        s.act_bytes += pairs * m.kernel_hidden * (1 if use_fp8 else 2)
+        s.sf_bytes += pairs * (m.kernel_hidden // FP8_BLOCK) * 4 if use_fp8 else 0
+        s.meta_bytes += pairs * _MSG_HEADER_BYTES
+
+        def receiver() -> PrepareResult:
+            x_sf = recv_sf
+            if x_sf is not None and m.padded:
+                per = FP8_BLOCK * (_UE8M0_PACK if ue8m0 else 1)
+                x_sf = x_sf[..., : -(-m.hidden // per)]
+            return PrepareResult(x=recv_x[..., : m.hidden] if m.padded else recv_x, x_sf=x_sf,
+                                 expert_tokens_meta=ExpertTokensMeta(recv_count),
+                                 topk_ids=None, topk_weights=None)
+
+        return AsyncResult(hook, receiver)
+
+    def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
+        """fused_expert_output bf16 [num_local_experts, num_recv_slots, hidden]: UNWEIGHTED
+        expert outputs in prepare's layout; topk_weights/topk_ids: those given to prepare.
+        ``output``: [num_tokens, hidden] to fill, or a row-scatter target whose owned rows
+        receive the combined rows (added after the shared-expert join)."""
+        st = self._state
+        if st is None:
+            raise RuntimeError("finalize called without a matching prepare on this backend")
+        m = self.manager
+        try:
+            e_l, slots, _ = st.recv_shape
+            if tuple(fused_expert_output.shape) != (e_l, slots, m.hidden):
+                raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}"
+                                 f", expected [{e_l}, {slots}, {m.hidden}] (prepare's layout)")
+            if fused_expert_output.dtype != torch.bfloat16:
+                raise TypeError(f"{m.backend_name}: expert outputs must be bfloat16 for the "
+                                f"combine kernel, got {fused_expert_output.dtype}")
+            n = st.num_tokens
+            if topk_ids.shape[0] != n or topk_weights.shape != topk_ids.shape:
+                raise ValueError(f"finalize got topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                                 f"{tuple(topk_weights.shape)}; prepare was given {n} tokens")
+            if isinstance(output, RowScatterTarget):
+                if output.rows.num_owned != n:
+                    raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows, "
+                                     f"prepare was given {n} tokens")
+                dest = fused_expert_output.new_empty(n, m.kernel_hidden)
+            else:
+                if tuple(output.shape) != (n, m.hidden):
+                    raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
+                                     f"[{n}, {m.hidden}] (the tokens given to prepare)")
+                direct = (not m.padded and output.is_contiguous()
+                          and output.dtype == torch.bfloat16)
+                dest = output if direct else fused_expert_output.new_empty(n, m.kernel_hidden)
+            hook = m.combine(self._pad_last(fused_expert_output),
+                             topk_ids.to(m.topk_idx_dtype).contiguous(),
+                             topk_weights.float().contiguous(), st.handle, dest)
+            # Rows combine brings back to this rank's pairs (what this rank sends is only
+            # known on the device; summed over ranks the two are equal).
+            self.stats.combine_bytes += topk_ids.numel() * m.kernel_hidden * 2
+        finally:
+            self._state = None
+
+        def receiver() -> torch.Tensor:
+            combined = dest[:, : m.hidden] if m.padded else dest
+            if isinstance(output, RowScatterTarget):
+                return row_scatter_add(output, combined)
+            if dest is not output:
+                output.copy_(combined)
+            return output
+
+        return AsyncResult(hook, receiver)
+
+
+def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize],
+                     manager: type[LowLatencyManager], description: str) -> BackendSpec:
+    """The registry entry of a low-latency backend (both share capabilities and quants).
+
+    sp follows vLLM's ``use_sequence_parallel_moe`` tuple, which lists deepep_low_latency and
+    nixl_ep; tp: TP slicing happens before prepare."""
+    return BackendSpec(
+        name=name,
+        prepare_finalize=prepare_finalize,
+        manager=manager,
+        capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
+                                  recv_hook=True, activation_format=ActivationFormat.BATCHED),
+        quants=_QUANTS,
+        required=(manager.required,),
+        needs_cuda=True,
+        description=description,
+    )

@@ -1,0 +1,25 @@
+"""Backend ``deepep_ll``: DeepEP's V1 low-latency kernels (``Buffer.low_latency_dispatch`` /
+``low_latency_combine`` with ``return_recv_hook``).
+
+Everything but the transport is the shared low-latency logic of
+:mod:`moe_plugins.low_latency`; the buffer and the library calls are in
+:mod:`all2all.deepep`.
+"""
+from __future__ import annotations
+
+from all2all.deepep import DeepEPLLManager
+from moe_plugins.low_latency import LowLatencyPrepareFinalize, low_latency_spec
+
+__all__ = ["DeepEPLLPrepareFinalize", "SPEC"]
+
+
+class DeepEPLLPrepareFinalize(LowLatencyPrepareFinalize):
+    """BATCHED prepare/finalize over a :class:`all2all.deepep.DeepEPLLManager`."""
+
+    manager: DeepEPLLManager
+
+
+SPEC = low_latency_spec(
+    "deepep_ll", DeepEPLLPrepareFinalize, DeepEPLLManager,
+    "DeepEP V1 low-latency dispatch/combine (NVSHMEM/IBGDA, NVLink), receive hooks, FP8 block-128",
+)

@@ -1,0 +1,26 @@
+"""Backend ``nixl_ep``: NIXL EP's low-latency kernels (``nixl_ep.Buffer.dispatch`` / ``combine``
+with ``return_recv_hook``), elastic rank masking.
+
+Everything but the transport is the shared low-latency logic of
+:mod:`moe_plugins.low_latency`; the buffer lifecycle (store, memory, connections) and the
+library calls are in :mod:`all2all.nixl_ep`.
+"""
+from __future__ import annotations
+
+from all2all.nixl_ep import NixlEPManager
+from moe_plugins.low_latency import LowLatencyPrepareFinalize, low_latency_spec
+
+__all__ = ["NixlEPPrepareFinalize", "SPEC"]
+
+
+class NixlEPPrepareFinalize(LowLatencyPrepareFinalize):
+    """BATCHED prepare/finalize over a :class:`all2all.nixl_ep.NixlEPManager`."""
+
+    manager: NixlEPManager
+
+
+SPEC = low_latency_spec(
+    "nixl_ep", NixlEPPrepareFinalize, NixlEPManager,
+    "NIXL EP low-latency dispatch/combine (UCX/NIXL device API), receive hooks, FP8 block-128, "
+    "elastic rank masking",
+)

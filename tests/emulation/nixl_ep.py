@@ -1,0 +1,249 @@
+"""Emulation of NIXL EP's Python API: ``nixl_ep.Buffer`` of ai-dynamo/nixl v1.4.0
+(examples/device/ep/nixl_ep/buffer.py), low-latency mode.
+
+Same signatures. Lifecycle as upstream: ``Buffer(rank=..., tcp_store_group=...)`` allocates
+nothing; ``update_memory_buffers(num_ranks, num_experts_per_rank, num_rdma_bytes)`` sizes the
+layout (every other rank starts masked: not connected); ``connect_ranks(remote_ranks)`` exchanges
+agent metadata through the store exactly as upstream (``NIXL_EP/<rank>`` set, peers' keys waited
+for and read, own key deleted afterwards) and unmasks the connected ranks. The emulated agents
+check that each peer's metadata names that peer, then hold a barrier over the transport group
+(standing for the agents' connection handshake, which keeps a key alive until every peer has
+read it). Masking follows nixl: the local rank cannot be masked, only connected ranks can be
+unmasked, and the packed receive layout spans ``active_rank_bound`` = highest active rank + 1.
+
+The data path is :mod:`emulation._ll_kernels`. The transport group is ``group`` if given, else
+the default process group (the fabric NIXL reaches peers through); its ranks must be the
+buffer's ranks. Not emulated: connecting without a store (etcd), high-throughput mode,
+``comm`` (mpi4py), LogFMT and zero-copy combine.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from emulation._ll_kernels import EmulatedLowLatencyRuntime, host_assert, size_hint
+
+__all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
+
+topk_idx_t = torch.int64
+DEFAULT_TIMEOUT_MS = 30_000
+
+
+class EventOverlap:
+    """nixl_ep.utils.EventOverlap; there are no CUDA streams here, so waiting is a no-op."""
+
+    def __init__(self, event: Optional[object] = None,
+                 extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        assert self.event is not None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        pass
+
+
+def _agent_metadata(rank: int) -> bytes:
+    return f"nixl-ep-emulated-agent:{rank}".encode()
+
+
+class _NixlRuntime(EmulatedLowLatencyRuntime):
+    """Adds connections and the active-rank bound to the shared emulated kernels."""
+
+    def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
+                 num_experts_per_rank: int):
+        super().__init__(group, rank, num_ranks, num_rdma_bytes, mask_enabled=True)
+        self.num_experts_per_rank = num_experts_per_rank
+        self.connected = {rank}
+        self.active = [r == rank for r in range(num_ranks)]
+
+    def rank_bound(self) -> int:
+        return max(r for r in range(self.num_ranks) if self.active[r]) + 1
+
+    def get_local_metadata(self) -> bytes:
+        return _agent_metadata(self.rank)
+
+    def connect_ranks(self, remote_ranks: List[int], remote_mds: Optional[List[bytes]] = None,
+                      activate: bool = True) -> None:
+        if remote_mds is None:
+            raise NotImplementedError("emulation: connecting without a TCPStore (etcd metadata "
+                                      "exchange) is not emulated")
+        for r, md in zip(remote_ranks, remote_mds):
+            host_assert(0 <= r < self.num_ranks, "remote_rank >= 0 and remote_rank < max_num_ranks")
+            host_assert(bytes(md) == _agent_metadata(r),
+                        f"emulation: metadata read for rank {r} is {bytes(md)!r}")
+        dist.barrier(group=self.group)  # the agents' connection handshake
+        for r in remote_ranks:
+            self.connected.add(r)
+            if activate:
+                self.active[r] = True
+
+    def disconnect_ranks(self, remote_ranks: List[int]) -> None:
+        host_assert(len(remote_ranks) > 0, "!remote_ranks_list.empty()")
+        for r in remote_ranks:
+            host_assert(r != self.rank, "removed_rank != rank")
+            host_assert(r in self.connected, "_is_rank_connected(removed_rank)")
+            self.active[r] = False
+            self.connected.discard(r)
+
+    def update_mask(self, rank_to_mask: int, mask: bool) -> None:
+        host_assert(0 <= rank_to_mask < self.num_ranks,
+                    "rank_to_mask >= 0 and rank_to_mask < max_num_ranks")
+        host_assert(rank_to_mask != self.rank or not mask,
+                    "(rank_to_mask != rank or !mask) && \"cannot mask the local rank\"")
+        if not mask:
+            host_assert(rank_to_mask in self.connected,
+                        "_is_rank_connected(rank_to_mask) && \"cannot unmask an unconnected rank\"")
+        self.active[rank_to_mask] = not mask
+
+
+class Buffer:
+    """nixl_ep.Buffer (low-latency mode)."""
+
+    num_sms: int = 20
+
+    def __init__(self, disable_ll_nvlink: bool = False, explicitly_destroy: bool = False,
+                 rank: int = 0, low_latency_mode: bool = True,
+                 group: Optional["dist.ProcessGroup"] = None, comm: Optional[object] = None,
+                 tcp_store_group: Optional["dist.Store"] = None,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
+        self.rank = rank
+        self.group_size = 0  # Will be updated by `update_memory_buffers`
+        self.low_latency_mode = low_latency_mode
+        self.timeout_ms = timeout_ms
+        self.explicitly_destroy = explicitly_destroy
+        self.group = group
+        self.comm = comm
+        self.tcp_store_group = tcp_store_group
+        assert not (group and comm)
+        if comm is not None:
+            raise NotImplementedError("emulation: mpi4py communicators are not emulated")
+        if not low_latency_mode:
+            raise NotImplementedError("emulation: high-throughput mode is not emulated")
+        self.disable_ll_nvlink = disable_ll_nvlink  # the real one sets UCX_TLS=^cuda_ipc
+        self.runtime: Optional[_NixlRuntime] = None
+        self._destroyed = False
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        if self.runtime is not None:
+            self.runtime.destroy()
+        self.runtime = None
+        self._destroyed = True
+
+    @staticmethod
+    def get_low_latency_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                         num_ranks: int, num_experts: int) -> int:
+        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                           num_experts: int) -> int:
+        return Buffer.get_low_latency_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden,
+                                                       num_ranks, num_experts)
+
+    def _runtime(self) -> _NixlRuntime:
+        host_assert(not self._destroyed, "emulation: the buffer was destroyed")
+        host_assert(self.runtime is not None, "emulation: update_memory_buffers was not called")
+        assert self.runtime is not None
+        return self.runtime
+
+    def update_memory_buffers(self, num_ranks: int, num_experts_per_rank: int,
+                              num_rdma_bytes: int, num_nvl_bytes: int = 0) -> None:
+        host_assert(not self._destroyed, "emulation: the buffer was destroyed")
+        self.group_size = num_ranks
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        transport = self.group if self.group is not None else dist.group.WORLD
+        self.runtime = _NixlRuntime(transport, self.rank, num_ranks, num_rdma_bytes,
+                                    num_experts_per_rank)
+
+    def set_tcp_store_group(self, tcp_store_group: Optional["dist.Store"]) -> None:
+        self.tcp_store_group = tcp_store_group
+
+    @contextmanager
+    def _fetch_remote_metadata_from_tcp_store(self, remote_ranks: List[int]) -> Iterator[List[bytes]]:
+        assert self.tcp_store_group is not None, "TCPStore group is not set"
+        md_key = f"NIXL_EP/{self.rank}"
+        self.tcp_store_group.set(md_key, self._runtime().get_local_metadata())
+        remote_md_keys = [f"NIXL_EP/{rank}" for rank in remote_ranks]
+        if remote_md_keys:
+            self.tcp_store_group.wait(remote_md_keys, timedelta(seconds=300))
+            remote_mds = self.tcp_store_group.multi_get(remote_md_keys)
+        else:
+            remote_mds = []
+        try:
+            yield remote_mds
+        finally:
+            self.tcp_store_group.delete_key(md_key)
+
+    def connect_ranks(self, remote_ranks: List[int], activate: bool = True) -> None:
+        remote_ranks = [r for r in remote_ranks if r != self.rank]  # self is filtered out
+        runtime = self._runtime()
+        if self.tcp_store_group is not None:
+            with self._fetch_remote_metadata_from_tcp_store(remote_ranks) as remote_mds:
+                runtime.connect_ranks(remote_ranks, remote_mds, activate=activate)
+        else:
+            runtime.connect_ranks(remote_ranks, activate=activate)
+
+    def disconnect_ranks(self, remote_ranks: List[int]) -> None:
+        self._runtime().disconnect_ranks(remote_ranks)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._runtime().group)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int,
+                             num_experts: Optional[int] = None,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> Tuple[Any, torch.Tensor, Tuple, EventOverlap, Optional[Callable]]:
+        runtime = self._runtime()
+        recv_x, scales, count, src_info, layout_range, hook = runtime.dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, runtime.num_experts_per_rank, use_fp8,
+            round_scale, use_ue8m0, async_finish, return_recv_hook,
+            cumulative_local_expert_recv_stats)
+        handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1))
+        event = EventOverlap(object() if async_finish else None)
+        return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        return self.low_latency_dispatch(*args, **kwargs)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: tuple, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable]]:
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden = handle
+        runtime = self._runtime()
+        combined, hook = runtime.combine(
+            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank,
+            runtime.num_experts_per_rank, use_logfmt, zero_copy, async_finish, return_recv_hook,
+            out)
+        return combined, EventOverlap(object() if async_finish else None), hook
+
+    def combine(self, *args: Any, **kwargs: Any) -> Any:
+        return self.low_latency_combine(*args, **kwargs)
+
+    def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        self._runtime().update_mask(rank_to_mask, mask)
+
+    def query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        self._runtime().query_mask(mask_status)
+
+    def clean_mask_buffer(self) -> None:
+        runtime = self._runtime()
+        runtime.active = [r in runtime.connected for r in range(runtime.num_ranks)]

@@ -9,7 +9,8 @@ layer on top: input checks, topk dtype cast, PrepareResult/handle bookkeeping, s
 Each iteration records CUDA events around dispatch and combine; the GPU time between events
 includes any gap the host leaves, so host overhead of our classes shows up there. A second
 figure is host wall time per iteration (synchronized at the end of the timed loop). The raw
-non-hook calls are printed as a reference line. Example:
+non-hook calls are printed as a reference line. Last, one round trip of each is captured in a
+CUDA graph and replayed (as vLLM's decode does), which takes the host out. Example:
 
     python benchmarks/deepep_ll_latency.py --tokens 64 --hidden 7168 --topk 8 --experts 32
 """
@@ -65,6 +66,34 @@ def _time_pairs(dispatch: Callable[[], object], combine: Callable[[object], None
     return dict(dispatch_us=statistics.mean(d), combine_us=statistics.mean(c),
                 dispatch_median_us=statistics.median(d), combine_median_us=statistics.median(c),
                 wall_us=wall)
+
+
+def _time_graph(round_trip: Callable[[], None], iters: int) -> float | None:
+    """One dispatch + combine captured in a CUDA graph, replayed ``iters`` times: GPU time per
+    round trip (us), with no host launch cost, as under vLLM's CUDA-graph decode. None when the
+    round trip cannot be captured."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                round_trip()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            round_trip()
+    except RuntimeError as e:
+        print(f"graph capture failed: {e}", file=sys.stderr)
+        return None
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         "raw, no hook": _time_pairs(raw_dispatch(False), raw_combine(False), args.iters,
                                     args.warmup),
     }
+    graph = {
+        "raw, hook mode": _time_graph(lambda: raw_combine(True)(raw_dispatch(True)()), args.iters),
+        "deepep_ll (ours)": _time_graph(lambda: ours_combine(ours_dispatch()), args.iters),
+    }
     raw, ours = rows["raw, hook mode"], rows["deepep_ll (ours)"]
     ratio = {k: ours[k] / raw[k] for k in ("dispatch_us", "combine_us", "wall_us")}
     ratio["total_us"] = ((ours["dispatch_us"] + ours["combine_us"])
@@ -156,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['dispatch_us'] + r['combine_us']:>10.2f} {r['wall_us']:>10.2f}")
     print(f"{'overhead ours/raw':<20} {ratio['dispatch_us']:>10.3f} {ratio['combine_us']:>10.3f} "
           f"{ratio['total_us']:>10.3f} {ratio['wall_us']:>10.3f}")
+    if None not in graph.values():
+        g_raw, g_ours = graph["raw, hook mode"], graph["deepep_ll (ours)"]
+        ratio["graph_total_us"] = g_ours / g_raw
+        print(f"CUDA-graph replay, dispatch + combine: raw {g_raw:.2f} us, ours {g_ours:.2f} us, "
+              f"ours/raw {g_ours / g_raw:.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(
@@ -163,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                         experts=args.experts, fp8=not args.bf16, iters=args.iters,
                         device=torch.cuda.get_device_name(), deep_ep=getattr(
                             sys.modules["deep_ep"], "__file__", "?")),
-            results=rows, overhead_ratio=ratio), indent=2))
+            results=rows, graph_round_trip_us=graph, overhead_ratio=ratio,
+            command="python " + " ".join(sys.argv)), indent=2))
 
     pf.reset_call_state()
     m.destroy()

@@ -74,7 +74,7 @@ def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: st
              quant: QuantSpec = QuantSpec(), seed: int = 0, iters: int = 3,
              strategies: list[ReductionStrategy] | None = None) -> list[DemoRow]:
     """Run every applicable strategy (or ``strategies``) and compare each rank with the reference."""
-    caps = select_backend(layout, quant.scheme, backend).capabilities
+    caps = select_backend(layout, quant.scheme, backend, dtype=cfg.dtype).capabilities
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                               has_shared_expert=cfg.has_shared_expert,
                               single_collective=OverlapConfig.from_env().single_collective).strategy

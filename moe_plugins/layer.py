@@ -51,7 +51,8 @@ class MoELayer:
         caps = backend.capabilities
         # Availability (packages, GPU) is checked by the engine's selection; here the layout
         # and quant, so a layer never runs on a backend that cannot serve it.
-        refused = refusal_reason(backend, layout, quant.scheme, require_available=False)
+        refused = refusal_reason(backend, layout, quant.scheme, require_available=False,
+                                 dtype=cfg.dtype)
         if refused:
             raise BackendSelectionError(f"backend {backend.name!r} cannot serve layout "
                                         f"{layout.describe()} with quant {quant.scheme.value}: "

@@ -537,7 +537,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
 
 
 def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize],
-                     manager: type[LowLatencyManager], description: str) -> BackendSpec:
+                     manager: type[LowLatencyManager], description: str,
+                     priority: int) -> BackendSpec:
     """The registry entry of a low-latency backend (both share capabilities and quants).
 
     sp follows vLLM's ``use_sequence_parallel_moe`` tuple, which lists deepep_low_latency and
@@ -552,4 +553,6 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
         required=(manager.required,),
         needs_cuda=True,
         description=description,
+        priority=priority,
+        dtypes=frozenset({torch.bfloat16}),  # the kernels dispatch bf16 (and quantize to FP8)
     )

@@ -14,7 +14,7 @@ import importlib.metadata
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -84,6 +84,10 @@ class BackendSpec:
     needs_cuda: bool = False
     description: str = ""
     distribution: str = ""
+    # auto-selection tries higher priority first (specialised GPU kernels before the reference)
+    priority: int = 0
+    # activation dtypes the kernels take; None: any
+    dtypes: Optional[frozenset[torch.dtype]] = None
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be built on this machine, else exactly why not."""
@@ -163,9 +167,11 @@ def get_backend(name: str) -> BackendSpec:
 
 
 def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme,
-                   require_available: bool = True) -> str | None:
-    """Why ``spec`` cannot serve ``layout`` with ``quant``, or None."""
+                   require_available: bool = True, dtype: Optional[torch.dtype] = None) -> str | None:
+    """Why ``spec`` cannot serve ``layout`` with ``quant`` (and activation ``dtype``), or None."""
     c, why = spec.capabilities, []
+    if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
+        why.append(f"activations {dtype} not in {sorted(str(d) for d in spec.dtypes)}")
     if layout.ep and layout.world_size > 1 and layout.dp > 1:
         if not c.ep_dp:
             why.append("no EP dispatch")
@@ -183,20 +189,22 @@ def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme
 
 
 def select_backend(layout: ParallelLayout, quant: QuantScheme = QuantScheme.NONE,
-                   name: str = AUTO, require_available: bool = True) -> BackendSpec:
-    """The backend for this layout and quant: ``name`` itself (checked), or with ``auto`` the
-    first registered backend that fits. Raises :class:`BackendSelectionError` listing why each
-    backend was refused."""
+                   name: str = AUTO, require_available: bool = True,
+                   dtype: Optional[torch.dtype] = None) -> BackendSpec:
+    """The backend for this layout, quant and activation dtype: ``name`` itself (checked), or
+    with ``auto`` the registered backend of highest priority that fits (ties by name). Raises
+    :class:`BackendSelectionError` listing why each backend was refused."""
     specs = _registry()
-    candidates = list(specs.values()) if name == AUTO else [get_backend(name)]
+    candidates = (sorted(specs.values(), key=lambda s: (-s.priority, s.name)) if name == AUTO
+                  else [get_backend(name)])
     refusals = {}
     for spec in candidates:
-        why = refusal_reason(spec, layout, quant, require_available)
+        why = refusal_reason(spec, layout, quant, require_available, dtype)
         if why is None:
             return spec
         refusals[spec.name] = why
     fits = [s.name for s in specs.values()
-            if refusal_reason(s, layout, quant, require_available) is None]
+            if refusal_reason(s, layout, quant, require_available, dtype) is None]
     lines = "\n".join(f"  - {n}: {w}" for n, w in refusals.items())
     raise BackendSelectionError(
         f"backend {name!r} cannot serve layout {layout.describe()} with quant {quant.value}:\n"

@@ -22,4 +22,5 @@ class DeepEPLLPrepareFinalize(LowLatencyPrepareFinalize):
 SPEC = low_latency_spec(
     "deepep_ll", DeepEPLLPrepareFinalize, DeepEPLLManager,
     "DeepEP V1 low-latency dispatch/combine (NVSHMEM/IBGDA, NVLink), receive hooks, FP8 block-128",
+    priority=30,
 )

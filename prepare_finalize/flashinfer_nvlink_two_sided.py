@@ -177,6 +177,7 @@ SPEC = BackendSpec(
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),
     needs_cuda=True,
+    priority=25,  # after DeepEP LL (hooks overlap better), before NixlEP and the reference
     description="flashinfer MNNVL two-sided all-to-all-v (MnnvlMoe in 0.7.2.post1, moe_ep in "
                 "0.7.4+); shared expert overlaps on the side stream",
 )

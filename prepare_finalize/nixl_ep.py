@@ -23,4 +23,5 @@ SPEC = low_latency_spec(
     "nixl_ep", NixlEPPrepareFinalize, NixlEPManager,
     "NIXL EP low-latency dispatch/combine (UCX/NIXL device API), receive hooks, FP8 block-128, "
     "elastic rank masking",
+    priority=20,
 )

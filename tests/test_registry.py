@@ -92,3 +92,31 @@ def test_unsupported_layout_lists_the_alternatives(third_party_backend):
     msg = str(e.value)
     assert "example_allgather: no TP inside the EP group (tp=2)" in msg
     assert "backends that would: ['torch']" in msg or "'torch'" in msg.split("backends that would:")[1]
+
+
+def _usable(name: str, priority: int, **kw: object) -> BackendSpec:
+    return _spec(name=name, priority=priority,
+                 capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True), **kw)
+
+
+@pytest.fixture
+def fake_registry(monkeypatch: pytest.MonkeyPatch):
+    """Registry contents for selection-order tests; the real one comes back afterwards."""
+    def install(*specs: BackendSpec) -> None:
+        monkeypatch.setattr(registry, "_registry", lambda: {s.name: s for s in specs})
+    return install
+
+
+def test_auto_prefers_higher_priority(fake_registry):
+    fake_registry(_usable("ref", 0), _usable("fast", 30))
+    assert select_backend(ParallelLayout(2, 1, True)).name == "fast"
+
+
+def test_auto_skips_a_backend_whose_kernels_refuse_the_dtype(fake_registry):
+    import torch
+
+    fake_registry(_usable("ref", 0), _usable("bf16only", 30, dtypes=frozenset({torch.bfloat16})))
+    assert select_backend(ParallelLayout(2, 1, True), dtype=torch.float32).name == "ref"
+    assert select_backend(ParallelLayout(2, 1, True), dtype=torch.bfloat16).name == "bf16only"
+    with pytest.raises(BackendSelectionError, match=r"bf16only: activations torch.float32 not in"):
+        select_backend(ParallelLayout(2, 1, True), name="bf16only", dtype=torch.float32)

@@ -7,17 +7,16 @@ import pytest
 import torch
 
 import flashinfer_rank_fns as fi
+from checks import assert_matches_reference
 from all2all.flashinfer import FlashInferTwoSidedOptions, TwoSidedApi
 from emulation import flashinfer_two_sided as emu
 from moe_plugins.cli import main as cli_main
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
 from moe_plugins.groups import DistContext
 from moe_plugins.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.model import MoEConfig
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec
-from moe_plugins.reference import reference_moe, tolerance_for
 from moe_plugins.registry import (BACKEND_EP_DP_TP_SUPPORT, BACKEND_SUPPORTED_QUANTS,
                                   BackendSelectionError, get_backend, select_backend)
 from moe_plugins.strategy import ReductionStrategy
@@ -34,17 +33,6 @@ FP8, NVFP4 = QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4
 def _cfg(dtype: torch.dtype = torch.float32, **kw: object) -> MoEConfig:
     return MoEConfig(**{"hidden": 256, "num_experts": 8, "num_topk": 2, "intermediate": 64,
                         "shared_intermediate": 128, "dtype": dtype, **kw})
-
-
-def _check(results: list[dict], layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
-           quant: QuantSpec, key: str = "out") -> None:
-    weights = MoEWeights.random(cfg, 0)
-    for rank, res in enumerate(results):
-        ref = reference_moe(demo_inputs(cfg, num_tokens, layout.dp_rank(rank), 0), weights, quant)
-        atol, rtol = tolerance_for(ref, cfg.dtype)
-        assert res[key].dtype == cfg.dtype and res[key].shape == (num_tokens, cfg.hidden)
-        torch.testing.assert_close(res[key].float(), ref, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"rank {rank}: {m}")
 
 
 def _scale_sends(comm: list[dict], x_dtype: torch.dtype) -> list[dict]:
@@ -68,7 +56,7 @@ QUANTS = [
 def test_layer_matches_reference(rank_pool, flavor, api, name, quant, dtype):
     cfg = _cfg(dtype)
     results = rank_pool(2).run(fi.run_layer, EP2, cfg, 9, quant, flavor)
-    _check(results, EP2, cfg, 9, quant)
+    assert_matches_reference(results, EP2, cfg, 9, quant)
     for r in results:
         assert r["api"] == api and r["strategy"] is ReductionStrategy.LOCAL
         assert r["pairs"] == 9 * cfg.num_topk and 9 <= r["rows_sent"] <= 9 * 2
@@ -85,7 +73,7 @@ def test_four_ranks_ragged(rank_pool, num_tokens):
     """Four ranks, nvfp4; one token (most ranks receive nothing) and none at all."""
     cfg, quant = _cfg(), QuantSpec(NVFP4)
     results = rank_pool(4).run(fi.run_layer, EP4, cfg, num_tokens, quant, "0.7.2.post1")
-    _check(results, EP4, cfg, num_tokens, quant)
+    assert_matches_reference(results, EP4, cfg, num_tokens, quant)
 
 
 # ---- prepare: x, x_sf, swizzle, and what travels -----------------------------------------------
@@ -112,7 +100,7 @@ def test_prepare_x_sf(rank_pool, flavor, api, case, quant, swizzle, x, sf, swizz
     cfg = _cfg(shared_intermediate=0)  # routed only: the finalize output is the reference
     options = FlashInferTwoSidedOptions(nvfp4_swizzled_sf=swizzle)
     results = rank_pool(2).run(fi.run_routed, EP2, cfg, 8, quant, flavor, options)
-    _check(results, EP2, cfg, 8, quant)
+    assert_matches_reference(results, EP2, cfg, 8, quant)
     for r in results:
         assert r["api"] == api
         assert (r["x_dtype"], r["x_shape"]) == (x[0], (R, x[1]))
@@ -137,7 +125,7 @@ def test_deferred_nvfp4_with_swizzle_runs_the_whole_prepare(rank_pool, flavor, a
     cfg, quant = _cfg(shared_intermediate=0), QuantSpec(NVFP4, defer_input_quant=True)
     options = FlashInferTwoSidedOptions(nvfp4_swizzled_sf=True)
     results = rank_pool(2).run(fi.run_routed, EP2, cfg, 8, quant, flavor, options)
-    _check(results, EP2, cfg, 8, quant)
+    assert_matches_reference(results, EP2, cfg, 8, quant)
     for r in results:
         assert r["x_sf"] is None and not r["x_sf_swizzled"] and r["x_dtype"] == torch.float32
         assert [c["dtype"] for c in r["dispatch_comm"]] == [torch.float32] and r["sf_bytes"] == 0
@@ -180,7 +168,7 @@ def test_mnnvl_moe_serves_one_ep_group_per_process(rank_pool):
 def test_reset_after_a_failed_call(rank_pool, flavor):
     cfg = _cfg(shared_intermediate=0)
     results = rank_pool(2).run(fi.reset_after_error, EP2, cfg, flavor)
-    _check(results, EP2, cfg, 4, QuantSpec())
+    assert_matches_reference(results, EP2, cfg, 4, QuantSpec())
 
 
 @pytest.mark.multirank

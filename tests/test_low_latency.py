@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 import ll_rank_fns
+from checks import assert_matches_reference
 from emulation import installed
 from moe_plugins.cli import main as cli_main
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.launch import RankError
@@ -25,7 +25,6 @@ from moe_plugins.low_latency import (KERNEL_HIDDEN_SIZES, MAX_TOPK, round_up_hid
                                      token_capacity, unpack_ue8m0_scales)
 from moe_plugins.model import MoEConfig, MoEWeights
 from moe_plugins.quant import QuantScheme, QuantSpec, dequantize_fp8_block128, quantize_fp8_block128
-from moe_plugins.reference import reference_moe, tolerance_for
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 
@@ -38,20 +37,6 @@ QUANT_IDS = ["bf16", "fp8"]
 def _cfg(**kw: object) -> MoEConfig:
     return MoEConfig(**{"hidden": 2048, "num_experts": 8, "num_topk": 3, "intermediate": 32,
                         "shared_intermediate": 64, "dtype": torch.bfloat16, **kw})
-
-
-def _check_against_reference(results: list[dict], layout: ParallelLayout, cfg: MoEConfig,
-                             num_tokens: int, quant: QuantSpec, weights: MoEWeights | None = None,
-                             ranks: list[int] | None = None) -> None:
-    weights = weights or MoEWeights.random(cfg, 0)
-    for rank in ranks if ranks is not None else range(len(results)):
-        res = results[rank]
-        x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), 0)
-        ref = reference_moe(x, weights, quant)
-        atol, rtol = tolerance_for(ref, cfg.dtype)
-        assert res["out"].dtype == cfg.dtype and res["out"].shape == (num_tokens, cfg.hidden)
-        torch.testing.assert_close(res["out"].float(), ref, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"rank {rank}: {m}")
 
 
 # -- the layer, multi-rank, against the reference ------------------------------------------
@@ -73,7 +58,7 @@ def test_layer_matches_reference(rank_pool, backend, quant, layout, strategy, nu
     cfg = _cfg()
     results = rank_pool(layout.world_size).run(ll_rank_fns.run_ll_layer, backend, layout, cfg,
                                                strategy, num_tokens, quant)
-    _check_against_reference(results, layout, cfg, num_tokens, quant)
+    assert_matches_reference(results, layout, cfg, num_tokens, quant)
     for r in results:
         assert r["strategy"] is strategy
         assert r["pairs"] == r["owned"] * cfg.num_topk  # the owned slice, never all tokens
@@ -89,7 +74,7 @@ def test_sequence_parallel_matches_reference(rank_pool, backend, quant):
     layout, cfg = ParallelLayout(2, 2, True), _cfg()
     results = rank_pool(4).run(ll_rank_fns.run_ll_layer, backend, layout, cfg, S.SP_ALLGATHER, 5,
                                quant)
-    _check_against_reference(results, layout, cfg, 5, quant)
+    assert_matches_reference(results, layout, cfg, 5, quant)
 
 
 @pytest.mark.multirank
@@ -98,7 +83,7 @@ def test_deferred_fp8_quant_dispatches_bf16(rank_pool, backend):
     """defer_input_quant: activations travel in bf16 (no scales) and the experts round them."""
     layout, cfg, quant = ParallelLayout(2, 1, True), _cfg(), QuantSpec(QuantScheme.FP8_BLOCK128, True)
     results = rank_pool(2).run(ll_rank_fns.run_ll_layer, backend, layout, cfg, S.LOCAL, 8, quant)
-    _check_against_reference(results, layout, cfg, 8, quant)
+    assert_matches_reference(results, layout, cfg, 8, quant)
     assert all(r["sf_bytes"] == 0 for r in results)
 
 
@@ -110,7 +95,7 @@ def test_unsupported_hidden_is_padded(rank_pool, backend, quant):
     layout, cfg = ParallelLayout(2, 2, True), _cfg(hidden=256)
     results = rank_pool(4).run(ll_rank_fns.run_ll_layer, backend, layout, cfg,
                                S.ROW_SCATTER_ALLREDUCE, 5, quant)
-    _check_against_reference(results, layout, cfg, 5, quant)
+    assert_matches_reference(results, layout, cfg, 5, quant)
 
 
 @pytest.mark.multirank
@@ -138,7 +123,7 @@ def test_masked_rank_is_left_out(rank_pool, backend):
     per_rank = cfg.num_experts // 4
     w2 = w.w2.clone()
     w2[3 * per_rank:] = 0
-    _check_against_reference(results, layout, cfg, 6, BF16, dataclasses.replace(w, w2=w2),
+    assert_matches_reference(results, layout, cfg, 6, BF16, weights=dataclasses.replace(w, w2=w2),
                              ranks=[0, 1, 2])
     assert [r["masked"] for r in results[:3]] == [[3]] * 3
 

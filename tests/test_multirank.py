@@ -5,12 +5,11 @@ import pytest
 import torch
 
 import rank_fns
-from moe_plugins.demo import demo_inputs
+from checks import assert_matches_reference
 from moe_plugins.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.model import MoEConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
-from moe_plugins.reference import reference_moe, tolerance_for
 from moe_plugins.strategy import ReductionStrategy as S
 
 pytestmark = pytest.mark.multirank
@@ -19,18 +18,6 @@ pytestmark = pytest.mark.multirank
 def _cfg(dtype: torch.dtype = torch.float32, **kw: object) -> MoEConfig:
     return MoEConfig(**{"hidden": 256, "num_experts": 8, "num_topk": 2, "intermediate": 64,
                         "shared_intermediate": 128, "dtype": dtype, **kw})
-
-
-def _check_against_reference(results: list[dict], layout: ParallelLayout, cfg: MoEConfig,
-                             num_tokens: int, quant: QuantSpec = QuantSpec(), seed: int = 0) -> None:
-    weights = MoEWeights.random(cfg, seed)
-    for rank, res in enumerate(results):
-        x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), seed)
-        ref = reference_moe(x, weights, quant)
-        atol, rtol = tolerance_for(ref, cfg.dtype)
-        assert res["out"].dtype == cfg.dtype and res["out"].shape == (num_tokens, cfg.hidden)
-        torch.testing.assert_close(res["out"].float(), ref, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"rank {rank}: {m}")
 
 
 LAYOUTS = [
@@ -53,7 +40,7 @@ def test_layout_matches_reference(rank_pool, layout, strategy, dtype):
     cfg = _cfg(dtype)
     results = rank_pool(layout.world_size).run(rank_fns.run_layer, layout, cfg, strategy, 8)
     assert all(r["strategy"] is strategy for r in results)
-    _check_against_reference(results, layout, cfg, 8)
+    assert_matches_reference(results, layout, cfg, 8)
 
 
 TOKEN_LAYOUTS = [
@@ -71,7 +58,7 @@ def test_ragged_token_counts(rank_pool, layout, strategy, num_tokens):
     """Ragged tails and TP ranks that own zero rows (1 token over tp=4: three ranks own none)."""
     cfg = _cfg()
     results = rank_pool(layout.world_size).run(rank_fns.run_layer, layout, cfg, strategy, num_tokens)
-    _check_against_reference(results, layout, cfg, num_tokens)
+    assert_matches_reference(results, layout, cfg, num_tokens)
     # Every rank dispatched exactly its owned rows x topk pairs, never num_tokens x topk.
     for r in results:
         assert r["pairs"] == r["owned"] * cfg.num_topk
@@ -121,7 +108,7 @@ def test_token_goes_to_each_rank_once(rank_pool):
     for r in results:
         assert r["pairs"] == 8 * 4
         assert 8 <= r["rows_sent"] <= 8 * 2
-    _check_against_reference(results, ParallelLayout(2, 1, True), cfg, 8)
+    assert_matches_reference(results, ParallelLayout(2, 1, True), cfg, 8)
 
 
 QUANTS = [
@@ -136,7 +123,7 @@ QUANTS = [
 def test_quantized_dispatch_matches_reference(rank_pool, quant):
     layout, cfg = ParallelLayout(2, 2, True), _cfg()
     results = rank_pool(4).run(rank_fns.run_layer, layout, cfg, S.ROW_SCATTER_ALLREDUCE, 9, quant)
-    _check_against_reference(results, layout, cfg, 9, quant)
+    assert_matches_reference(results, layout, cfg, 9, quant)
     for r in results:
         assert (r["sf_bytes"] > 0) == (quant.quantized_on_wire and r["owned"] > 0)
 

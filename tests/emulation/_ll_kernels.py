@@ -32,10 +32,29 @@ and zero-copy combine, the normal (high-throughput) kernels.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+
+class EventOverlap:
+    """deep_ep.utils.EventOverlap / nixl_ep.utils.EventOverlap (same class in both libraries);
+    there are no CUDA streams here, so waiting is a no-op."""
+
+    def __init__(self, event: Optional[object] = None,
+                 extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        assert self.event is not None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        pass
 
 KERNEL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOPK = 11

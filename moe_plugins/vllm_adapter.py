@@ -14,9 +14,15 @@ DP group holds the same tokens, vLLM's sequence parallelism is off for our names
 | GATHER_PLUS_ALLREDUCE | dispatch the owned rows | combine, then all_gather the rows over TP | True | all_reduce of the shared output |
 | TP_UNIFIED (dp == 1) | none (local experts on all tokens) | weight and reduce into ``output`` | False | ``all_reduce(shared partial + routed)`` once |
 
-Expert ids: our backends hand LOCAL ids (-1 for experts elsewhere) to the experts; vLLM's experts
-take GLOBAL ids and map them with ``expert_map``. The adapter converts: a slot whose expert is held
-elsewhere gets a global id this rank does not hold and weight 0.
+Expert ids (standard format): our backends hand LOCAL ids (-1 for experts elsewhere) to the
+experts; vLLM's experts take GLOBAL ids and map them with ``expert_map``. The adapter converts: a
+slot whose expert is held elsewhere gets a global id this rank does not hold and weight 0.
+
+Batched format (backends whose capabilities say BATCHED, e.g. DeepEP low-latency): prepare hands
+vLLM ``[num_local_experts, max_recv_tokens, hidden]`` with per-expert counts, the experts return
+unweighted rows in the same layout, and the backend's combine applies the router weights. vLLM
+picks batched experts only when ``use_batched_activation_format`` is true; the hook in
+:mod:`moe_plugins.vllm_patches` answers it from :func:`layer_plan`, as this module does.
 """
 from __future__ import annotations
 
@@ -40,15 +46,15 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinaliz
 from moe_plugins.layout import OwnedTokens, ParallelLayout, owned_rows, slice_owned
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
-from moe_plugins.registry import BackendSpec, select_backend
+from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.vllm_plugin import plugin_settings, registry_name
+from moe_plugins.vllm_plugin import PluginSettings, plugin_settings, registry_name
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MoEPluginsAll2AllManager", "MoEPluginsPrepareAndFinalize", "make_prepare_finalize",
-           "quant_scheme_of", "ep_manager"]
+           "quant_scheme_of", "ep_manager", "LayerPlan", "plan_layer", "layer_plan"]
 
 _LOGGED: set[tuple] = set()
 _WARNED: set[str] = set()
@@ -145,6 +151,69 @@ def quant_scheme_of(quant_config: Any) -> Optional[QuantScheme]:
     return None
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """How MoE layers of one parallel config run: backend, layout, strategy, switches."""
+
+    spec: BackendSpec
+    layout: ParallelLayout
+    choice: StrategyChoice
+    settings: PluginSettings
+
+    @property
+    def batched(self) -> bool:
+        """vLLM must pick batched-format experts (the backend dispatches, in the batched format)."""
+        return (self.choice.strategy.dispatches
+                and self.spec.capabilities.activation_format is ActivationFormat.BATCHED)
+
+
+def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings) -> LayerPlan:
+    """The plan for ``--all2all-backend`` ``backend`` (a registry name or ``auto``) on ``layout``.
+
+    The backend is chosen for unquantized dispatch (every backend has it); a quantized layer is
+    checked against the chosen backend's quants when its experts are known. vLLM's sequence
+    parallelism is off for out-of-tree names, so SP_ALLGATHER never applies; layers are planned
+    as having a shared expert (routed-only layers are served as well: the runner's single
+    all_reduce then carries the routed rows alone)."""
+    spec = select_backend(layout, QuantScheme.NONE, backend)
+    caps = spec.capabilities
+    options = applicable_strategies(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
+                                    has_shared_expert=True)
+    if settings.strategy is not None:
+        if settings.strategy not in options:
+            raise ValueError(f"--additional-config strategy {settings.strategy.value} does not "
+                             f"apply to layout {layout.describe()} with backend {spec.name}; "
+                             f"applicable: {[s.value for s in options]}")
+        choice = StrategyChoice(settings.strategy, "requested by --additional-config")
+    else:
+        choice = choose_strategy(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
+                                 has_shared_expert=True,
+                                 single_collective=settings.overlap.single_collective)
+    return LayerPlan(spec, layout, choice, settings)
+
+
+def layer_plan(parallel: Any) -> Optional[LayerPlan]:
+    """:func:`plan_layer` for vLLM's FusedMoEParallelConfig ``parallel`` under the current vLLM
+    config; None when our backend has nothing to do (EP off)."""
+    from vllm.config import get_current_vllm_config
+
+    name = parallel.all2all_backend
+    if not parallel.use_ep:
+        return None
+    if parallel.pcp_size > 1 or parallel.enable_eplb:
+        raise ValueError(f"--all2all-backend {name} serves EP groups of DP x TP ranks with a "
+                         "fixed expert placement; turn off prefill context parallelism and EPLB")
+    vllm_config = get_current_vllm_config()
+    layout = ParallelLayout(dp=parallel.dp_size,
+                            tp=vllm_config.parallel_config.tensor_parallel_size, ep=True)
+    if layout.world_size != parallel.ep_size:
+        raise ValueError(f"vLLM's EP size {parallel.ep_size} is not dp x tp = "
+                         f"{layout.world_size}; moe-plugins serves EP groups of data-parallel x "
+                         "tensor-parallel ranks")
+    return plan_layer(registry_name(name) or AUTO, layout,
+                      plugin_settings(vllm_config.additional_config))
+
+
 @dataclass
 class _Call:
     """Per-call state between prepare and finalize."""
@@ -155,23 +224,25 @@ class _Call:
 class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     """vLLM's prepare/finalize over one of our :class:`PrepareFinalize` backends.
 
-    backend: None for TP_UNIFIED (no dispatch). ``stats`` counts what this layer sent (the
-    backend's counters) and ``calls`` the prepares that ran.
+    backend: None for TP_UNIFIED (no dispatch); its activation format (standard or batched) is
+    the one vLLM's experts get. ``stats`` counts what this layer sent (the backend's counters) and
+    ``calls`` the prepares that ran. ``quants``: what the backend can put on the wire.
     """
 
     def __init__(self, backend: Optional[PrepareFinalize], backend_name: str, ctx: DistContext,
                  choice: StrategyChoice, overlap: OverlapConfig, num_experts: int,
-                 wire_scheme: Optional[QuantScheme]):
+                 wire_scheme: Optional[QuantScheme],
+                 quants: frozenset[QuantScheme] = frozenset(QuantScheme)):
         super().__init__()
         layout = ctx.layout
         if num_experts % layout.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP size "
                              f"{layout.ep_size}; pick an EP size that divides the experts")
-        if backend is not None and backend.activation_format is not ActivationFormat.STANDARD:
-            raise ValueError(f"backend {backend_name!r} uses the batched activation format, which "
-                             "vLLM selects only for its own deepep_low_latency/nixl_ep names; "
-                             "pick a backend with the standard format through vLLM")
         self.backend, self.backend_name, self.ctx = backend, backend_name, ctx
+        self.batched = backend is not None and backend.activation_format is ActivationFormat.BATCHED
+        if self.batched and backend is not None and backend.max_num_tokens_per_rank() is None:
+            raise ValueError(f"batched backend {backend_name!r} reports no max_num_tokens_per_rank"
+                             "; vLLM sizes its batched experts from it")
         self.strategy = choice.strategy
         self.overlap = overlap
         self.num_experts = num_experts
@@ -180,6 +251,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.stats: DispatchStats = backend.stats if backend is not None else DispatchStats()
         self.calls = 0
         self._wire_scheme = wire_scheme
+        self._quants = quants
         self._quant = QuantSpec()
         self._placement_checked = False
         self._call: Optional[_Call] = None
@@ -187,7 +259,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     # -- capabilities ------------------------------------------------------------------------
     @property
     def activation_format(self) -> mk.FusedMoEActivationFormat:
-        return mk.FusedMoEActivationFormat.Standard
+        return (mk.FusedMoEActivationFormat.BatchedExperts if self.batched
+                else mk.FusedMoEActivationFormat.Standard)
 
     def topk_indices_dtype(self) -> Optional[torch.dtype]:
         return None
@@ -206,16 +279,26 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return self.overlap.overlap and self.backend is not None and self.backend.supports_async()
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
+        """Check the experts against what the backend delivers; fix the wire quantization."""
+        if self.batched:
+            impl = fused_experts.finalize_weight_and_reduce_impl()
+            if not isinstance(impl, TopKWeightAndReduceDelegate):
+                raise ValueError(
+                    f"batched backend {self.backend_name!r} applies the router weights in its "
+                    f"combine, but {type(fused_experts).__name__} reduces with "
+                    f"{type(impl).__name__}; use experts that leave the reduction to the "
+                    "prepare/finalize (TopKWeightAndReduceDelegate)")
         if fused_experts.expects_unquantized_inputs:
             self._quant = QuantSpec()
             return
-        if self._wire_scheme is None:
-            qc = fused_experts.quant_config
+        qc = fused_experts.quant_config
+        if self._wire_scheme is None or self._wire_scheme not in self._quants:
             raise ValueError(
-                f"moe-plugins' vLLM glue dispatches unquantized or fp8 block-128 activations; "
+                f"backend {self.backend_name!r} dispatches {sorted(q.value for q in self._quants)}"
+                f" (moe-plugins' vLLM glue maps none and fp8 block-128); "
                 f"{type(fused_experts).__name__} wants quant_dtype={qc.quant_dtype} "
-                f"block_shape={qc.block_shape}. Use an in-tree --all2all-backend for this model"
-            )
+                f"block_shape={qc.block_shape}. Name a backend that has it, or use an in-tree "
+                "--all2all-backend for this model")
         self._quant = QuantSpec(self._wire_scheme)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -249,6 +332,18 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                               torch.zeros_like(prep.topk_weights)).to(weights_dtype)
         return ids, weights
 
+    def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> mk.PrepareResultType:
+        """Our PrepareResult -> vLLM's (x, x_sf, expert_tokens_meta, topk_ids, topk_weights)."""
+        meta = None if prep.expert_tokens_meta is None else mk.ExpertTokensMetadata(
+            expert_num_tokens=prep.expert_tokens_meta.expert_num_tokens,
+            expert_num_tokens_cpu=None)
+        if self.batched:
+            # x [num_local_experts, max_recv_tokens, hidden]; the experts keep the caller's ids
+            return prep.x, prep.x_sf, meta, None, None
+        ids, weights = self._global_ids(prep, topk_ids.dtype, topk_weights.dtype)
+        return prep.x, prep.x_sf, meta, ids, weights
+
     def _log_first_call(self, num_tokens: int) -> None:
         key = self.backend_name
         if key not in _FIRST_CALL_LOGGED:
@@ -264,7 +359,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                       defer_input_quant: bool) -> Any:
         """a1 [num_tokens, hidden]; topk_* [num_tokens, num_topk] with GLOBAL ids. Returns
         (hook, receiver) or a receiver; the receiver gives vLLM's 5-tuple (x, x_sf,
-        expert_tokens_meta, topk_ids, topk_weights) of the received rows (GLOBAL ids)."""
+        expert_tokens_meta, topk_ids, topk_weights) of the received rows (standard: GLOBAL ids;
+        batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights)."""
         self._check_placement(expert_map)
         if self._call is not None and self.backend is not None:
             # The last call raised between prepare and finalize; its error already surfaced.
@@ -276,6 +372,10 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input needs num_topk == 1, got "
                                  f"{topk_ids.shape[1]}")
+            if self.batched:
+                raise NotImplementedError(
+                    f"batched backend {self.backend_name!r} applies the router weights in its "
+                    "combine; models that apply them on the input need a standard-format backend")
             a1 = a1 * topk_weights.to(a1.dtype)
         quant = QuantSpec() if defer_input_quant else self._quant
         if self.backend is None:
@@ -292,11 +392,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         def receiver() -> mk.PrepareResultType:
             prep = sent.receiver()
             assert isinstance(prep, PrepareResult)
-            ids, weights = self._global_ids(prep, topk_ids.dtype, topk_weights.dtype)
-            meta = None if prep.expert_tokens_meta is None else mk.ExpertTokensMetadata(
-                expert_num_tokens=prep.expert_tokens_meta.expert_num_tokens,
-                expert_num_tokens_cpu=None)
-            return prep.x, prep.x_sf, meta, ids, weights
+            return self._to_vllm(prep, topk_ids, topk_weights)
 
         return (sent.hook, receiver) if sent.hook is not None else receiver
 
@@ -317,8 +413,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                        apply_router_weight_on_input: bool,
                        weight_and_reduce_impl: mk.TopKWeightAndReduce) -> Any:
         """output [num_tokens, hidden] (written in place); fused_expert_output: the experts'
-        output for the received rows, reduced here by ``weight_and_reduce_impl``."""
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
+        output for the received rows (standard: reduced here by ``weight_and_reduce_impl``;
+        batched: [num_local_experts, max_recv_tokens, hidden], weighted by the combine)."""
+        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate) and not self.batched:
             weight_and_reduce_impl = TopKWeightAndReduceContiguous()
         if self.backend is None:
             weight_and_reduce_impl.apply(output=output, fused_expert_output=fused_expert_output,
@@ -330,14 +427,18 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             raise RuntimeError("finalize called without a matching prepare on this layer")
         backend = self.backend
         try:
-            reduced = weight_and_reduce_impl.apply(
-                output=None, fused_expert_output=fused_expert_output, topk_weights=topk_weights,
-                topk_ids=topk_ids, apply_router_weight_on_input=apply_router_weight_on_input)
-            if reduced.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
-                reduced = reduced.clone()  # vLLM may alias the experts' output to `output`
+            if self.batched:
+                expert_out = fused_expert_output
+            else:
+                expert_out = weight_and_reduce_impl.apply(
+                    output=None, fused_expert_output=fused_expert_output,
+                    topk_weights=topk_weights, topk_ids=topk_ids,
+                    apply_router_weight_on_input=apply_router_weight_on_input)
+            if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+                expert_out = expert_out.clone()  # vLLM may alias the experts' output to `output`
             rows = call.owned.rows
             target = output[rows.as_slice]
-            sent: AsyncResult = backend.finalize_async(reduced, call.owned.topk_weights,
+            sent: AsyncResult = backend.finalize_async(expert_out, call.owned.topk_weights,
                                                        call.owned.topk_ids, target)
         except BaseException:
             backend.reset_call_state()
@@ -381,46 +482,19 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
                           ) -> Optional[MoEPluginsPrepareAndFinalize]:
     """Our prepare/finalize for a vLLM MoE layer (FusedMoEConfig ``moe``) whose
     ``--all2all-backend`` is ours; None when EP is off (vLLM's own no-dispatch path then runs)."""
-    from vllm.config import get_current_vllm_config
-
-    pc = moe.moe_parallel_config
-    name = pc.all2all_backend
-    if not pc.use_ep:
+    name = moe.moe_parallel_config.all2all_backend
+    if use_monolithic and moe.moe_parallel_config.use_ep:
+        raise ValueError(f"--all2all-backend {name} needs a modular MoE experts kernel; this "
+                         f"layer's MoE backend ({moe.moe_backend}) is monolithic. Pick another "
+                         "--moe-backend or an in-tree --all2all-backend")
+    plan = layer_plan(moe.moe_parallel_config)
+    if plan is None:
         _warn_once(f"--all2all-backend {name} was selected but expert parallelism is off (one "
                    "rank, or no --enable-expert-parallel): moe-plugins dispatches nothing and "
                    "vLLM's own MoE path runs")
         return None
-    if use_monolithic:
-        raise ValueError(f"--all2all-backend {name} needs a modular MoE experts kernel; this "
-                         f"layer's MoE backend ({moe.moe_backend}) is monolithic. Pick another "
-                         "--moe-backend or an in-tree --all2all-backend")
-    if pc.pcp_size > 1 or pc.enable_eplb:
-        raise ValueError(f"--all2all-backend {name} serves EP groups of DP x TP ranks with a "
-                         "fixed expert placement; turn off prefill context parallelism and EPLB")
-    vllm_config = get_current_vllm_config()
-    settings = plugin_settings(vllm_config.additional_config)
-    layout = ParallelLayout(dp=pc.dp_size, tp=vllm_config.parallel_config.tensor_parallel_size,
-                            ep=True)
-    if layout.world_size != pc.ep_size:
-        raise ValueError(f"vLLM's EP size {pc.ep_size} is not dp x tp = {layout.world_size}; "
-                         "moe-plugins serves EP groups of data-parallel x tensor-parallel ranks")
+    spec, layout, choice = plan.spec, plan.layout, plan.choice
     wire_scheme = quant_scheme_of(quant_config)
-    spec = select_backend(layout, wire_scheme or QuantScheme.NONE, registry_name(name) or "auto")
-    caps = spec.capabilities
-    # vLLM's sequence parallelism is off for out-of-tree names, so SP_ALLGATHER never applies.
-    options = applicable_strategies(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
-                                    has_shared_expert=True)
-    if settings.strategy is not None:
-        if settings.strategy not in options:
-            raise ValueError(f"--additional-config strategy {settings.strategy.value} does not "
-                             f"apply to layout {layout.describe()} with backend {spec.name}; "
-                             f"applicable: {[s.value for s in options]}")
-        choice = StrategyChoice(settings.strategy, "requested by --additional-config")
-    else:
-        # Layers with no shared expert are served too: the runner all-reduces routed rows alone.
-        choice = choose_strategy(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
-                                 has_shared_expert=True,
-                                 single_collective=settings.overlap.single_collective)
     manager = ep_manager()
     ctx = manager.dist_context(layout, moe.device)
     backend = None
@@ -428,15 +502,16 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
         backend = manager.build(spec, ctx, DispatchConfig(
             num_experts=moe.num_experts, hidden=moe.hidden_dim, num_topk=moe.experts_per_token,
             max_tokens_per_rank=max(1, moe.max_num_tokens), dtype=moe.in_dtype,
-            quant=QuantSpec(wire_scheme or QuantScheme.NONE)))
-    pf = MoEPluginsPrepareAndFinalize(backend, spec.name, ctx, choice, settings.overlap,
-                                      moe.num_experts, wire_scheme)
-    key = (spec.name, layout, choice.strategy, settings.overlap, wire_scheme)
+            quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE)))
+    pf = MoEPluginsPrepareAndFinalize(backend, spec.name, ctx, choice, plan.settings.overlap,
+                                      moe.num_experts, wire_scheme, spec.quants)
+    key = (spec.name, layout, choice.strategy, plan.settings, wire_scheme)
     if key not in _LOGGED:
         _LOGGED.add(key)
         logger.info("moe-plugins vLLM layer: backend=%s layout=%s EP rank %d strategy=%s (%s) "
-                    "output_is_reduced=%s shared-expert overlap=%s quant=%s", spec.name,
+                    "output_is_reduced=%s shared-expert overlap=%s format=%s quant=%s", spec.name,
                     layout.describe(), ctx.rank, choice.strategy.value, choice.reason,
                     pf.output_is_reduced(), "on" if pf.supports_async() else "off",
+                    "batched" if pf.batched else "standard",
                     (wire_scheme or QuantScheme.NONE).value)
     return pf

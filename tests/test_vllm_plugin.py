@@ -147,12 +147,18 @@ def test_doc_table_lists_every_patch():
     assert all(p.why and p.removal and p.verified for p in PATCHES)
 
 
+def _wrapped(patch: Patch):
+    """The vLLM original behind our wrapper of ``patch`` (properties: their getter)."""
+    current = vllm_patches.resolve(patch.symbol)[2]
+    fn = current.fget if isinstance(current, property) else current
+    return fn.__wrapped__
+
+
 @needs_vllm
 def test_register_installs_exactly_the_table(registered):
     assert vllm_patches.applied_symbols() == [p.symbol for p in PATCHES]
     for p in PATCHES[1:]:  # every function patch keeps the original it wraps
-        current = vllm_patches.resolve(p.symbol)[2]
-        assert current.__wrapped__ is not current
+        assert _wrapped(p) is not vllm_patches.resolve(p.symbol)[2]
 
 
 @needs_vllm
@@ -168,14 +174,13 @@ def test_register_is_idempotent(registered):
 @needs_vllm
 @pytest.mark.parametrize("patch", PATCHES[1:], ids=[p.symbol.split(":")[1] for p in PATCHES[1:]])
 def test_wrapped_symbol_has_the_verified_signature(registered, patch):
-    original = vllm_patches.resolve(patch.symbol)[2].__wrapped__
-    vllm_patches.check_signature(patch, original)
+    vllm_patches.check_signature(patch, _wrapped(patch))
 
 
 @needs_vllm
 @pytest.mark.parametrize("patch", PATCHES[1:], ids=[p.symbol.split(":")[1] for p in PATCHES[1:]])
 def test_moved_or_changed_symbol_fails_loudly(registered, patch):
-    original = vllm_patches.resolve(patch.symbol)[2].__wrapped__
+    original = _wrapped(patch)
     changed = replace(patch, expected=patch.expected + ("new_argument",))
     with pytest.raises(VllmPatchError, match="vLLM changed .*the patch needs an update"):
         vllm_patches.check_signature(changed, original)
@@ -333,3 +338,174 @@ def test_prepare_finalize_hook_refuses_monolithic_experts(registered):
     with pytest.raises(ValueError, match="needs a modular MoE experts kernel"):
         all2all_utils.maybe_make_prepare_finalize(moe, None, allow_new_interface=True,
                                                   use_monolithic=True)
+
+
+# -- planning a layer and the batched-format hook --------------------------------------------------
+@pytest.fixture
+def batched_backend_registered(monkeypatch):
+    """A batched-format backend (tests/batched_backend.py) registered next to the real ones."""
+    from all2all.torch_manager import TorchAll2AllManager
+    from batched_backend import BatchedTorchPrepareFinalize
+    from moe_plugins import registry
+    from moe_plugins.interface import ActivationFormat
+    from moe_plugins.quant import QuantScheme
+
+    spec = registry.BackendSpec(
+        name="batched_test", prepare_finalize=BatchedTorchPrepareFinalize,
+        manager=TorchAll2AllManager,
+        capabilities=registry.Capabilities(ep_dp=True, dp=True, tp=True, sp=False,
+                                           activation_format=ActivationFormat.BATCHED),
+        quants=frozenset({QuantScheme.NONE}))
+    specs = {**registry.registered_backends(), "batched_test": spec}
+    monkeypatch.setattr(registry, "_registry", lambda: specs)
+    monkeypatch.setattr(vllm_plugin, "_names", {})
+
+
+def _vllm_config(tp: int = 1, additional: dict | None = None):
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+
+    return set_current_vllm_config(VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        additional_config=additional or {}))
+
+
+def _moe_parallel(backend: str, dp: int, ep: int):
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    return replace(FusedMoEParallelConfig.make_no_parallel(), dp_size=dp, ep_size=ep,
+                   use_ep=ep > 1, all2all_backend=backend)
+
+
+@needs_vllm
+@pytest.mark.parametrize("backend,dp,tp,additional,batched", [
+    ("moe_plugins_batched_test", 2, 1, None, True),        # dispatches (LOCAL)
+    ("moe_plugins_batched_test", 1, 2, None, False),       # TP_UNIFIED: no dispatch
+    ("moe_plugins_batched_test", 1, 2, {"moe_plugins": {"strategy": "ROW_SCATTER_ALLREDUCE"}},
+     True),
+    ("moe_plugins_torch", 2, 1, None, False),              # standard-format backend
+    ("deepep_low_latency", 2, 1, None, True),              # in-tree names: vLLM's own answer
+    ("allgather_reducescatter", 2, 1, None, False),
+])
+def test_batched_format_hook_follows_the_plan(registered, batched_backend_registered, backend,
+                                              dp, tp, additional, batched):
+    with _vllm_config(tp, additional):
+        assert _moe_parallel(backend, dp, dp * tp).use_batched_activation_format is batched
+
+
+@needs_vllm
+def test_plan_picks_strategy_and_backend(registered):
+    from moe_plugins.vllm_adapter import layer_plan
+
+    with _vllm_config(2, {"moe_plugins": {"single_collective": False}}):
+        plan = layer_plan(_moe_parallel("moe_plugins", 2, 4))
+    assert plan is not None and plan.spec.name == "torch"
+    assert plan.choice.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE
+    with _vllm_config(2):
+        plan = layer_plan(_moe_parallel("moe_plugins_torch", 2, 4))
+    assert plan is not None and plan.choice.strategy is ReductionStrategy.ROW_SCATTER_ALLREDUCE
+    assert layer_plan(_moe_parallel("moe_plugins_torch", 1, 1)) is None  # EP off
+
+
+@needs_vllm
+def test_plan_refuses_a_strategy_that_does_not_apply(registered):
+    from moe_plugins.vllm_adapter import layer_plan
+
+    with _vllm_config(1, {"moe_plugins": {"strategy": "TP_UNIFIED"}}):
+        with pytest.raises(ValueError, match="strategy TP_UNIFIED does not apply to layout "
+                                             "dp=2 tp=1"):
+            layer_plan(_moe_parallel("moe_plugins_torch", 2, 2))
+
+
+@needs_vllm
+@pytest.mark.parametrize("change,match", [
+    (dict(pcp_size=2), "turn off prefill context parallelism and EPLB"),
+    (dict(enable_eplb=True), "turn off prefill context parallelism and EPLB"),
+    (dict(ep_size=3), "EP size 3 is not dp x tp = 2"),
+])
+def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
+    from moe_plugins.vllm_adapter import layer_plan
+
+    with _vllm_config(1), pytest.raises(ValueError, match=match):
+        layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), **change))
+
+
+@needs_vllm
+@pytest.mark.parametrize("quant,scheme", [
+    (dict(), "none"),
+    (dict(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128]), "fp8_block128"),
+    (dict(quant_dtype=torch.float8_e4m3fn, per_act_token_quant=True), None),
+    (dict(quant_dtype="nvfp4"), None),
+])
+def test_quant_scheme_of_vllm_quant_configs(registered, quant, scheme):
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+
+    from moe_plugins.vllm_adapter import quant_scheme_of
+
+    got = quant_scheme_of(FusedMoEQuantConfig.make(**quant))
+    assert (got.value if got is not None else None) == scheme
+
+
+def _adapter(backend=None, wire_scheme=None, **kw):
+    from moe_plugins.groups import DistContext
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.strategy import StrategyChoice
+    from moe_plugins.vllm_adapter import MoEPluginsPrepareAndFinalize
+
+    layout = ParallelLayout(2, 1, True)
+    ctx = DistContext(layout, 0, None, None, torch.device("cpu"))
+    return MoEPluginsPrepareAndFinalize(backend, "torch", ctx,
+                                        StrategyChoice(ReductionStrategy.LOCAL, "test"),
+                                        OverlapConfig(), kw.pop("num_experts", 8), wire_scheme,
+                                        **kw)
+
+
+@needs_vllm
+def test_adapter_refuses_experts_wanting_a_quant_the_backend_lacks(registered):
+    import vllm_rank_fns
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.model import MoEConfig
+
+    experts = vllm_rank_fns.TorchExpertsModular(
+        vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0),
+        FusedMoEQuantConfig.make(quant_dtype="nvfp4"))
+    with pytest.raises(ValueError, match="wants quant_dtype=nvfp4"):
+        _adapter(wire_scheme=None).post_init_setup(experts)
+
+
+@needs_vllm
+def test_adapter_refuses_experts_divisibility(registered):
+    with pytest.raises(ValueError, match="num_experts=7 is not divisible by the EP size 2"):
+        _adapter(num_experts=7)
+
+
+@needs_vllm
+def test_batched_adapter_refuses_experts_that_reduce_themselves(registered):
+    import vllm_rank_fns
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+
+    from batched_backend import BatchedTorchPrepareFinalize
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.model import MoEConfig
+
+    class _Manager:  # the adapter asks the backend only for its format and sizes here
+        num_ranks, experts_per_rank = 2, 4
+
+    backend = BatchedTorchPrepareFinalize(_Manager(), DispatchConfig(8, 128, 2))
+    pf = _adapter(backend)
+    assert pf.batched and pf.max_num_tokens_per_rank() == 256 and pf.num_dispatchers() == 2
+    standard_experts = vllm_rank_fns.TorchExpertsModular(
+        vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0),
+        FusedMoEQuantConfig.make())
+    with pytest.raises(ValueError, match="applies the router weights in its combine"):
+        pf.post_init_setup(standard_experts)
+
+
+@needs_vllm
+def test_all2all_manager_does_not_serve_naive_dispatch(registered):
+    from moe_plugins.vllm_adapter import MoEPluginsAll2AllManager
+
+    with pytest.raises(NotImplementedError, match="run MoE layers through vLLM's modular kernel"):
+        MoEPluginsAll2AllManager.dispatch_router_logits(object(), torch.zeros(1), torch.zeros(1))

@@ -17,7 +17,8 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
                                                          FusedMoEQuantConfig, RoutingMethodType)
-from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+    TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOP)
 
 from moe_plugins.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
@@ -90,6 +91,39 @@ class TorchExpertsModular(mk.FusedMoEExpertsModular):
         output.copy_(acc.to(output.dtype))
 
 
+class TorchBatchedExpertsModular(TorchExpertsModular):
+    """Batched-format experts: x [num_local_experts, max_recv_tokens, hidden] with a count per
+    expert; writes UNWEIGHTED outputs in the same layout and leaves weighting to the
+    prepare/finalize (TopKWeightAndReduceDelegate), as vLLM's BatchedTritonExperts do."""
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.BatchedExperts
+
+    def workspace_shapes(self, M: int, N: int, K: int, topk: int, global_num_experts: int,
+                         local_num_experts: int, expert_tokens_meta: Any,
+                         activation: MoEActivation) -> tuple[tuple[int, ...], ...]:
+        assert self.max_num_tokens is not None and self.num_dispatchers is not None
+        return (0,), (0,), (local_num_experts, self.max_num_tokens * self.num_dispatchers, K)
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceDelegate()
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
+              w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: MoEActivation, global_num_experts: int,
+              expert_map: Optional[torch.Tensor], a1q_scale: Optional[torch.Tensor],
+              a2_scale: Optional[torch.Tensor], workspace13: torch.Tensor,
+              workspace2: torch.Tensor, expert_tokens_meta: Any,
+              apply_router_weight_on_input: bool) -> None:
+        assert a1q_scale is None and expert_tokens_meta is not None
+        output.zero_()
+        for e, n in enumerate(expert_tokens_meta.expert_num_tokens.tolist()):
+            if n:
+                g, u = (hidden_states[e, :n].float() @ w1[e].float().t()).chunk(2, dim=-1)
+                output[e, :n] = ((F.silu(g) * u) @ w2[e].float().t()).to(output.dtype)
+
+
 def _moe_config(cfg: MoEConfig, layout: ParallelLayout, rank: int) -> FusedMoEConfig:
     parallel = FusedMoEParallelConfig(
         tp_size=1, tp_rank=0, pcp_size=1, pcp_rank=0, dp_size=layout.dp,
@@ -113,7 +147,8 @@ def contiguous_expert_map(num_experts: int, ep_size: int, rank: int) -> torch.Te
 
 def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                     strategy: ReductionStrategy, num_tokens: int, overlap: bool,
-                    seed: int = 0, expert_map: Optional[torch.Tensor] = None) -> dict:
+                    seed: int = 0, expert_map: Optional[torch.Tensor] = None,
+                    batched: bool = False) -> dict:
     """vLLM's FusedMoEKernel with our prepare/finalize on this rank, then the runner's reduction:
     ``output_is_reduced()`` False -> all_reduce(shared partial + routed) over TP; True -> routed +
     all_reduce(shared partial). Returns the layer output and what ran."""
@@ -125,12 +160,24 @@ def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
     if strategy.dispatches:
         from moe_plugins.config import DispatchConfig
 
-        backend = get_backend("torch").build(ctx, DispatchConfig(
-            cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1), cfg.dtype))
+        dispatch = DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1),
+                                  cfg.dtype)
+        if batched:
+            from all2all.torch_manager import TorchAll2AllManager
+            from batched_backend import BatchedTorchPrepareFinalize
+
+            backend = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch), dispatch)
+        else:
+            backend = get_backend("torch").build(ctx, dispatch)
     pf = MoEPluginsPrepareAndFinalize(backend, "torch", ctx, StrategyChoice(strategy, "test"),
                                       OverlapConfig(overlap=overlap), cfg.num_experts,
                                       QuantScheme.NONE)
-    experts = TorchExpertsModular(moe, FusedMoEQuantConfig.make())
+    if pf.batched:
+        experts: TorchExpertsModular = TorchBatchedExpertsModular(
+            moe, FusedMoEQuantConfig.make(), max_num_tokens=pf.max_num_tokens_per_rank(),
+            num_dispatchers=pf.num_dispatchers())
+    else:
+        experts = TorchExpertsModular(moe, FusedMoEQuantConfig.make())
     kernel = mk.FusedMoEKernel(pf, experts)
 
     x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
@@ -153,4 +200,4 @@ def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
         if layout.tp > 1:
             dist.all_reduce(out, group=tp_group)
     return dict(out=out, output_is_reduced=kernel.output_is_reduced(), calls=pf.calls,
-                rows_sent=pf.stats.rows, async_=pf.supports_async())
+                rows_sent=pf.stats.rows, async_=pf.supports_async(), batched=pf.batched)

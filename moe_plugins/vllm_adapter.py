@@ -494,6 +494,10 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
                    "vLLM's own MoE path runs")
         return None
     spec, layout, choice = plan.spec, plan.layout, plan.choice
+    if plan.settings.max_tokens_set:
+        _warn_once("moe-plugins overlap_max_tokens is not used under vLLM: vLLM runs the shared "
+                   "expert on its own side stream below VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD; "
+                   "set that instead")
     wire_scheme = quant_scheme_of(quant_config)
     manager = ep_manager()
     ctx = manager.dist_context(layout, moe.device)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -124,10 +125,13 @@ class PluginSettings:
         ``MOE_PLUGINS_*`` first, then these values).
     strategy: force a reduction strategy (one of :class:`ReductionStrategy`, checked against the
         layout when a layer is built); None picks the default for the layout.
+    max_tokens_set: ``overlap_max_tokens`` was given (env or config). Under vLLM the shared
+        expert's side stream is vLLM's, with its own threshold, so the glue warns that it is unused.
     """
 
     overlap: OverlapConfig
     strategy: Optional[ReductionStrategy] = None
+    max_tokens_set: bool = False
 
 
 def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSettings:
@@ -154,7 +158,9 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
     except ValueError as e:
         raise ValueError(f"--additional-config {ADDITIONAL_CONFIG_KEY}: {e} "
                          "(or 'strategy')") from None
-    return PluginSettings(overlap, strategy)
+    max_tokens_set = ("overlap_max_tokens" in values
+                      or "MOE_PLUGINS_OVERLAP_MAX_TOKENS" in os.environ)
+    return PluginSettings(overlap, strategy, max_tokens_set)
 
 
 def _share_vllm_log_handler() -> None:

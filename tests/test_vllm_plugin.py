@@ -102,6 +102,8 @@ def test_settings_read_our_section(monkeypatch):
                          "other_plugin": {"x": 1}})
     assert s.overlap == OverlapConfig(single_collective=False, overlap=False, overlap_max_tokens=64)
     assert s.strategy is ReductionStrategy.ROW_SCATTER_ALLREDUCE
+    assert s.max_tokens_set  # unused under vLLM: the glue warns about it
+    assert not plugin_settings({"moe_plugins": {"overlap": True}}).max_tokens_set
 
 
 @pytest.mark.parametrize("section,error,match", [
@@ -515,3 +517,19 @@ def test_all2all_manager_does_not_serve_naive_dispatch(registered):
 
     with pytest.raises(NotImplementedError, match="run MoE layers through vLLM's modular kernel"):
         MoEPluginsAll2AllManager.dispatch_router_logits(object(), torch.zeros(1), torch.zeros(1))
+
+
+@needs_vllm
+def test_overlap_max_tokens_is_reported_unused_under_vllm(registered, caplog):
+    """Checked before any process group is needed; building stops at vLLM's missing EP group."""
+    import vllm_rank_fns
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.model import MoEConfig
+    from moe_plugins.vllm_adapter import make_prepare_finalize
+
+    moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)
+    with _vllm_config(1, {"moe_plugins": {"overlap_max_tokens": 64}}), \
+            caplog.at_level("WARNING", logger="moe_plugins"), \
+            pytest.raises(AssertionError, match="expert parallel group is not initialized"):
+        make_prepare_finalize(moe, None)
+    assert "overlap_max_tokens is not used under vLLM" in caplog.text

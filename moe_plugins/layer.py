@@ -13,7 +13,7 @@ from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.experts import TorchExperts
 from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
-from moe_plugins.layout import owned_rows, slice_owned
+from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
 from moe_plugins.model import MoEWeights, route
 from moe_plugins.overlap import (OverlapConfig, SharedExpertHandle, join, launch_shared,
                                  overlap_off_reason)
@@ -120,11 +120,6 @@ class MoELayer:
     def dispatch_stats(self) -> DispatchStats:
         return getattr(self.pf, "stats", None) or DispatchStats()
 
-    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        base, n = self.expert_weights.first_expert, self.expert_weights.num_local_experts
-        return torch.where((topk_ids >= base) & (topk_ids < base + n), topk_ids - base,
-                           torch.full_like(topk_ids, -1))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route(x, self.router, self.cfg.num_topk, self.cfg.renormalize)
         if self.pf is None:
@@ -135,7 +130,8 @@ class MoELayer:
                              topk_ids: torch.Tensor) -> torch.Tensor:
         """TP_UNIFIED (or a single rank): every rank runs its experts on all tokens."""
         handle = launch_shared(self.shared, x, self.overlap)
-        out = self.experts.apply(PrepareResult(x, None, None, self._local_ids(topk_ids), topk_weights))
+        out = self.experts.apply(PrepareResult(x, None, None, local_expert_ids(topk_ids, self.expert_weights.first_expert,
+                                         self.expert_weights.num_local_experts), topk_weights))
         shared = join(handle)
         if shared is not None:
             out += shared

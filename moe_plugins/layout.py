@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ParallelLayout", "OwnedRows", "owned_rows", "OwnedTokens", "slice_owned"]
+__all__ = ["ParallelLayout", "OwnedRows", "owned_rows", "OwnedTokens", "slice_owned",
+           "local_expert_ids", "destination_ranks"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +128,19 @@ def slice_owned(
             )
     s = rows.as_slice
     return OwnedTokens(rows, hidden_states[s], topk_ids[s], topk_weights[s])
+
+
+# Expert placement: contiguous blocks, expert e on EP rank e // experts_per_rank.
+def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
+    """GLOBAL ids [num_tokens, num_topk] -> int64 LOCAL ids of the block
+    [first_expert, first_expert + num_local), -1 for experts held elsewhere (or id -1)."""
+    ids = topk_ids.long()
+    mine = (ids >= first_expert) & (ids < first_expert + num_local)
+    return torch.where(mine, ids - first_expert, torch.full_like(ids, -1))
+
+
+def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
+    """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts."""
+    hit = torch.zeros(topk_ids.shape[0], num_ranks, dtype=torch.bool, device=topk_ids.device)
+    hit.scatter_(1, topk_ids.long() // experts_per_rank, True)
+    return hit

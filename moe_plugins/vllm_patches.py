@@ -284,7 +284,7 @@ def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
         expert_map = a["expert_map"]
         if expert_map is not None and _is_ours(
                 a["self"].moe_config.moe_parallel_config.all2all_backend):
-            a["topk_ids"], a["topk_weights"] = local_expert_ids(
+            a["topk_ids"], a["topk_weights"] = ids_through_expert_map(
                 expert_map, a["topk_ids"], a["topk_weights"], a["apply_router_weight_on_input"])
         return original(*bound.args, **bound.kwargs)
 
@@ -292,8 +292,8 @@ def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
     _rebind(patch, owner, attr, apply)
 
 
-def local_expert_ids(expert_map: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     weights_on_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def ids_through_expert_map(expert_map: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor, weights_on_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Global ids -> local ids for experts that cannot read ``expert_map``.
 
     expert_map: int32 [num_experts], local index or -1; topk_ids: int [num_tokens, num_topk]

@@ -27,6 +27,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    RowScatterTarget, check_prepare_inputs, write_output)
+from moe_plugins.layout import destination_ranks, local_expert_ids
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
 
@@ -86,10 +87,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         """GLOBAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
         experts, the kernels' invalid id on rows that carry no token)."""
         m = self.manager
-        ids = topk_ids.long()
-        base = m.rank * m.experts_per_rank
-        mine = (ids >= base) & (ids < base + m.experts_per_rank)
-        return torch.where(mine, ids - base, torch.full_like(ids, -1))
+        return local_expert_ids(topk_ids, m.rank * m.experts_per_rank, m.experts_per_rank)
 
     def _count_dispatch(self, topk_ids: torch.Tensor, x: torch.Tensor, x_sf: Optional[torch.Tensor],
                         local_ids: torch.Tensor) -> Optional[int]:
@@ -98,8 +96,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         m, s = self.manager, self.stats
         s.calls += 1
         s.pairs += topk_ids.numel()
-        hit = torch.zeros(topk_ids.shape[0], m.num_ranks, dtype=torch.bool, device=topk_ids.device)
-        hit.scatter_(1, topk_ids.long() // m.experts_per_rank, True)
+        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
         rows = _host_int(hit.sum())
         if rows is not None:
             s.rows += rows

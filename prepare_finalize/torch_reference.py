@@ -17,6 +17,7 @@ from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_prepare_inputs, write_output)
+from moe_plugins.layout import destination_ranks, local_expert_ids
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities
 
@@ -61,9 +62,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         m = self.manager
         n = hidden_states.shape[0]
-        dest = topk_ids.long() // m.experts_per_rank  # [num_tokens, num_topk]
-        hit = torch.zeros(n, m.num_ranks, dtype=torch.bool, device=hidden_states.device)
-        hit.scatter_(1, dest, True)
+        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
         send_counts = hit.sum(dim=0)
         # One host sync for both split lists (the receive sizes must be known to allocate).
         send_splits, recv_splits = torch.stack([send_counts, m.exchange_counts(send_counts)]).tolist()
@@ -93,9 +92,7 @@ class TorchPrepareFinalize(PrepareFinalize):
 
         def receiver() -> PrepareResult:
             ids = sent["ids"][0]
-            base = m.rank * m.experts_per_rank
-            local = torch.where((ids >= base) & (ids < base + m.experts_per_rank), ids - base,
-                                torch.full_like(ids, -1))
+            local = local_expert_ids(ids, m.rank * m.experts_per_rank, m.experts_per_rank)
             # a token's experts are distinct, so pairs per local expert == tokens per expert
             valid = local >= 0
             counts = torch.zeros(m.experts_per_rank, dtype=torch.int32, device=ids.device)

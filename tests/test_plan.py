@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import plan_rank_fns
+from checks import assert_matches_reference
 from moe_plugins.demo import demo_inputs
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.layout import ParallelLayout, owned_rows
@@ -21,7 +22,6 @@ from moe_plugins.model import MoEConfig, MoEWeights, route
 from moe_plugins.model_config import load_model_config, model_spec_from_dict
 from moe_plugins.plan import (Routing, expected_ranks_hit, plan_layer, ranks_hit_bounds)
 from moe_plugins.quant import QuantScheme, QuantSpec
-from moe_plugins.reference import reference_moe, tolerance_for
 from moe_plugins.registry import BackendSpec, Capabilities, get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 from moe_plugins.strategy import SharedPlacement, applicable_strategies, choose_strategy
@@ -42,13 +42,9 @@ def _kind(name: str) -> str:
 def _run(rank_pool, layout, cfg, strategy, tokens, quant=QuantSpec()):
     results = rank_pool(layout.world_size).run(plan_rank_fns.measure_layer, layout, cfg, strategy,
                                                tokens, quant)
-    weights = MoEWeights.random(cfg, 0)
-    for rank, res in enumerate(results):  # the counts below are of a run that computed right
-        dp = layout.dp_rank(rank)
-        ref = reference_moe(demo_inputs(cfg, tokens[dp], dp, 0), weights, quant)
-        atol, rtol = tolerance_for(ref, cfg.dtype)
-        torch.testing.assert_close(res["out"].float(), ref, atol=atol, rtol=rtol)
-        assert res["strategy"] is strategy
+    # the counts the tests compare are of a run that computed right
+    assert_matches_reference(results, layout, cfg, list(tokens), quant)
+    assert all(res["strategy"] is strategy for res in results)
     return results
 
 

@@ -17,7 +17,8 @@ import torch
 from moe_plugins import vllm_patches, vllm_plugin
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.strategy import ReductionStrategy
-from moe_plugins.vllm_patches import PATCHES, Patch, VllmPatchError, local_expert_ids
+from moe_plugins.vllm_patches import (PATCHES, Patch, VllmPatchError,
+                                      ids_through_expert_map)
 from moe_plugins.vllm_plugin import (SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version,
                                      plugin_settings)
 
@@ -122,7 +123,7 @@ def test_local_expert_ids_maps_and_masks():
     expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # rank 1 of 2 holds 2, 3
     ids = torch.tensor([[2, 0], [3, 2], [1, 0]], dtype=torch.int32)
     w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
-    local, weights = local_expert_ids(expert_map, ids, w, weights_on_input=False)
+    local, weights = ids_through_expert_map(expert_map, ids, w, weights_on_input=False)
     assert local.dtype == torch.int32
     assert local.tolist() == [[0, 0], [1, 0], [0, 0]]
     torch.testing.assert_close(weights, torch.tensor([[0.6, 0.0], [0.7, 0.3], [0.0, 0.0]]))
@@ -131,7 +132,7 @@ def test_local_expert_ids_maps_and_masks():
 def test_local_expert_ids_refuses_weights_on_input_with_remote_experts():
     expert_map = torch.tensor([-1, 0], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="router weights applied on the input"):
-        local_expert_ids(expert_map, torch.tensor([[0]]), torch.ones(1, 1), weights_on_input=True)
+        ids_through_expert_map(expert_map, torch.tensor([[0]]), torch.ones(1, 1), weights_on_input=True)
 
 
 # -- the patch table -------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.groups import DistContext, all_gather_tensor, reduce_scatter_tensor
 from moe_plugins.interface import (AsyncResult, PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_prepare_inputs, write_output)
+from moe_plugins.layout import local_expert_ids
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities
 
@@ -72,9 +73,7 @@ class AllGatherPrepareFinalize(PrepareFinalize):
         x = m.gather(hidden_states, rows)
         ids = m.gather(topk_ids.long() + 1, rows) - 1  # padding rows become id -1: no expert
         w = m.gather(topk_weights.float(), rows)
-        base = m.rank * m.experts_per_rank
-        local = torch.where((ids >= base) & (ids < base + m.experts_per_rank), ids - base,
-                            torch.full_like(ids, -1))
+        local = local_expert_ids(ids, m.rank * m.experts_per_rank, m.experts_per_rank)
         self._handle = _Handle(n, rows)
         self.stats.calls += 1
         self.stats.pairs += topk_ids.numel()

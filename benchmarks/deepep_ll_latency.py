@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from graph_timing import graph_ms  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.groups import DistContext  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
@@ -68,32 +69,14 @@ def _time_pairs(dispatch: Callable[[], object], combine: Callable[[object], None
                 wall_us=wall)
 
 
-def _time_graph(round_trip: Callable[[], None], iters: int) -> float | None:
-    """One dispatch + combine captured in a CUDA graph, replayed ``iters`` times: GPU time per
-    round trip (us), with no host launch cost, as under vLLM's CUDA-graph decode. None when the
-    round trip cannot be captured."""
+def _graph_us(round_trip: Callable[[], None], iters: int) -> float | None:
+    """One dispatch + combine captured in a CUDA graph: GPU time per round trip (us), with no
+    host launch cost, as under vLLM's CUDA-graph decode. None when it cannot be captured."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                round_trip()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            round_trip()
+        return graph_ms(round_trip, iters) * 1e3
     except RuntimeError as e:
         print(f"graph capture failed: {e}", file=sys.stderr)
         return None
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                                     args.warmup),
     }
     graph = {
-        "raw, hook mode": _time_graph(lambda: raw_combine(True)(raw_dispatch(True)()), args.iters),
-        "deepep_ll (ours)": _time_graph(lambda: ours_combine(ours_dispatch()), args.iters),
+        "raw, hook mode": _graph_us(lambda: raw_combine(True)(raw_dispatch(True)()), args.iters),
+        "deepep_ll (ours)": _graph_us(lambda: ours_combine(ours_dispatch()), args.iters),
     }
     raw, ours = rows["raw, hook mode"], rows["deepep_ll (ours)"]
     ratio = {k: ours[k] / raw[k] for k in ("dispatch_us", "combine_us", "wall_us")}

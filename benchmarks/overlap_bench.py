@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from graph_timing import graph_ms
 from moe_plugins.overlap import OverlapConfig, join, launch_shared, side_stream
 
 H, E_LOCAL, INTER, TOPK, SHARED_INTER, EP = 7168, 32, 2048, 8, 2048, 8
@@ -93,30 +92,6 @@ class Layer:
         return s, y
 
 
-def time_graph(fn: Callable[[], object], replays: int, repeats: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    means = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        means.append(start.elapsed_time(end) / replays)
-    return statistics.median(means)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the results JSON here")
@@ -135,7 +110,7 @@ def main() -> int:
               f"{'ideal':>8} {'over/ideal':>10} {'seq/over':>8} {'efficiency':>10}")
         for t in TOKENS:
             layer = Layer(t, table == "transfer", dev)
-            ms = {name: time_graph(getattr(layer, name), args.replays, args.repeats)
+            ms = {name: graph_ms(getattr(layer, name), args.replays, args.repeats)
                   for name in ("shared_alone", "routed_alone", "sequential", "overlapped")}
             ideal = max(ms["shared_alone"], ms["routed_alone"])
             gain = ms["sequential"] - ideal

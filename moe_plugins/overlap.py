@@ -47,9 +47,10 @@ class OverlapConfig:
         ROW_SCATTER_ALLREDUCE, one TP collective instead of two.
     overlap (``MOE_PLUGINS_OVERLAP``, default on): run the shared expert on a side stream.
     overlap_max_tokens (``MOE_PLUGINS_OVERLAP_MAX_TOKENS``, default 1024): above this many tokens
-        per call the shared expert runs inline. The default comes from the H200 benchmark
-        (benchmarks/results/overlap_h200.json): with bigger batches the shared expert is a
-        small share of a transfer-bound layer and the fork/join gains nothing measurable.
+        per call the shared expert runs inline. The default is the largest size the H200
+        benchmark measured a gain at (benchmarks/results/overlap_h200.json: 0.7-1.4% at 1024
+        tokens); above it the shared expert is a small, unmeasured share of the layer and the
+        side stream only holds memory longer.
     """
 
     single_collective: bool = True

@@ -59,6 +59,12 @@ class NixlEPManager(LowLatencyManager):
     query_mask_method = "query_mask_buffer"
     options: NixlEPOptions
 
+    @classmethod
+    def engine_options(cls, tcp_store: Any) -> NixlEPOptions:
+        """The options an engine builds this backend with: the ranks exchange their agent
+        metadata through ``tcp_store`` (a torch.distributed Store shared by the EP group)."""
+        return NixlEPOptions(tcp_store_group=tcp_store)
+
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         opts = cfg.backend_options
         if opts is None or (isinstance(opts, NixlEPOptions) and opts.tcp_store_group is None):

@@ -196,6 +196,11 @@ class PrepareFinalize(ABC):
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return None
 
+    def post_init_setup(self, experts: object) -> None:
+        """Adapt the wire format to the experts that will read it, once, before the first call
+        (e.g. packed UE8M0 scales for experts whose ``supports_packed_ue8m0_act_scales()`` is
+        true). An engine calls it when it pairs this prepare/finalize with its experts."""
+
     @abstractmethod
     def num_dispatchers(self) -> int:
         """Ranks that send tokens to this one."""

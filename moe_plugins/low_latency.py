@@ -251,6 +251,13 @@ class LowLatencyManager(ABC):
                     "on" if self.options.allow_nvlink else "off")
         return buffer
 
+    @classmethod
+    def engine_options(cls, tcp_store: Any) -> Optional[LowLatencyOptions]:
+        """The ``backend_options`` an engine (the vLLM glue) builds this backend with when the
+        user gave none; ``tcp_store``: a torch.distributed Store shared by the EP group, for
+        libraries that exchange connection metadata through one. None: the defaults."""
+        return None
+
     # -- configuration ---------------------------------------------------------------------
     def _options(self, given: object) -> LowLatencyOptions:
         if given is None:

@@ -26,6 +26,7 @@ picks batched experts only when ``use_batched_activation_format`` is true; the h
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -54,7 +55,8 @@ from moe_plugins.vllm_plugin import PluginSettings, plugin_settings, registry_na
 logger = logging.getLogger(__name__)
 
 __all__ = ["MoEPluginsAll2AllManager", "MoEPluginsPrepareAndFinalize", "make_prepare_finalize",
-           "quant_scheme_of", "ep_manager", "LayerPlan", "plan_layer", "layer_plan"]
+           "quant_scheme_of", "ep_manager", "LayerPlan", "plan_layer", "layer_plan",
+           "parallel_config_plan"]
 
 _LOGGED: set[tuple] = set()
 _WARNED: set[str] = set()
@@ -80,6 +82,18 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         # device_group: NCCL on CUDA, gloo on CPU; our transports use it for the all-to-alls.
         self.device_group = device_group if device_group is not None else cpu_group
         self._managers: dict[tuple[str, DispatchConfig], Any] = {}
+        self._store: Optional[dist.Store] = None
+
+    @property
+    def tcp_store(self) -> "dist.Store":
+        """The Store our backends exchange connection metadata through (NIXL agents): the one
+        vLLM's communicator was given (``tcp_store_group.store``), else a prefix store on the EP
+        CPU group's own store, as vLLM's in-tree NIXL EP manager does."""
+        if self._store is None:
+            given = getattr(self.tcp_store_group, "store", self.tcp_store_group)
+            self._store = given if given is not None else dist.PrefixStore(
+                "moe_plugins", self.cpu_group.get_group_store())
+        return self._store
 
     def dist_context(self, layout: ParallelLayout, device: torch.device | str) -> DistContext:
         """Our view of this rank: EP rank = rank in vLLM's EP group (DP-major, TP-minor, as
@@ -97,6 +111,11 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
 
     def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
         """A new prepare/finalize for one layer, on the cached manager of its config."""
+        engine_options = getattr(spec.manager, "engine_options", None)
+        if cfg.backend_options is None and engine_options is not None:
+            options = engine_options(self.tcp_store)
+            if options is not None:
+                cfg = dataclasses.replace(cfg, backend_options=options)
         key = (spec.name, cfg)
         manager = self._managers.get(key)
         if manager is None:
@@ -167,15 +186,17 @@ class LayerPlan:
                 and self.spec.capabilities.activation_format is ActivationFormat.BATCHED)
 
 
-def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings) -> LayerPlan:
+def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
+               require_available: bool = True) -> LayerPlan:
     """The plan for ``--all2all-backend`` ``backend`` (a registry name or ``auto``) on ``layout``.
 
     The backend is chosen for unquantized dispatch (every backend has it); a quantized layer is
     checked against the chosen backend's quants when its experts are known. vLLM's sequence
     parallelism is off for out-of-tree names, so SP_ALLGATHER never applies; layers are planned
     as having a shared expert (routed-only layers are served as well: the runner's single
-    all_reduce then carries the routed rows alone)."""
-    spec = select_backend(layout, QuantScheme.NONE, backend)
+    all_reduce then carries the routed rows alone). ``require_available=False``: plan a named
+    backend even where its package or GPU is missing here (building it still refuses)."""
+    spec = select_backend(layout, QuantScheme.NONE, backend, require_available=require_available)
     caps = spec.capabilities
     options = applicable_strategies(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
                                     has_shared_expert=True)
@@ -212,6 +233,19 @@ def layer_plan(parallel: Any) -> Optional[LayerPlan]:
                          "tensor-parallel ranks")
     return plan_layer(registry_name(name) or AUTO, layout,
                       plugin_settings(vllm_config.additional_config))
+
+
+def parallel_config_plan(parallel_config: Any) -> LayerPlan:
+    """:func:`plan_layer` from vLLM's engine-level ``ParallelConfig`` (EP on): what the scheduler
+    limits are decided from, before any layer exists. Settings from ``--additional-config``
+    are not known there; they change the strategy only, never whether a dp > 1 layout
+    dispatches, so the defaults stand in for them."""
+    layout = ParallelLayout(dp=parallel_config.data_parallel_size,
+                            tp=parallel_config.tensor_parallel_size, ep=True)
+    name = registry_name(parallel_config.all2all_backend) or AUTO
+    # A named backend's format does not depend on this process having its package or a GPU
+    # (the API server decides the limits); 'auto' picks among the usable ones.
+    return plan_layer(name, layout, plugin_settings(None), require_available=name == AUTO)
 
 
 @dataclass
@@ -279,7 +313,16 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return self.overlap.overlap and self.backend is not None and self.backend.supports_async()
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
-        """Check the experts against what the backend delivers; fix the wire quantization."""
+        """Check the experts against what the backend delivers; fix the wire quantization; then
+        let the backend adapt its wire format to the experts (packed UE8M0 scales for experts
+        that ask for them, as vLLM's in-tree DeepEP LL class does)."""
+        self._setup_for_experts(fused_experts)
+        # Only a quantized wire has a scale format to adapt (experts that take unquantized
+        # inputs get bf16 whatever the layer's quant config says).
+        if self.backend is not None and self._quant.quantized_on_wire:
+            self.backend.post_init_setup(fused_experts)
+
+    def _setup_for_experts(self, fused_experts: mk.FusedMoEExperts) -> None:
         if self.batched:
             impl = fused_experts.finalize_weight_and_reduce_impl()
             if not isinstance(impl, TopKWeightAndReduceDelegate):

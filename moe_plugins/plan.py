@@ -128,9 +128,9 @@ class WireFormat:
         nvfp4: wire_hidden / 2 bytes).
     sf_bytes: its ``x_sf`` (fp8 block-128: float32 per 128 values; nvfp4: e4m3 per 16 values,
         unswizzled on the wire); 0 when ``x_sf is None`` (unquantized or deferred quant).
-    meta_bytes: routing metadata of a row (STANDARD: the token's num_topk int64 ids and float32
-        weights, which a STANDARD prepare hands the experts) plus the per-message header
-        (low-latency kernels: 16 bytes, the source token index).
+    meta_bytes: routing metadata of a row (STANDARD: the token's num_topk ids, int64 or the
+        backend's width, and float32 weights, which a STANDARD prepare hands the experts) plus
+        the per-message header (low-latency kernels: 16 bytes, the source token index).
     combine_bytes: one combined row sent back (model dtype, wire_hidden columns).
     """
 
@@ -161,7 +161,7 @@ def wire_format(activation_format: ActivationFormat, cfg: MoEConfig, quant: Quan
     else:
         act, sf = h // 2, h // NVFP4_BLOCK
     per_pair = activation_format is ActivationFormat.BATCHED
-    meta = (0 if per_pair else cfg.num_topk * (8 + 4)) + wire.header_bytes
+    meta = (0 if per_pair else cfg.num_topk * (wire.topk_id_bytes + 4)) + wire.header_bytes
     return WireFormat(per_pair, act, sf, meta, h * model_bytes, h)
 
 

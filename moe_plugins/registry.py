@@ -59,10 +59,12 @@ class WireLayout:
     hidden: columns each row carries (kernels compiled for fixed sizes pad the layer's hidden up
         to one: a low-latency backend sends hidden 256 as 2048); header_bytes: bytes every
         message carries in front of its row (DeepEP/NIXL EP low-latency: 16, the source token
-        index)."""
+        index); topk_id_bytes: bytes of one expert id where a STANDARD-format row carries its
+        routing (int64 ids: 8; flashinfer's int32: 4), next to a float32 weight each."""
 
     hidden: int
     header_bytes: int = 0
+    topk_id_bytes: int = 8
 
 
 @dataclass(frozen=True)

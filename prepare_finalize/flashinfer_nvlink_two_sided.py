@@ -29,7 +29,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinaliz
                                    RowScatterTarget, check_prepare_inputs, write_output)
 from moe_plugins.layout import destination_ranks, local_expert_ids
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
-from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
+from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
 __all__ = ["FlashInferNVLinkTwoSidedPrepareFinalize", "SPEC"]
 
@@ -166,6 +166,12 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         return AsyncResult(None, receiver)
 
 
+def _wire_layout(cfg: DispatchConfig) -> WireLayout:
+    """Rows carry the layer's hidden; the routing travels with each row as int32 ids and float32
+    weights (``moe_prepare``), what :meth:`_count_dispatch` counts."""
+    return WireLayout(cfg.hidden, topk_id_bytes=4)
+
+
 SPEC = BackendSpec(
     name="flashinfer_nvlink_two_sided",
     prepare_finalize=FlashInferNVLinkTwoSidedPrepareFinalize,
@@ -179,6 +185,7 @@ SPEC = BackendSpec(
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),
     needs_cuda=True,
+    wire_layout=_wire_layout,
     priority=25,  # after DeepEP LL (hooks overlap better), before NixlEP and the reference
     description="flashinfer MNNVL two-sided all-to-all-v (MnnvlMoe in 0.7.2.post1, moe_ep in "
                 "0.7.4+); shared expert overlaps on the side stream",

@@ -94,6 +94,7 @@ def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num
             layer.destroy()
         return dict(out=out, strategy=layer.strategy, api=api, pairs=stats.pairs,
                     rows_sent=stats.rows, sf_bytes=stats.sf_bytes, act_bytes=stats.act_bytes,
+                    meta_bytes=stats.meta_bytes, combine_bytes=stats.combine_bytes,
                     tp_collectives=[c.kind for c in layer.collectives.records],
                     comm=_traffic("moe_comm"), prepare=_traffic("moe_prepare"),
                     live_after_destroy=emu.live_allocations())

@@ -319,3 +319,33 @@ def test_tp2_dispatches_owned_rows(rank_pool, layout, strategy, colls, num_token
     for d in range(layout.dp):  # a DP group dispatches each of its tokens once, not tp times
         assert sum(r["pairs"] for i, r in enumerate(results)
                    if layout.dp_rank(i) == d) == num_tokens * cfg.num_topk
+
+
+
+@pytest.mark.multirank
+def test_plan_equals_the_backends_counters(rank_pool):
+    """`moe-plugins plan` for this backend, given the routing of the owned rows (computed here
+    from the same inputs), states exactly what its DispatchStats counted: rows once per
+    destination rank, nvfp4 rows and scales, int32 ids + float32 weights per row."""
+    from moe_plugins.demo import demo_inputs
+    from moe_plugins.layout import owned_rows
+    from moe_plugins.model import MoEWeights, route
+    from moe_plugins.plan import Routing, plan_layer
+
+    layout, cfg, n, quant = ParallelLayout(2, 2, True), _cfg(), 7, QuantSpec(NVFP4)
+    strategy = ReductionStrategy.ROW_SCATTER_ALLREDUCE
+    results = rank_pool(4).run(fi.run_layer, layout, cfg, n, quant, "0.7.2.post1", 0, strategy)
+    router = MoEWeights.random(cfg, 0).router
+    ids = []
+    for rank in range(4):
+        _, topk_ids = route(demo_inputs(cfg, n, layout.dp_rank(rank), 0), router, cfg.num_topk,
+                            cfg.renormalize)
+        ids.append(topk_ids[owned_rows(n, layout.tp, layout.tp_rank(rank)).as_slice])
+    plan = plan_layer(cfg, layout, n, get_backend(NAME), quant,
+                      routing=Routing.from_topk_ids(ids, cfg.num_experts))
+    assert plan.wire.meta_bytes == cfg.num_topk * (4 + 4)
+    for rp, r in zip(plan.strategy(strategy).ranks, results):
+        assert rp.pairs == r["pairs"] and rp.rows.min == r["rows_sent"]
+        assert (rp.act_bytes.min, rp.sf_bytes.min, rp.meta_bytes.min) == (
+            r["act_bytes"], r["sf_bytes"], r["meta_bytes"])
+        assert rp.combine_bytes.min == r["combine_bytes"]

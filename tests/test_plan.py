@@ -711,3 +711,17 @@ def test_cli_plan_low_latency_padding_and_refusal():
     proc = _cli(*flags)  # float32 by default
     assert proc.returncode == 2
     assert "deepep_ll: the low-latency kernels move bfloat16 activations" in proc.stderr
+
+
+def test_cli_plan_sp_attention():
+    """Qwen-family configs keep the attention's all_reduce under SP (vLLM's Qwen3-MoE); the flag
+    overrides what the config implies."""
+    flags = ["plan", "--ranks", "4", "--tp", "2", "--ep", "--tokens", "4", "--json"]
+    kinds = {}
+    for extra in ([], ["--sp-attention", "all_reduce"]):
+        rows = {r["strategy"]: r for r in _json_lines(_cli(*flags, *extra))}
+        sp = rows["SP_ALLGATHER"]
+        kinds[tuple(extra)] = [c["kind"] for c in sp["decoder_tp_collective_detail"]]
+        assert sp["sp_attention"] == (extra[1] if extra else "reduce_scatter")
+    assert kinds[()] == ["reduce_scatter", "all_gather"]
+    assert kinds[("--sp-attention", "all_reduce")] == ["all_reduce", "all_gather"]

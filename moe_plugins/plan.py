@@ -1,12 +1,13 @@
-"""Analytic cost model of one MoE layer under every applicable reduction strategy.
+"""Analytic cost model of one decoder layer's communication (the attention's TP reduction and
+the MoE block) under every applicable reduction strategy.
 
 For a model shape, a parallel layout, the tokens of each DP group, a backend and a dispatch
-quant scheme, :func:`plan_layer` gives per EP rank and per MoE layer: the tokens handed to
+quant scheme, :func:`plan_layer` gives per EP rank and per decoder layer: the tokens handed to
 prepare and the (token, expert) pairs dispatched, the rows on the wire and the bytes sent and
 received in dispatch (activations, ``x_sf`` and routing metadata separately) and combine, the TP
 collectives with their bytes, the shared-expert and routed-expert weight bytes a rank holds, and a
 communication time from :class:`moe_plugins.link_model.LinkModel`. The recommended strategy is
-:func:`recommend_strategy` picks from the decoder-layer numbers and a shared-expert memory budget;
+the one :func:`recommend_strategy` picks from the decoder-layer numbers and a shared-expert memory budget;
 the *default* is the one :func:`moe_plugins.strategy.choose_strategy` picks (what a
 :class:`moe_plugins.layer.MoELayer` uses when it is not told).
 

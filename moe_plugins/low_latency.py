@@ -43,7 +43,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMe
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_prepare_inputs, row_scatter_add)
 from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
-from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
+from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
 logger = logging.getLogger(__name__)
 
@@ -209,9 +209,7 @@ class LowLatencyManager(ABC):
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.options = self._options(cfg.backend_options)
-        self._check_layer(cfg)
-        self.kernel_hidden = kernel_hidden_size(cfg.hidden, self.options.pad_hidden,
-                                                self.backend_name)
+        self.kernel_hidden = self.wire_layout(cfg).hidden
         self.lib = _import_vendor(self.required, self.backend_name)
         self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
@@ -259,19 +257,31 @@ class LowLatencyManager(ABC):
         return None
 
     # -- configuration ---------------------------------------------------------------------
-    def _options(self, given: object) -> LowLatencyOptions:
+    @classmethod
+    def wire_layout(cls, cfg: DispatchConfig) -> WireLayout:
+        """Check the layer against the kernels' limits (the errors building a manager raises,
+        without a process group) and return what one dispatched message carries: the kernel
+        hidden size and the 16-byte header (``BackendSpec.wire_layout``, read by the plan)."""
+        options = cls._options(cfg.backend_options)
+        cls._check_layer(cfg)
+        return WireLayout(kernel_hidden_size(cfg.hidden, options.pad_hidden, cls.backend_name),
+                          _MSG_HEADER_BYTES)
+
+    @classmethod
+    def _options(cls, given: object) -> LowLatencyOptions:
         if given is None:
-            return self.options_type()
-        if not isinstance(given, self.options_type):
+            return cls.options_type()
+        if not isinstance(given, cls.options_type):
             raise TypeError(
-                f"{self.backend_name}: backend_options must be a {self.options_type.__name__}, got "
+                f"{cls.backend_name}: backend_options must be a {cls.options_type.__name__}, got "
                 f"{type(given).__name__}; pass DispatchConfig(backend_options="
-                f"{self.options_type.__name__}(...))"
+                f"{cls.options_type.__name__}(...))"
             )
         return given
 
-    def _check_layer(self, cfg: DispatchConfig) -> None:
-        name = self.backend_name
+    @classmethod
+    def _check_layer(cls, cfg: DispatchConfig) -> None:
+        name = cls.backend_name
         if cfg.dtype != torch.bfloat16:
             raise ValueError(f"{name}: the low-latency kernels move bfloat16 activations, the layer "
                              f"is {cfg.dtype}; build the layer in torch.bfloat16 or use another "
@@ -562,4 +572,5 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
         description=description,
         priority=priority,
         dtypes=frozenset({torch.bfloat16}),  # the kernels dispatch bf16 (and quantize to FP8)
+        wire_layout=manager.wire_layout,
     )

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "moe_plugins.backends"
 AUTO = "auto"
 
-__all__ = ["Capabilities", "RequiredPackage", "BackendSpec", "BackendSelectionError",
+__all__ = ["Capabilities", "WireLayout", "RequiredPackage", "BackendSpec", "BackendSelectionError",
            "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
            "refusal_reason", "reload_backends"]
 
@@ -50,6 +50,21 @@ class Capabilities:
     row_scatter: bool = True
     recv_hook: bool = False
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """What one dispatched row of a layer occupies on a backend's wire (the plan counts with it).
+
+    hidden: columns each row carries (kernels compiled for fixed sizes pad the layer's hidden up
+        to one: a low-latency backend sends hidden 256 as 2048); header_bytes: bytes every
+        message carries in front of its row (DeepEP/NIXL EP low-latency: 16, the source token
+        index); topk_id_bytes: bytes of one expert id where a STANDARD-format row carries its
+        routing (int64 ids: 8; flashinfer's int32: 4), next to a float32 weight each."""
+
+    hidden: int
+    header_bytes: int = 0
+    topk_id_bytes: int = 8
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,14 @@ class BackendSpec:
     priority: int = 0
     # activation dtypes the kernels take; None: any
     dtypes: Optional[frozenset[torch.dtype]] = None
+    # The backend's own check of a layer config, raising what building it would raise (dtype,
+    # hidden, topk limits), and the row its kernels put on the wire; needs no process group.
+    # None: rows carry the layer's hidden and no header.
+    wire_layout: Optional[Callable[["DispatchConfig"], WireLayout]] = None
+
+    def wire_layout_for(self, cfg: "DispatchConfig") -> WireLayout:
+        """:attr:`wire_layout` of ``cfg``, or the layer's own hidden without a header."""
+        return self.wire_layout(cfg) if self.wire_layout is not None else WireLayout(cfg.hidden)
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be built on this machine, else exactly why not."""

@@ -415,11 +415,12 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input needs num_topk == 1, got "
                                  f"{topk_ids.shape[1]}")
-            if self.batched:
-                raise NotImplementedError(
-                    f"batched backend {self.backend_name!r} applies the router weights in its "
-                    "combine; models that apply them on the input need a standard-format backend")
             a1 = a1 * topk_weights.to(a1.dtype)
+            if self.batched:
+                # A batched backend's combine applies the weights it is given (prepare's, which
+                # finalize passes on): the input already carries the router weight, so it
+                # combines with unit weights, as vLLM's in-tree batched backends do.
+                topk_weights = torch.ones_like(topk_weights)
         quant = QuantSpec() if defer_input_quant else self._quant
         if self.backend is None:
             x, x_sf = quantize_for_dispatch(a1, quant)

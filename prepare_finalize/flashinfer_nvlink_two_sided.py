@@ -29,7 +29,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinaliz
                                    RowScatterTarget, check_prepare_inputs, write_output)
 from moe_plugins.layout import destination_ranks, local_expert_ids
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
-from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
+from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
 __all__ = ["FlashInferNVLinkTwoSidedPrepareFinalize", "SPEC"]
 
@@ -166,16 +166,26 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         return AsyncResult(None, receiver)
 
 
+def _wire_layout(cfg: DispatchConfig) -> WireLayout:
+    """Rows carry the layer's hidden; the routing travels with each row as int32 ids and float32
+    weights (``moe_prepare``), what :meth:`_count_dispatch` counts."""
+    return WireLayout(cfg.hidden, topk_id_bytes=4)
+
+
 SPEC = BackendSpec(
     name="flashinfer_nvlink_two_sided",
     prepare_finalize=FlashInferNVLinkTwoSidedPrepareFinalize,
     manager=FlashInferAll2AllManager,
-    # EP/DP yes, TP and SP no, as in vLLM's matrix for this backend.
-    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True,
+    # EP/DP and TP: every TP rank dispatches only the rows it owns (the layer and the vLLM
+    # adapter slice them with moe_plugins.layout before prepare; vLLM's in-tree two-sided
+    # backend sends every token from every TP rank), so row-scatter applies as well. SP no:
+    # vLLM's use_sequence_parallel_moe does not list this backend.
+    capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=False, row_scatter=True,
                               recv_hook=False),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),
     needs_cuda=True,
+    wire_layout=_wire_layout,
     priority=25,  # after DeepEP LL (hooks overlap better), before NixlEP and the reference
     description="flashinfer MNNVL two-sided all-to-all-v (MnnvlMoe in 0.7.2.post1, moe_ep in "
                 "0.7.4+); shared expert overlaps on the side stream",

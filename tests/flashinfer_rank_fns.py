@@ -22,6 +22,7 @@ from moe_plugins.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig, SharedExpertHandle
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend
+from moe_plugins.strategy import ReductionStrategy
 
 BACKEND = "flashinfer_nvlink_two_sided"
 
@@ -75,12 +76,14 @@ class _Routed:
 
 
 def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
-              quant: QuantSpec, flavor: str, seed: int = 0) -> dict:
+              quant: QuantSpec, flavor: str, seed: int = 0,
+              strategy: Optional[ReductionStrategy] = None) -> dict:
     """One forward of a MoE layer (shared expert included) through the backend on the emulated
-    flashinfer ``flavor``; reports the output, the API used and what crossed the all-to-all."""
+    flashinfer ``flavor``; reports the output, the API used, what crossed the all-to-all and the
+    TP collectives the layer issued."""
     with emu.installed(flavor):
         ctx = cached_dist_context(layout)
-        layer = MoELayer(MoEWeights.random(cfg, seed), ctx, get_backend(BACKEND), None, quant,
+        layer = MoELayer(MoEWeights.random(cfg, seed), ctx, get_backend(BACKEND), strategy, quant,
                          OverlapConfig(overlap=False), max_tokens_per_rank=max(num_tokens, 1))
         try:
             out = layer(demo_inputs(cfg, num_tokens, ctx.dp_rank, seed))
@@ -91,6 +94,8 @@ def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num
             layer.destroy()
         return dict(out=out, strategy=layer.strategy, api=api, pairs=stats.pairs,
                     rows_sent=stats.rows, sf_bytes=stats.sf_bytes, act_bytes=stats.act_bytes,
+                    meta_bytes=stats.meta_bytes, combine_bytes=stats.combine_bytes,
+                    tp_collectives=[c.kind for c in layer.collectives.records],
                     comm=_traffic("moe_comm"), prepare=_traffic("moe_prepare"),
                     live_after_destroy=emu.live_allocations())
 

@@ -148,14 +148,12 @@ def contiguous_expert_map(num_experts: int, ep_size: int, rank: int) -> torch.Te
 def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                     strategy: ReductionStrategy, num_tokens: int, overlap: bool,
                     seed: int = 0, expert_map: Optional[torch.Tensor] = None,
-                    batched: bool = False) -> dict:
+                    batched: bool = False, weight_on_input: bool = False) -> dict:
     """vLLM's FusedMoEKernel with our prepare/finalize on this rank, then the runner's reduction:
     ``output_is_reduced()`` False -> all_reduce(shared partial + routed) over TP; True -> routed +
-    all_reduce(shared partial). Returns the layer output and what ran."""
+    all_reduce(shared partial). Returns the layer output and what ran. ``batched``: the batched
+    torch test backend; ``weight_on_input``: vLLM's ``apply_router_weight_on_input``."""
     ctx = cached_dist_context(layout)
-    weights = MoEWeights.random(cfg, seed)
-    local = weights.local_experts(layout.ep_size, rank)
-    moe = _moe_config(cfg, layout, rank)
     backend = None
     if strategy.dispatches:
         from moe_plugins.config import DispatchConfig
@@ -169,6 +167,39 @@ def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
             backend = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch), dispatch)
         else:
             backend = get_backend("torch").build(ctx, dispatch)
+    return _run_kernel(rank, layout, cfg, strategy, num_tokens, overlap, seed, expert_map,
+                       backend, weight_on_input)
+
+
+def run_vllm_kernel_ll(rank: int, world: int, backend_name: str, layout: ParallelLayout,
+                       cfg: MoEConfig, strategy: ReductionStrategy, num_tokens: int,
+                       weight_on_input: bool = False) -> dict:
+    """:func:`run_vllm_kernel` with a low-latency backend (deepep_ll, nixl_ep) built through
+    the registry on the emulation of its vendor library (tests/emulation)."""
+    from emulation import installed
+    from ll_rank_fns import make_options, vendor_module
+    from moe_plugins.config import DispatchConfig
+
+    with installed(vendor_module(backend_name)):
+        ctx = cached_dist_context(layout)
+        backend = get_backend(backend_name).build(ctx, DispatchConfig(
+            cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1), cfg.dtype,
+            backend_options=make_options(backend_name)))
+        try:
+            return _run_kernel(rank, layout, cfg, strategy, num_tokens, True, 0, None, backend,
+                               weight_on_input)
+        finally:
+            backend.reset_call_state()
+            backend.manager.destroy()  # type: ignore[attr-defined]
+
+
+def _run_kernel(rank: int, layout: ParallelLayout, cfg: MoEConfig, strategy: ReductionStrategy,
+                num_tokens: int, overlap: bool, seed: int, expert_map: Optional[torch.Tensor],
+                backend: Any, weight_on_input: bool) -> dict:
+    ctx = cached_dist_context(layout)
+    weights = MoEWeights.random(cfg, seed)
+    local = weights.local_experts(layout.ep_size, rank)
+    moe = _moe_config(cfg, layout, rank)
     pf = MoEPluginsPrepareAndFinalize(backend, "torch", ctx, StrategyChoice(strategy, "test"),
                                       OverlapConfig(overlap=overlap), cfg.num_experts,
                                       QuantScheme.NONE)
@@ -187,7 +218,7 @@ def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
     routed = kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2,
                           topk_weights=topk_weights, topk_ids=topk_ids.to(torch.int32),
                           activation=MoEActivation.SILU, global_num_experts=cfg.num_experts,
-                          expert_map=expert_map, apply_router_weight_on_input=False)
+                          expert_map=expert_map, apply_router_weight_on_input=weight_on_input)
     shared_weights = weights.shared(layout.tp, ctx.tp_rank)
     shared = shared_weights(x) if shared_weights is not None else torch.zeros_like(x)
     tp_group = ctx.tp_group

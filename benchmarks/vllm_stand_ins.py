@@ -64,7 +64,8 @@ def _has_real_extension() -> bool:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return False
-    return any(Path(d).glob("_C_stable_libtorch*.so") for d in spec.submodule_search_locations)
+    return any(any(Path(d).glob("_C*.so"))
+               for d in spec.submodule_search_locations)
 
 
 def install() -> bool:

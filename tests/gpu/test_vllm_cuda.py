@@ -107,7 +107,7 @@ def test_packed_ue8m0_scales_equal_in_tree(layers):
     out_theirs = layers.forward(theirs, x, w, ids)
     (xo, sfo, co), (xt, sft, ct) = ours.experts.last, theirs.experts.last
     assert sft is not None and sft.dtype == torch.int32, "in-tree sends packed UE8M0"
-    assert sfo is not None and sfo.dtype == torch.int32, f"ours sent {sfo and sfo.dtype}"
+    assert sfo is not None and sfo.dtype == torch.int32, f"ours sent {getattr(sfo, 'dtype', None)}"
     torch.testing.assert_close(co, ct, rtol=0, atol=0)
     for e, n in enumerate(ct.tolist()):
         torch.testing.assert_close(xo[e, :n].view(torch.uint8), xt[e, :n].view(torch.uint8),

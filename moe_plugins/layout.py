@@ -7,6 +7,7 @@ Vocabulary used in docstrings across the package:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +86,13 @@ class OwnedRows:
         return slice(self.start, self.stop)
 
 
+@functools.lru_cache(maxsize=4096)
 def owned_rows(num_tokens: int, tp: int, tp_rank: int) -> OwnedRows:
     """The one function that decides which rows a TP rank owns.
 
     Pad ``num_tokens`` up to a multiple of ``tp``, split it in ``tp`` equal chunks; rank ``r``
     owns chunk ``r`` clipped to the real rows. Used for dispatch, row-scatter write-back and SP.
+    Called on every layer call with few distinct arguments: the (immutable) answers are cached.
     """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -101,7 +104,7 @@ def owned_rows(num_tokens: int, tp: int, tp_rank: int) -> OwnedRows:
     return OwnedRows(num_tokens=num_tokens, start=start, stop=stop, chunk=chunk)
 
 
-@dataclass(frozen=True)
+@dataclass  # made per layer call: a plain dataclass (see moe_plugins.interface on frozen ones)
 class OwnedTokens:
     """hidden_states and routing of the owned rows, sliced together (never one without the other)."""
 
@@ -117,15 +120,20 @@ def slice_owned(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> OwnedTokens:
-    """Slice ``hidden_states`` [num_tokens, hidden] and its routing to the rows ``rows`` owns."""
-    for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids),
-                    ("topk_weights", topk_weights)):
-        if t.shape[0] != rows.num_tokens:
-            raise ValueError(
-                f"{name} has {t.shape[0]} tokens (shape {tuple(t.shape)}) but the ownership was "
-                f"computed for {rows.num_tokens}; slice hidden_states, topk_ids and topk_weights "
-                "from the same batch"
-            )
+    """Slice ``hidden_states`` [num_tokens, hidden] and its routing to the rows ``rows`` owns.
+    A rank that owns every row (tp == 1) gets the tensors themselves, not views of them."""
+    n = rows.num_tokens
+    if hidden_states.shape[0] != n or topk_ids.shape[0] != n or topk_weights.shape[0] != n:
+        for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids),
+                        ("topk_weights", topk_weights)):
+            if t.shape[0] != n:
+                raise ValueError(
+                    f"{name} has {t.shape[0]} tokens (shape {tuple(t.shape)}) but the ownership "
+                    f"was computed for {n}; slice hidden_states, topk_ids and topk_weights "
+                    "from the same batch"
+                )
+    if rows.start == 0 and rows.stop == n:
+        return OwnedTokens(rows, hidden_states, topk_ids, topk_weights)
     s = rows.as_slice
     return OwnedTokens(rows, hidden_states[s], topk_ids[s], topk_weights[s])
 

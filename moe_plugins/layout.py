@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["ParallelLayout", "OwnedRows", "owned_rows", "OwnedTokens", "slice_owned",
-           "local_expert_ids", "destination_ranks"]
+           "local_expert_ids", "LocalIdMap", "destination_ranks"]
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,29 @@ def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) 
     return torch.where(mine, ids - first_expert, torch.full_like(ids, -1))
 
 
+class LocalIdMap:
+    """:func:`local_expert_ids` of one rank's block as one lookup, for backends that map the
+    received ids on every call: ``map(ids)`` == ``local_expert_ids(ids, first_expert,
+    num_local)`` for any integer ids, in two kernels (clamp, gather) instead of six. The table
+    int64 [num_experts + 2] (entry ``num_experts`` and the last, where -1 indexes, hold -1) is
+    made per device on first use."""
+
+    def __init__(self, num_experts: int, first_expert: int, num_local: int):
+        self.num_experts = num_experts
+        ids = torch.cat([torch.arange(num_experts + 1), torch.tensor([-1])])
+        self._cpu_table = local_expert_ids(ids, first_expert, num_local)
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        table = self._tables.get(topk_ids.device)
+        if table is None:
+            table = self._tables[topk_ids.device] = self._cpu_table.to(topk_ids.device)
+        return table[topk_ids.clamp(-1, self.num_experts)]
+
+
 def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
     """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts."""
     hit = torch.zeros(topk_ids.shape[0], num_ranks, dtype=torch.bool, device=topk_ids.device)
-    hit.scatter_(1, topk_ids.long() // experts_per_rank, True)
+    ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
+    hit.scatter_(1, ids // experts_per_rank, True)
     return hit

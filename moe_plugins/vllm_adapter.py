@@ -291,6 +291,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._placement_checked = False
         self._first_call_logged = False
         self._tp, self._tp_rank = layout.tp, ctx.tp_rank
+        self._global_tables: dict[torch.device, torch.Tensor] = {}
         self._call: Optional[_Call] = None
 
     @property
@@ -373,14 +374,21 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def _global_ids(self, prep: PrepareResult, ids_dtype: torch.dtype, weights_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """LOCAL ids (-1: elsewhere) -> GLOBAL ids; elsewhere -> an expert this rank does not
-        hold, with weight 0."""
+        hold, with weight 0. One lookup for the ids (a table per device, made on first use)."""
         assert prep.topk_ids is not None and prep.topk_weights is not None
         local = prep.topk_ids
-        held_elsewhere = (self.first_expert + self.experts_per_rank) % self.num_experts
-        ids = torch.where(local >= 0, local + self.first_expert,
-                          torch.full_like(local, held_elsewhere)).to(ids_dtype)
-        weights = torch.where(local >= 0, prep.topk_weights,
-                              torch.zeros_like(prep.topk_weights)).to(weights_dtype)
+        table = self._global_tables.get(local.device)
+        if table is None:
+            held_elsewhere = (self.first_expert + self.experts_per_rank) % self.num_experts
+            table = self._global_tables[local.device] = torch.tensor(
+                [*range(self.first_expert, self.first_expert + self.experts_per_rank),
+                 held_elsewhere], dtype=torch.int64, device=local.device)  # [-1] -> elsewhere
+        ids = table[local]
+        weights = prep.topk_weights.masked_fill(local < 0, 0)
+        if ids.dtype is not ids_dtype:
+            ids = ids.to(ids_dtype)
+        if weights.dtype is not weights_dtype:
+            weights = weights.to(weights_dtype)
         return ids, weights
 
     def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor

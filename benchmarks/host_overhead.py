@@ -341,8 +341,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(1)
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=120))
+    # CUDA: the torch backend's all-to-alls need NCCL for CUDA tensors; DeepEP all-gathers its
+    # handles over the same group (on CPU tensors, gloo).
+    dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl",
+                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
     ctx = DistContext(ParallelLayout(1, 1, True), 0, dist.group.WORLD, None, dev)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     builders = {"deepep_ll": deepep_paths, "torch": torch_paths}

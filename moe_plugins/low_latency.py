@@ -471,8 +471,6 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
 
     # -- padding of the hidden dimension (see the module doc) ------------------------------
     def _pad_last(self, t: torch.Tensor) -> torch.Tensor:
-        if not self._padded:
-            return t.contiguous()
         m = self.manager
         out = t.new_zeros(*t.shape[:-1], m.kernel_hidden)
         out[..., : m.hidden] = t
@@ -517,8 +515,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         use_fp8 = self._fp8
         ue8m0 = use_fp8 and self.use_ue8m0
         ids = self._ids(topk_ids)
-        recv, recv_count, handle, hook = m.dispatch(self._pad_last(hidden_states), ids,
-                                                    use_fp8=use_fp8, use_ue8m0=ue8m0)
+        x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
+        recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0)
         recv_x, recv_sf = recv if use_fp8 else (recv, None)
         self._state = _CallState(handle, n, recv_x.shape, topk_ids, topk_weights, ids)
         self._calls += 1
@@ -577,8 +575,9 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                           and output.is_contiguous())
                 dest = output if direct else fused_expert_output.new_empty(n, m.kernel_hidden)
             weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
-            hook = m.combine(self._pad_last(fused_expert_output), ids, weights.contiguous(),
-                             st.handle, dest)
+            x = (self._pad_last(fused_expert_output) if self._padded
+                 else fused_expert_output.contiguous())
+            hook = m.combine(x, ids, weights.contiguous(), st.handle, dest)
             self._combine_pairs += topk_ids.numel()
         finally:
             self._state = None

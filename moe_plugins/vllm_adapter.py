@@ -445,8 +445,11 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             x, x_sf = quantize_for_dispatch(a1, quant)
             return lambda: (x, x_sf, None, None, None)
 
-        owned = slice_owned(owned_rows(a1.shape[0], self._tp, self._tp_rank), a1, topk_ids,
-                            topk_weights)
+        rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
+        # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
+        # slice_owned would check (the three tensors cover the same tokens).
+        owned = (OwnedTokens(rows, a1, topk_ids, topk_weights) if self._tp == 1
+                 else slice_owned(rows, a1, topk_ids, topk_weights))
         sent = self.backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
                                           quant)
         self._call = _Call(owned)

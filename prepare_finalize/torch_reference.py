@@ -46,8 +46,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._handle: Optional[_DispatchHandle] = None
-        self._local_ids = LocalIdMap(manager.num_experts, manager.rank * manager.experts_per_rank,
-                                     manager.experts_per_rank)
+        self._local_ids: Optional[LocalIdMap] = None  # made on the first receive
         # Per device, a 1-element int32 one: expanded, the source of the per-expert count scatter.
         self._ones: dict[torch.device, torch.Tensor] = {}
 
@@ -66,6 +65,10 @@ class TorchPrepareFinalize(PrepareFinalize):
         one = self._ones.get(ids.device)
         if one is None:
             one = self._ones[ids.device] = torch.ones(1, dtype=torch.int32, device=ids.device)
+        if self._local_ids is None:
+            m = self.manager
+            self._local_ids = LocalIdMap(m.num_experts, m.rank * m.experts_per_rank,
+                                         m.experts_per_rank)
         local = self._local_ids(ids)
         # a token's experts are distinct, so pairs per local expert == tokens per expert; slot 0
         # of the scatter collects the -1 entries

@@ -195,18 +195,27 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
         qc = _quant_config(case.quant)
         delegate = TopKWeightAndReduceDelegate()
         adapter = _adapter(spec, ctx, cfg, case.quant, _BatchedExperts(qc))
-        in_tree = DeepEPLLPrepareAndFinalize(buffer, m.max_tokens_per_rank, m.num_ranks,
-                                             use_fp8_dispatch=fp8)
 
         def via_adapter() -> None:
             adapter.prepare(x, w, ids, args.experts, None, False, qc)
             adapter.finalize(out, expert_out, w, ids, False, delegate)
 
+        paths["adapter"] = via_adapter
+        try:
+            in_tree = DeepEPLLPrepareAndFinalize(buffer=buffer,
+                                                 max_tokens_per_rank=m.max_tokens_per_rank,
+                                                 num_dispatchers=m.num_ranks,
+                                                 use_fp8_dispatch=fp8)
+        except TypeError as e:  # another vLLM's constructor: say so, keep the other paths
+            print(f"vllm_in_tree skipped: DeepEPLLPrepareAndFinalize(...) failed: {e}",
+                  file=sys.stderr)
+            return paths
+
         def via_in_tree() -> None:
             in_tree.prepare(x, w, ids, args.experts, None, False, qc)
             in_tree.finalize(out, expert_out, w, ids, False, delegate)
 
-        paths.update(adapter=via_adapter, vllm_in_tree=via_in_tree)
+        paths["vllm_in_tree"] = via_in_tree
     return paths
 
 

@@ -185,7 +185,8 @@ class PrepareFinalize(ABC):
     Subclasses implement ``prepare_async`` and ``finalize_async``; the synchronous ``prepare`` and
     ``finalize`` run the hook at once, so the async path and the sync path are the same code.
     Subclasses keep a :class:`moe_plugins.counters.DispatchStats` in ``self.stats`` and add to it
-    what they send (the layer runner and the plan tests read it).
+    what they send (the layer runner and the plan tests read it), or make ``stats`` a property
+    that builds it from cheaper per-call totals when read (the low-latency backends do).
     """
 
     stats: DispatchStats

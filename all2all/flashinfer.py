@@ -292,10 +292,11 @@ class _MnnvlMoeTransport(_Transport):
                                       MnnvlMoe.get_moe_prepare_workspace(mapping, config))
             except Exception as e:  # the CUDA VMM calls say only which driver call failed
                 fabric = getattr(MnnvlMemory, "_fabric_supported", None)
+                device = torch.cuda.current_device() if torch.cuda.is_available() else "none"
                 raise RuntimeError(
                     f"flashinfer_nvlink_two_sided: flashinfer's MnnvlMoe could not create its "
-                    f"MNNVL workspaces on EP rank {m.rank} of {m.num_ranks} (cuda device "
-                    f"{torch.cuda.current_device()}, Mapping gpus_per_node={m.gpus_per_node}, "
+                    f"MNNVL workspaces on EP rank {m.rank} of {m.num_ranks} (cuda device {device}, "
+                    f"Mapping gpus_per_node={m.gpus_per_node}, "
                     f"FABRIC handles agreed by all ranks: {fabric}): {type(e).__name__}: {e}. "
                     "The workspaces are cuMemCreate allocations every rank maps: shared as "
                     "CU_MEM_HANDLE_TYPE_FABRIC handles (needs an NVLink fabric, IMEX) or, on one "

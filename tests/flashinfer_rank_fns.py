@@ -253,6 +253,24 @@ def call_error(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, ca
             raise AssertionError(case)
 
 
+def workspace_refused(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> None:
+    """The library refuses the MNNVL workspace (as cuMemCreate/cuMemImportFromShareableHandle
+    do where FABRIC handles or fd sharing are unavailable): the first dispatch must raise."""
+    quant = QuantSpec()
+
+    def refuse(mapping: Any, config: Any = None) -> Any:
+        raise RuntimeError("CUDA error: CUDA_ERROR_NOT_SUPPORTED (cuMemCreate)")
+
+    with emu.installed("0.7.2.post1"), _backend(layout, cfg, 8, quant) as pf:
+        original = emu.MnnvlMoe.get_moe_workspaces
+        emu.MnnvlMoe.get_moe_workspaces = staticmethod(refuse)
+        try:
+            r = _Routed.make(layout, cfg, 8, quant)
+            pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
+        finally:
+            emu.MnnvlMoe.get_moe_workspaces = original
+
+
 def handle_exchange_comm(rank: int, world: int) -> dict:
     """TorchGroupComm, the CommBackend flashinfer exchanges MNNVL handles through: allgather and
     bcast of Python objects, Split into the whole group, and a real split refused."""

@@ -200,6 +200,17 @@ def test_call_errors(rank_pool, case, exc, text):
 
 
 @pytest.mark.multirank
+def test_refused_workspace_says_where_and_why(rank_pool):
+    with pytest.raises(RankError) as e:
+        rank_pool(2).run(fi.workspace_refused, EP2, _cfg())
+    msg = e.value.message
+    assert e.value.exc_type == "RuntimeError"
+    for text in ("MNNVL workspaces on EP rank", "of 2", "gpus_per_node=", "FABRIC",
+                 "CUDA_ERROR_NOT_SUPPORTED (cuMemCreate)", "POSIX file descriptors"):
+        assert text in msg, text
+
+
+@pytest.mark.multirank
 def test_handle_exchange_comm(rank_pool):
     for r in rank_pool(2).run(fi.handle_exchange_comm):
         assert r["gathered"] == ({"rank": 0, "handle": b"hhh"}, {"rank": 1, "handle": b"hhhh"})

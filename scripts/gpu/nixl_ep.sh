@@ -21,6 +21,8 @@
 # are not available; one GPU and no RDMA NIC never take that path), and nixl_ep's
 # kernels/configs.cuh #include <infiniband/mlx5dv.h> is dropped when the image has no rdma-core
 # headers (nothing in nixl_ep's sources uses it).
+# Checked on the CPU machine with pip's nvcc 13.0.88: the four .cu files compile for sm_90 against
+# the carried headers (the .cpp files need the image's CUDA/torch headers).
 # Stage markers "== HH:MM:SS N/6 ..."; logs under $OUT (nixl_build.log, pytest_nixl.log, ...).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -67,7 +69,7 @@ setup(name="nixl_ep_gpu17", ext_modules=[CUDAExtension(
     ["csrc/nixl_ep.cpp", "csrc/vmm.cpp", "csrc/kernels/nixl_ep_ll.cu", "csrc/kernels/nixl_ep_ht.cu",
      "csrc/kernels/layout.cu", "csrc/kernels/runtime.cu"],
     include_dirs=inc,
-    library_dirs=["$LIBS", "$DEPLIBS"],
+    library_dirs=["$LIBS", "$DEPLIBS", "/usr/local/cuda/lib64/stubs"],  # stubs: -lcuda at link
     extra_compile_args={
         "cxx": ["-O3", "-std=c++20"] + defs + warn,
         "nvcc": ["-O3", "-std=c++20", "-gencode", "arch=compute_90,code=sm_90",
@@ -81,7 +83,8 @@ PY
 
 stage "3/6 build nixl_ep_cpp_torch$MM (log: nixl_build.log)"
 T0=$(date +%s)
-(cd "$EP" && MAX_JOBS=16 python3 setup_gpu17.py build_ext --inplace > "$OUT/nixl_build.log" 2>&1)
+(cd "$EP" && CPATH=/usr/local/cuda/include/cccl${CPATH:+:$CPATH} MAX_JOBS=16 \
+  TORCH_CUDA_ARCH_LIST=9.0 python3 setup_gpu17.py build_ext --inplace > "$OUT/nixl_build.log" 2>&1)
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - T0 )) s"
 if [ $rc -ne 0 ]; then

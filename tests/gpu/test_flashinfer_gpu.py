@@ -20,7 +20,7 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if importlib.util.find_spec("flashinfer") is None:  # not imported here: the ranks import it
+if importlib.util.find_spec("flashinfer") is None:
     pytest.skip("needs flashinfer (scripts/gpu/flashinfer.sh installs it)", allow_module_level=True)
 
 import flashinfer_rank_fns as fi  # noqa: E402

@@ -12,23 +12,30 @@ is checked is our backend's use of the library's API.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
+import socket
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from moe_plugins.config import DispatchConfig
 from moe_plugins.demo import demo_inputs
 from moe_plugins.experts import TorchExperts
+from moe_plugins.groups import DistContext
 from moe_plugins.interface import RowScatterTarget
-from moe_plugins.layout import owned_rows
-from moe_plugins.low_latency import unpack_ue8m0_scales
+from moe_plugins.layout import ParallelLayout, owned_rows
+from moe_plugins.low_latency import destroy_all_buffers, unpack_ue8m0_scales
 from moe_plugins.model import ExpertWeights, MoEConfig, MoEWeights, SharedWeights, route
-from moe_plugins.overlap import OverlapConfig, launch_shared
+from moe_plugins.overlap import OverlapConfig, clear_side_streams, launch_shared
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.reference import reference_moe, tolerance_for
 
 __all__ = [
-    "CFG", "MAX_TOKENS", "BF16", "FP8", "DEV", "one_buffer", "weights",
+    "free_port", "one_rank_context", "backend_factory", "CFG", "MAX_TOKENS", "BF16", "FP8", "DEV", "one_buffer", "weights",
     "test_prepare_finalize_matches_reference", "test_hook_mode_defers_the_receive",
     "test_prepare_hands_over_what_the_raw_buffer_receives",
     "test_row_scatter_finalize_adds_into_owned_rows", "test_packed_ue8m0_scales",
@@ -40,6 +47,36 @@ CFG = MoEConfig(hidden=7168, num_experts=32, num_topk=8, intermediate=128,
 MAX_TOKENS = 64
 BF16, FP8 = QuantSpec(), QuantSpec(QuantScheme.FP8_BLOCK128)
 DEV = torch.device("cuda")
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_context(**init: Any) -> Iterator[DistContext]:
+    """A one-rank gloo group (``init``: how to rendezvous, e.g. ``init_method=`` or ``store=``)
+    and its EP context on cuda:0; on exit every library buffer and side stream is released."""
+    torch.cuda.set_device(0)
+    assert not dist.is_initialized(), "run each backend's GPU tests in their own pytest process"
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT, **init)
+    try:
+        yield DistContext(ParallelLayout(1, 1, True), 0, dist.group.WORLD, None, DEV)
+    finally:
+        destroy_all_buffers()
+        clear_side_streams()
+        dist.destroy_process_group()
+
+
+def backend_factory(spec: Any, ctx: DistContext, options: Any = None) -> Callable[..., Any]:
+    """``build(quant, hidden=CFG.hidden)``: a new backend of ``spec`` for that layer shape."""
+    def build(quant: QuantSpec, hidden: int = CFG.hidden) -> Any:
+        return spec.build(ctx, DispatchConfig(CFG.num_experts, hidden, CFG.num_topk, MAX_TOKENS,
+                                              CFG.dtype, quant, options))
+    return build
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,9 +11,6 @@ Run: ``bash scripts/gpu/nixl_ep.sh`` on the GPU machine (it sets PYTHONPATH and 
 """
 from __future__ import annotations
 
-import datetime
-import socket
-
 import pytest
 import torch
 
@@ -23,52 +20,29 @@ nixl_ep = pytest.importorskip("nixl_ep", reason="needs nixl_ep (scripts/gpu/nixl
 
 import torch.distributed as dist  # noqa: E402
 
-from all2all.nixl_ep import NixlEPOptions  # noqa: E402
 from ll_gpu_cases import *  # noqa: E402,F401,F403  (the shared tests and fixtures)
-from ll_gpu_cases import BF16, CFG, DEV, MAX_TOKENS  # noqa: E402
-from moe_plugins.config import DispatchConfig  # noqa: E402
-from moe_plugins.groups import DistContext  # noqa: E402
-from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.low_latency import destroy_all_buffers  # noqa: E402
-from moe_plugins.overlap import clear_side_streams  # noqa: E402
-from moe_plugins.quant import QuantSpec  # noqa: E402
+from ll_gpu_cases import BF16, TIMEOUT, backend_factory, free_port, one_rank_context  # noqa: E402
 from prepare_finalize.nixl_ep import SPEC  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def store() -> dist.Store:
-    return dist.TCPStore("127.0.0.1", _free_port(), world_size=1, is_master=True,
-                         timeout=datetime.timedelta(seconds=120))
+    return dist.TCPStore("127.0.0.1", free_port(), world_size=1, is_master=True, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def ctx(store):
-    torch.cuda.set_device(0)
-    assert not dist.is_initialized(), "run the nixl_ep GPU tests in their own pytest process"
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
-    yield DistContext(ParallelLayout(1, 1, True), 0, dist.group.WORLD, None, DEV)
-    destroy_all_buffers()
-    clear_side_streams()
-    dist.destroy_process_group()
+    with one_rank_context(store=dist.PrefixStore("pg", store)) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def build(ctx, store):
-    options = NixlEPOptions(tcp_store_group=dist.PrefixStore("nixl_ep", store))
-
-    def make(quant: QuantSpec, hidden: int = CFG.hidden):
-        return SPEC.build(ctx, DispatchConfig(CFG.num_experts, hidden, CFG.num_topk, MAX_TOKENS,
-                                              CFG.dtype, quant, options))
-    return make
+    # What an engine passes (NixlEPManager.engine_options): a tcp_store_group on the real store.
+    options = SPEC.manager.engine_options(dist.PrefixStore("nixl_ep", store))
+    return backend_factory(SPEC, ctx, options)
 
 
 def test_connect_published_and_removed_the_agent_metadata(build, store):

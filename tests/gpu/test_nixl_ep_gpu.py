@@ -54,3 +54,27 @@ def test_connect_published_and_removed_the_agent_metadata(build, store):
         assert not store.check(["nixl_ep/NIXL_EP/0"])
     finally:
         pf.manager.destroy()
+
+
+def test_library_limits_beyond_deepeps(one_buffer):
+    """nixl main since c345fe3ea (2026-08-12, "support Kimi-K3") dispatches top-16 and hidden
+    3584, where DeepEP stops at top-11 and has no 3584 kernels; moe_plugins.low_latency still
+    applies DeepEP's limits (MAX_TOPK, KERNEL_HIDDEN_SIZES) to both. The raw Buffer of the
+    1.5.1 build is asked for both here (last in the file: a kernel fault would poison the
+    context); a pass means our shared limits are stricter than nixl_ep needs."""
+    m = one_buffer.manager
+    n, hidden, topk = 8, 3584, 16
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.rand(n, m.num_experts, device="cuda", generator=g).topk(topk, dim=-1).indices
+    ids = ids.to(m.topk_idx_dtype).contiguous()
+    weights = torch.full((n, topk), 1.0 / topk, device="cuda")
+    recv, count, handle, _event, _hook = m.buffer.low_latency_dispatch(
+        x, ids, m.max_tokens_per_rank, m.num_experts, use_fp8=False)
+    torch.cuda.synchronize()
+    want = torch.bincount(ids.flatten().long(), minlength=m.num_experts)
+    assert count.cpu().tolist() == want.cpu().tolist()
+    # every expert returns its input unchanged: the combine is sum_k w_k * x = x
+    out, _event, _hook = m.buffer.low_latency_combine(recv, ids, weights, handle)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), x.float(), atol=2e-2, rtol=2e-2)

@@ -91,7 +91,11 @@ mkdir -p "$OUT"
 stage() { echo "== $(date +%T) $*"; }
 exec > >(tee -a "$OUT/flashinfer_run.log") 2>&1
 
-stage "1/4 install flashinfer 0.7.2.post1 (stripped) and its missing dependencies into /tmp/fisite"
+stage "1/4 install moe-plugins (entry points), before PYTHONPATH holds the carried wheels"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1 \
+  || { tail -20 "$OUT/pip_install.log"; exit 1; }
+
+stage "2/4 install flashinfer 0.7.2.post1 (stripped) and its missing dependencies into /tmp/fisite"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
   .gpu17/flashinfer/*.whl > "$OUT/fi_pip.log" 2>&1 || { tail -30 "$OUT/fi_pip.log"; exit 1; }
 export PYTHONPATH=/tmp/fisite PYTHONUNBUFFERED=1
@@ -99,10 +103,6 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JO
 export PATH=/usr/local/cuda/bin:$PATH CUDA_HOME=/usr/local/cuda
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 nvidia-smi -q | grep -iE "fabric|clique|imex" | head -8 || true
-
-stage "2/4 install moe-plugins (entry points)"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1 \
-  || { tail -20 "$OUT/pip_install.log"; exit 1; }
 
 stage "3/4 import flashinfer and JIT-build the all-to-all module (build log: fi_jit.log)"
 python3 - > "$OUT/fi_jit.log" 2>&1 <<'PY'

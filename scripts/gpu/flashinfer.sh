@@ -8,11 +8,13 @@
 #   .gpu17/flashinfer/*.whl   the wheels `import flashinfer` needs that the image lacks (--deps)
 #
 # Left out of the flashinfer wheel (the MnnvlMoe all-to-all path never loads them):
-#   - flashinfer/data/csrc, data/include, data/cutlass, data/cccl, data/spdlog: every file EXCEPT
+#   - flashinfer/data/csrc, data/include, data/cutlass, data/spdlog: every file EXCEPT
 #     the #include closure of csrc/trtllm_alltoall.cu and csrc/trtllm_alltoall_prepare.cu (the
 #     only sources of the JIT module "comm", flashinfer/jit/comm.py:gen_comm_alltoall_module),
 #     resolved over the JIT include path (data/include, data/csrc, data/cutlass/*, data/spdlog,
 #     data/cccl/*); headers outside the wheel (CUDA, tvm_ffi) come from the image / tvm_ffi wheel.
+#     data/cccl stays whole (macro includes). Checked on the CPU machine with pip's nvcc 13.0.88:
+#     both .cu files compile for sm_90 from the stripped tree with flashinfer's JIT flags.
 #   - non-Python kernel sources elsewhere (*.cu, *.cuh, *.c, *.h, *.md under flashinfer/
 #     experimental, moe_ep/kernel_src, fused_moe/backends, gdn_kernels, ...): JIT inputs of other
 #     kernels. Every *.py and *.json stays: `import flashinfer` imports nearly all modules.
@@ -73,7 +75,10 @@ kept = 0
 with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as o:
     for n in sorted(names):
         if n.startswith(D):
-            if n not in keep and not n.endswith(".py"):
+            # cccl is kept whole: its headers include each other through macros
+            # (#include _CCCL_...), which a textual closure misses (seen: cub/cub.cuh then
+            # mixed the CTK's libcu++ into the vendored one and failed to compile).
+            if n not in keep and not n.endswith(".py") and not n.startswith(D + "cccl/"):
                 continue
         elif n.startswith("flashinfer/") and n.endswith(drop_ext):
             continue

@@ -9,7 +9,7 @@
 #                    for torch 2.12-2.14, the storage/telemetry plugins and their aws/azure libs,
 #                    UCX perftest); nixl_ep_src.tgz: nixl's examples/device/ep/csrc and the nixl
 #                    headers it includes; ucx_headers.tgz: UCX v1.22.x headers (the device API).
-#   DEST/flashinfer/ (run 2) the flashinfer-python 0.7.2.post1 wheel re-zipped without the parts
+#   DEST/flashinfer/ (run 2, ~57 MB) the flashinfer-python 0.7.2.post1 wheel re-zipped without the parts
 #                    the MnnvlMoe all-to-all never loads (listed in scripts/gpu/flashinfer.sh)
 #                    plus the small wheels it imports that the GPU image lacks.
 #

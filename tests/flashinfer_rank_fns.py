@@ -29,6 +29,16 @@ from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy
 
 BACKEND = "flashinfer_nvlink_two_sided"
+# (id, quant, activation dtype) of the layer tests, emulated and real: the quantized cases in
+# float32, so the reference's own rounding stays inside tolerance_for.
+QUANTS = [
+    ("bf16", QuantSpec(), torch.bfloat16),
+    ("fp8_block128", QuantSpec(QuantScheme.FP8_BLOCK128), torch.float32),
+    ("nvfp4", QuantSpec(QuantScheme.NVFP4), torch.float32),
+    ("fp8_block128-deferred", QuantSpec(QuantScheme.FP8_BLOCK128, defer_input_quant=True),
+     torch.float32),
+    ("nvfp4-deferred", QuantSpec(QuantScheme.NVFP4, defer_input_quant=True), torch.float32),
+]
 
 
 def _library(flavor: Optional[str]) -> contextlib.AbstractContextManager:

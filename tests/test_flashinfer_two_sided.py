@@ -41,13 +41,7 @@ def _scale_sends(comm: list[dict], x_dtype: torch.dtype) -> list[dict]:
 
 
 # ---- the layer, every quant, both APIs ---------------------------------------------------------
-QUANTS = [
-    ("bf16", QuantSpec(), torch.bfloat16),
-    ("fp8_block128", QuantSpec(FP8), torch.float32),
-    ("nvfp4", QuantSpec(NVFP4), torch.float32),
-    ("fp8_block128-deferred", QuantSpec(FP8, defer_input_quant=True), torch.float32),
-    ("nvfp4-deferred", QuantSpec(NVFP4, defer_input_quant=True), torch.float32),
-]
+QUANTS = fi.QUANTS
 
 
 @pytest.mark.multirank

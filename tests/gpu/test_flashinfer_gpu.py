@@ -53,15 +53,7 @@ def _api(name: str) -> TwoSidedApi:
     return api
 
 
-# Activation dtypes as in the emulation tests (test_flashinfer_two_sided.QUANTS): the quantized
-# cases in float32, so the reference's own rounding stays inside tolerance_for.
-QUANTS = [
-    ("bf16", QuantSpec(), torch.bfloat16),
-    ("fp8_block128", QuantSpec(FP8), torch.float32),
-    ("nvfp4", QuantSpec(NVFP4), torch.float32),
-    ("fp8_block128-deferred", QuantSpec(FP8, defer_input_quant=True), torch.float32),
-    ("nvfp4-deferred", QuantSpec(NVFP4, defer_input_quant=True), torch.float32),
-]
+QUANTS = fi.QUANTS  # the emulation tests' (id, quant, activation dtype)
 API_NAMES = [a.value for a in TwoSidedApi if a is not TwoSidedApi.AUTO]
 
 

@@ -1,6 +1,8 @@
 """A DeepSeek/Qwen-style MoE layer's shape and weights, the router, and how ranks shard them."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,6 +117,12 @@ class MoEWeights:
             shared_w2=rnd(h, s, fan_in=s) * 2 if has_shared else None,
             shared_gate=rnd(1, h, fan_in=h) if has_shared and cfg.shared_gate else None,
         )
+
+    def to(self, device: "torch.device | str") -> "MoEWeights":
+        """The same weights with every tensor on ``device``."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def local_experts(self, ep_size: int, ep_rank: int) -> ExpertWeights:
         """The whole experts EP rank ``ep_rank`` holds: a contiguous block of num_experts/ep_size."""

@@ -189,8 +189,10 @@ def test_prepare_hands_over_what_the_raw_buffer_receives(build, weights, quant):
                 prep.expert_tokens_meta.expert_num_tokens.clone())
         pf.reset_call_state()
         use_fp8 = quant is FP8
+        # the library's own id dtype (DeepEP: int64; nixl_ep as built by nixl's meson: int32)
         recv, count, _handle, _event, _hook = pf.manager.buffer.low_latency_dispatch(
-            xd, ids, pf.manager.max_tokens_per_rank, CFG.num_experts, use_fp8=use_fp8)
+            xd, ids.to(pf.manager.topk_idx_dtype), pf.manager.max_tokens_per_rank,
+            CFG.num_experts, use_fp8=use_fp8)
         raw_x, raw_sf = recv if use_fp8 else (recv, None)
         torch.cuda.synchronize()
         assert torch.equal(ours[2], count)

@@ -82,7 +82,9 @@ def test_routed_matches_reference(rank_pool, api_name, name, quant, dtype):
     assert_matches_reference(results, EP2, cfg, 8, quant)
     for r in results:
         assert r["api"] == api.value
-        assert (r["sf_bytes"] > 0) == quant.quantized_on_wire
+        # On a GPU the backend counts calls and pairs only (bytes would need a device read per
+        # call: prepare_finalize/flashinfer_nvlink_two_sided.py _host_int), so no byte counts.
+        assert r["sf_bytes"] == 0
 
 
 R = 2 * 8  # receive rows: num_ranks * max_tokens_per_rank

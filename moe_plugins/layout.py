@@ -8,8 +8,12 @@ Vocabulary used in docstrings across the package:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moe_plugins.placement import ExpertPlacement
 
 __all__ = ["ParallelLayout", "OwnedRows", "owned_rows", "OwnedTokens", "slice_owned",
            "local_expert_ids", "destination_ranks"]
@@ -130,17 +134,21 @@ def slice_owned(
     return OwnedTokens(rows, hidden_states[s], topk_ids[s], topk_weights[s])
 
 
-# Expert placement: contiguous blocks, expert e on EP rank e // experts_per_rank.
-def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
-    """GLOBAL ids [num_tokens, num_topk] -> int64 LOCAL ids of the block
-    [first_expert, first_expert + num_local), -1 for experts held elsewhere (or id -1)."""
-    ids = topk_ids.long()
-    mine = (ids >= first_expert) & (ids < first_expert + num_local)
-    return torch.where(mine, ids - first_expert, torch.full_like(ids, -1))
+# Expert placement (moe_plugins.placement): transports dispatch PHYSICAL ids, physical expert p
+# on EP rank p // num_local. These two helpers are the only code that maps ids to ranks/slots.
+def local_expert_ids(physical_ids: torch.Tensor, placement: "ExpertPlacement", rank: int
+                     ) -> torch.Tensor:
+    """PHYSICAL ids [num_tokens, num_topk] -> int64 LOCAL slot ids on EP ``rank``, -1 for experts
+    held elsewhere (or id -1)."""
+    ids = physical_ids.long()
+    first, n = rank * placement.num_local, placement.num_local
+    mine = (ids >= first) & (ids < first + n)
+    return torch.where(mine, ids - first, torch.full_like(ids, -1))
 
 
-def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
+def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") -> torch.Tensor:
     """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts."""
-    hit = torch.zeros(topk_ids.shape[0], num_ranks, dtype=torch.bool, device=topk_ids.device)
-    hit.scatter_(1, topk_ids.long() // experts_per_rank, True)
+    hit = torch.zeros(physical_ids.shape[0], placement.num_ranks, dtype=torch.bool,
+                      device=physical_ids.device)
+    hit.scatter_(1, placement.rank_of(physical_ids), True)
     return hit

@@ -84,10 +84,10 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.manager.reset_call_state()
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """GLOBAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
+        """PHYSICAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
         experts, the kernels' invalid id on rows that carry no token)."""
         m = self.manager
-        return local_expert_ids(topk_ids, m.rank * m.experts_per_rank, m.experts_per_rank)
+        return local_expert_ids(topk_ids, m.placement, m.rank)
 
     def _count_dispatch(self, topk_ids: torch.Tensor, x: torch.Tensor, x_sf: Optional[torch.Tensor],
                         local_ids: torch.Tensor) -> Optional[int]:
@@ -96,7 +96,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         m, s = self.manager, self.stats
         s.calls += 1
         s.pairs += topk_ids.numel()
-        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
+        hit = destination_ranks(topk_ids, m.placement)
         rows = _host_int(hit.sum())
         if rows is not None:
             s.rows += rows

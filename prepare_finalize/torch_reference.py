@@ -62,7 +62,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         m = self.manager
         n = hidden_states.shape[0]
-        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
+        hit = destination_ranks(topk_ids, m.placement)
         send_counts = hit.sum(dim=0)
         # One host sync for both split lists (the receive sizes must be known to allocate).
         send_splits, recv_splits = torch.stack([send_counts, m.exchange_counts(send_counts)]).tolist()
@@ -92,10 +92,10 @@ class TorchPrepareFinalize(PrepareFinalize):
 
         def receiver() -> PrepareResult:
             ids = sent["ids"][0]
-            local = local_expert_ids(ids, m.rank * m.experts_per_rank, m.experts_per_rank)
+            local = local_expert_ids(ids, m.placement, m.rank)
             # a token's experts are distinct, so pairs per local expert == tokens per expert
             valid = local >= 0
-            counts = torch.zeros(m.experts_per_rank, dtype=torch.int32, device=ids.device)
+            counts = torch.zeros(m.placement.num_local, dtype=torch.int32, device=ids.device)
             counts.scatter_add_(0, local.clamp(min=0).flatten(), valid.flatten().to(torch.int32))
             return PrepareResult(
                 x=sent["x"][0],

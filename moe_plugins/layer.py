@@ -56,7 +56,7 @@ class MoELayer:
         # Availability (packages, GPU) is checked by the engine's selection; here the layout
         # and quant, so a layer never runs on a backend that cannot serve it.
         refused = refusal_reason(backend, layout, quant.scheme, require_available=False,
-                                 dtype=cfg.dtype)
+                                 dtype=cfg.dtype, placement=placement)
         if refused:
             raise BackendSelectionError(f"backend {backend.name!r} cannot serve layout "
                                         f"{layout.describe()} with quant {quant.scheme.value}: "
@@ -75,6 +75,7 @@ class MoELayer:
         else:
             reason = "requested explicitly"
         self.strategy = strategy
+        self.backend_spec = backend
         tp, tp_rank = layout.tp, ctx.tp_rank
 
         self.weights = weights
@@ -146,6 +147,11 @@ class MoELayer:
             raise ValueError(f"rebalance keeps the slot geometry: the layer has {old.describe()} "
                              f"over {old.num_ranks} ranks, got {placement.describe()} over "
                              f"{placement.num_ranks}; build a new layer to change it")
+        refused = refusal_reason(self.backend_spec, self.ctx.layout, self.quant.scheme,
+                                 require_available=False, placement=placement)
+        if refused:
+            raise BackendSelectionError(f"backend {self.backend_spec.name!r} cannot rebalance to "
+                                        f"{placement.describe()}: {refused}")
         self.expert_weights = self.weights.local_experts(placement.num_ranks, self.ctx.rank,
                                                          placement)
         self.experts = TorchExperts(self.expert_weights, self.quant, self.cfg.dtype)

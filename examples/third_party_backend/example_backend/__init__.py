@@ -100,7 +100,8 @@ SPEC = BackendSpec(
     name="example_allgather",
     prepare_finalize=AllGatherPrepareFinalize,
     manager=AllGatherManager,
-    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True),
+    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True,
+                              placements=True),
     quants=frozenset({QuantScheme.NONE}),
     description="example third-party backend: all-gather dispatch, reduce-scatter combine",
 )

@@ -168,3 +168,37 @@ def test_shared_overlap_with_eplb_equals_overlap_off(rank_pool, backend, dtype, 
         for x, y in zip(a["outs"], b["outs"]):
             assert torch.equal(x, y)
     _check_outputs(on, layout, cfg, 9, 2)
+
+
+# -- the capability matrix and the plan --------------------------------------------------------
+
+def test_registry_refuses_a_placement_for_a_linear_only_backend():
+    import dataclasses
+
+    from moe_plugins.quant import QuantScheme
+    from moe_plugins.registry import get_backend, refusal_reason
+
+    spec = get_backend("torch")
+    linear_only = dataclasses.replace(
+        spec, name="linear_only",
+        capabilities=dataclasses.replace(spec.capabilities, placements=False))
+    layout, rr = ParallelLayout(2, 1, True), ExpertPlacement.round_robin(8, 2)
+    assert refusal_reason(spec, layout, QuantScheme.NONE, placement=rr) is None
+    why = refusal_reason(linear_only, layout, QuantScheme.NONE, placement=rr)
+    assert why is not None and "round_robin" in why and "contiguous expert blocks" in why
+    assert refusal_reason(linear_only, layout, QuantScheme.NONE,
+                          placement=ExpertPlacement.linear(8, 2)) is None
+
+
+def test_plan_counts_the_redundant_copies_memory():
+    from moe_plugins.plan import plan_layer
+    from moe_plugins.registry import get_backend
+
+    cfg = _cfg(torch.float32, 128)
+    layout = ParallelLayout(2, 1, True)
+    spares = ExpertPlacement.eplb(list(range(8)) + [0, 1, 2, 3], 2)  # 6 slots per rank, not 4
+    lin = plan_layer(cfg, layout, 8, get_backend("torch"))
+    eplb = plan_layer(cfg, layout, 8, get_backend("torch"), placement=spares)
+    a, b = lin.strategies[0].ranks[0], eplb.strategies[0].ranks[0]
+    assert b.expert_weight_bytes * 4 == a.expert_weight_bytes * 6
+    assert eplb.placement == spares and lin.placement is None

@@ -155,4 +155,5 @@ class ExpertPlacement:
 
     def rank_of(self, physical_ids: torch.Tensor) -> torch.Tensor:
         """int64 EP rank holding each PHYSICAL id (same shape)."""
-        return physical_ids.long() // self.num_local
+        ids = physical_ids if physical_ids.dtype is torch.int64 else physical_ids.long()
+        return ids // self.num_local

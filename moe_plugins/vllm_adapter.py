@@ -67,6 +67,7 @@ __all__ = ["MoEPluginsAll2AllManager", "MoEPluginsPrepareAndFinalize", "make_pre
 
 _LOGGED: set[tuple] = set()
 _WARNED: set[str] = set()
+_DEFERRED = QuantSpec()  # what travels under defer_input_quant: the activations as they are
 _FIRST_CALL_LOGGED: set[str] = set()
 # EP groups without a vLLM all2all manager (dp == 1): one of ours per group, made on first use.
 _GROUP_MANAGERS: dict[str, "MoEPluginsAll2AllManager"] = {}
@@ -297,12 +298,19 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # vLLM id of each local slot, then (index num_local) one held elsewhere; from expert_map
         self._slot_ids: Optional[torch.Tensor] = None
         self._placement_map: Optional[torch.Tensor] = None
-        self.stats: DispatchStats = backend.stats if backend is not None else DispatchStats()
+        self._no_stats = DispatchStats()
         self.calls = 0
         self._wire_scheme = wire_scheme
         self._quants = quants
         self._quant = QuantSpec()
+        self._first_call_logged = False
+        self._tp, self._tp_rank = layout.tp, ctx.tp_rank
         self._call: Optional[_Call] = None
+
+    @property
+    def stats(self) -> DispatchStats:
+        """What this layer sent: the backend's counters (read when asked, not per call)."""
+        return self.backend.stats if self.backend is not None else self._no_stats
 
     # -- capabilities ------------------------------------------------------------------------
     @property
@@ -410,10 +418,12 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         assert prep.topk_ids is not None and prep.topk_weights is not None
         assert self._slot_ids is not None
         local = prep.topk_ids
-        held = local >= 0
-        ids = self._slot_ids[torch.where(held, local, self.experts_per_rank)].to(ids_dtype)
-        weights = torch.where(held, prep.topk_weights,
-                              torch.zeros_like(prep.topk_weights)).to(weights_dtype)
+        ids = self._slot_ids[local]  # -1 indexes the last entry: an id held elsewhere
+        weights = prep.topk_weights.masked_fill(local < 0, 0)
+        if ids.dtype is not ids_dtype:
+            ids = ids.to(ids_dtype)
+        if weights.dtype is not weights_dtype:
+            weights = weights.to(weights_dtype)
         return ids, weights
 
     def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -429,6 +439,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return prep.x, prep.x_sf, meta, ids, weights
 
     def _log_first_call(self, num_tokens: int) -> None:
+        self._first_call_logged = True
         key = self.backend_name
         if key not in _FIRST_CALL_LOGGED:
             _FIRST_CALL_LOGGED.add(key)
@@ -450,7 +461,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             self.backend.reset_call_state()
             self._call = None
         self.calls += 1
-        self._log_first_call(a1.shape[0])
+        if not self._first_call_logged:
+            self._log_first_call(a1.shape[0])
         if apply_router_weight_on_input:
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input needs num_topk == 1, got "
@@ -461,15 +473,18 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 # finalize passes on): the input already carries the router weight, so it
                 # combines with unit weights, as vLLM's in-tree batched backends do.
                 topk_weights = torch.ones_like(topk_weights)
-        quant = QuantSpec() if defer_input_quant else self._quant
+        quant = _DEFERRED if defer_input_quant else self._quant
         if self.backend is None:
             x, x_sf = quantize_for_dispatch(a1, quant)
             return lambda: (x, x_sf, None, None, None)
 
         self._check_placement(expert_map)  # TP_UNIFIED (no backend) takes any expert_map
-        layout = self.ctx.layout
-        owned = slice_owned(owned_rows(a1.shape[0], layout.tp, self.ctx.tp_rank), a1,
-                            self._physical_ids(topk_ids), topk_weights)
+        rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
+        ids = self._physical_ids(topk_ids)
+        # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
+        # slice_owned would check (the three tensors cover the same tokens).
+        owned = (OwnedTokens(rows, a1, ids, topk_weights) if self._tp == 1
+                 else slice_owned(rows, a1, ids, topk_weights))
         sent = self.backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
                                           quant)
         self._call = _Call(owned)
@@ -500,7 +515,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """output [num_tokens, hidden] (written in place); fused_expert_output: the experts'
         output for the received rows (standard: reduced here by ``weight_and_reduce_impl``;
         batched: [num_local_experts, max_recv_tokens, hidden], weighted by the combine)."""
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate) and not self.batched:
+        if not self.batched and isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
             weight_and_reduce_impl = TopKWeightAndReduceContiguous()
         if self.backend is None:
             weight_and_reduce_impl.apply(output=output, fused_expert_output=fused_expert_output,
@@ -522,7 +537,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                 expert_out = expert_out.clone()  # vLLM may alias the experts' output to `output`
             rows = call.owned.rows
-            target = output[rows.as_slice]
+            owns_all = rows.num_owned == rows.num_tokens
+            target = output if owns_all else output[rows.as_slice]
             sent: AsyncResult = backend.finalize_async(expert_out, call.owned.topk_weights,
                                                        call.owned.topk_ids, target)
         except BaseException:
@@ -536,7 +552,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 backend.reset_call_state()
             if self.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE:
                 self._all_gather_rows(output, rows.start, rows.stop, rows.chunk)
-            elif rows.num_owned != rows.num_tokens:
+            elif not owns_all:
                 output[:rows.start].zero_()
                 output[rows.stop:].zero_()
 

@@ -184,7 +184,7 @@ SPEC = BackendSpec(
     # backend sends every token from every TP rank), so row-scatter applies as well. SP no:
     # vLLM's use_sequence_parallel_moe does not list this backend.
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=False, row_scatter=True,
-                              recv_hook=False),
+                              recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),
     needs_cuda=True,

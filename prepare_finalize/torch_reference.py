@@ -161,7 +161,7 @@ SPEC = BackendSpec(
     prepare_finalize=TorchPrepareFinalize,
     manager=TorchAll2AllManager,
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                              recv_hook=False),
+                              recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     description="reference all_to_all_single over torch.distributed (gloo on CPU, NCCL on GPU)",
 )

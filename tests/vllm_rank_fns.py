@@ -206,13 +206,7 @@ def _run_kernel(rank: int, layout: ParallelLayout, cfg: MoEConfig, strategy: Red
     pf = MoEPluginsPrepareAndFinalize(backend, "torch", ctx, StrategyChoice(strategy, "test"),
                                       OverlapConfig(overlap=overlap), cfg.num_experts,
                                       QuantScheme.NONE)
-    if pf.batched:
-        experts: TorchExpertsModular = TorchBatchedExpertsModular(
-            moe, FusedMoEQuantConfig.make(), max_num_tokens=pf.max_num_tokens_per_rank(),
-            num_dispatchers=pf.num_dispatchers())
-    else:
-        experts = TorchExpertsModular(moe, FusedMoEQuantConfig.make())
-    kernel = mk.FusedMoEKernel(pf, experts)
+    kernel = _kernel(pf, moe)
 
     x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
     topk_weights, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
@@ -225,6 +219,17 @@ def _run_kernel(rank: int, layout: ParallelLayout, cfg: MoEConfig, strategy: Red
     out = _runner_reduce(kernel, routed, x, weights, layout)
     return dict(out=out, output_is_reduced=kernel.output_is_reduced(), calls=pf.calls,
                 rows_sent=pf.stats.rows, async_=pf.supports_async(), batched=pf.batched)
+
+
+def _kernel(pf: MoEPluginsPrepareAndFinalize, moe: FusedMoEConfig) -> mk.FusedMoEKernel:
+    """vLLM's FusedMoEKernel of ``pf`` and the torch experts of its activation format."""
+    if pf.batched:
+        experts: TorchExpertsModular = TorchBatchedExpertsModular(
+            moe, FusedMoEQuantConfig.make(), max_num_tokens=pf.max_num_tokens_per_rank(),
+            num_dispatchers=pf.num_dispatchers())
+    else:
+        experts = TorchExpertsModular(moe, FusedMoEQuantConfig.make())
+    return mk.FusedMoEKernel(pf, experts)
 
 
 def _runner_reduce(kernel: mk.FusedMoEKernel, routed: torch.Tensor, x: torch.Tensor,
@@ -319,13 +324,7 @@ def run_vllm_kernel_placed(rank: int, world: int, layout: ParallelLayout, cfg: M
                                               StrategyChoice(strategy, "test"),
                                               OverlapConfig(overlap=True), num_ids,
                                               QuantScheme.NONE, global_to_physical=g2p)
-            if pf.batched:
-                experts: TorchExpertsModular = TorchBatchedExpertsModular(
-                    moe, FusedMoEQuantConfig.make(), max_num_tokens=pf.max_num_tokens_per_rank(),
-                    num_dispatchers=pf.num_dispatchers())
-            else:
-                experts = TorchExpertsModular(moe, FusedMoEQuantConfig.make())
-            kernel = mk.FusedMoEKernel(pf, experts)
+            kernel = _kernel(pf, moe)
             held_t = torch.tensor(held)
             routed = kernel.apply(hidden_states=x, w1=weights.w13[held_t], w2=weights.w2[held_t],
                                   topk_weights=topk_weights, topk_ids=ids.to(torch.int32),

@@ -28,17 +28,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
         reason = spec.unavailable_reason()
         ep_dp, dp, tp, sp = spec.ep_dp_tp_support
         rows.append(dict(name=name, usable=reason is None, reason=reason, ep_dp=ep_dp, dp=dp,
-                         tp=tp, sp=sp, quants=sorted(q.value for q in spec.quants),
+                         tp=tp, sp=sp, placements=spec.capabilities.placements,
+                         quants=sorted(q.value for q in spec.quants),
                          distribution=spec.distribution))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     yn = {True: "yes", False: "no"}
     print(f"{'backend':<28} {'usable':<6} {'ep_dp':<5} {'dp':<3} {'tp':<3} {'sp':<3} "
-          f"{'quants':<32} reason")
+          f"{'placements':<10} {'quants':<32} reason")
     for r in rows:
         print(f"{r['name']:<28} {yn[r['usable']]:<6} {yn[r['ep_dp']]:<5} {yn[r['dp']]:<3} "
-              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {','.join(r['quants']):<32} {r['reason'] or ''}")
+              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {'any' if r['placements'] else 'linear':<10} "
+              f"{','.join(r['quants']):<32} {r['reason'] or ''}")
     return 0
 
 

@@ -286,9 +286,23 @@ class _MnnvlMoeTransport(_Transport):
 
             mapping = Mapping(m.num_ranks, m.rank, m.gpus_per_node, tp_size=m.num_ranks)
             config = MnnvlConfig(comm_backend=TorchGroupComm(m.group))
-            MnnvlMemory.initialize()
-            ws = _MnnvlWorkspaces(key, mapping, MnnvlMoe.get_moe_workspaces(mapping, config),
-                                  MnnvlMoe.get_moe_prepare_workspace(mapping, config))
+            try:
+                MnnvlMemory.initialize()
+                ws = _MnnvlWorkspaces(key, mapping, MnnvlMoe.get_moe_workspaces(mapping, config),
+                                      MnnvlMoe.get_moe_prepare_workspace(mapping, config))
+            except Exception as e:  # the CUDA VMM calls say only which driver call failed
+                fabric = getattr(MnnvlMemory, "_fabric_supported", None)
+                device = torch.cuda.current_device() if torch.cuda.is_available() else "none"
+                raise RuntimeError(
+                    f"flashinfer_nvlink_two_sided: flashinfer's MnnvlMoe could not create its "
+                    f"MNNVL workspaces on EP rank {m.rank} of {m.num_ranks} (cuda device {device}, "
+                    f"Mapping gpus_per_node={m.gpus_per_node}, "
+                    f"FABRIC handles agreed by all ranks: {fabric}): {type(e).__name__}: {e}. "
+                    "The workspaces are cuMemCreate allocations every rank maps: shared as "
+                    "CU_MEM_HANDLE_TYPE_FABRIC handles (needs an NVLink fabric, IMEX) or, on one "
+                    "host without FABRIC support, as POSIX file descriptors passed between the "
+                    "ranks' processes. Use a GPU system with multi-node NVLink, or another "
+                    "backend (e.g. 'torch')") from e
             _MNNVL_WORKSPACES[key] = ws
         ws.users += 1
         self._ws = ws

@@ -1,6 +1,8 @@
 """A DeepSeek/Qwen-style MoE layer's shape and weights, the router, and how ranks shard them."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -118,6 +120,12 @@ class MoEWeights:
             shared_gate=rnd(1, h, fan_in=h) if has_shared and cfg.shared_gate else None,
         )
 
+    def to(self, device: "torch.device | str") -> "MoEWeights":
+        """The same weights with every tensor on ``device``."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)})
+
     def local_experts(self, ep_size: int, ep_rank: int,
                       placement: Optional[ExpertPlacement] = None) -> ExpertWeights:
         """The whole experts EP rank ``ep_rank`` holds: its physical slots' logical experts
@@ -128,7 +136,7 @@ class MoEWeights:
             raise ValueError(f"placement {placement.describe()} over {placement.num_ranks} ranks "
                              f"does not fit this layer ({self.config.num_experts} experts, EP size "
                              f"{ep_size})")
-        held = torch.tensor(placement.local_logical(ep_rank))
+        held = torch.tensor(placement.local_logical(ep_rank), device=self.w13.device)
         return ExpertWeights(self.w13[held].contiguous(), self.w2[held].contiguous(),
                              ep_rank * placement.num_local)
 

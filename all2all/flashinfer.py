@@ -423,8 +423,8 @@ _TRANSPORTS: dict[TwoSidedApi, type[_Transport]] = {
 
 
 class FlashInferAll2AllManager:
-    """One per layer config and EP group. Experts are placed in contiguous blocks: expert ``e``
-    lives on EP rank ``e // (num_experts // num_ranks)`` (what the kernels assume).
+    """One per layer config and EP group. The kernels dispatch PHYSICAL ids: physical expert
+    ``p`` lives on EP rank ``p // num_local`` (``placement``, from the config; linear by default).
 
     Raises at construction: ImportError (flashinfer missing, naming the extra), TypeError
     (backend_options of another type), ValueError (one EP rank, or a number of experts / topk the
@@ -449,16 +449,12 @@ class FlashInferAll2AllManager:
                 f"{layout.describe()} (EP size {layout.ep_size}); with one rank nothing is "
                 "dispatched: enable expert parallelism over >= 2 ranks, or use backend 'torch'"
             )
-        if cfg.num_experts % EXPERT_COUNT_MULTIPLE:
+        placement = cfg.placement_for(layout.ep_size)
+        if placement.num_physical % EXPERT_COUNT_MULTIPLE:
             raise ValueError(
-                f"flashinfer's two-sided all-to-all kernels need num_experts divisible by "
-                f"{EXPERT_COUNT_MULTIPLE}, got {cfg.num_experts}; use another backend (e.g. 'torch') "
-                "for this model"
-            )
-        if cfg.num_experts % layout.ep_size:
-            raise ValueError(
-                f"num_experts={cfg.num_experts} is not divisible by the EP size {layout.ep_size}; "
-                "pick an EP size that divides the experts"
+                f"flashinfer's two-sided all-to-all kernels need the number of physical experts "
+                f"divisible by {EXPERT_COUNT_MULTIPLE}, got {placement.num_physical}; use another "
+                "backend (e.g. 'torch') for this model, or another number of redundant experts"
             )
         if cfg.num_topk > MAX_TOPK:
             raise ValueError(f"flashinfer's two-sided all-to-all supports num_topk <= {MAX_TOPK}, "
@@ -470,19 +466,19 @@ class FlashInferAll2AllManager:
             raise ValueError(f"the EP process group has {self.num_ranks} ranks but layout "
                              f"{layout.describe()} says {layout.ep_size}")
         self.rank = dist.get_rank(self.group)
-        self.num_experts, self.num_topk = cfg.num_experts, cfg.num_topk
-        self.experts_per_rank = cfg.num_experts // self.num_ranks
+        self.placement = placement
+        self.num_experts, self.num_topk = placement.num_physical, cfg.num_topk
         self.max_tokens_per_rank = cfg.max_tokens_per_rank
         self.gpus_per_node = options.gpus_per_node or torch.cuda.device_count() or self.num_ranks
         self._transport: Optional[_Transport] = _TRANSPORTS[self.api](self)
 
-        key = (self.api, self.num_ranks, cfg.num_experts, cfg.num_topk, cfg.hidden,
+        key = (self.api, self.num_ranks, self.num_experts, cfg.num_topk, cfg.hidden,
                cfg.max_tokens_per_rank, options)
         if key not in _LOGGED:
             _LOGGED.add(key)
             logger.info("flashinfer_nvlink_two_sided: flashinfer %s, %s API, EP size %d, %d experts, "
                         "topk %d, max %d tokens per rank, nvfp4 scales %s", self.flashinfer_version,
-                        self.api.value, self.num_ranks, cfg.num_experts, cfg.num_topk,
+                        self.api.value, self.num_ranks, self.num_experts, cfg.num_topk,
                         cfg.max_tokens_per_rank,
                         "swizzled" if options.nvfp4_swizzled_sf else "row-aligned")
 

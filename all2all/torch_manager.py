@@ -14,19 +14,15 @@ __all__ = ["TorchAll2AllManager"]
 
 
 class TorchAll2AllManager:
-    """One per layer config and EP group. Experts are placed in contiguous blocks:
-    expert ``e`` lives on EP rank ``e // (num_experts // num_ranks)``."""
+    """One per layer config and EP group. ``placement`` (from the config, linear by default)
+    says where the physical experts are; the ids dispatched are physical."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.ctx = ctx
         self.group = ctx.ep_group
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        if cfg.num_experts % self.num_ranks:
-            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
-                             f"{self.num_ranks}; pick an EP size that divides the experts")
-        self.num_experts = cfg.num_experts
-        self.experts_per_rank = cfg.num_experts // self.num_ranks
+        self.placement = cfg.placement_for(self.num_ranks)
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """send_counts int64 [num_ranks] -> recv_counts int64 [num_ranks] (rows each peer sends us)."""

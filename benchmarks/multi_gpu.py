@@ -112,7 +112,7 @@ def _raw_round_trip(pf: TorchPrepareFinalize, x: torch.Tensor, ids: torch.Tensor
 
     def run() -> None:
         hit = torch.zeros(x.shape[0], m.num_ranks, dtype=torch.bool, device=x.device)
-        hit.scatter_(1, ids // m.experts_per_rank, True)
+        hit.scatter_(1, ids // m.placement.num_local, True)
         counts = hit.sum(0)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts)

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -28,17 +28,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
         reason = spec.unavailable_reason()
         ep_dp, dp, tp, sp = spec.ep_dp_tp_support
         rows.append(dict(name=name, usable=reason is None, reason=reason, ep_dp=ep_dp, dp=dp,
-                         tp=tp, sp=sp, quants=sorted(q.value for q in spec.quants),
+                         tp=tp, sp=sp, placements=spec.capabilities.placements,
+                         quants=sorted(q.value for q in spec.quants),
                          distribution=spec.distribution))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     yn = {True: "yes", False: "no"}
     print(f"{'backend':<28} {'usable':<6} {'ep_dp':<5} {'dp':<3} {'tp':<3} {'sp':<3} "
-          f"{'quants':<32} reason")
+          f"{'placements':<10} {'quants':<32} reason")
     for r in rows:
         print(f"{r['name']:<28} {yn[r['usable']]:<6} {yn[r['ep_dp']]:<5} {yn[r['dp']]:<3} "
-              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {','.join(r['quants']):<32} {r['reason'] or ''}")
+              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {'any' if r['placements'] else 'linear':<10} "
+              f"{','.join(r['quants']):<32} {r['reason'] or ''}")
     return 0
 
 
@@ -239,6 +241,10 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
           f"combine {w.combine_bytes} B; "
           + ("one row per (token, expert) pair" if w.per_pair else
              "one row per (token, destination rank)"))
+    if plan.placement is not None:
+        print(f"expert placement: {plan.placement.describe()}"
+              + ("; uniform-routing rows assume no redundant copies, pass a measured routing"
+                 if plan.placement.num_redundant and not plan.routing_given else ""))
     print(f"link model: NVLink {ln.nvlink_gbps:g} GB/s + {ln.nvlink_latency_us:g} us, "
           f"RDMA {ln.rdma_gbps:g} GB/s + {ln.rdma_latency_us:g} us; communication only")
     if not w.per_pair and not plan.routing_given and any(s.dispatches for s in plan.strategies):
@@ -284,6 +290,28 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
         print(("* " if sp.recommended else "  ") + f"{sp.strategy.value}: {sp.reason}")
 
 
+def _expert_placement(args: argparse.Namespace, model: Any, layout: Any) -> Any:
+    """--expert-placement and --redundant-experts -> an ExpertPlacement (None: linear, or EP
+    off). EPLB's copies: logical experts 0..N-1 once more, after the linear slots."""
+    from moe_plugins.placement import ExpertPlacement
+
+    e = model.moe.num_experts
+    if not layout.ep:
+        if args.expert_placement != "linear" or args.redundant_experts:
+            raise ValueError("--expert-placement / --redundant-experts need expert parallelism "
+                             "(--ep)")
+        return None
+    if args.redundant_experts:
+        if args.expert_placement != "linear":
+            raise ValueError("--redundant-experts builds EPLB's placement; leave "
+                             "--expert-placement at linear")
+        n = args.redundant_experts
+        return ExpertPlacement.eplb(list(range(e)) + [i % e for i in range(n)], layout.ep_size, e)
+    if args.expert_placement == "round_robin":
+        return ExpertPlacement.round_robin(e, layout.ep_size)
+    return None
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from moe_plugins.overlap import OverlapConfig
     from moe_plugins.plan import plan_layer
@@ -307,7 +335,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_layer(model, layout, tokens, get_backend(args.backend), quant, link=link,
                       shared_placement=SharedPlacement(args.shared_placement),
                       single_collective=OverlapConfig.from_env().single_collective,
-                      shared_expert_budget_bytes=budget)
+                      shared_expert_budget_bytes=budget,
+                      placement=_expert_placement(args, model, layout))
     if args.json:
         for row in _plan_json(plan):
             print(json.dumps(row))
@@ -340,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "given as well override its values")
     plan.add_argument("--tokens-per-dp", metavar="N0,N1,...",
                       help="tokens of each DP group (instead of --tokens, for uneven DP groups)")
+    plan.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"],
+                      help="where the routed experts are (vLLM's --expert-placement-strategy)")
+    plan.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                      help="EPLB: N redundant expert copies (a multiple of the EP size)")
     plan.add_argument("--layers", type=int, help="MoE layers (default: from --model-config, else 1)")
     plan.add_argument("--shared-placement", default="tp_sharded",
                       choices=["tp_sharded", "replicated"],

@@ -223,7 +223,9 @@ class PrepareFinalize(ABC):
     ) -> AsyncResult:
         """Send the owned tokens. hidden_states [num_tokens, hidden] (model dtype),
         topk_weights float32 [num_tokens, num_topk], topk_ids int [num_tokens, num_topk] with
-        GLOBAL expert ids. The receiver returns a :class:`PrepareResult`."""
+        PHYSICAL expert ids (:mod:`moe_plugins.placement`; physical expert p on EP rank
+        p // num_local; with linear placement and no redundant experts they are the model's
+        expert ids). The receiver returns a :class:`PrepareResult`."""
 
     @abstractmethod
     def finalize_async(

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moe_plugins.placement import ExpertPlacement
 
 __all__ = ["ParallelLayout", "OwnedRows", "owned_rows", "OwnedTokens", "slice_owned",
            "local_expert_ids", "LocalIdMap", "destination_ranks"]
@@ -138,26 +142,29 @@ def slice_owned(
     return OwnedTokens(rows, hidden_states[s], topk_ids[s], topk_weights[s])
 
 
-# Expert placement: contiguous blocks, expert e on EP rank e // experts_per_rank.
-def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
-    """GLOBAL ids [num_tokens, num_topk] -> int64 LOCAL ids of the block
-    [first_expert, first_expert + num_local), -1 for experts held elsewhere (or id -1)."""
-    ids = topk_ids.long()
-    mine = (ids >= first_expert) & (ids < first_expert + num_local)
-    return torch.where(mine, ids - first_expert, torch.full_like(ids, -1))
+# Expert placement (moe_plugins.placement): transports dispatch PHYSICAL ids, physical expert p
+# on EP rank p // num_local. These two helpers are the only code that maps ids to ranks/slots.
+def local_expert_ids(physical_ids: torch.Tensor, placement: "ExpertPlacement", rank: int
+                     ) -> torch.Tensor:
+    """PHYSICAL ids [num_tokens, num_topk] -> int64 LOCAL slot ids on EP ``rank``, -1 for experts
+    held elsewhere (or id -1)."""
+    ids = physical_ids.long()
+    first, n = rank * placement.num_local, placement.num_local
+    mine = (ids >= first) & (ids < first + n)
+    return torch.where(mine, ids - first, torch.full_like(ids, -1))
 
 
 class LocalIdMap:
-    """:func:`local_expert_ids` of one rank's block as one lookup, for backends that map the
-    received ids on every call: ``map(ids)`` == ``local_expert_ids(ids, first_expert,
-    num_local)`` for any integer ids, in two kernels (clamp, gather) instead of six. The table
-    int64 [num_experts + 2] (entry ``num_experts`` and the last, where -1 indexes, hold -1) is
-    made per device on first use."""
+    """:func:`local_expert_ids` of one rank's slots as one lookup, for backends that map the
+    received ids on every call: ``map(ids)`` == ``local_expert_ids(ids, placement, rank)`` for
+    any integer ids, in two kernels (clamp, gather) instead of six. The table int64
+    [num_physical + 2] (entry ``num_physical`` and the last, where -1 indexes, hold -1) is made
+    per device on first use."""
 
-    def __init__(self, num_experts: int, first_expert: int, num_local: int):
-        self.num_experts = num_experts
-        ids = torch.cat([torch.arange(num_experts + 1), torch.tensor([-1])])
-        self._cpu_table = local_expert_ids(ids, first_expert, num_local)
+    def __init__(self, placement: "ExpertPlacement", rank: int):
+        self.num_experts = placement.num_physical
+        ids = torch.cat([torch.arange(self.num_experts + 1), torch.tensor([-1])])
+        self._cpu_table = local_expert_ids(ids, placement, rank)
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -167,9 +174,9 @@ class LocalIdMap:
         return table[topk_ids.clamp(-1, self.num_experts)]
 
 
-def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
+def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") -> torch.Tensor:
     """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts."""
-    hit = torch.zeros(topk_ids.shape[0], num_ranks, dtype=torch.bool, device=topk_ids.device)
-    ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
-    hit.scatter_(1, ids // experts_per_rank, True)
+    hit = torch.zeros(physical_ids.shape[0], placement.num_ranks, dtype=torch.bool,
+                      device=physical_ids.device)
+    hit.scatter_(1, placement.rank_of(physical_ids), True)
     return hit

@@ -216,11 +216,11 @@ class LowLatencyManager(ABC):
         self.group = ctx.ep_group
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        if cfg.num_experts % self.num_ranks:
-            raise ValueError(f"{self.backend_name}: num_experts={cfg.num_experts} is not divisible "
-                             f"by the EP size {self.num_ranks}; pick an EP size that divides it")
-        self.num_experts = cfg.num_experts
-        self.num_local_experts = cfg.num_experts // self.num_ranks
+        # The kernels place physical expert p on rank p // num_local_experts: the placement's
+        # physical ids are what they dispatch.
+        self.placement = cfg.placement_for(self.num_ranks)
+        self.num_experts = self.placement.num_physical
+        self.num_local_experts = self.placement.num_local
         self.hidden = cfg.hidden
         self.max_tokens_per_rank = token_capacity(cfg.max_tokens_per_rank,
                                                   self._layout_ranks_multiple())
@@ -491,7 +491,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
         """hidden_states bf16 [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
-        topk_ids int32/int64 [num_tokens, num_topk] (GLOBAL ids, -1 for none). The send is
+        topk_ids int32/int64 [num_tokens, num_topk] (PHYSICAL ids, -1 for none). The send is
         issued here; the hook receives; the receiver returns the :class:`PrepareResult`."""
         check_prepare_inputs(hidden_states, topk_weights, topk_ids)
         if quant is not self._checked_quant:  # a layer passes the same spec on every call
@@ -608,7 +608,8 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
         prepare_finalize=prepare_finalize,
         manager=manager,
         capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                                  recv_hook=True, activation_format=ActivationFormat.BATCHED),
+                                  recv_hook=True, activation_format=ActivationFormat.BATCHED,
+                                  placements=True),
         quants=_QUANTS,
         required=(manager.required,),
         needs_cuda=True,

@@ -24,6 +24,7 @@ from moe_plugins.quant import QuantScheme
 
 if TYPE_CHECKING:
     from moe_plugins.config import DispatchConfig
+    from moe_plugins.placement import ExpertPlacement
     from moe_plugins.groups import DistContext
     from moe_plugins.interface import PrepareFinalize
 
@@ -41,7 +42,9 @@ __all__ = ["Capabilities", "WireLayout", "RequiredPackage", "BackendSpec", "Back
 class Capabilities:
     """ep_dp: dispatches across an EP group of several ranks; dp: dp > 1; tp: tp > 1 together with
     dp > 1 (TP slicing before dispatch); sp: sequence parallel; row_scatter: row-scatter finalize;
-    recv_hook: prepare/finalize return a receive hook that really defers the receive."""
+    recv_hook: prepare/finalize return a receive hook that really defers the receive;
+    placements: dispatches by the layer's :class:`moe_plugins.placement.ExpertPlacement`
+    (``DispatchConfig.placement``: round-robin, EPLB's redundant copies); False: linear only."""
 
     ep_dp: bool
     dp: bool
@@ -50,6 +53,7 @@ class Capabilities:
     row_scatter: bool = True
     recv_hook: bool = False
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    placements: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,9 +194,14 @@ def get_backend(name: str) -> BackendSpec:
 
 
 def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme,
-                   require_available: bool = True, dtype: Optional[torch.dtype] = None) -> str | None:
-    """Why ``spec`` cannot serve ``layout`` with ``quant`` (and activation ``dtype``), or None."""
+                   require_available: bool = True, dtype: Optional[torch.dtype] = None,
+                   placement: Optional["ExpertPlacement"] = None) -> str | None:
+    """Why ``spec`` cannot serve ``layout`` with ``quant`` (activation ``dtype``, expert
+    ``placement``: None is linear), or None."""
     c, why = spec.capabilities, []
+    if placement is not None and not placement.is_linear and not c.placements:
+        why.append(f"expert placement {placement.describe()} (the backend dispatches contiguous "
+                   "expert blocks only)")
     if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
         why.append(f"activations {dtype} not in {sorted(str(d) for d in spec.dtypes)}")
     if layout.ep and layout.world_size > 1 and layout.dp > 1:

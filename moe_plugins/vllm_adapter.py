@@ -14,9 +14,15 @@ DP group holds the same tokens, vLLM's sequence parallelism is off for our names
 | GATHER_PLUS_ALLREDUCE | dispatch the owned rows | combine, then all_gather the rows over TP | True | all_reduce of the shared output |
 | TP_UNIFIED (dp == 1) | none (local experts on all tokens) | weight and reduce into ``output`` | False | ``all_reduce(shared partial + routed)`` once |
 
-Expert ids (standard format): our backends hand LOCAL ids (-1 for experts elsewhere) to the
-experts; vLLM's experts take GLOBAL ids and map them with ``expert_map``. The adapter converts: a
-slot whose expert is held elsewhere gets a global id this rank does not hold and weight 0.
+Expert ids: vLLM's router hands the layer ids in its expert id space (``moe.num_experts`` ids:
+with EPLB the physical ids its router mapped logical ones to, contiguous per rank; with
+round-robin placement the logical ids, and the routing table ``global_to_physical`` vLLM gives
+its LL backends). Our transports dispatch PHYSICAL ids (physical expert p on EP rank
+p // num_local, :mod:`moe_plugins.placement`): the adapter maps through the routing table first,
+and checks once that this rank's ``expert_map`` holds exactly the slots the transport delivers.
+Standard format: our backends hand LOCAL slots (-1 for experts elsewhere) to the experts;
+vLLM's experts take vLLM ids and map them with ``expert_map``. The adapter converts through the
+inverse of ``expert_map``: a slot held elsewhere gets an id this rank does not hold and weight 0.
 
 Batched format (backends whose capabilities say BATCHED, e.g. DeepEP low-latency): prepare hands
 vLLM ``[num_local_experts, max_recv_tokens, hidden]`` with per-expert counts, the experts return
@@ -46,6 +52,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinaliz
                                    check_finalize_result)
 from moe_plugins.layout import OwnedTokens, ParallelLayout, owned_rows, slice_owned
 from moe_plugins.overlap import OverlapConfig
+from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
@@ -222,9 +229,9 @@ def layer_plan(parallel: Any) -> Optional[LayerPlan]:
     name = parallel.all2all_backend
     if not parallel.use_ep:
         return None
-    if parallel.pcp_size > 1 or parallel.enable_eplb:
-        raise ValueError(f"--all2all-backend {name} serves EP groups of DP x TP ranks with a "
-                         "fixed expert placement; turn off prefill context parallelism and EPLB")
+    if parallel.pcp_size > 1:
+        raise ValueError(f"--all2all-backend {name} serves EP groups of DP x TP ranks; turn off "
+                         "prefill context parallelism")
     vllm_config = get_current_vllm_config()
     layout = ParallelLayout(dp=parallel.dp_size,
                             tp=vllm_config.parallel_config.tensor_parallel_size, ep=True)
@@ -262,12 +269,17 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     backend: None for TP_UNIFIED (no dispatch); its activation format (standard or batched) is
     the one vLLM's experts get. ``stats`` counts what this layer sent (the backend's counters) and
     ``calls`` the prepares that ran. ``quants``: what the backend can put on the wire.
+    ``global_to_physical``: vLLM's routing table (int [num_experts], the first of the
+    ``routing_tables`` it hands its LL backends with round-robin placement), None where vLLM's
+    ids are already physical (linear, EPLB); a round-robin ``expert_map`` without one is
+    recognised and mapped with the same table.
     """
 
     def __init__(self, backend: Optional[PrepareFinalize], backend_name: str, ctx: DistContext,
                  choice: StrategyChoice, overlap: OverlapConfig, num_experts: int,
                  wire_scheme: Optional[QuantScheme],
-                 quants: frozenset[QuantScheme] = frozenset(QuantScheme)):
+                 quants: frozenset[QuantScheme] = frozenset(QuantScheme),
+                 global_to_physical: Optional[torch.Tensor] = None):
         super().__init__()
         layout = ctx.layout
         if num_experts % layout.ep_size:
@@ -282,16 +294,17 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.overlap = overlap
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // layout.ep_size
-        self.first_expert = ctx.rank * self.experts_per_rank
+        self._g2p = None if global_to_physical is None else global_to_physical.to(torch.int64)
+        # vLLM id of each local slot, then (index num_local) one held elsewhere; from expert_map
+        self._slot_ids: Optional[torch.Tensor] = None
+        self._placement_map: Optional[torch.Tensor] = None
         self._no_stats = DispatchStats()
         self.calls = 0
         self._wire_scheme = wire_scheme
         self._quants = quants
         self._quant = QuantSpec()
-        self._placement_checked = False
         self._first_call_logged = False
         self._tp, self._tp_rank = layout.tp, ctx.tp_rank
-        self._global_tables: dict[torch.device, torch.Tensor] = {}
         self._call: Optional[_Call] = None
 
     @property
@@ -355,35 +368,57 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_placement(self, expert_map: Optional[torch.Tensor]) -> None:
-        """Our transports place experts in contiguous blocks per EP rank: vLLM's 'linear'."""
-        if self._placement_checked:
+        """Once per ``expert_map`` tensor (one host sync): it must hold on this rank exactly the
+        slots the transport delivers here (physical id p on rank p // num_local, after the
+        routing table); builds the slot -> vLLM id table the standard format returns."""
+        if self._slot_ids is not None and expert_map is self._placement_map:
             return
-        n, first = self.experts_per_rank, self.first_expert
-        expected = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        expected[first:first + n] = torch.arange(n)
-        got = None if expert_map is None else expert_map.detach().to("cpu", torch.int64)
-        if self.ctx.layout.ep_size > 1 and (got is None or not torch.equal(got, expected)):
+        e, per, rank, ep = self.num_experts, self.experts_per_rank, self.ctx.rank, \
+            self.ctx.layout.ep_size
+        got = (torch.arange(e) if expert_map is None and ep == 1
+               else None if expert_map is None else expert_map.detach().to("cpu", torch.int64))
+        if got is None or got.shape != (e,):
+            raise ValueError(f"EP rank {rank} got expert_map "
+                             f"{None if got is None else tuple(got.shape)}, expected int "
+                             f"[{e}] (vLLM's id -> local slot, -1 elsewhere) under EP size {ep}")
+        if self._g2p is None and ep > 1 and torch.equal(
+                got, _slots_of(ExpertPlacement.round_robin(e, ep).global_to_physical(), per, rank)):
+            # vLLM's round-robin placement without its routing table: the same table, made here
+            self._g2p = ExpertPlacement.round_robin(e, ep).global_to_physical()
+        g2p = torch.arange(e) if self._g2p is None else self._g2p.to("cpu")
+        expected = _slots_of(g2p, per, rank)
+        if not torch.equal(got, expected):
             raise ValueError(
-                f"EP rank {self.ctx.rank} holds experts {None if got is None else got.tolist()} "
-                f"(expert_map), moe-plugins places experts in contiguous blocks "
-                f"({first}..{first + n - 1} here); use --expert-placement-strategy linear and no "
-                "EPLB with moe-plugins backends"
-            )
-        self._placement_checked = True
+                f"EP rank {rank} holds slots {got.tolist()} (expert_map) but the transport "
+                f"delivers {expected.tolist()} here (physical id p on EP rank p // {per}, "
+                f"{'after the routing table' if self._g2p is not None else 'ids as given'}); "
+                "moe-plugins serves vLLM's linear and round-robin placements and EPLB's physical "
+                "experts. Use --expert-placement-strategy linear or round_robin")
+        slot_ids = torch.zeros(per + 1, dtype=torch.int64)
+        mine = got >= 0
+        slot_ids[got[mine]] = torch.arange(e)[mine]
+        elsewhere = (~mine).nonzero().flatten()
+        slot_ids[per] = int(elsewhere[0]) if elsewhere.numel() else 0  # weight 0 there anyway
+        device = expert_map.device if expert_map is not None else self.ctx.device
+        self._slot_ids = slot_ids.to(device)
+        if self._g2p is not None:
+            self._g2p = self._g2p.to(device)
+        self._placement_map = expert_map
+
+    def _physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """vLLM's ids -> the PHYSICAL ids the transports dispatch (same shape and dtype)."""
+        if self._g2p is None:
+            return topk_ids
+        return self._g2p[topk_ids.long()].to(topk_ids.dtype)
 
     def _global_ids(self, prep: PrepareResult, ids_dtype: torch.dtype, weights_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """LOCAL ids (-1: elsewhere) -> GLOBAL ids; elsewhere -> an expert this rank does not
-        hold, with weight 0. One lookup for the ids (a table per device, made on first use)."""
+        """LOCAL slots (-1: elsewhere) -> vLLM's ids through the inverse of ``expert_map``;
+        elsewhere -> an id this rank does not hold, with weight 0."""
         assert prep.topk_ids is not None and prep.topk_weights is not None
+        assert self._slot_ids is not None
         local = prep.topk_ids
-        table = self._global_tables.get(local.device)
-        if table is None:
-            held_elsewhere = (self.first_expert + self.experts_per_rank) % self.num_experts
-            table = self._global_tables[local.device] = torch.tensor(
-                [*range(self.first_expert, self.first_expert + self.experts_per_rank),
-                 held_elsewhere], dtype=torch.int64, device=local.device)  # [-1] -> elsewhere
-        ids = table[local]
+        ids = self._slot_ids[local]  # -1 indexes the last entry: an id held elsewhere
         weights = prep.topk_weights.masked_fill(local < 0, 0)
         if ids.dtype is not ids_dtype:
             ids = ids.to(ids_dtype)
@@ -421,8 +456,6 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         (hook, receiver) or a receiver; the receiver gives vLLM's 5-tuple (x, x_sf,
         expert_tokens_meta, topk_ids, topk_weights) of the received rows (standard: GLOBAL ids;
         batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights)."""
-        if not self._placement_checked:
-            self._check_placement(expert_map)
         if self._call is not None and self.backend is not None:
             # The last call raised between prepare and finalize; its error already surfaced.
             self.backend.reset_call_state()
@@ -445,11 +478,13 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             x, x_sf = quantize_for_dispatch(a1, quant)
             return lambda: (x, x_sf, None, None, None)
 
+        self._check_placement(expert_map)  # TP_UNIFIED (no backend) takes any expert_map
         rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
+        ids = self._physical_ids(topk_ids)
         # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
         # slice_owned would check (the three tensors cover the same tokens).
-        owned = (OwnedTokens(rows, a1, topk_ids, topk_weights) if self._tp == 1
-                 else slice_owned(rows, a1, topk_ids, topk_weights))
+        owned = (OwnedTokens(rows, a1, ids, topk_weights) if self._tp == 1
+                 else slice_owned(rows, a1, ids, topk_weights))
         sent = self.backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
                                           quant)
         self._call = _Call(owned)
@@ -544,10 +579,21 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         output.copy_(gathered[: output.shape[0]])
 
 
-def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = False
+def _slots_of(global_to_physical: torch.Tensor, per_rank: int, rank: int) -> torch.Tensor:
+    """int64 [num_experts]: the local slot on ``rank`` of each id whose physical expert it holds
+    (physical p on rank p // per_rank), -1 elsewhere: the expert_map the transport implies."""
+    g2p = global_to_physical.long()
+    return torch.where(g2p // per_rank == rank, g2p % per_rank, torch.full_like(g2p, -1))
+
+
+def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = False,
+                          routing_tables: Optional[tuple[torch.Tensor, ...]] = None
                           ) -> Optional[MoEPluginsPrepareAndFinalize]:
     """Our prepare/finalize for a vLLM MoE layer (FusedMoEConfig ``moe``) whose
-    ``--all2all-backend`` is ours; None when EP is off (vLLM's own no-dispatch path then runs)."""
+    ``--all2all-backend`` is ours; None when EP is off (vLLM's own no-dispatch path then runs).
+    ``routing_tables``: vLLM's (global_to_physical, physical_to_global, local_expert_global_ids)
+    for round-robin placement, or None. The transport's id space is vLLM's ``moe.num_experts``
+    (physical experts, redundant ones included): vLLM's router maps logical ids to it."""
     name = moe.moe_parallel_config.all2all_backend
     if use_monolithic and moe.moe_parallel_config.use_ep:
         raise ValueError(f"--all2all-backend {name} needs a modular MoE experts kernel; this "
@@ -574,14 +620,18 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
             max_tokens_per_rank=max(1, moe.max_num_tokens), dtype=moe.in_dtype,
             quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE)))
     pf = MoEPluginsPrepareAndFinalize(backend, spec.name, ctx, choice, plan.settings.overlap,
-                                      moe.num_experts, wire_scheme, spec.quants)
+                                      moe.num_experts, wire_scheme, spec.quants,
+                                      None if routing_tables is None else routing_tables[0])
     key = (spec.name, layout, choice.strategy, plan.settings, wire_scheme)
     if key not in _LOGGED:
         _LOGGED.add(key)
         logger.info("moe-plugins vLLM layer: backend=%s layout=%s EP rank %d strategy=%s (%s) "
-                    "output_is_reduced=%s shared-expert overlap=%s format=%s quant=%s", spec.name,
+                    "output_is_reduced=%s shared-expert overlap=%s format=%s quant=%s "
+                    "experts=%d physical (%d logical)%s", spec.name,
                     layout.describe(), ctx.rank, choice.strategy.value, choice.reason,
                     pf.output_is_reduced(), "on" if pf.supports_async() else "off",
                     "batched" if pf.batched else "standard",
-                    (wire_scheme or QuantScheme.NONE).value)
+                    (wire_scheme or QuantScheme.NONE).value, moe.num_experts,
+                    getattr(moe, "num_logical_experts", moe.num_experts),
+                    " with vLLM's routing table" if routing_tables is not None else "")
     return pf

@@ -221,7 +221,8 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
         _announce(name, "maybe_make_prepare_finalize")
         from moe_plugins.vllm_adapter import make_prepare_finalize
 
-        made = make_prepare_finalize(a["moe"], a["quant_config"], use_monolithic=a["use_monolithic"])
+        made = make_prepare_finalize(a["moe"], a["quant_config"], use_monolithic=a["use_monolithic"],
+                                     routing_tables=a["routing_tables"])
         return made if made is not None else original(*bound.args, **bound.kwargs)
 
     maybe_make_prepare_finalize.__wrapped__ = original  # type: ignore[attr-defined]

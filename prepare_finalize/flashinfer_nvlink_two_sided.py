@@ -72,9 +72,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._state: Optional[_CallState] = None
-        self._local_id_map = LocalIdMap(manager.num_experts,
-                                        manager.rank * manager.experts_per_rank,
-                                        manager.experts_per_rank)
+        self._local_id_map = LocalIdMap(manager.placement, manager.rank)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -87,7 +85,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.manager.reset_call_state()
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """GLOBAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
+        """PHYSICAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
         experts, the kernels' invalid id on rows that carry no token)."""
         return self._local_id_map(topk_ids)
 
@@ -101,7 +99,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         s.pairs += topk_ids.numel()
         if topk_ids.is_cuda:
             return None
-        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
+        hit = destination_ranks(topk_ids, m.placement)
         rows = _host_int(hit.sum())
         if rows is not None:
             s.rows += rows
@@ -186,7 +184,7 @@ SPEC = BackendSpec(
     # backend sends every token from every TP rank), so row-scatter applies as well. SP no:
     # vLLM's use_sequence_parallel_moe does not list this backend.
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=False, row_scatter=True,
-                              recv_hook=False),
+                              recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),
     needs_cuda=True,

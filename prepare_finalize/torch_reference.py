@@ -60,19 +60,18 @@ class TorchPrepareFinalize(PrepareFinalize):
         self._handle = None
 
     def _local_ids_and_counts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Received GLOBAL ids int64 [num_recv, num_topk] -> (LOCAL ids, -1 elsewhere; int32
+        """Received PHYSICAL ids int64 [num_recv, num_topk] -> (LOCAL ids, -1 elsewhere; int32
         [num_local_experts] pairs per local expert) in five small kernels, no host sync."""
         one = self._ones.get(ids.device)
         if one is None:
             one = self._ones[ids.device] = torch.ones(1, dtype=torch.int32, device=ids.device)
         if self._local_ids is None:
             m = self.manager
-            self._local_ids = LocalIdMap(m.num_experts, m.rank * m.experts_per_rank,
-                                         m.experts_per_rank)
+            self._local_ids = LocalIdMap(m.placement, m.rank)
         local = self._local_ids(ids)
         # a token's experts are distinct, so pairs per local expert == tokens per expert; slot 0
         # of the scatter collects the -1 entries
-        counts = torch.zeros(self.manager.experts_per_rank + 1, dtype=torch.int32,
+        counts = torch.zeros(self.manager.placement.num_local + 1, dtype=torch.int32,
                              device=ids.device)
         counts.scatter_add_(0, (local + 1).flatten(), one.expand(local.numel()))
         return local, counts[1:]
@@ -84,7 +83,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         m = self.manager
         n = hidden_states.shape[0]
-        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
+        hit = destination_ranks(topk_ids, m.placement)
         send_counts = hit.sum(dim=0)
         # One host sync for both split lists (the receive sizes must be known to allocate).
         send_splits, recv_splits = torch.stack([send_counts, m.exchange_counts(send_counts)]).tolist()
@@ -162,7 +161,7 @@ SPEC = BackendSpec(
     prepare_finalize=TorchPrepareFinalize,
     manager=TorchAll2AllManager,
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                              recv_hook=False),
+                              recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     description="reference all_to_all_single over torch.distributed (gloo on CPU, NCCL on GPU)",
 )

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moe_plugins.layout import LocalIdMap, ParallelLayout, local_expert_ids, owned_rows, slice_owned
+from moe_plugins.placement import ExpertPlacement
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 3, 5, 8, 9, 17])
@@ -62,13 +63,18 @@ def test_sequence_parallel_rule(layout, sp):
     assert layout.sequence_parallel(backend_supports_sp=False) is False
 
 
-@pytest.mark.parametrize("first,num_local", [(0, 4), (4, 4), (12, 4), (3, 1)])
-def test_local_id_map_equals_local_expert_ids(first, num_local):
+@pytest.mark.parametrize("placement,rank", [
+    (ExpertPlacement.linear(16, 4), 0), (ExpertPlacement.linear(16, 4), 1),
+    (ExpertPlacement.linear(16, 4), 3), (ExpertPlacement.linear(16, 16), 3),
+    (ExpertPlacement.eplb(list(range(16)) + [0, 5, 9, 15], 4), 2),  # 5 slots per rank
+], ids=["r0", "r1", "r3", "one_each", "redundant"])
+def test_local_id_map_equals_local_expert_ids(placement, rank):
     """The one-lookup map gives local_expert_ids' answer for every id, -1 and out-of-range ids
     included, in int32 and int64."""
-    ids = torch.tensor([[-3, -1, 0, 1], [3, 4, 7, 8], [11, 12, 15, 16], [40, 2, 5, 13]])
-    lookup = LocalIdMap(16, first, num_local)
+    ids = torch.tensor([[-3, -1, 0, 1], [3, 4, 7, 8], [11, 12, 15, 16], [40, 2, 5, 13],
+                        [17, 19, 20, 10]])
+    lookup = LocalIdMap(placement, rank)
     for dtype in (torch.int32, torch.int64):
         got = lookup(ids.to(dtype))
         assert got.dtype == torch.int64
-        assert torch.equal(got, local_expert_ids(ids.to(dtype), first, num_local))
+        assert torch.equal(got, local_expert_ids(ids.to(dtype), placement, rank))

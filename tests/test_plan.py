@@ -294,7 +294,7 @@ def test_strategies_and_recommendation_come_from_strategy_module(layout, shared,
 
 
 def test_routing_rejects_local_or_out_of_range_ids():
-    with pytest.raises(ValueError, match=r"rank 1 hold ids in \[-1, 3\], expected GLOBAL expert ids"):
+    with pytest.raises(ValueError, match=r"rank 1 hold ids in \[-1, 3\], expected PHYSICAL expert ids"):
         Routing.from_topk_ids([torch.tensor([[0, 5]]), torch.tensor([[-1, 3]])], 8)
 
 

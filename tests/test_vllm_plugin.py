@@ -417,8 +417,7 @@ def test_plan_refuses_a_strategy_that_does_not_apply(registered):
 
 @needs_vllm
 @pytest.mark.parametrize("change,match", [
-    (dict(pcp_size=2), "turn off prefill context parallelism and EPLB"),
-    (dict(enable_eplb=True), "turn off prefill context parallelism and EPLB"),
+    (dict(pcp_size=2), "turn off prefill context parallelism"),
     (dict(ep_size=3), "EP size 3 is not dp x tp = 2"),
 ])
 def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
@@ -426,6 +425,17 @@ def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
 
     with _vllm_config(1), pytest.raises(ValueError, match=match):
         layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), **change))
+
+
+@needs_vllm
+def test_plan_serves_eplb(registered):
+    """EPLB (redundant physical experts, rebalanced by vLLM) is served: vLLM's router maps
+    logical to physical ids, which our transports dispatch."""
+    from moe_plugins.vllm_adapter import layer_plan
+
+    with _vllm_config(1):
+        plan = layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), enable_eplb=True))
+    assert plan is not None and plan.spec.name == "torch"
 
 
 @needs_vllm

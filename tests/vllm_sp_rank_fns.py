@@ -73,8 +73,8 @@ def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens
     layout = ParallelLayout(dp, tp, True)
     dp_rank, tp_rank = layout.dp_rank(rank), layout.tp_rank(rank)
     with vllm_parallel_state(tp_rank, tp, tp, "moe_plugins_torch", data_parallel_size=dp,
-                             data_parallel_rank=dp_rank) as config:
-        config.additional_config = additional_config
+                             data_parallel_rank=dp_rank,
+                             additional_config=additional_config) as config:
         sp = config.parallel_config.use_sequence_parallel_moe  # what the model reads
         parallel = FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=1, dp_size_=dp,
                                                sp_size_=tp if sp else 1,

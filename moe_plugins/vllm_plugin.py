@@ -127,11 +127,16 @@ class PluginSettings:
         layout when a layer is built); None picks the default for the layout.
     max_tokens_set: ``overlap_max_tokens`` was given (env or config). Under vLLM the shared
         expert's side stream is vLLM's, with its own threshold, so the glue warns that it is unused.
+    shared_expert_budget_bytes: ``shared_expert_budget_gb`` (GiB, as ``moe-plugins plan
+        --shared-expert-budget-gb``) in bytes: what the shared experts of all MoE layers may
+        take per rank when :func:`moe_plugins.plan.recommend_strategy` weighs SP (replicated
+        shared experts) against row-scatter (TP-sharded ones); None: no limit.
     """
 
     overlap: OverlapConfig
     strategy: Optional[ReductionStrategy] = None
     max_tokens_set: bool = False
+    shared_expert_budget_bytes: Optional[int] = None
 
 
 def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSettings:
@@ -144,6 +149,7 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
         )
     values = dict(section)
     raw_strategy = values.pop("strategy", None)
+    budget = _budget_bytes(values.pop("shared_expert_budget_gb", None))
     strategy = None
     if raw_strategy is not None:
         try:
@@ -157,10 +163,20 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
         overlap = OverlapConfig.from_env(**values)
     except ValueError as e:
         raise ValueError(f"--additional-config {ADDITIONAL_CONFIG_KEY}: {e} "
-                         "(or 'strategy')") from None
+                         "(or 'strategy', 'shared_expert_budget_gb')") from None
     max_tokens_set = ("overlap_max_tokens" in values
                       or "MOE_PLUGINS_OVERLAP_MAX_TOKENS" in os.environ)
-    return PluginSettings(overlap, strategy, max_tokens_set)
+    return PluginSettings(overlap, strategy, max_tokens_set, budget)
+
+
+def _budget_bytes(gib: Any) -> Optional[int]:
+    if gib is None:
+        return None
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0:
+        raise ValueError(f"--additional-config {ADDITIONAL_CONFIG_KEY}.shared_expert_budget_gb="
+                         f"{gib!r} is not a size; expected a number of GiB >= 0, e.g. "
+                         f"'{{\"{ADDITIONAL_CONFIG_KEY}\": {{\"shared_expert_budget_gb\": 4}}}}'")
+    return int(gib * 2**30)
 
 
 def _share_vllm_log_handler() -> None:

@@ -41,7 +41,12 @@ __all__ = ["Capabilities", "WireLayout", "RequiredPackage", "BackendSpec", "Back
 class Capabilities:
     """ep_dp: dispatches across an EP group of several ranks; dp: dp > 1; tp: tp > 1 together with
     dp > 1 (TP slicing before dispatch); sp: sequence parallel; row_scatter: row-scatter finalize;
-    recv_hook: prepare/finalize return a receive hook that really defers the receive."""
+    recv_hook: prepare/finalize return a receive hook that really defers the receive;
+    micro_batch: two calls of one layer may be in flight at once, each on its own
+    prepare/finalize object over the same manager (vLLM's dual-batch overlap: the library
+    buffer double-buffers, the per-call state lives in the object); rank_masking: the manager
+    can leave EP ranks out (``set_rank_masked``/``masked_ranks``/``clean_buffers``), what an
+    engine's fault tolerance polls."""
 
     ep_dp: bool
     dp: bool
@@ -50,6 +55,8 @@ class Capabilities:
     row_scatter: bool = True
     recv_hook: bool = False
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    micro_batch: bool = False
+    rank_masking: bool = False
 
 
 @dataclass(frozen=True)

@@ -194,15 +194,16 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
 
 def _fault_tolerance_wanted() -> bool:
     """vLLM's rule for its LL managers, read from the backend our name plans for: the manager can
-    mask ranks, and the engine enabled fault tolerance or the library masks peers by itself."""
+    mask ranks, and the engine enabled fault tolerance or the library masks peers by itself.
+    (vLLM's model runner polls only with dp > 1, where the communicator holds this manager.)"""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
     if config is None:
         return False
     parallel = config.parallel_config
-    if not (parallel.enable_expert_parallel and parallel.data_parallel_size > 1):
-        return False  # vLLM's model runner polls only with dp > 1
+    if not parallel.enable_expert_parallel:
+        return False
     try:
         spec = parallel_config_plan(parallel).spec
     except ValueError:

@@ -5,26 +5,35 @@ then micro-batch 0 gets the CPU; they hand it over at each ``dbo_yield`` and on 
 
 Everything of the protocol is vLLM's: its contexts, its events, its ``dbo_*`` functions that our
 prepare/finalize and vLLM's ``FusedMoEKernel`` call. On CPU there are no CUDA streams: the
-compute and communication "streams" are one object, the one vLLM's ``current_stream()`` returns,
-so the contexts' stream switches never call CUDA (they switch from that object to itself).
+compute and communication "streams" are one object, the placeholder vLLM's ``current_stream()``
+returns on its CPU platform, shared with the micro-batch threads (vLLM keeps it per thread), so
+the contexts' stream switches never call CUDA (they switch from that object to itself).
 """
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+
 
 def run_micro_batches(fns: Sequence[Callable[[], Any]], compute_stream: Optional[Any] = None,
                       comm_stream: Optional[Any] = None,
-                      forward_contexts: Optional[Sequence[Any]] = None) -> list[Any]:
+                      forward_contexts: Optional[Sequence[Any]] = None,
+                      device_index: Optional[int] = None) -> list[Any]:
     """Run ``fns[i]`` as micro-batch ``i`` under vLLM's DBO protocol; returns their results in
-    order. Streams default to vLLM's ``current_stream()`` (CPU: no stream switching). An
-    exception in a micro-batch is raised here (the other thread is released first)."""
-    from vllm.utils.torch_utils import current_stream
+    order. Streams default to vLLM's ``current_stream()`` (CPU: no stream switching); on CUDA
+    pass vLLM's compute stream and a communication stream, and the device each thread selects
+    first (as vLLM's ubatch threads do). An exception in a micro-batch is raised here (the
+    other thread is released first)."""
+    from vllm.utils import torch_utils
     from vllm.v1.worker.ubatching import make_ubatch_contexts
 
     n = len(fns)
-    stream = current_stream()
+    stream = torch_utils.current_stream()
+    # vLLM keeps the current stream per thread (CPU: a placeholder object per thread); give
+    # the micro-batch threads this thread's, so their "switches" stay on that one object.
+    share_placeholder = compute_stream is None
     compute = compute_stream if compute_stream is not None else stream
     comm = comm_stream if comm_stream is not None else compute
     barrier = threading.Barrier(n + 1)
@@ -36,6 +45,10 @@ def run_micro_batches(fns: Sequence[Callable[[], Any]], compute_stream: Optional
 
     def body(i: int) -> None:
         try:
+            if device_index is not None:
+                torch.accelerator.set_device_index(device_index)
+            if share_placeholder:
+                torch_utils._current_stream_tls.value = stream
             with ctxs[i]:
                 results[i] = fns[i]()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread

@@ -488,19 +488,27 @@ class FlashInferAll2AllManager:
         topk_ids int [num_tokens, num_topk] GLOBAL ids, topk_weights float [num_tokens, num_topk].
         Scales travel only when ``x_sf is not None``. Collective over the EP group."""
         t = self._live()
+        if topk_ids.dtype is not torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        if topk_weights.dtype is not torch.float32:
+            topk_weights = topk_weights.to(torch.float32)
         d = t.dispatch(_pad_row_bytes(x), None if x_sf is None else _pad_row_bytes(x_sf),
-                       topk_ids.to(torch.int32).contiguous(),
-                       topk_weights.to(torch.float32).contiguous())
-        return Dispatched(d.x[:, : x.shape[1]],
-                          None if d.x_sf is None or x_sf is None else d.x_sf[:, : x_sf.shape[1]],
-                          d.topk_ids, d.topk_weights)
+                       topk_ids.contiguous(), topk_weights.contiguous())
+        # Slice the 16-byte row padding off only where there was some (a slice costs host time).
+        recv_x = d.x if d.x.shape[1] == x.shape[1] else d.x[:, : x.shape[1]]
+        recv_sf = None
+        if d.x_sf is not None and x_sf is not None:
+            recv_sf = d.x_sf if d.x_sf.shape[1] == x_sf.shape[1] else d.x_sf[:, : x_sf.shape[1]]
+        if recv_x is d.x and recv_sf is d.x_sf:
+            return d
+        return Dispatched(recv_x, recv_sf, d.topk_ids, d.topk_weights)
 
     def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """expert_output [num_ranks * max_tokens_per_rank, hidden] (each row: the weighted sum of
         this rank's experts for that row) -> [num_tokens, hidden] summed over ranks, same dtype.
         Collective over the EP group."""
         out = self._live().combine(_pad_row_bytes(expert_output), num_tokens)
-        return out[:, : expert_output.shape[1]]
+        return out if out.shape[1] == expert_output.shape[1] else out[:, : expert_output.shape[1]]
 
     def reset_call_state(self) -> None:
         if self._transport is not None:

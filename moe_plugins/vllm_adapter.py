@@ -77,6 +77,7 @@ __all__ = ["MoEPluginsAll2AllManager", "MoEPluginsPrepareAndFinalize", "make_pre
 
 _LOGGED: set[tuple] = set()
 _WARNED: set[str] = set()
+_DEFERRED = QuantSpec()  # what travels under defer_input_quant: the activations as they are
 _FIRST_CALL_LOGGED: set[str] = set()
 # EP groups without a vLLM all2all manager (dp == 1): one of ours per group, made on first use.
 _GROUP_MANAGERS: dict[str, "MoEPluginsAll2AllManager"] = {}
@@ -361,18 +362,26 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // layout.ep_size
         self.first_expert = ctx.rank * self.experts_per_rank
-        self.stats: DispatchStats = backend.stats if backend is not None else DispatchStats()
+        self._no_stats = DispatchStats()
         self.calls = 0
         self._wire_scheme = wire_scheme
         self._quants = quants
         self._quant = QuantSpec()
         self._placement_checked = False
+        self._first_call_logged = False
+        self._tp, self._tp_rank = layout.tp, ctx.tp_rank
+        self._global_tables: dict[torch.device, torch.Tensor] = {}
         # micro-batch id -> its backend object and its call in flight
         self._backends: tuple[PrepareFinalize, ...] = (
             () if backend is None else (backend, *micro_batch_backends))
         for extra in micro_batch_backends:
-            extra.stats = self.stats
+            extra.stats = backend.stats  # type: ignore[union-attr]
         self._calls: dict[int, _Call] = {}
+
+    @property
+    def stats(self) -> DispatchStats:
+        """What this layer sent: the backend's counters (read when asked, not per call)."""
+        return self.backend.stats if self.backend is not None else self._no_stats
 
     # -- capabilities ------------------------------------------------------------------------
     @property
@@ -465,14 +474,21 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def _global_ids(self, prep: PrepareResult, ids_dtype: torch.dtype, weights_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """LOCAL ids (-1: elsewhere) -> GLOBAL ids; elsewhere -> an expert this rank does not
-        hold, with weight 0."""
+        hold, with weight 0. One lookup for the ids (a table per device, made on first use)."""
         assert prep.topk_ids is not None and prep.topk_weights is not None
         local = prep.topk_ids
-        held_elsewhere = (self.first_expert + self.experts_per_rank) % self.num_experts
-        ids = torch.where(local >= 0, local + self.first_expert,
-                          torch.full_like(local, held_elsewhere)).to(ids_dtype)
-        weights = torch.where(local >= 0, prep.topk_weights,
-                              torch.zeros_like(prep.topk_weights)).to(weights_dtype)
+        table = self._global_tables.get(local.device)
+        if table is None:
+            held_elsewhere = (self.first_expert + self.experts_per_rank) % self.num_experts
+            table = self._global_tables[local.device] = torch.tensor(
+                [*range(self.first_expert, self.first_expert + self.experts_per_rank),
+                 held_elsewhere], dtype=torch.int64, device=local.device)  # [-1] -> elsewhere
+        ids = table[local]
+        weights = prep.topk_weights.masked_fill(local < 0, 0)
+        if ids.dtype is not ids_dtype:
+            ids = ids.to(ids_dtype)
+        if weights.dtype is not weights_dtype:
+            weights = weights.to(weights_dtype)
         return ids, weights
 
     def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -488,6 +504,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return prep.x, prep.x_sf, meta, ids, weights
 
     def _log_first_call(self, num_tokens: int) -> None:
+        self._first_call_logged = True
         key = self.backend_name
         if key not in _FIRST_CALL_LOGGED:
             _FIRST_CALL_LOGGED.add(key)
@@ -504,14 +521,16 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         (hook, receiver) or a receiver; the receiver gives vLLM's 5-tuple (x, x_sf,
         expert_tokens_meta, topk_ids, topk_weights) of the received rows (standard: GLOBAL ids;
         batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights)."""
-        self._check_placement(expert_map)
+        if not self._placement_checked:
+            self._check_placement(expert_map)
         slot = self._slot()
         if self._calls.pop(slot, None) is not None:
             # This micro-batch's last call raised between prepare and finalize; its error
             # already surfaced.
             self._backends[slot].reset_call_state()
         self.calls += 1
-        self._log_first_call(a1.shape[0])
+        if not self._first_call_logged:
+            self._log_first_call(a1.shape[0])
         if apply_router_weight_on_input:
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input needs num_topk == 1, got "
@@ -522,14 +541,16 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 # finalize passes on): the input already carries the router weight, so it
                 # combines with unit weights, as vLLM's in-tree batched backends do.
                 topk_weights = torch.ones_like(topk_weights)
-        quant = QuantSpec() if defer_input_quant else self._quant
+        quant = _DEFERRED if defer_input_quant else self._quant
         if self.backend is None:
             x, x_sf = quantize_for_dispatch(a1, quant)
             return lambda: (x, x_sf, None, None, None)
 
-        layout = self.ctx.layout
-        owned = slice_owned(owned_rows(a1.shape[0], layout.tp, self.ctx.tp_rank), a1, topk_ids,
-                            topk_weights)
+        rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
+        # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
+        # slice_owned would check (the three tensors cover the same tokens).
+        owned = (OwnedTokens(rows, a1, topk_ids, topk_weights) if self._tp == 1
+                 else slice_owned(rows, a1, topk_ids, topk_weights))
         sent = self._backends[slot].prepare_async(owned.hidden_states, owned.topk_weights,
                                                   owned.topk_ids, quant)
         self._calls[slot] = _Call(owned)
@@ -560,7 +581,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """output [num_tokens, hidden] (written in place); fused_expert_output: the experts'
         output for the received rows (standard: reduced here by ``weight_and_reduce_impl``;
         batched: [num_local_experts, max_recv_tokens, hidden], weighted by the combine)."""
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate) and not self.batched:
+        if not self.batched and isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
             weight_and_reduce_impl = TopKWeightAndReduceContiguous()
         if self.backend is None:
             weight_and_reduce_impl.apply(output=output, fused_expert_output=fused_expert_output,
@@ -586,7 +607,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                 expert_out = expert_out.clone()  # vLLM may alias the experts' output to `output`
             rows = call.owned.rows
-            target = output[rows.as_slice]
+            owns_all = rows.num_owned == rows.num_tokens
+            target = output if owns_all else output[rows.as_slice]
             sent: AsyncResult = backend.finalize_async(expert_out, call.owned.topk_weights,
                                                        call.owned.topk_ids, target)
         except BaseException:
@@ -600,7 +622,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 backend.reset_call_state()
             if self.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE:
                 self._all_gather_rows(output, rows.start, rows.stop, rows.chunk)
-            elif rows.num_owned != rows.num_tokens:
+            elif not owns_all:
                 output[:rows.start].zero_()
                 output[rows.stop:].zero_()
 

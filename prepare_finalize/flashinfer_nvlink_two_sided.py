@@ -27,7 +27,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    RowScatterTarget, check_prepare_inputs, write_output)
-from moe_plugins.layout import destination_ranks, local_expert_ids
+from moe_plugins.layout import LocalIdMap, destination_ranks
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
@@ -72,6 +72,9 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._state: Optional[_CallState] = None
+        self._local_id_map = LocalIdMap(manager.num_experts,
+                                        manager.rank * manager.experts_per_rank,
+                                        manager.experts_per_rank)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -86,16 +89,18 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """GLOBAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
         experts, the kernels' invalid id on rows that carry no token)."""
-        m = self.manager
-        return local_expert_ids(topk_ids, m.rank * m.experts_per_rank, m.experts_per_rank)
+        return self._local_id_map(topk_ids)
 
     def _count_dispatch(self, topk_ids: torch.Tensor, x: torch.Tensor, x_sf: Optional[torch.Tensor],
                         local_ids: torch.Tensor) -> Optional[int]:
         """Add this call's payload (without the kernels' 16-byte row padding) to the stats;
-        returns the received rows that carry a token."""
+        returns the received rows that carry a token. On a GPU only calls and pairs are
+        counted, and no kernel runs for the stats (see :func:`_host_int`)."""
         m, s = self.manager, self.stats
         s.calls += 1
         s.pairs += topk_ids.numel()
+        if topk_ids.is_cuda:
+            return None
         hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
         rows = _host_int(hit.sum())
         if rows is not None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU tests and benchmarks need on the lent H200 (torch 2.11+cu130, CUDA 13, pip
-# NVSHMEM; no vLLM, no DeepEP), then run them. Results go to $OUT (logs, JSON).
+# NVSHMEM; no vLLM, no DeepEP), then run them. Results go to $OUT (logs, JSON; build logs only
+# when a build fails: the device tool returns at most 8 files).
 #
 # Carried from this checkout (git-ignored, made by scripts/gpu/prepare.sh on the CPU machine):
 #   .gpu/vllm_py.tgz            vLLM 0.33.0's .py/.json files (its wheel without the .so files)
@@ -23,13 +24,13 @@ stage "build DeepEP V1 567632d (a copy in /tmp: a carried folder is replaced on 
 if [ ! -d /tmp/deepep/deep_ep ] || ! ls /tmp/deepep/deep_ep_cpp*.so >/dev/null 2>&1; then
   rm -rf /tmp/deepep && mkdir -p /tmp/deepep && tar -xzf .gpu/deepep-567632d.tgz -C /tmp/deepep
   (cd /tmp/deepep && CPATH=/usr/local/cuda/include/cccl${CPATH:+:$CPATH} TORCH_CUDA_ARCH_LIST=9.0 \
-    MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/deepep_build.log" 2>&1) \
-    || { tail -40 "$OUT/deepep_build.log"; exit 1; }
+    MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
+    || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; exit 1; }
 fi
 
 stage "install moe-plugins (entry points)"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1 \
-  || { tail -20 "$OUT/pip_install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip_install.log 2>&1 \
+  || { tail -20 /tmp/pip_install.log; exit 1; }
 export PYTHONPATH=/tmp/deepep:/tmp/vsrc:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, deep_ep; print('torch', torch.__version__, 'deep_ep', deep_ep.__file__)"

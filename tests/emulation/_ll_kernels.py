@@ -148,10 +148,11 @@ class EmulatedLowLatencyRuntime:
         """Source ranks in the packed receive layout (DeepEP: all ranks)."""
         return self.num_ranks
 
-    def local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool
-                            ) -> torch.Tensor:
-        """``runtime.get_local_buffer_tensor``: the local RDMA buffer from byte ``offset`` as a
-        flat ``dtype`` tensor (a view: writing it writes the buffer). The emulated kernels keep
+    def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                            use_rdma_buffer: bool) -> torch.Tensor:
+        """``Buffer.get_local_buffer_tensor``: the local RDMA buffer from byte ``offset`` as a
+        flat ``dtype`` tensor, or its first ``size`` elements in that shape (a view: writing it
+        writes the buffer). The emulated kernels keep
         their messages elsewhere; the bytes start as a nonzero pattern, standing for what a
         dispatch/combine leaves in a real buffer, so a caller's zeroing is observable."""
         self._check_alive()
@@ -160,7 +161,11 @@ class EmulatedLowLatencyRuntime:
             self.rdma_bytes = torch.full((self.num_rdma_bytes,), 0x5A, dtype=torch.uint8)
         host_assert(0 <= offset <= self.num_rdma_bytes, "offset within the buffer")
         usable = (self.num_rdma_bytes - offset) // dtype.itemsize * dtype.itemsize
-        return self.rdma_bytes[offset:offset + usable].view(dtype)
+        tensor = self.rdma_bytes[offset:offset + usable].view(dtype)
+        if size is None:
+            return tensor
+        assert tensor.numel() >= size.numel()
+        return tensor[: size.numel()].view(size)
 
     # -- transport ----------------------------------------------------------------------------
     def _send(self, msgs: torch.Tensor, dest: torch.Tensor

@@ -227,11 +227,7 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
-        tensor = self._runtime().local_buffer_tensor(dtype, offset, use_rdma_buffer)
-        if size is None:
-            return tensor
-        assert tensor.numel() >= size.numel()
-        return tensor[: size.numel()].view(size)
+        return self._runtime().local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         self._runtime().update_mask(rank_to_mask, mask)

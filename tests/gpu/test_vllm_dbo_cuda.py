@@ -14,37 +14,24 @@ Not run by this change's author (no GPU here): the lead runs it with ``scripts/g
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("deep_ep", reason="needs DeepEP's V1 line built from source")
-_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(_ROOT / "benchmarks"))
-sys.path.insert(0, str(_ROOT / "tests"))
-import vllm_stand_ins  # noqa: E402
+import vllm_harness
 
-vllm_stand_ins.install()
-pytest.importorskip("vllm", reason="needs vLLM 0.33's Python (scripts/gpu/h200.sh carries it)")
-
-import vllm_cuda_layer as H  # noqa: E402
+H = vllm_harness.load()
 from micro_batches import run_micro_batches  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = (2, 9, 64, 128)
-SPEC = H.LayerSpec(num_experts=32, intermediate=256, shared_intermediate=512)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["bf16", "fp8"])
 def layers(request) -> Iterator[H.VllmLayers]:
-    with H.vllm_layers(H.LayerSpec(**{**SPEC.__dict__, "fp8": request.param}), dbo=True) as built:
-        yield built
+    yield from vllm_harness.layers(request.param, dbo=True)
 
 
 def _halves(n: int) -> list[slice]:

@@ -206,10 +206,12 @@ class Built:
 
 
 class VllmLayers:
-    """Both sides over one EP group of one rank, one DeepEP buffer, same weights."""
+    """Both sides over one EP group of one rank, one DeepEP buffer, same weights. ``dbo``: built
+    under a config with vLLM's dual-batch overlap on (our side then has one call slot per
+    micro-batch; the shared experts keep one output per micro-batch, as vLLM builds them)."""
 
-    def __init__(self, spec: LayerSpec, device: torch.device):
-        self.spec, self.device = spec, device
+    def __init__(self, spec: LayerSpec, device: torch.device, dbo: bool = False):
+        self.spec, self.device, self.dbo = spec, device, dbo
         gen = torch.Generator().manual_seed(spec.seed)
         h, e, i = spec.hidden, spec.num_experts, spec.intermediate
         self.w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(device, torch.bfloat16)
@@ -271,7 +273,7 @@ class VllmLayers:
                               num_dispatchers=pf.num_dispatchers())
         experts.ue8m0 = ue8m0
         kernel = mk.FusedMoEKernel(pf, experts)
-        shared = SharedExperts(self.shared_mlp, moe, enable_dbo=False,
+        shared = SharedExperts(self.shared_mlp, moe, enable_dbo=self.dbo,
                                mk_can_overlap_shared_experts=lambda: kernel.can_overlap_shared_experts)
         return Built(name, kernel, experts, shared)
 
@@ -310,9 +312,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_layers(spec: LayerSpec) -> Iterator[VllmLayers]:
-    """vLLM's distributed state for one CUDA rank (EP on, our plugin loaded as vLLM loads it),
-    then both sides built; everything torn down on exit."""
+def vllm_layers(spec: LayerSpec, dbo: bool = False) -> Iterator[VllmLayers]:
+    """vLLM's distributed state for one CUDA rank (EP on, our plugin loaded as vLLM loads it,
+    ``--enable-dbo`` when ``dbo``), then both sides built; everything torn down on exit."""
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.plugins import load_general_plugins
@@ -325,7 +327,7 @@ def vllm_layers(spec: LayerSpec) -> Iterator[VllmLayers]:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=120))
     config = VllmConfig(parallel_config=ParallelConfig(enable_expert_parallel=True,
-                                                       all2all_backend=OURS))
+                                                       all2all_backend=OURS, enable_dbo=dbo))
     with set_current_vllm_config(config):
         ps.init_distributed_environment(1, 0, local_rank=0, backend="nccl")
         ps.initialize_model_parallel(1)
@@ -334,7 +336,7 @@ def vllm_layers(spec: LayerSpec) -> Iterator[VllmLayers]:
         if not workspace.is_workspace_manager_initialized():
             workspace.init_workspace_manager(torch.device("cuda", 0))
         try:
-            yield VllmLayers(spec, torch.device("cuda", 0))
+            yield VllmLayers(spec, torch.device("cuda", 0), dbo)
         finally:
             destroy_all_buffers()
             ps.destroy_model_parallel()

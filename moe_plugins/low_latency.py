@@ -206,6 +206,9 @@ class LowLatencyManager(ABC):
     combine_method: ClassVar[str]
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
     query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
+    clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
+    #: The library masks peers by itself (a timed-out peer), so an engine should always poll.
+    masks_by_itself: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.options = self._options(cfg.backend_options)
@@ -253,10 +256,13 @@ class LowLatencyManager(ABC):
         return buffer
 
     @classmethod
-    def engine_options(cls, tcp_store: Any) -> Optional[LowLatencyOptions]:
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
+                       ) -> Optional[LowLatencyOptions]:
         """The ``backend_options`` an engine (the vLLM glue) builds this backend with when the
         user gave none; ``tcp_store``: a torch.distributed Store shared by the EP group, for
-        libraries that exchange connection metadata through one. None: the defaults."""
+        libraries that exchange connection metadata through one; ``fault_tolerance``: the
+        engine will poll the rank mask (:meth:`masked_ranks`), so the buffer must have one.
+        None: the defaults."""
         return None
 
     # -- configuration ---------------------------------------------------------------------
@@ -364,6 +370,24 @@ class LowLatencyManager(ABC):
         getattr(self.buffer, self.query_mask_method)(status)
         return [r for r, m in enumerate(status.tolist()) if m]
 
+    def can_mask(self) -> bool:
+        """Whether this buffer has a rank mask at all (what :meth:`masked_ranks` needs)."""
+        try:
+            self._check_can_mask(None)
+        except ValueError:
+            return False
+        return True
+
+    def clean_buffers(self) -> None:
+        """After a fault (vLLM's ``clean_buffers``, rank-local): zero this rank's RDMA buffer,
+        which a dispatch/combine that hit a dead or timed-out peer may have left partly written,
+        then reset the mask so every rank the buffer reaches takes part again."""
+        self._check_can_mask(None)
+        self.buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).zero_()
+        _synchronize(self.ctx.device)
+        getattr(self.buffer, self.clean_mask_method)()
+        _synchronize(self.ctx.device)
+
     def _check_can_mask(self, rank: Optional[int]) -> None:
         """Raise ValueError when this buffer cannot mask ``rank`` (None: cannot mask at all)."""
 
@@ -375,6 +399,12 @@ class LowLatencyManager(ABC):
         if self._key is not None:
             key, self._key = self._key, None
             _BUFFERS.release(key)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (the buffer is written by kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -602,14 +632,17 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
     """The registry entry of a low-latency backend (both share capabilities and quants).
 
     sp follows vLLM's ``use_sequence_parallel_moe`` tuple, which lists deepep_low_latency and
-    nixl_ep; tp: TP slicing happens before prepare."""
+    nixl_ep; tp: TP slicing happens before prepare. micro_batch: both libraries double-buffer
+    (two calls in flight, as vLLM's DBO runs its in-tree LL classes) and the per-call handle
+    lives in the prepare/finalize object; rank_masking: both have a mask buffer (DeepEP with
+    ``enable_shrink``)."""
     return BackendSpec(
         name=name,
         prepare_finalize=prepare_finalize,
         manager=manager,
         capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
                                   recv_hook=True, activation_format=ActivationFormat.BATCHED,
-                                  placements=True),
+                                  placements=True, micro_batch=True, rank_masking=True),
         quants=_QUANTS,
         required=(manager.required,),
         needs_cuda=True,

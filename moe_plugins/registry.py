@@ -44,7 +44,12 @@ class Capabilities:
     dp > 1 (TP slicing before dispatch); sp: sequence parallel; row_scatter: row-scatter finalize;
     recv_hook: prepare/finalize return a receive hook that really defers the receive;
     placements: dispatches by the layer's :class:`moe_plugins.placement.ExpertPlacement`
-    (``DispatchConfig.placement``: round-robin, EPLB's redundant copies); False: linear only."""
+    (``DispatchConfig.placement``: round-robin, EPLB's redundant copies); False: linear only;
+    micro_batch: two calls of one layer may be in flight at once, each on its own
+    prepare/finalize object over the same manager (vLLM's dual-batch overlap: the library
+    buffer double-buffers, the per-call state lives in the object); rank_masking: the manager
+    can leave EP ranks out (``set_rank_masked``/``masked_ranks``/``clean_buffers``), what an
+    engine's fault tolerance polls."""
 
     ep_dp: bool
     dp: bool
@@ -54,6 +59,8 @@ class Capabilities:
     recv_hook: bool = False
     activation_format: ActivationFormat = ActivationFormat.STANDARD
     placements: bool = False
+    micro_batch: bool = False
+    rank_masking: bool = False
 
 
 @dataclass(frozen=True)

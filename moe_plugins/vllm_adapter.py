@@ -37,13 +37,28 @@ Sequence parallelism is a model-level decision vLLM makes from
 :mod:`moe_plugins.vllm_patches` answers it with :func:`sequence_parallel_moe` (vLLM's rule, the
 backend's SP capability, and :func:`moe_plugins.plan.recommend_strategy` on the engine config),
 and each layer then follows what vLLM built (``FusedMoEParallelConfig.is_sequence_parallel``).
+
+Dual-batch overlap (``--enable-dbo``): vLLM runs two micro-batches of one layer on two threads
+that hand over at its yields, so two calls of one layer are in flight. The adapter keeps one call
+state per micro-batch id (``dbo_current_ubatch_id()``) and, for backends whose capabilities say
+``micro_batch``, one backend prepare/finalize object per micro-batch over the same manager and
+library buffer (the per-call handle lives in that object; the counters are shared). It takes
+part in vLLM's protocol where vLLM's in-tree DeepEP LL class does: before its combine send it
+runs the receive hook the other micro-batch registered (``dbo_maybe_run_recv_hook``), so at most
+two transfers are in flight (the libraries double-buffer).
+
+Fault tolerance (``--enable-fault-tolerance``): our manager declares ``support_fault_tolerance``
+where the backend our name plans for can mask ranks and the engine asked for it (or the library
+masks peers by itself, NIXL EP), and answers vLLM's polls: ``query_active_mask`` /
+``query_fault`` (the library's rank mask against the one of the last recovery point) and
+``clean_buffers`` (rank-local: zero the RDMA buffers, unmask).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +67,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceContiguous, TopKWeightAndReduceDelegate)
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_hook
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
@@ -67,13 +83,14 @@ from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.vllm_plugin import PluginSettings, plugin_settings, registry_name
+from moe_plugins.vllm_plugin import (PluginSettings, dbo_backend_names, plugin_settings,
+                                     registry_name)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MoEPluginsAll2AllManager", "MoEPluginsPrepareAndFinalize", "make_prepare_finalize",
            "quant_scheme_of", "ep_manager", "LayerPlan", "plan_layer", "layer_plan",
-           "parallel_config_plan", "sequence_parallel_moe"]
+           "parallel_config_plan", "sequence_parallel_moe", "micro_batches"]
 
 _LOGGED: set[tuple] = set()
 _WARNED: set[str] = set()
@@ -101,6 +118,8 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         self.device_group = device_group if device_group is not None else cpu_group
         self._managers: dict[tuple[str, DispatchConfig], Any] = {}
         self._store: Optional[dist.Store] = None
+        self._last_mask: Optional[torch.Tensor] = None
+        self.support_fault_tolerance = _fault_tolerance_wanted()
 
     @property
     def tcp_store(self) -> "dist.Store":
@@ -131,7 +150,7 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         """A new prepare/finalize for one layer, on the cached manager of its config."""
         engine_options = getattr(spec.manager, "engine_options", None)
         if cfg.backend_options is None and engine_options is not None:
-            options = engine_options(self.tcp_store)
+            options = engine_options(self.tcp_store, fault_tolerance=self.support_fault_tolerance)
             if options is not None:
                 cfg = dataclasses.replace(cfg, backend_options=options)
         key = (spec.name, cfg)
@@ -151,12 +170,66 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
     dispatch = _not_served
     combine = _not_served
 
+    # -- fault tolerance (vLLM polls these when support_fault_tolerance is set) -----------
+    def _masking_managers(self) -> list[Any]:
+        return [m for m in self._managers.values()
+                if getattr(m, "can_mask", None) is not None and m.can_mask()]
+
+    def query_active_mask(self) -> torch.Tensor:
+        """int32 [EP size] on this rank's device: 1 where a rank is masked (dead or unreachable)
+        in any of our layers' library buffers, 0 where it is live; all zeros before the first
+        layer is built."""
+        device = torch.device("cpu")
+        mask = torch.zeros(self.world_size, dtype=torch.int32)
+        for m in self._masking_managers():
+            device = m.ctx.device
+            for r in m.masked_ranks():
+                mask[r] = 1
+        return mask.to(device)
+
+    def query_fault(self) -> torch.Tensor:
+        """Scalar bool tensor: True when the mask differs from the one of the last recovery
+        point (:meth:`clean_buffers`; at start-up: nothing masked)."""
+        current = self.query_active_mask()
+        if self._last_mask is None or self._last_mask.shape != current.shape:
+            self._last_mask = torch.zeros_like(current)
+        return (current != self._last_mask.to(current.device)).any()
+
+    def clean_buffers(self) -> None:
+        """Post-fault cleanup, rank-local: every buffer our layers use is zeroed and unmasked
+        (the library's clean), and the recovery point is reset."""
+        for m in self._masking_managers():
+            m.clean_buffers()
+        self._last_mask = None
+
     def destroy(self) -> None:
         for manager in self._managers.values():
             destroy = getattr(manager, "destroy", None)
             if destroy is not None:
                 destroy()
         self._managers.clear()
+
+
+def _fault_tolerance_wanted() -> bool:
+    """vLLM's rule for its LL managers, read from the backend our name plans for: the manager can
+    mask ranks, and the engine enabled fault tolerance or the library masks peers by itself.
+    (vLLM's model runner polls only with dp > 1, where the communicator holds this manager.)"""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return False
+    parallel = config.parallel_config
+    if not parallel.enable_expert_parallel:
+        return False
+    try:
+        spec = parallel_config_plan(parallel).spec
+    except ValueError:
+        return False  # no backend of ours serves this layout: building a layer will say why
+    if not spec.capabilities.rank_masking:
+        return False
+    return (bool(getattr(parallel, "enable_fault_tolerance", False))
+            or bool(getattr(spec.manager, "masks_by_itself", False)))
 
 
 def ep_manager() -> MoEPluginsAll2AllManager:
@@ -378,7 +451,7 @@ def _model_spec(vllm_config: Any) -> Optional[ModelSpec]:
 
 @dataclass
 class _Call:
-    """Per-call state between prepare and finalize."""
+    """Per-call state between prepare and finalize (one per micro-batch)."""
 
     owned: OwnedTokens
 
@@ -393,14 +466,20 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     ``routing_tables`` it hands its LL backends with round-robin placement), None where vLLM's
     ids are already physical (linear, EPLB); a round-robin ``expert_map`` without one is
     recognised and mapped with the same table.
+    ``micro_batch_backends``: prepare/finalize objects of the same backend over the same manager
+    for micro-batch ids 1, 2, ... (vLLM's dual-batch overlap; ``backend`` serves id 0); they
+    count into ``backend``'s stats.
     """
 
     def __init__(self, backend: Optional[PrepareFinalize], backend_name: str, ctx: DistContext,
                  choice: StrategyChoice, overlap: OverlapConfig, num_experts: int,
                  wire_scheme: Optional[QuantScheme],
                  quants: frozenset[QuantScheme] = frozenset(QuantScheme),
-                 global_to_physical: Optional[torch.Tensor] = None):
+                 global_to_physical: Optional[torch.Tensor] = None,
+                 micro_batch_backends: Sequence[PrepareFinalize] = ()):
         super().__init__()
+        if backend is None and micro_batch_backends:
+            raise ValueError("micro_batch_backends need a backend for micro-batch 0")
         layout = ctx.layout
         if num_experts % layout.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP size "
@@ -429,7 +508,12 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # does it), so it owns all of it, as a group of one: nothing is sliced a second time.
         sp = choice.strategy is ReductionStrategy.SP_ALLGATHER
         self._tp, self._tp_rank = (1, 0) if sp else (layout.tp, ctx.tp_rank)
-        self._call: Optional[_Call] = None
+        # micro-batch id -> its backend object and its call in flight
+        self._backends: tuple[PrepareFinalize, ...] = (
+            () if backend is None else (backend, *micro_batch_backends))
+        for extra in micro_batch_backends:
+            extra.stats = backend.stats  # type: ignore[union-attr]
+        self._calls: dict[int, _Call] = {}
 
     @property
     def stats(self) -> DispatchStats:
@@ -461,6 +545,21 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # vLLM runs the shared expert between finalize_async and its receive hook.
         return self.overlap.overlap and self.backend is not None and self.backend.supports_async()
 
+    def supports_dbo(self) -> bool:
+        """Micro-batch safe: no dispatch (TP_UNIFIED), or one backend object per micro-batch."""
+        return self.backend is None or len(self._backends) > 1
+
+    def _slot(self) -> int:
+        """The calling micro-batch's id (0 without dual-batch overlap), checked."""
+        ubatch = dbo_current_ubatch_id()
+        if self.backend is not None and ubatch >= len(self._backends):
+            raise RuntimeError(
+                f"micro-batch {ubatch} called layer backend {self.backend_name!r}, which was "
+                f"built with {len(self._backends)} call slot(s); build it under the vLLM config "
+                "that enables dual-batch overlap (--enable-dbo), with a backend whose "
+                "capabilities list micro_batch")
+        return ubatch
+
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
         """Check the experts against what the backend delivers; fix the wire quantization; then
         let the backend adapt its wire format to the experts (packed UE8M0 scales for experts
@@ -468,8 +567,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._setup_for_experts(fused_experts)
         # Only a quantized wire has a scale format to adapt (experts that take unquantized
         # inputs get bf16 whatever the layer's quant config says).
-        if self.backend is not None and self._quant.quantized_on_wire:
-            self.backend.post_init_setup(fused_experts)
+        if self._quant.quantized_on_wire:
+            for backend in self._backends:
+                backend.post_init_setup(fused_experts)
 
     def _setup_for_experts(self, fused_experts: mk.FusedMoEExperts) -> None:
         if self.batched:
@@ -583,10 +683,11 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         (hook, receiver) or a receiver; the receiver gives vLLM's 5-tuple (x, x_sf,
         expert_tokens_meta, topk_ids, topk_weights) of the received rows (standard: GLOBAL ids;
         batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights)."""
-        if self._call is not None and self.backend is not None:
-            # The last call raised between prepare and finalize; its error already surfaced.
-            self.backend.reset_call_state()
-            self._call = None
+        slot = self._slot()
+        if self._calls.pop(slot, None) is not None:
+            # This micro-batch's last call raised between prepare and finalize; its error
+            # already surfaced.
+            self._backends[slot].reset_call_state()
         self.calls += 1
         if not self._first_call_logged:
             self._log_first_call(a1.shape[0])
@@ -612,9 +713,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # slice_owned would check (the three tensors cover the same tokens).
         owned = (OwnedTokens(rows, a1, ids, topk_weights) if self._tp == 1
                  else slice_owned(rows, a1, ids, topk_weights))
-        sent = self.backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
-                                          quant)
-        self._call = _Call(owned)
+        sent = self._backends[slot].prepare_async(owned.hidden_states, owned.topk_weights,
+                                                  owned.topk_ids, quant)
+        self._calls[slot] = _Call(owned)
 
         def receiver() -> mk.PrepareResultType:
             prep = sent.receiver()
@@ -649,10 +750,14 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                          topk_weights=topk_weights, topk_ids=topk_ids,
                                          apply_router_weight_on_input=apply_router_weight_on_input)
             return lambda: None
-        call, self._call = self._call, None
+        slot = self._slot()
+        call = self._calls.pop(slot, None)
         if call is None:
             raise RuntimeError("finalize called without a matching prepare on this layer")
-        backend = self.backend
+        backend = self._backends[slot]
+        # As vLLM's in-tree LL class: receive what the other micro-batch left in flight before
+        # this combine's send (no-op without dual-batch overlap).
+        dbo_maybe_run_recv_hook()
         try:
             if self.batched:
                 expert_out = fused_expert_output
@@ -713,6 +818,24 @@ def _slots_of(global_to_physical: torch.Tensor, per_rank: int, rank: int) -> tor
     return torch.where(g2p // per_rank == rank, g2p % per_rank, torch.full_like(g2p, -1))
 
 
+def micro_batches(spec: BackendSpec) -> int:
+    """How many calls of one layer vLLM keeps in flight under the current config: its number of
+    micro-batches with dual-batch overlap / micro-batching on, else 1. Raises ValueError when
+    they are on and ``spec`` is not micro-batch safe (the config check lets only those through,
+    so this is the backstop for configs built around it)."""
+    from vllm.config import get_current_vllm_config
+
+    parallel = get_current_vllm_config().parallel_config
+    if not getattr(parallel, "use_ubatching", False):
+        return 1
+    if not spec.capabilities.micro_batch:
+        raise ValueError(f"dual-batch overlap / micro-batching is on, but moe-plugins backend "
+                         f"{spec.name!r} is not micro-batch safe; name one whose capabilities list "
+                         f"micro_batch ({', '.join(dbo_backend_names()) or 'none registered'}) or "
+                         "turn off --enable-dbo and --ubatch-size")
+    return int(parallel.num_ubatches)
+
+
 def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = False,
                           routing_tables: Optional[tuple[torch.Tensor, ...]] = None
                           ) -> Optional[MoEPluginsPrepareAndFinalize]:
@@ -741,14 +864,19 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
     manager = ep_manager()
     ctx = manager.dist_context(layout, moe.device)
     backend = None
+    slots: list[PrepareFinalize] = []
     if choice.strategy.dispatches:
-        backend = manager.build(spec, ctx, DispatchConfig(
+        cfg = DispatchConfig(
             num_experts=moe.num_experts, hidden=moe.hidden_dim, num_topk=moe.experts_per_token,
             max_tokens_per_rank=max(1, moe.max_num_tokens), dtype=moe.in_dtype,
-            quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE)))
+            quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE))
+        backend = manager.build(spec, ctx, cfg)
+        # one more object per further micro-batch, on the manager (buffer) cached for cfg
+        slots = [manager.build(spec, ctx, cfg) for _ in range(micro_batches(spec) - 1)]
     pf = MoEPluginsPrepareAndFinalize(backend, spec.name, ctx, choice, plan.settings.overlap,
                                       moe.num_experts, wire_scheme, spec.quants,
-                                      None if routing_tables is None else routing_tables[0])
+                                      None if routing_tables is None else routing_tables[0],
+                                      micro_batch_backends=slots)
     key = (spec.name, layout, choice.strategy, plan.settings, wire_scheme)
     if key not in _LOGGED:
         _LOGGED.add(key)

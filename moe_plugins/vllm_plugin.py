@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "register", "SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vllm_version",
+    "dbo_backend_names", "fault_tolerance_backend_names",
     "AUTO_BACKEND", "BACKEND_PREFIX", "vllm_backend_name", "our_backend_names", "registry_name",
     "is_our_backend", "PluginSettings", "plugin_settings", "ADDITIONAL_CONFIG_KEY",
 ]
@@ -104,6 +105,20 @@ def our_backend_names() -> dict[str, str]:
         for name in sorted(registered_backends()):
             _names[vllm_backend_name(name)] = name
     return dict(_names)
+
+
+def dbo_backend_names() -> list[str]:
+    """Our ``--all2all-backend`` names whose backend is micro-batch safe (capability
+    ``micro_batch``): those vLLM's dual-batch overlap may run."""
+    return sorted(vllm_backend_name(n) for n, s in registered_backends().items()
+                  if s.capabilities.micro_batch)
+
+
+def fault_tolerance_backend_names() -> list[str]:
+    """Our ``--all2all-backend`` names whose backend can mask ranks (capability
+    ``rank_masking``): those vLLM's fault tolerance may poll."""
+    return sorted(vllm_backend_name(n) for n, s in registered_backends().items()
+                  if s.capabilities.rank_masking)
 
 
 def registry_name(all2all_backend: Optional[str]) -> Optional[str]:

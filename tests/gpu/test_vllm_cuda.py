@@ -17,35 +17,24 @@ Run on the GPU machine: ``scripts/gpu/h200.sh`` (builds DeepEP, installs the car
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("deep_ep", reason="needs DeepEP's V1 line built from source")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import vllm_stand_ins  # noqa: E402
+import vllm_harness
 
-vllm_stand_ins.install()
-pytest.importorskip("vllm", reason="needs vLLM 0.33's Python (scripts/gpu/h200.sh carries it)")
-
-import vllm_cuda_layer as H  # noqa: E402
+H = vllm_harness.load()
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = (1, 8, 64, 128)
-# Small experts keep the float32 reference fast; hidden 7168 and top-8 as DeepSeek-V3.
-SPEC = H.LayerSpec(num_experts=32, intermediate=256, shared_intermediate=512)
+SPEC = vllm_harness.spec()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["bf16", "fp8"])
 def layers(request) -> Iterator[H.VllmLayers]:
-    with H.vllm_layers(H.LayerSpec(**{**SPEC.__dict__, "fp8": request.param})) as built:
-        yield built
+    yield from vllm_harness.layers(request.param)
 
 
 def test_ours_is_built_by_vllms_hook_with_overlap(layers):

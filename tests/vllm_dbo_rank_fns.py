@@ -99,7 +99,8 @@ def run_dbo_kernel(rank: int, world: int, backend_name: str, layout: ParallelLay
             outs = [_reduce(kernel, layout, ctx, weights, x[p], r)
                     for p, r in zip(_split(num_tokens), routed)]
             return dict(out=torch.cat(outs), calls=getattr(pf, "calls", None),
-                        rows_sent=backend.stats.rows, pending_after=runtime.pending_receives,
+                        dispatches=None if in_tree else pf.stats.calls,  # type: ignore[attr-defined]
+                        pending_after=runtime.pending_receives,
                         async_=pf.supports_async())
         finally:
             for b in (backend, second):

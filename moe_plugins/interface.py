@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.layout import OwnedRows
 from moe_plugins.overlap import SharedExpertHandle, join
@@ -20,7 +21,8 @@ from moe_plugins.quant import QuantSpec
 
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
-    "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "row_scatter_add",
+    "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "check_finalize_routing",
+    "row_scatter_add",
     "write_output",
 ]
 
@@ -143,12 +145,20 @@ def write_output(output: "torch.Tensor | RowScatterTarget", combined: torch.Tens
 
 
 def check_prepare_inputs(
-    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    cfg: Optional[DispatchConfig] = None,
 ) -> None:
-    """hidden_states [num_tokens, hidden], topk_weights float [num_tokens, num_topk], topk_ids
-    int32/int64 [num_tokens, num_topk]; all from the same token slice."""
+    """hidden_states float [num_tokens, hidden], topk_weights float [num_tokens, num_topk],
+    topk_ids int32/int64 [num_tokens, num_topk]; all from the same token slice. With ``cfg``
+    (the layer's): ``hidden`` and ``num_topk`` must be the layer's. Shape and dtype checks only
+    (no host sync); a backend calls it where every rank can learn the outcome (see
+    :mod:`moe_plugins.faults`)."""
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [num_tokens, hidden], got {tuple(hidden_states.shape)}")
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"hidden_states must be a float tensor (the model dtype), got "
+                        f"{hidden_states.dtype}; integer activations would be truncated, cast "
+                        "them with .to(torch.bfloat16)")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}; "
                         "cast the router's indices with .to(torch.int64)")
@@ -161,6 +171,30 @@ def check_prepare_inputs(
             f"topk_weights {tuple(topk_weights.shape)} must cover the same tokens: slice all three "
             "together with moe_plugins.layout.slice_owned"
         )
+    if cfg is not None:
+        if hidden_states.shape[1] != cfg.hidden:
+            raise ValueError(f"hidden_states has hidden={hidden_states.shape[1]}, the layer was "
+                             f"built for hidden={cfg.hidden}")
+        if topk_ids.shape[1] != cfg.num_topk:
+            raise ValueError(f"topk_ids has {topk_ids.shape[1]} experts per token, the layer was "
+                             f"built for num_topk={cfg.num_topk}; route with the layer's top-k")
+
+
+def check_finalize_routing(prepared: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor) -> None:
+    """A finalize must get the very topk_ids its prepare was given (a combine reduces by the
+    dispatch's routing: other ids give zeros, or garbage on the real kernels). Compared by
+    storage, shape and dtype: no host sync."""
+    if (topk_ids is not prepared and (topk_ids.shape != prepared.shape
+                                      or topk_ids.dtype != prepared.dtype
+                                      or topk_ids.data_ptr() != prepared.data_ptr())):
+        raise ValueError(
+            f"finalize got topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype} that are not the "
+            f"ones given to prepare ({tuple(prepared.shape)} {prepared.dtype}); pass the same "
+            "tensor to prepare and finalize")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"finalize got topk_weights {tuple(topk_weights.shape)} for topk_ids "
+                         f"{tuple(topk_ids.shape)}; pass the weights given to prepare")
 
 
 @dataclass(frozen=True)

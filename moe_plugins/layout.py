@@ -140,7 +140,12 @@ def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) 
 
 
 def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
-    """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts."""
-    hit = torch.zeros(topk_ids.shape[0], num_ranks, dtype=torch.bool, device=topk_ids.device)
-    hit.scatter_(1, topk_ids.long() // experts_per_rank, True)
-    return hit
+    """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts.
+    Ids outside [0, experts_per_rank * num_ranks) (-1: no expert) reach no rank; callers that
+    must reject out-of-range ids check them separately (without a host sync)."""
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < experts_per_rank * num_ranks)
+    hit = torch.zeros(topk_ids.shape[0], num_ranks, dtype=torch.int32, device=topk_ids.device)
+    hit.scatter_add_(1, (ids.clamp(min=0) // experts_per_rank).clamp(max=num_ranks - 1),
+                     valid.to(torch.int32))
+    return hit > 0

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
+from moe_plugins.faults import group_faults
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, Hook,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, row_scatter_add)
+                                   check_finalize_routing, check_prepare_inputs, row_scatter_add)
 from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
 
@@ -80,10 +81,16 @@ class LowLatencyOptions:
         transfer inside the hook window.
     pad_hidden: pad an unsupported hidden size up to the next kernel size (see module doc);
         False makes it a ValueError at construction.
+    check_expert_ids: check in prepare that every expert id is in [-1, num_experts) (the
+        kernels do not: an id out of range makes them write outside their buffers). No host
+        sync: CPU tensors raise ValueError at once; on CUDA it is a device-side assert (two
+        small kernels per call; the error shows at the next sync and, as every CUDA device
+        assert, ends the process's CUDA context). Turn it off when the router is trusted.
     """
 
     allow_nvlink: bool = True
     pad_hidden: bool = True
+    check_expert_ids: bool = True
 
 
 def round_up_hidden_size(hidden: int) -> int:
@@ -134,6 +141,21 @@ def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 32, 8, device=packed.device, dtype=torch.int32)
     exps = (packed.unsqueeze(-1) >> shifts) & 0xFF  # [..., hidden // 512, 4]
     return torch.exp2(exps.flatten(-2).float() - 127.0)
+
+
+def _assert_expert_ids(ids: torch.Tensor, num_experts: int, backend: str) -> None:
+    """ids int [num_tokens, num_topk] must lie in [-1, num_experts); see
+    ``LowLatencyOptions.check_expert_ids`` (no host sync)."""
+    if not ids.numel():
+        return
+    lo, hi = torch.aminmax(ids)
+    msg = (f"{backend}: topk_ids hold expert ids outside [-1, {num_experts}) (-1: no expert); "
+           f"route over the layer's {num_experts} experts")
+    if ids.device.type == "cpu":  # the values are on the host already
+        if int(lo) < -1 or int(hi) >= num_experts:
+            raise ValueError(msg)
+        return
+    torch._assert_async((lo >= -1) & (hi < num_experts), msg)
 
 
 def _import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
@@ -365,6 +387,7 @@ class _CallState:
     handle: Any
     num_tokens: int
     recv_shape: tuple[int, int, int]
+    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
 
 
 class LowLatencyPrepareFinalize(PrepareFinalize):
@@ -386,6 +409,11 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self.stats = DispatchStats()
         self.use_ue8m0 = False
         self._state: Optional[_CallState] = None
+        # No host exchange on these kernels: a call that fails on one rank (before its
+        # dispatch, or between dispatch and combine) breaks the group (moe_plugins.faults).
+        self.faults = group_faults(manager.ctx.ep_group)
+        self.name = (f"{manager.backend_name} layer (experts={cfg.num_experts} "
+                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -416,6 +444,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                            self.cfg.quant.scheme.value)
 
     def reset_call_state(self) -> None:
+        if self._state is not None:  # dispatched, never combined: peers wait in the combine
+            self.faults.mark_broken("a call was abandoned between its dispatch and its combine")
         self._state = None
 
     # -- padding of the hidden dimension (see the module doc) ------------------------------
@@ -437,7 +467,16 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         """hidden_states bf16 [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
         topk_ids int32/int64 [num_tokens, num_topk] (GLOBAL ids, -1 for none). The send is
         issued here; the hook receives; the receiver returns the :class:`PrepareResult`."""
-        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        self.faults.check(self.name)
+        try:
+            return self._prepare_async(hidden_states, topk_weights, topk_ids, quant)
+        except BaseException as e:  # peers are in (or past) this dispatch: out of step now
+            self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
+            raise
+
+    def _prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
         self._check_quant(quant)
         m = self.manager
         n, hidden = hidden_states.shape
@@ -458,9 +497,11 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         ue8m0 = use_fp8 and self.use_ue8m0
         x = self._pad_last(hidden_states)
         ids = topk_ids.to(m.topk_idx_dtype).contiguous()
+        if m.options.check_expert_ids:
+            _assert_expert_ids(ids, m.num_experts, m.backend_name)
         recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0)
         recv_x, recv_sf = recv if use_fp8 else (recv, None)
-        self._state = _CallState(handle, n, tuple(recv_x.shape))
+        self._state = _CallState(handle, n, tuple(recv_x.shape), topk_ids)
 
         pairs = topk_ids.numel()  # -1 entries included: counting them exactly would need a sync
         s = self.stats
@@ -493,6 +534,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             raise RuntimeError("finalize called without a matching prepare on this backend")
         m = self.manager
         try:
+            check_finalize_routing(st.topk_ids, topk_ids, topk_weights)
             e_l, slots, _ = st.recv_shape
             if tuple(fused_expert_output.shape) != (e_l, slots, m.hidden):
                 raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}"
@@ -522,6 +564,9 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             # Rows combine brings back to this rank's pairs (what this rank sends is only
             # known on the device; summed over ranks the two are equal).
             self.stats.combine_bytes += topk_ids.numel() * m.kernel_hidden * 2
+        except BaseException as e:  # peers are in this combine: out of step now
+            self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
+            raise
         finally:
             self._state = None
 

@@ -19,7 +19,7 @@ from moe_plugins.reference import reference_moe, within_tolerance
 from moe_plugins.registry import get_backend, select_backend
 from moe_plugins.strategy import ReductionStrategy, applicable_strategies, choose_strategy
 
-__all__ = ["DemoRow", "demo_inputs", "run_demo", "strategies_for"]
+__all__ = ["DemoRow", "demo_inputs", "demo_preflight", "run_demo", "strategies_for"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,20 @@ def strategies_for(layout: ParallelLayout, backend: str, cfg: MoEConfig) -> list
     caps = get_backend(backend).capabilities
     return applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                                  has_shared_expert=cfg.has_shared_expert)
+
+
+def demo_preflight(layout: ParallelLayout, cfg: MoEConfig, backend: str, quant: QuantSpec) -> None:
+    """Every configuration error a demo rank would hit, raised here before ranks start
+    (ValueError / BackendSelectionError naming the value and the fix)."""
+    select_backend(layout, quant.scheme, backend, dtype=cfg.dtype)
+    if layout.ep and cfg.num_experts % layout.ep_size:
+        raise ValueError(f"--experts {cfg.num_experts} is not divisible by the EP size "
+                         f"{layout.ep_size}; give a multiple of {layout.ep_size}")
+    for flag, size in (("--intermediate", cfg.intermediate if not layout.ep else 0),
+                       ("--shared-intermediate", cfg.shared_intermediate)):
+        if size % layout.tp:
+            raise ValueError(f"{flag} {size} is not divisible by --tp {layout.tp} (TP shards "
+                             "it); give a multiple of the TP size")
 
 
 def _demo_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, backend: str,

@@ -37,7 +37,7 @@ import torch
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "HEADER_WORDS",
-           "STATUS_OK", "STATUS_BAD_INPUT", "STATUS_BAD_EXPERT_IDS", "check_peers", "in_step",
+           "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "STATUS_BAD_EXPERT_IDS", "check_peers", "in_step",
            "is_in_step"]
 
 #: Words a rank sends each peer in a host exchange: (count, sequence number, digest, status).
@@ -75,11 +75,12 @@ class GroupFaults:
     """Fault state of one EP process group on this rank.
 
     seq: calls that went through a host exchange on this group (equal on every rank while in
-    step); broken: the first mid-way failure, or None."""
+    step); broken: the first mid-way failure, or None; layers: see :meth:`next_layer_index`."""
 
     ranks: Sequence[int]
     seq: int = 0
     broken: Optional[str] = None
+    layers: int = 0  # backends built on this group so far (every rank builds them in one order)
     _first: Optional[BaseException] = field(default=None, repr=False)
 
     def check(self, layer: str) -> None:
@@ -90,6 +91,12 @@ class GroupFaults:
                 f"call failed mid-way: {self.broken}. Every call on this group raises until the "
                 "layer is rebuilt on new process groups (moe_plugins.groups.make_dist_context; "
                 "under vLLM: restart the engine)") from self._first
+
+    def next_layer_index(self) -> int:
+        """The creation index of a new layer's backend on this group: part of its digest, so
+        that ranks in different layers of equal config are told apart."""
+        self.layers += 1
+        return self.layers
 
     def mark_broken(self, what: str, exc: Optional[BaseException] = None) -> None:
         """Record the first mid-way failure (later ones are consequences of it)."""
@@ -111,6 +118,15 @@ def group_faults(group: object) -> GroupFaults:
         ranks = dist.get_process_group_ranks(key) if dist.is_initialized() else [0]
         state = _GROUPS[key] = GroupFaults(list(ranks))
     return state
+
+
+def clear_group_faults(group: object = None) -> None:
+    """Forget a group's fault state and sequence number, on this rank. Sound only when every
+    rank of the group abandoned exactly the same calls and all of them call this at the same
+    point (tests that probe a prepare alone on every rank do); otherwise rebuild on new groups."""
+    import torch.distributed as dist
+
+    _GROUPS.pop(group if group is not None else dist.group.WORLD, None)
 
 
 _PEER_RE = re.compile(r"\[?(\d+\.\d+\.\d+\.\d+|[0-9a-fA-F:]+)\]?:(\d+)")
@@ -173,7 +189,7 @@ def check_peers(faults: GroupFaults, layer: str, rank_in_group: int, seq: int, d
         if off_seq:
             parts.append("in other calls: " + ", ".join(f"rank {r} at call {s}" for r, s in off_seq))
         if off_layer:
-            parts.append(f"ranks {off_layer} in another layer (config digest differs)")
+            parts.append(f"ranks {off_layer} in another layer (layer digest differs)")
         raise OutOfStepError(
             f"{layer}: call {seq} of this rank met peers {'; '.join(parts)}. A rank skipped a "
             "call (an error on that rank before its first collective) or runs layers in another "

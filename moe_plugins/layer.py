@@ -192,6 +192,10 @@ class MoELayer:
             if shared is not None:
                 full = full + self._all_reduce(shared)
             return full
+        except BaseException as e:  # named before reset_call_state records the abandoned call
+            if not is_in_step(e):
+                self.faults.mark_broken(f"{self.name} raised on this rank", e)
+            raise
         finally:
             if handle is not None:
                 join(handle)

@@ -60,8 +60,10 @@ class TorchPrepareFinalize(PrepareFinalize):
         self.faults = group_faults(manager.group)
         self.name = (f"torch backend layer (experts={cfg.num_experts} hidden={cfg.hidden} "
                      f"topk={cfg.num_topk}, EP rank {manager.rank})")
+        # The layer's config and its creation index on the group: ranks in different layers
+        # (even of equal config) disagree on it.
         self._digest = config_digest("torch", cfg.num_experts, cfg.hidden, cfg.num_topk,
-                                     str(cfg.dtype), cfg.quant)
+                                     str(cfg.dtype), cfg.quant, self.faults.next_layer_index())
         self._timeout_s = timeout_seconds()
 
     def num_dispatchers(self) -> int:

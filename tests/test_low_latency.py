@@ -237,11 +237,12 @@ def test_too_many_tokens_rejected(rank_pool, backend):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_failed_finalize_resets_the_handle(rank_pool, backend):
+def test_failed_finalize_resets_the_handle_and_breaks_the_group(rank_pool, backend):
     results = rank_pool(2).run(ll_rank_fns.finalize_wrong_shape_then_prepare, backend,
                                ParallelLayout(2, 1, True), _cfg())
     for r in results:
         assert r["error"] is not None and "expected [" in r["error"]
+        assert "out of step" in r["second_error"] and "expected [" in r["second_error"]
         torch.testing.assert_close(r["out"], torch.zeros_like(r["out"]))  # zero expert outputs
 
 

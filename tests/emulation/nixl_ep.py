@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
+from emulation._ll_kernels import (NIXL_EP_SIGNAL_BYTES, EventOverlap, EmulatedLowLatencyRuntime,
+                                   host_assert, size_hint)
 
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
 
@@ -43,6 +44,8 @@ def _agent_metadata(rank: int) -> bytes:
 
 class _NixlRuntime(EmulatedLowLatencyRuntime):
     """Adds connections and the active-rank bound to the shared emulated kernels."""
+
+    signal_bytes = NIXL_EP_SIGNAL_BYTES  # EPLayout: num_experts * sizeof(uint64_t)
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  num_experts_per_rank: int):
@@ -128,7 +131,8 @@ class Buffer:
     @staticmethod
     def get_low_latency_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                          num_ranks: int, num_experts: int) -> int:
-        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                         NIXL_EP_SIGNAL_BYTES)
 
     @staticmethod
     def get_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

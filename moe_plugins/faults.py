@@ -78,6 +78,7 @@ class GroupFaults:
     step); broken: the first mid-way failure, or None; layers: see :meth:`next_layer_index`."""
 
     ranks: Sequence[int]
+    rank: int = 0  # this process's global rank
     seq: int = 0
     broken: Optional[str] = None
     layers: int = 0  # backends built on this group so far (every rank builds them in one order)
@@ -116,7 +117,7 @@ def group_faults(group: object) -> GroupFaults:
     state = _GROUPS.get(key)
     if state is None:
         ranks = dist.get_process_group_ranks(key) if dist.is_initialized() else [0]
-        state = _GROUPS[key] = GroupFaults(list(ranks))
+        state = _GROUPS[key] = GroupFaults(list(ranks), dist.get_rank() if dist.is_initialized() else 0)
     return state
 
 
@@ -129,7 +130,7 @@ def clear_group_faults(group: object = None) -> None:
     _GROUPS.pop(group if group is not None else dist.group.WORLD, None)
 
 
-_PEER_RE = re.compile(r"\[?(\d+\.\d+\.\d+\.\d+|[0-9a-fA-F:]+)\]?:(\d+)")
+_PEER_RE = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|\[[0-9a-fA-F:.]+\]:\d+")
 
 
 _IN_STEP = "_moe_plugins_in_step"
@@ -160,17 +161,19 @@ def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Opti
                                        "Broken pipe", "EOF", "Connection refused"))
     timed_out = "imed out" in str(exc) or "imeout" in str(exc)
     peer = _PEER_RE.search(str(exc))
+    limit = f" of {timeout_s:g} s" if timeout_s is not None else ""
     cause = ("a peer went away (its process died or left the group)" if gone else
-             f"no answer within the process-group timeout of {timeout_s:g} s"
-             if timed_out and timeout_s is not None else "the transport failed")
+             f"no answer within the process-group timeout{limit}" if timed_out
+             else "the transport failed")
+    others = [r for r in faults.ranks if r != faults.rank]
+    who = (f"peer {peer.group(0)} (as the transport names it)" if peer else
+           f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}")
     faults.mark_broken(f"{what} of call {faults.seq} did not complete", exc)
     return CollectiveError(
         f"{layer}: {what} (call {faults.seq}) did not complete on the EP group of ranks "
-        f"{list(faults.ranks)}: {cause}"
-        + (f"; the transport names peer {peer.group(0)}" if peer else
-           "; the peer that did not answer is one of the other ranks of the group")
-        + f" ({type(exc).__name__}: {text}). A rank that raised before this collective, or "
-        "died, reports its own error")
+        f"{list(faults.ranks)}: {cause}; the peer that did not answer: {who} "
+        f"({type(exc).__name__}: {text}). A rank that raised before this collective, or died, "
+        "reports its own error")
 
 
 def check_peers(faults: GroupFaults, layer: str, rank_in_group: int, seq: int, digest: int,

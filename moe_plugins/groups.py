@@ -46,13 +46,15 @@ def default_timeout(timeout_s: Optional[float] = None) -> datetime.timedelta:
 @dataclass(frozen=True)
 class DistContext:
     """rank: EP rank (== world rank); ep_group spans all DP x TP ranks; tp_group the TP ranks of
-    this rank's DP group (None when tp == 1)."""
+    this rank's DP group (None when tp == 1); timeout_s: the groups' collective timeout, when
+    known (errors name it)."""
 
     layout: ParallelLayout
     rank: int
     ep_group: "dist.ProcessGroup | None"
     tp_group: "dist.ProcessGroup | None"
     device: torch.device
+    timeout_s: Optional[float] = None
 
     @property
     def tp_rank(self) -> int:
@@ -73,6 +75,7 @@ def make_dist_context(layout: ParallelLayout, device: torch.device | str = "cpu"
     if world != layout.world_size:
         raise ValueError(f"layout {layout.describe()} needs {layout.world_size} ranks, "
                          f"the process group has {world}")
+    timeout_s = timeout_seconds(timeout_s)
     timeout = default_timeout(timeout_s)
     tp_group = None
     if layout.tp > 1:
@@ -82,7 +85,9 @@ def make_dist_context(layout: ParallelLayout, device: torch.device | str = "cpu"
                 tp_group = g
     ep_group = dist.new_group(list(range(world)), timeout=timeout) if fresh_ep_group \
         else dist.group.WORLD
-    return DistContext(layout, rank, ep_group, tp_group, torch.device(device))
+    # The default group's own timeout is whatever its creator gave (not known here).
+    return DistContext(layout, rank, ep_group, tp_group, torch.device(device),
+                       timeout_s if fresh_ep_group else None)
 
 
 _CONTEXTS: dict[tuple[ParallelLayout, str], DistContext] = {}

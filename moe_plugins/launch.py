@@ -97,12 +97,18 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]",
-            timeout_s: float) -> None:
+            timeout_s: float, init: Optional[Callable[[int], None]]) -> None:
     _die_with_parent()
     import torch.distributed as dist
 
+    if init is not None:
+        init(rank)
+
+    from moe_plugins.groups import TIMEOUT_ENV
+
     torch.set_num_threads(1)  # ranks share few cores; oversubscription makes gloo crawl
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[TIMEOUT_ENV] = f"{timeout_s:g}"  # groups made in this rank get the same bound
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     results.put((rank, "ready", None))
@@ -127,7 +133,10 @@ class RankPool(Generic[T]):
     a second: :class:`RankDiedError` names it, how it ended and the survivors' errors, and the
     pool terminates the other ranks. Ranks die with the parent process (Linux)."""
 
-    def __init__(self, world_size: int, timeout_s: Optional[float] = None):
+    def __init__(self, world_size: int, timeout_s: Optional[float] = None,
+                 init: Optional[Callable[[int], None]] = None):
+        """``init(rank)`` (picklable) runs first in every rank process, before it joins the
+        process group (environment, logging, thread settings)."""
         from moe_plugins.groups import timeout_seconds
 
         if world_size < 1:
@@ -138,7 +147,8 @@ class RankPool(Generic[T]):
         self._results: "mp.Queue[Any]" = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r],
-                                                         self._results, self.timeout_s), daemon=True)
+                                                         self._results, self.timeout_s, init),
+                                  daemon=True)
                        for r in range(world_size)]
         for p in self._procs:
             p.start()

@@ -24,7 +24,6 @@ from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_EXPERT_IDS, STATUS_BAD_INPUT,
                                 check_peers, collective_error, config_digest, group_faults,
                                 in_step)
-from moe_plugins.groups import timeout_seconds
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_finalize_routing, check_prepare_inputs, write_output)
@@ -64,7 +63,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         # (even of equal config) disagree on it.
         self._digest = config_digest("torch", cfg.num_experts, cfg.hidden, cfg.num_topk,
                                      str(cfg.dtype), cfg.quant, self.faults.next_layer_index())
-        self._timeout_s = timeout_seconds()
+        self._timeout_s = manager.ctx.timeout_s
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks

@@ -252,3 +252,34 @@ def build_only(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
                max_tokens: int, options: Optional[dict] = None) -> None:
     with built(backend, layout, cfg, max_tokens=max_tokens, options=options):
         pass
+
+
+def bad_prepare(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+                kind: str) -> tuple[Optional[str], Optional[str]]:
+    """prepare with one of fault_rank_fns.corrupt's bad inputs, on every rank alike (the
+    low-latency kernels have no host exchange: a rank alone raising would leave its peers in
+    the dispatch). Returns (error type, message)."""
+    from fault_rank_fns import corrupt
+
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 2)
+        x, w, ids = corrupt(kind, x, w, ids, cfg.num_experts)
+        try:
+            pf.prepare(x, w, ids, QuantSpec())
+        except (ValueError, TypeError) as e:
+            return type(e).__name__, str(e)
+        return None, None
+
+
+def finalize_other_ids(rank: int, world: int, backend: str, layout: ParallelLayout,
+                       cfg: MoEConfig) -> tuple[Optional[str], Optional[str]]:
+    """prepare, then finalize with a copy of the topk ids (not the ones given to prepare)."""
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 2)
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        try:
+            pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids.clone(),
+                        torch.empty(2, cfg.hidden, dtype=torch.bfloat16))
+        except ValueError as e:
+            return type(e).__name__, str(e)
+        return None, None

@@ -430,3 +430,33 @@ def test_nixl_cannot_mask_the_local_rank(rank_pool):
     with pytest.raises(RankError) as e:
         rank_pool(2).run(ll_rank_fns.mask_peer, "nixl_ep", ParallelLayout(2, 1, True), _cfg(), 0)
     assert e.value.exc_type == "ValueError" and "cannot mask the local rank" in e.value.message
+
+
+LL_BAD_INPUTS = {
+    "int_activations": ("TypeError", "integer activations would be truncated"),
+    "wide_topk": ("ValueError", "the layer was built for num_topk=3"),
+    "expert_too_large": ("ValueError", "expert ids outside [-1, 8)"),
+    "expert_below_minus_one": ("ValueError", "expert ids outside [-1, 8)"),
+    "tokens_mismatch": ("ValueError", "must cover the same tokens"),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", sorted(LL_BAD_INPUTS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_prepare_inputs_are_clear_errors(rank_pool, backend, kind):
+    """Out-of-range expert ids included: the kernels do not check them (the emulation, like
+    them, drops such pairs silently), so prepare does (LowLatencyOptions.check_expert_ids)."""
+    results = rank_pool(2).run(ll_rank_fns.bad_prepare, backend, ParallelLayout(2, 1, True),
+                               _cfg(), kind)
+    err_type, text = LL_BAD_INPUTS[kind]
+    for got_type, got in results:
+        assert got_type == err_type and text in got, got
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_finalize_with_other_topk_ids_rejected(rank_pool, backend):
+    for err_type, err in rank_pool(2).run(ll_rank_fns.finalize_other_ids, backend,
+                                          ParallelLayout(2, 1, True), _cfg()):
+        assert err_type == "ValueError" and "not the ones given to prepare" in err

@@ -135,6 +135,7 @@ class EmulatedLowLatencyRuntime:
     """
 
     signal_bytes = DEEP_EP_SIGNAL_BYTES
+    bound_name = "num_ranks"  # what the library's host checks call the rank bound
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  mask_enabled: bool):
@@ -322,7 +323,7 @@ class EmulatedLowLatencyRuntime:
                     "x.dim() == 3 and x.is_contiguous() and x.scalar_type() == torch::kBFloat16")
         host_assert(x.size(0) == num_local_experts, "x.size(0) == num_experts / num_ranks")
         host_assert(x.size(1) == bound * max_tokens,
-                    "x.size(1) == num_ranks * num_max_dispatch_tokens_per_rank")
+                    f"x.size(1) == {self.bound_name} * num_max_dispatch_tokens_per_rank")
         host_assert(x.size(2) % 8 == 0 and x.size(2) % 128 == 0,
                     "x.size(2) % sizeof(int4) == 0 and x.size(2) % 128 == 0")
         host_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(),
@@ -339,12 +340,12 @@ class EmulatedLowLatencyRuntime:
         host_assert(src_info.dtype == torch.int32 and src_info.size(0) == x.size(0),
                     "src_info.scalar_type() == torch::kInt32 and x.size(0) == src_info.size(0)")
         host_assert(src_info.dim() == 2 and src_info.size(1) == bound * max_tokens,
-                    "src_info.size(1) == active_rank_bound * num_max_dispatch_tokens_per_rank")
+                    f"src_info.size(1) == {self.bound_name} * num_max_dispatch_tokens_per_rank")
         host_assert(layout_range.dtype == torch.int64 and layout_range.dim() == 2
                     and layout_range.size(0) == num_local_experts
                     and layout_range.size(1) == bound,
                     "layout_range.size(0) == num_experts_per_rank and layout_range.size(1) == "
-                    "active_rank_bound")
+                    f"{self.bound_name}")
         host_assert(not (async_finish and return_recv_hook), "not(async and return_recv_hook)")
         host_assert(not use_logfmt and not zero_copy,
                     "emulation: LogFMT and zero-copy combine are not emulated")

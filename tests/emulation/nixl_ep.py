@@ -46,6 +46,7 @@ class _NixlRuntime(EmulatedLowLatencyRuntime):
     """Adds connections and the active-rank bound to the shared emulated kernels."""
 
     signal_bytes = NIXL_EP_SIGNAL_BYTES  # EPLayout: num_experts * sizeof(uint64_t)
+    bound_name = "active_rank_bound"
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  num_experts_per_rank: int):

@@ -13,7 +13,7 @@ from moe_plugins.layout import ParallelLayout
 
 __all__ = ["DistContext", "make_dist_context", "cached_dist_context", "all_gather_tensor",
            "reduce_scatter_tensor", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "timeout_seconds",
-           "default_timeout"]
+           "default_timeout", "bound_timeout"]
 
 #: Seconds a collective of a process group we create may wait for its peers (torch's own
 #: default is 30 minutes for gloo and NCCL: a stuck peer would block that long).
@@ -88,6 +88,15 @@ def make_dist_context(layout: ParallelLayout, device: torch.device | str = "cpu"
     # The default group's own timeout is whatever its creator gave (not known here).
     return DistContext(layout, rank, ep_group, tp_group, torch.device(device),
                        timeout_s if fresh_ep_group else None)
+
+
+def bound_timeout(group: "dist.ProcessGroup | None", timeout_s: Optional[float] = None) -> float:
+    """Give a process group someone else created (vLLM's) our bounded collective timeout
+    (:func:`timeout_seconds`) for its future collectives; returns the seconds set."""
+    seconds = timeout_seconds(timeout_s)
+    if group is not None and hasattr(group, "set_timeout"):
+        group.set_timeout(datetime.timedelta(seconds=seconds))
+    return seconds
 
 
 _CONTEXTS: dict[tuple[ParallelLayout, str], DistContext] = {}

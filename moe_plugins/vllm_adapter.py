@@ -63,6 +63,24 @@ _FIRST_CALL_LOGGED: set[str] = set()
 _GROUP_MANAGERS: dict[str, "MoEPluginsAll2AllManager"] = {}
 
 
+def _bound_vllm_timeout(*groups: Any) -> Optional[float]:
+    """vLLM's groups wait torch's default (up to 30 minutes) unless the user gave
+    ``--distributed-timeout-seconds``; then bound ours (moe_plugins.groups.bound_timeout, env
+    ``MOE_PLUGINS_TIMEOUT_S``). Returns the timeout in force when known (errors name it)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from moe_plugins.groups import bound_timeout
+
+    config = get_current_vllm_config_or_none()
+    given = config.parallel_config.distributed_timeout_seconds if config is not None else None
+    if given is not None:
+        return float(given)
+    seconds = None
+    for group in groups:
+        seconds = bound_timeout(group)
+    return seconds
+
+
 def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
@@ -80,6 +98,7 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         # device_group: NCCL on CUDA, gloo on CPU; our transports use it for the all-to-alls.
         self.device_group = device_group if device_group is not None else cpu_group
         self._managers: dict[tuple[str, DispatchConfig], Any] = {}
+        self.timeout_s = _bound_vllm_timeout(cpu_group, self.device_group)
 
     def dist_context(self, layout: ParallelLayout, device: torch.device | str) -> DistContext:
         """Our view of this rank: EP rank = rank in vLLM's EP group (DP-major, TP-minor, as
@@ -93,7 +112,9 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
             from vllm.distributed import get_tp_group
 
             tp_group = get_tp_group().device_group
-        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device))
+            _bound_vllm_timeout(tp_group)
+        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device),
+                           self.timeout_s)
 
     def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
         """A new prepare/finalize for one layer, on the cached manager of its config."""

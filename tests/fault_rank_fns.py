@@ -39,6 +39,21 @@ def _error(fn: Any) -> tuple[Optional[str], Optional[str], float]:
         return type(e).__name__, str(e), time.monotonic() - t0
 
 
+BAD_INPUT_KINDS = ("expert_below_minus_one", "expert_too_large", "int_activations",
+                   "tokens_mismatch", "wide_topk")
+
+
+def expected_error(kind: str, cfg: MoEConfig) -> tuple[str, str]:
+    """(error type, text in its message) a prepare must raise for ``corrupt(kind, ...)``."""
+    return {
+        "int_activations": ("TypeError", "integer activations would be truncated"),
+        "wide_topk": ("ValueError", f"the layer was built for num_topk={cfg.num_topk}"),
+        "expert_too_large": ("ValueError", f"expert ids outside [-1, {cfg.num_experts})"),
+        "expert_below_minus_one": ("ValueError", f"expert ids outside [-1, {cfg.num_experts})"),
+        "tokens_mismatch": ("ValueError", "must cover the same tokens"),
+    }[kind]
+
+
 def corrupt(kind: str, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor, num_experts: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One of the bad inputs of issue 16, made from good ones."""
@@ -59,16 +74,23 @@ def corrupt(kind: str, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor, num_
     raise AssertionError(kind)
 
 
+def _torch_backend_call(ctx: Any, cfg: MoEConfig, tokens: int) -> tuple[Any, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor]:
+    """The torch backend on ``ctx`` and this rank's routed inputs: (pf, x, topk_weights,
+    topk_ids) for ``tokens`` tokens of its DP group."""
+    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
+                                                        tokens, cfg.dtype))
+    x = demo_inputs(cfg, tokens, ctx.dp_rank, 0)
+    tw, ti = route(x, MoEWeights.random(cfg, 0).router, cfg.num_topk, cfg.renormalize)
+    return pf, x, tw, ti
+
+
 def bad_prepare_input_on_one_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                                   bad_rank: int, kind: str, tokens: int, timeout_s: float) -> dict:
     """Every rank calls the torch backend's prepare; ``bad_rank`` passes a bad input. Then every
     rank runs a whole layer call (which must work: nothing is out of step)."""
     ctx = make_dist_context(layout, timeout_s=timeout_s, fresh_ep_group=True)
-    w = MoEWeights.random(cfg, 0)
-    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
-                                                        tokens, cfg.dtype))
-    x = demo_inputs(cfg, tokens, ctx.dp_rank, 0)
-    tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+    pf, x, tw, ti = _torch_backend_call(ctx, cfg, tokens)
     owned = slice_owned(owned_rows(tokens, layout.tp, ctx.tp_rank), x, ti, tw)
     args = (owned.hidden_states, owned.topk_weights, owned.topk_ids)
     if rank == bad_rank:
@@ -122,15 +144,12 @@ def expert_ids_minus_one(rank: int, world: int, layout: ParallelLayout, cfg: MoE
     from moe_plugins.groups import cached_dist_context
 
     ctx = cached_dist_context(layout)
-    w = MoEWeights.random(cfg, 0)
-    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
-                                                        tokens, cfg.dtype))
-    x = demo_inputs(cfg, tokens, ctx.dp_rank, 0)
-    tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+    pf, x, tw, ti = _torch_backend_call(ctx, cfg, tokens)
     ti = ti.clone()
     ti[::2, 0] = -1  # every other token loses its first expert
     prep = pf.prepare(x, tw, ti, QuantSpec())
-    experts = TorchExperts(w.local_experts(layout.ep_size, ctx.rank), QuantSpec(), cfg.dtype)
+    experts = TorchExperts(MoEWeights.random(cfg, 0).local_experts(layout.ep_size, ctx.rank),
+                           QuantSpec(), cfg.dtype)
     out = pf.finalize(experts.apply(prep), tw, ti, torch.empty_like(x))
     return dict(out=out, topk_ids=ti, topk_weights=tw, x=x)
 
@@ -142,11 +161,7 @@ def finalize_with_other_topk_ids(rank: int, world: int, layout: ParallelLayout, 
     from moe_plugins.groups import cached_dist_context
 
     ctx = cached_dist_context(layout)
-    w = MoEWeights.random(cfg, 0)
-    pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
-                                                        tokens, cfg.dtype))
-    x = demo_inputs(cfg, tokens, ctx.dp_rank, 0)
-    tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+    pf, x, tw, ti = _torch_backend_call(ctx, cfg, tokens)
     prep = pf.prepare(x, tw, ti, QuantSpec())
     err = _error(lambda: pf.finalize(torch.zeros(prep.x.shape[0], cfg.hidden), tw, ti.clone(),
                                      torch.empty_like(x)))
@@ -180,3 +195,19 @@ def raise_on(rank: int, world: int, bad: int) -> None:
     if rank == bad:
         raise ValueError(f"bad on rank {rank}\nsecond line")
     raise PeerInputError(f"rank {bad} rejected its inputs")
+
+
+def vllm_group_bounded(rank: int, world: int, timeout_s: float) -> dict:
+    """A group made with a 10-minute timeout (as vLLM's are, with torch's default or more),
+    bounded by the vLLM glue (no --distributed-timeout-seconds given); rank 1 stays away."""
+    import datetime
+
+    from moe_plugins.groups import TIMEOUT_ENV
+    from moe_plugins.vllm_adapter import _bound_vllm_timeout
+
+    os.environ[TIMEOUT_ENV] = f"{timeout_s:g}"
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(minutes=10))
+    bound = _bound_vllm_timeout(group)
+    if rank == 1:
+        return dict(bound=bound, error=None)
+    return dict(bound=bound, error=_error(lambda: dist.all_reduce(torch.ones(2), group=group)))

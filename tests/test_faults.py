@@ -21,16 +21,7 @@ CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32, shared_i
 DP2_TP2 = ParallelLayout(2, 2, True)
 TIMEOUT_S = 4.0
 
-BAD_INPUTS = {
-    "int_activations": ("TypeError", "integer activations would be truncated"),
-    "wide_topk": ("ValueError", "the layer was built for num_topk=2"),
-    "expert_too_large": ("ValueError", "expert ids outside [-1, 8)"),
-    "expert_below_minus_one": ("ValueError", "expert ids outside [-1, 8)"),
-    "tokens_mismatch": ("ValueError", "must cover the same tokens"),
-}
-
-
-@pytest.mark.parametrize("kind", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("kind", frf.BAD_INPUT_KINDS)
 def test_bad_input_on_one_rank_raises_on_every_rank_and_the_next_call_is_right(rank_pool, kind):
     """The issue's case: dp=2 x tp=2, one rank's prepare gets a bad input. Before, the others
     returned results off by 44 with no error. Now every rank raises at the same point (the bad
@@ -38,7 +29,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank_and_the_next_call_is_right(r
     bad = 1
     results = rank_pool(4).run(frf.bad_prepare_input_on_one_rank, DP2_TP2, CFG, bad, kind, 6,
                                TIMEOUT_S)
-    err_type, text = BAD_INPUTS[kind]
+    err_type, text = frf.expected_error(kind, CFG)
     for rank, r in enumerate(results):
         assert r["seconds"] < TIMEOUT_S, f"rank {rank} waited for a timeout"
         if rank == bad:
@@ -140,3 +131,11 @@ def test_rank_errors_name_the_rank_that_failed_first(rank_pool):
     assert e.value.summary.startswith("rank 2 raised ValueError: bad on rank 2")
     assert "rank 0 raised PeerInputError" in e.value.summary
 
+
+
+def test_vllm_groups_get_a_bounded_timeout(rank_pool):
+    pytest.importorskip("vllm")
+    results = rank_pool(2).run(frf.vllm_group_bounded, 3.0)
+    assert [r["bound"] for r in results] == [3.0, 3.0]
+    err_type, err, seconds = results[0]["error"]
+    assert err_type is not None and seconds < 3 * 3.0, (err_type, seconds)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fault_rank_fns
 import ll_rank_fns
 from checks import assert_matches_reference
 from emulation import installed
@@ -432,24 +433,15 @@ def test_nixl_cannot_mask_the_local_rank(rank_pool):
     assert e.value.exc_type == "ValueError" and "cannot mask the local rank" in e.value.message
 
 
-LL_BAD_INPUTS = {
-    "int_activations": ("TypeError", "integer activations would be truncated"),
-    "wide_topk": ("ValueError", "the layer was built for num_topk=3"),
-    "expert_too_large": ("ValueError", "expert ids outside [-1, 8)"),
-    "expert_below_minus_one": ("ValueError", "expert ids outside [-1, 8)"),
-    "tokens_mismatch": ("ValueError", "must cover the same tokens"),
-}
-
-
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", sorted(LL_BAD_INPUTS))
+@pytest.mark.parametrize("kind", fault_rank_fns.BAD_INPUT_KINDS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_prepare_inputs_are_clear_errors(rank_pool, backend, kind):
     """Out-of-range expert ids included: the kernels do not check them (the emulation, like
     them, drops such pairs silently), so prepare does (LowLatencyOptions.check_expert_ids)."""
     results = rank_pool(2).run(ll_rank_fns.bad_prepare, backend, ParallelLayout(2, 1, True),
                                _cfg(), kind)
-    err_type, text = LL_BAD_INPUTS[kind]
+    err_type, text = fault_rank_fns.expected_error(kind, _cfg())
     for got_type, got in results:
         assert got_type == err_type and text in got, got
 

@@ -56,14 +56,14 @@ class TorchPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._handle: Optional[_DispatchHandle] = None
-        self.faults = group_faults(manager.group)
+        self.faults = group_faults(getattr(manager, "group", None))
         self.name = (f"torch backend layer (experts={cfg.num_experts} hidden={cfg.hidden} "
-                     f"topk={cfg.num_topk}, EP rank {manager.rank})")
+                     f"topk={cfg.num_topk}, EP rank {getattr(manager, 'rank', '?')})")
         # The layer's config and its creation index on the group: ranks in different layers
         # (even of equal config) disagree on it.
         self._digest = config_digest("torch", cfg.num_experts, cfg.hidden, cfg.num_topk,
                                      str(cfg.dtype), cfg.quant, self.faults.next_layer_index())
-        self._timeout_s = manager.ctx.timeout_s
+        self._timeout_s = getattr(getattr(manager, "ctx", None), "timeout_s", None)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks

@@ -333,8 +333,11 @@ def vllm_layers(spec: LayerSpec, dbo: bool = False) -> Iterator[VllmLayers]:
         ps.initialize_model_parallel(1)
         from vllm.v1.worker import workspace
 
-        if not workspace.is_workspace_manager_initialized():
-            workspace.init_workspace_manager(torch.device("cuda", 0))
+        # One workspace slot per micro-batch, as vLLM's GPU model runner sets it up (with
+        # --enable-dbo two micro-batches run the experts with their own workspaces).
+        workspace.init_workspace_manager(torch.device("cuda", 0),
+                                         num_ubatches=config.parallel_config.num_ubatches
+                                         if dbo else None)
         try:
             yield VllmLayers(spec, torch.device("cuda", 0), dbo)
         finally:

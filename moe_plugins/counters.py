@@ -38,6 +38,12 @@ class DispatchStats:
     def dispatch_bytes(self) -> int:
         return self.act_bytes + self.sf_bytes + self.meta_bytes
 
+    @classmethod
+    def total(cls, parts: "list[DispatchStats]") -> "DispatchStats":
+        """The field-wise sum of ``parts`` (e.g. one backend object per micro-batch)."""
+        return cls(**{name: sum(getattr(p, name) for p in parts)
+                      for name in cls.__dataclass_fields__})
+
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, 0)

@@ -42,7 +42,7 @@ Dual-batch overlap (``--enable-dbo``): vLLM runs two micro-batches of one layer 
 that hand over at its yields, so two calls of one layer are in flight. The adapter keeps one call
 state per micro-batch id (``dbo_current_ubatch_id()``) and, for backends whose capabilities say
 ``micro_batch``, one backend prepare/finalize object per micro-batch over the same manager and
-library buffer (the per-call handle lives in that object; the counters are shared). It takes
+library buffer (the per-call handle lives in that object; the layer's counters sum them). It takes
 part in vLLM's protocol where vLLM's in-tree DeepEP LL class does: before its combine send it
 runs the receive hook the other micro-batch registered (``dbo_maybe_run_recv_hook``), so at most
 two transfers are in flight (the libraries double-buffer).
@@ -488,8 +488,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     ids are already physical (linear, EPLB); a round-robin ``expert_map`` without one is
     recognised and mapped with the same table.
     ``micro_batch_backends``: prepare/finalize objects of the same backend over the same manager
-    for micro-batch ids 1, 2, ... (vLLM's dual-batch overlap; ``backend`` serves id 0); they
-    count into ``backend``'s stats.
+    for micro-batch ids 1, 2, ... (vLLM's dual-batch overlap; ``backend`` serves id 0);
+    ``stats`` sums them all.
     """
 
     def __init__(self, backend: Optional[PrepareFinalize], backend_name: str, ctx: DistContext,
@@ -532,14 +532,17 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # micro-batch id -> its backend object and its call in flight
         self._backends: tuple[PrepareFinalize, ...] = (
             () if backend is None else (backend, *micro_batch_backends))
-        for extra in micro_batch_backends:
-            extra.stats = backend.stats  # type: ignore[union-attr]
         self._calls: dict[int, _Call] = {}
 
     @property
     def stats(self) -> DispatchStats:
-        """What this layer sent: the backend's counters (read when asked, not per call)."""
-        return self.backend.stats if self.backend is not None else self._no_stats
+        """What this layer sent: the backend's counters, summed over its micro-batch objects
+        (read when asked, not per call)."""
+        if self.backend is None:
+            return self._no_stats
+        if len(self._backends) == 1:
+            return self.backend.stats
+        return DispatchStats.total([b.stats for b in self._backends])
 
     # -- capabilities ------------------------------------------------------------------------
     @property

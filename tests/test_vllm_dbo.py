@@ -51,7 +51,8 @@ def test_two_interleaved_micro_batches_equal_two_sequential_calls(rank_pool, bac
     on = pool.run(vllm_dbo_rank_fns.run_dbo_kernel, backend, layout, cfg, strategy, 7, True)
     off = pool.run(vllm_dbo_rank_fns.run_dbo_kernel, backend, layout, cfg, strategy, 7, False)
     for rank, (a, b) in enumerate(zip(on, off)):
-        assert a["async_"] and a["calls"] == 2 and a["pending_after"] == 0
+        # two prepares, counted over both micro-batch objects; nothing left in flight
+        assert a["async_"] and a["calls"] == a["dispatches"] == 2 and a["pending_after"] == 0
         torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=0,
                                    msg=lambda m: f"rank {rank}: {m}")
     assert_matches_reference(on, layout, cfg, 7)
@@ -60,8 +61,12 @@ def test_two_interleaved_micro_batches_equal_two_sequential_calls(rank_pool, bac
 @pytest.mark.multirank
 @pytest.mark.vllm
 def test_sync_path_under_dbo_equals_sequential(rank_pool):
-    """Overlap switched off (supports_async False): vLLM calls the synchronous prepare/finalize
-    under DBO, which it allows because our adapter says supports_dbo()."""
+    """Overlap switched off (supports_async False): vLLM 0.33 calls the synchronous
+    prepare/finalize under DBO, which it allows because our adapter says supports_dbo()."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+
+    if not hasattr(mk.FusedMoEPrepareAndFinalizeModular, "supports_dbo"):
+        pytest.skip("this vLLM (0.32) refuses DBO for a prepare/finalize without async hooks")
     layout, cfg, pool = ParallelLayout(2, 1, True), _cfg(), rank_pool(2)
     on = pool.run(vllm_dbo_rank_fns.run_dbo_kernel, "deepep_ll", layout, cfg, S.LOCAL, 5, True,
                   False)

@@ -87,7 +87,9 @@ def run_dbo_kernel(rank: int, world: int, backend_name: str, layout: ParallelLay
                     out = kernel.apply(
                         hidden_states=x[part], w1=local.w13, w2=local.w2,
                         topk_weights=topk_weights[part],
-                        topk_ids=topk_ids[part].to(torch.int32), activation=MoEActivation.SILU,
+                        # as vLLM's router hands them: the class's index dtype, else int32
+                        topk_ids=topk_ids[part].to(pf.topk_indices_dtype() or torch.int32),
+                        activation=MoEActivation.SILU,
                         global_num_experts=cfg.num_experts, expert_map=expert_map,
                         apply_router_weight_on_input=False)
                     peak[0] = max(peak[0], runtime.pending_receives)
@@ -99,7 +101,8 @@ def run_dbo_kernel(rank: int, world: int, backend_name: str, layout: ParallelLay
             outs = [_reduce(kernel, layout, ctx, weights, x[p], r)
                     for p, r in zip(_split(num_tokens), routed)]
             return dict(out=torch.cat(outs), calls=getattr(pf, "calls", None),
-                        rows_sent=backend.stats.rows, pending_after=runtime.pending_receives,
+                        dispatches=None if in_tree else pf.stats.calls,  # type: ignore[attr-defined]
+                        pending_after=runtime.pending_receives,
                         async_=pf.supports_async())
         finally:
             for b in (backend, second):

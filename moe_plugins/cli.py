@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["tp_sharded", "replicated"],
                       help="how the shared expert's weights sit on TP ranks (the default "
                       "strategy a layer picks)")
-    plan.add_argument("--shared-expert-budget-gb", type=_positive_float, metavar="GIB",
+    plan.add_argument("--shared-expert-budget-gb", type=float, metavar="GIB",
                       help="GiB per rank the shared experts of all MoE layers may take: SP "
                       "(replicated shared experts) is recommended only when they fit (default: "
                       "no limit)")

@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
-    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers",
+    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
+    "import_vendor",
 ]
 
 #: Hidden sizes the low-latency kernels are compiled for (DeepEP V1 and nixl_ep SWITCH_HIDDEN).
@@ -136,7 +137,8 @@ def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exps.flatten(-2).float() - 127.0)
 
 
-def _import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+    """Import a backend's vendor package; ImportError naming the install step when missing."""
     try:
         return importlib.import_module(required.module)
     except ImportError as e:
@@ -179,6 +181,13 @@ _BUFFERS = _BufferCache()
 _PADDING_LOGGED: set[tuple] = set()
 
 
+def buffer_cache() -> _BufferCache:
+    """The process's reference-counted cache of vendor buffers (``acquire(key, create, destroy)``
+    / ``release(key)``); every DeepEP and NIXL EP manager keeps its buffer here, so
+    :func:`destroy_all_buffers` frees them all."""
+    return _BUFFERS
+
+
 def destroy_all_buffers() -> None:
     """Destroy every cached low-latency buffer of this process (engine teardown, tests). The
     managers that used them must not be used afterwards."""
@@ -212,7 +221,7 @@ class LowLatencyManager(ABC):
         self._check_layer(cfg)
         self.kernel_hidden = kernel_hidden_size(cfg.hidden, self.options.pad_hidden,
                                                 self.backend_name)
-        self.lib = _import_vendor(self.required, self.backend_name)
+        self.lib = import_vendor(self.required, self.backend_name)
         self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
         self.group = ctx.ep_group

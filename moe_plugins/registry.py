@@ -88,6 +88,8 @@ class BackendSpec:
     priority: int = 0
     # activation dtypes the kernels take; None: any
     dtypes: Optional[frozenset[torch.dtype]] = None
+    # EP group sizes the kernels run on (with EP on); None: any
+    ep_sizes: Optional[frozenset[int]] = None
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be built on this machine, else exactly why not."""
@@ -179,6 +181,8 @@ def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme
             why.append(f"no DP (dp={layout.dp})")
         if layout.tp > 1 and not c.tp:
             why.append(f"no TP inside the EP group (tp={layout.tp})")
+    if layout.ep and spec.ep_sizes is not None and layout.ep_size not in spec.ep_sizes:
+        why.append(f"EP size {layout.ep_size} not in {sorted(spec.ep_sizes)}")
     if quant not in spec.quants:
         why.append(f"quant {quant.value} not in {sorted(q.value for q in spec.quants)}")
     if require_available:

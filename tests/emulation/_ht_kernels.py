@@ -120,6 +120,14 @@ class EventHandle:
 _HEADER_INTS = 4  # int4 header: source token index, 3 reserved
 
 
+def _field(msgs: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes [start, stop) of each message row as ``dtype`` [num_msgs, n]."""
+    width = (stop - start) // torch.empty((), dtype=dtype).element_size()
+    if msgs.shape[0] == 0:
+        return torch.empty(0, width, dtype=dtype)
+    return msgs[:, start:stop].clone(memory_format=torch.contiguous_format).view(dtype)
+
+
 class EmulatedNormalRuntime:
     """The intranode normal-mode part of the C++ runtime, on the message transport of the
     low-latency emulation (``transport._send``)."""
@@ -266,11 +274,12 @@ class EmulatedNormalRuntime:
         per_expert_list: list[int] = []
         if not cached and num_worst_tokens == 0:
             assert num_tokens_per_expert is not None
-            blocks = [torch.empty(num_local, dtype=torch.int32) for _ in range(r)]
-            dist.all_gather(blocks, num_tokens_per_expert.view(r, num_local)[rank].contiguous(),
-                            group=self.transport.group)
+            # every sender's counts for this rank's experts, summed
+            blocks = [torch.empty(num_experts, dtype=torch.int32) for _ in range(r)]
+            dist.all_gather(blocks, num_tokens_per_expert.contiguous(), group=self.transport.group)
+            mine = torch.stack(blocks).view(r, r, num_local)[:, rank].sum(dim=0)
             a = max(expert_alignment, 1)
-            per_expert_list = [-(-int(c) // a) * a for c in torch.stack(blocks).sum(dim=0).tolist()]
+            per_expert_list = [-(-int(c) // a) * a for c in mine.tolist()]
 
         # One message per (token, destination rank), in token order for each destination.
         tok, dest = is_token_in_rank.nonzero(as_tuple=True)
@@ -309,18 +318,18 @@ class EmulatedNormalRuntime:
             msgs, _src = wait()
             host_assert(msgs.shape[0] == num_real, "emulation: received rows != counts")
             off = 4 * _HEADER_INTS
-            recv_src_idx[:num_real] = msgs[:, :off].contiguous().view(torch.int32)[:, 0]
+            recv_src_idx[:num_real] = _field(msgs, 0, off, torch.int32)[:, 0]
             row = hidden * x.element_size()
-            recv_x[:num_real] = msgs[:, off:off + row].contiguous().view(x.dtype).view(-1, hidden)
+            recv_x[:num_real] = _field(msgs, off, off + row, x.dtype)
             off += row
             if recv_scales is not None:
                 nb = num_scales * 4
-                recv_scales[:num_real] = msgs[:, off:off + nb].contiguous().view(recv_scales.dtype)
+                recv_scales[:num_real] = _field(msgs, off, off + nb, recv_scales.dtype)
                 off += nb
             if recv_ids is not None and recv_weights is not None:
-                recv_ids[:num_real] = msgs[:, off:off + num_topk * 8].contiguous().view(torch.int64)
+                recv_ids[:num_real] = _field(msgs, off, off + num_topk * 8, torch.int64)
                 off += num_topk * 8
-                recv_weights[:num_real] = msgs[:, off:off + num_topk * 4].contiguous().view(torch.float32)
+                recv_weights[:num_real] = _field(msgs, off, off + num_topk * 4, torch.float32)
                 if num_worst_tokens > 0:
                     recv_weights[num_real:] = 0.0
 
@@ -408,8 +417,8 @@ class EmulatedNormalRuntime:
         def recv() -> None:
             msgs, _src = wait()
             off = 4 * _HEADER_INTS
-            tok = msgs[:, :off].contiguous().view(torch.int32)[:, 0].long()
-            vals = msgs[:, off:off + hidden * 2].contiguous().view(torch.bfloat16).float()
+            tok = _field(msgs, 0, off, torch.int32)[:, 0].long()
+            vals = _field(msgs, off, off + hidden * 2, torch.bfloat16).float()
             acc = torch.zeros(n, hidden, dtype=torch.float32)
             acc.index_add_(0, tok, vals.view(-1, hidden))
             for bias in (bias_0, bias_1):
@@ -417,7 +426,7 @@ class EmulatedNormalRuntime:
                     acc += bias.float()
             combined.copy_(acc.to(x.dtype))
             if combined_weights is not None:
-                w = msgs[:, off + hidden * 2:].contiguous().view(torch.float32).view(-1, num_topk)
+                w = _field(msgs, off + hidden * 2, off + hidden * 2 + num_topk * 4, torch.float32)
                 wacc = torch.zeros(n, num_topk, dtype=torch.float32)
                 wacc.index_add_(0, tok, w)
                 combined_weights.copy_(wacc)

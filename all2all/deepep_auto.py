@@ -14,18 +14,14 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from all2all.deepep import DeepEPLLManager, DeepEPLLOptions
 from all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, normal_mode_bytes
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 
-__all__ = ["DeepEPAutoOptions", "DeepEPAutoLLManager", "DeepEPAutoManager",
-           "DEFAULT_LL_MAX_TOKENS"]
-
-#: SGLang's default low-latency capacity for --deepep-mode auto (its CUDA-graph batch bound).
-DEFAULT_LL_MAX_TOKENS = 128
+__all__ = ["DeepEPAutoOptions", "DeepEPAutoLLManager", "DeepEPAutoManager"]
 # Buffers that ran normal mode since their last low-latency call. Per buffer, not per manager:
 # the layers of a model share one buffer, and any of them may be the next to run low-latency.
 _NEEDS_CLEAN: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -37,16 +33,17 @@ class DeepEPAutoOptions(DeepEPLLOptions):
     (:class:`all2all.deepep.DeepEPLLOptions`) plus
 
     ll_max_tokens_per_rank: the low-latency buffers' token capacity (rounded up as the kernels
-        need), capped by ``DispatchConfig.max_tokens_per_rank``. Calls with at most this many
-        tokens on every rank, and every CUDA-graph capture, take the low-latency kernels;
-        larger calls take normal mode. Bigger means more LL buffer memory (and NVSHMEM QP depth,
-        ``2 * (tokens + 1)``).
+        need), at most ``DispatchConfig.max_tokens_per_rank``; None: that value (as deepep_ll
+        sizes its buffers; under vLLM the MoE chunk size ``moe.max_num_tokens``). Calls with at
+        most this many tokens on every rank, and every CUDA-graph capture, take the low-latency
+        kernels; larger calls (and, under vLLM, prefill passes) take normal mode. Bigger means
+        more low-latency buffer memory and NVSHMEM QP depth (``2 * (tokens + 1)``).
     """
 
-    ll_max_tokens_per_rank: int = DEFAULT_LL_MAX_TOKENS
+    ll_max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.ll_max_tokens_per_rank < 1:
+        if self.ll_max_tokens_per_rank is not None and self.ll_max_tokens_per_rank < 1:
             raise ValueError(f"ll_max_tokens_per_rank must be >= 1, got "
                              f"{self.ll_max_tokens_per_rank}")
 
@@ -86,7 +83,8 @@ class DeepEPAutoManager:
             raise TypeError(f"deepep_auto: backend_options must be a DeepEPAutoOptions, got "
                             f"{type(options).__name__}; pass DispatchConfig(backend_options="
                             "DeepEPAutoOptions(...))")
-        cap = min(options.ll_max_tokens_per_rank, cfg.max_tokens_per_rank)
+        cap = min(options.ll_max_tokens_per_rank or cfg.max_tokens_per_rank,
+                  cfg.max_tokens_per_rank)
         self.ll_cfg = dataclasses.replace(cfg, max_tokens_per_rank=cap, backend_options=options)
         self.ht_cfg = dataclasses.replace(cfg, backend_options=DeepEPHTOptions(
             allow_mnnvl=options.allow_mnnvl))

@@ -49,6 +49,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
+from moe_plugins.vllm_batch_hint import batch_hint
 from moe_plugins.vllm_plugin import PluginSettings, plugin_settings, registry_name
 
 logger = logging.getLogger(__name__)
@@ -385,6 +386,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         layout = self.ctx.layout
         owned = slice_owned(owned_rows(a1.shape[0], layout.tp, self.ctx.tp_rank), a1, topk_ids,
                             topk_weights)
+        # per-call backends (deepep_auto) pick their transport from what every rank agrees on
+        self.backend.set_batch_hint(batch_hint(a1.shape[0], layout))
         sent = self.backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
                                           quant)
         self._call = _Call(owned)

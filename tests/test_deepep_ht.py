@@ -54,7 +54,7 @@ def test_layer_matches_reference(rank_pool, backend, quant, layout, strategy, nu
         assert s["calls"] == 1 and s["pairs"] == r["owned"] * cfg.num_topk  # the owned slice
         assert (s["sf_bytes"] > 0) == (quant.quantized_on_wire and r["owned"] > 0)
         if backend == "deepep_auto":
-            assert s["modes"] == {"low_latency": 1}  # 9 tokens fit the default capacity
+            assert s["modes"] == {"low_latency": 1}  # the default capacity: max_tokens_per_rank
 
 
 @pytest.mark.multirank
@@ -75,9 +75,12 @@ def test_large_batch_matches_reference(rank_pool, quant, layout, strategy):
     """4096 tokens per DP group (a prefill batch): deepep_ht; deepep_auto takes normal mode."""
     cfg = _cfg(hidden=256, intermediate=16, shared_intermediate=32)
     pool = rank_pool(layout.world_size)
+    from all2all.deepep_auto import DeepEPAutoOptions
+
     for backend in BACKENDS:
+        options = DeepEPAutoOptions(ll_max_tokens_per_rank=128) if backend == "deepep_auto" else None
         results = pool.run(ht_rank_fns.run_ht_layer, backend, layout, cfg, strategy, 4096, quant,
-                           0, 4096)
+                           0, 4096, options)
         assert_matches_reference(results, layout, cfg, 4096, quant)
         if backend == "deepep_auto":
             assert all(r["stats"]["modes"] == {"normal": 1} for r in results)

@@ -148,10 +148,13 @@ def contiguous_expert_map(num_experts: int, ep_size: int, rank: int) -> torch.Te
 def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                     strategy: ReductionStrategy, num_tokens: int, overlap: bool,
                     seed: int = 0, expert_map: Optional[torch.Tensor] = None,
-                    batched: bool = False) -> dict:
+                    batched: bool = False, backend_name: str = "torch",
+                    backend_options: Any = None, in_tree_pf: Any = None) -> dict:
     """vLLM's FusedMoEKernel with our prepare/finalize on this rank, then the runner's reduction:
     ``output_is_reduced()`` False -> all_reduce(shared partial + routed) over TP; True -> routed +
-    all_reduce(shared partial). Returns the layer output and what ran."""
+    all_reduce(shared partial). Returns the layer output and what ran. ``backend_name``: the
+    registered backend under the adapter; ``in_tree_pf(ctx, moe)``: build a vLLM in-tree
+    prepare/finalize instead of ours."""
     ctx = cached_dist_context(layout)
     weights = MoEWeights.random(cfg, seed)
     local = weights.local_experts(layout.ep_size, rank)
@@ -161,31 +164,34 @@ def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
         from moe_plugins.config import DispatchConfig
 
         dispatch = DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1),
-                                  cfg.dtype)
+                                  cfg.dtype, backend_options=backend_options)
         if batched:
             from all2all.torch_manager import TorchAll2AllManager
             from batched_backend import BatchedTorchPrepareFinalize
 
             backend = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch), dispatch)
         else:
-            backend = get_backend("torch").build(ctx, dispatch)
-    pf = MoEPluginsPrepareAndFinalize(backend, "torch", ctx, StrategyChoice(strategy, "test"),
+            backend = get_backend(backend_name).build(ctx, dispatch)
+    pf = MoEPluginsPrepareAndFinalize(backend, backend_name, ctx, StrategyChoice(strategy, "test"),
                                       OverlapConfig(overlap=overlap), cfg.num_experts,
                                       QuantScheme.NONE)
-    if pf.batched:
+    if in_tree_pf is not None:
+        pf = in_tree_pf(ctx, moe)
+    if getattr(pf, "batched", False):
         experts: TorchExpertsModular = TorchBatchedExpertsModular(
             moe, FusedMoEQuantConfig.make(), max_num_tokens=pf.max_num_tokens_per_rank(),
             num_dispatchers=pf.num_dispatchers())
     else:
         experts = TorchExpertsModular(moe, FusedMoEQuantConfig.make())
-    kernel = mk.FusedMoEKernel(pf, experts)
+    kernel = mk.FusedMoEKernel(pf, experts)  # type: ignore[arg-type]
 
     x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
     topk_weights, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
     if expert_map is None:
         expert_map = contiguous_expert_map(cfg.num_experts, layout.ep_size, rank)
     routed = kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2,
-                          topk_weights=topk_weights, topk_ids=topk_ids.to(torch.int32),
+                          topk_weights=topk_weights,
+                          topk_ids=topk_ids.to(pf.topk_indices_dtype() or torch.int32),
                           activation=MoEActivation.SILU, global_num_experts=cfg.num_experts,
                           expert_map=expert_map, apply_router_weight_on_input=False)
     shared_weights = weights.shared(layout.tp, ctx.tp_rank)
@@ -199,5 +205,11 @@ def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
         out = shared + routed
         if layout.tp > 1:
             dist.all_reduce(out, group=tp_group)
-    return dict(out=out, output_is_reduced=kernel.output_is_reduced(), calls=pf.calls,
-                rows_sent=pf.stats.rows, async_=pf.supports_async(), batched=pf.batched)
+    stats = getattr(pf, "stats", None)
+    destroy = getattr(getattr(backend, "manager", None), "destroy", None)
+    if destroy is not None:
+        destroy()
+    return dict(out=out, output_is_reduced=kernel.output_is_reduced(),
+                calls=getattr(pf, "calls", None), rows_sent=getattr(stats, "rows", None),
+                modes=dict(getattr(stats, "modes", {}) or {}), async_=pf.supports_async(),
+                batched=getattr(pf, "batched", False))

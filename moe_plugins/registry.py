@@ -90,6 +90,10 @@ class BackendSpec:
     dtypes: Optional[frozenset[torch.dtype]] = None
     # EP group sizes the kernels run on (with EP on); None: any
     ep_sizes: Optional[frozenset[int]] = None
+    # backends that pick their transport per call: the wire format (BATCHED: one row per
+    # (token, expert) pair; STANDARD: per (token, rank)) of a call whose busiest rank hands
+    # prepare this many rows; None: always the capabilities' activation format
+    wire_format_for: Optional[Callable[[int], ActivationFormat]] = None
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be built on this machine, else exactly why not."""

@@ -40,11 +40,21 @@ from prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeepEPAutoPrepareFinalize", "SPEC", "LOW_LATENCY", "NORMAL"]
+__all__ = ["DeepEPAutoPrepareFinalize", "SPEC", "LOW_LATENCY", "NORMAL", "PLANNED_CAPACITY",
+           "planned_wire_format"]
 
 LOW_LATENCY = "low_latency"
 NORMAL = "normal"
+#: The capacity `moe-plugins plan` assumes: the default max_tokens_per_rank of a MoELayer and
+#: vLLM's default MoE chunk (VLLM_MOE_DP_CHUNK_SIZE), which the capacity defaults to.
+PLANNED_CAPACITY = 256
 _LOGGED: set[tuple] = set()
+
+
+def planned_wire_format(max_rows_per_rank: int) -> ActivationFormat:
+    """The wire format `moe-plugins plan` counts for a call (see :data:`PLANNED_CAPACITY`)."""
+    return (ActivationFormat.BATCHED if max_rows_per_rank <= PLANNED_CAPACITY
+            else ActivationFormat.STANDARD)
 
 
 class DeepEPAutoPrepareFinalize(PrepareFinalize):
@@ -178,4 +188,5 @@ SPEC = BackendSpec(
     priority=28,
     ep_sizes=EP_SIZES,
     dtypes=frozenset({torch.bfloat16}),
+    wire_format_for=planned_wire_format,
 )

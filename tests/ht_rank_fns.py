@@ -125,3 +125,19 @@ def build_ht(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: M
                         num_qps_per_rank=b.num_qps_per_rank)
         finally:
             pf.manager.destroy()
+
+
+def measure_deepep_layer(rank: int, world: int, *args: Any, **kwargs: Any) -> dict:
+    """:func:`plan_rank_fns.measure_layer` on the emulated deep_ep."""
+    from plan_rank_fns import measure_layer
+
+    with installed("deep_ep"):
+        return measure_layer(rank, world, *args, **kwargs)
+
+
+def demo_rank(rank: int, world: int, *args: Any) -> dict:
+    """The CPU demo's rank function (:func:`moe_plugins.demo._demo_rank`) on the emulation."""
+    from moe_plugins.demo import _demo_rank
+
+    with installed("deep_ep"):
+        return _demo_rank(rank, world, *args)

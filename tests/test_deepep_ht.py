@@ -267,3 +267,54 @@ def test_wrong_options_type_is_a_type_error(rank_pool, backend):
         rank_pool(2).run(ht_rank_fns.build_ht, backend, ParallelLayout(2, 1, True), _cfg(),
                          object())
     assert e.value.exc_type == "TypeError" and "backend_options" in e.value.message
+
+
+# -- the plan counts normal mode as measured ----------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout,strategy", [LAYER_CASES[0], LAYER_CASES[1]], ids=LAYER_IDS[:2])
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+def test_plan_equals_measured_normal_mode(rank_pool, quant, layout, strategy):
+    """deepep_ht: one row per (token, destination rank); with the routing prepare received,
+    the plan's rows and bytes are exactly what the backend counted."""
+    from moe_plugins.plan import Routing, plan_layer
+
+    cfg = _cfg(hidden=256, intermediate=16, shared_intermediate=32)
+    tokens = (5,) * layout.dp
+    results = rank_pool(layout.world_size).run(ht_rank_fns.measure_deepep_layer, layout, cfg,
+                                               strategy, tokens, quant, 0, "deepep_ht")
+    assert_matches_reference(results, layout, cfg, list(tokens), quant)
+    routing = Routing.from_topk_ids([r["prepared_topk_ids"] for r in results], cfg.num_experts)
+    plan = plan_layer(cfg, layout, tokens, get_backend("deepep_ht"), quant, routing=routing)
+    assert not plan.wire.per_pair
+    for rp, res in zip(plan.strategy(strategy).ranks, results):
+        st = res["stats"]
+        assert rp.pairs == st["pairs"]
+        for planned, key in ((rp.rows, "rows"), (rp.act_bytes, "act_bytes"),
+                             (rp.sf_bytes, "sf_bytes"), (rp.meta_bytes, "meta_bytes"),
+                             (rp.combine_bytes, "combine_bytes")):
+            assert planned.is_exact and planned.min == st[key], (rp.rank, key, planned, st[key])
+
+
+def test_plan_counts_deepep_auto_in_the_mode_it_takes():
+    from moe_plugins.plan import plan_layer
+    from prepare_finalize.deepep_auto import PLANNED_CAPACITY
+
+    layout, cfg, spec = ParallelLayout(2, 2, True), _cfg(), get_backend("deepep_auto")
+    small = plan_layer(cfg, layout, 2 * PLANNED_CAPACITY, spec)  # 256 owned rows per rank
+    large = plan_layer(cfg, layout, 2 * PLANNED_CAPACITY + 1, spec)
+    assert small.wire.per_pair and not large.wire.per_pair
+    rp = small.recommended.ranks[0]
+    assert rp.rows.is_exact and rp.rows.min == PLANNED_CAPACITY * cfg.num_topk
+
+
+@pytest.mark.multirank
+def test_demo_counts_the_calls_of_each_mode(rank_pool):
+    """The demo's rank function reports deepep_auto's calls per mode (the counted call plus the
+    timed ones); the CLI prints them under its table."""
+    layout, cfg = ParallelLayout(2, 1, True), _cfg(hidden=256, intermediate=16,
+                                                   shared_intermediate=32)
+    results = rank_pool(2).run(ht_rank_fns.demo_rank, layout, cfg, "deepep_auto", S.LOCAL, 4,
+                               BF16, 0, 2)
+    # the demo sizes the buffers for its batch, so every call fits the low-latency side
+    assert all(r["modes"] == {"low_latency": 3} for r in results)

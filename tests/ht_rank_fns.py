@@ -141,3 +141,51 @@ def demo_rank(rank: int, world: int, *args: Any) -> dict:
 
     with installed("deep_ep"):
         return _demo_rank(rank, world, *args)
+
+
+def raw_normal_mode(rank: int, world: int, num_tokens: int, num_experts: int, hidden: int,
+                    num_topk: int) -> dict:
+    """DeepEP's own intranode test pattern (tests/test_intranode.py), on the emulated Buffer:
+    rows of value `rank`, layout, dispatch (async, cached, num_worst_tokens), combine."""
+    import torch.distributed as dist
+
+    with installed("deep_ep"):
+        import deep_ep
+
+        g = torch.Generator().manual_seed(rank)
+        scores = torch.rand(num_tokens, num_experts, generator=g) + 1
+        topk_idx = torch.topk(scores, num_topk, dim=-1, sorted=False)[1].to(deep_ep.topk_idx_t)
+        topk_idx[0, 0] = -1 if num_tokens else 0  # -1 selects nothing
+        x = torch.full((num_tokens, hidden), float(rank), dtype=torch.bfloat16)
+        topk_weights = torch.full((num_tokens, num_topk), float(rank))
+        bytes_ = max(c.get_nvl_buffer_size_hint(hidden * 2, world)
+                     for c in (deep_ep.Buffer.get_dispatch_config(world),
+                               deep_ep.Buffer.get_combine_config(world)))
+        buffer = deep_ep.Buffer(dist.group.WORLD, bytes_, 0, explicitly_destroy=True)
+        try:
+            per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx,
+                                                                                    num_experts)
+            args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                        topk_weights=topk_weights)
+            recv_x, recv_ids, recv_w, counts, handle, event = buffer.dispatch(
+                x, async_finish=True, **args)
+            poisoned = bool(torch.isnan(recv_x.float()).all()) if recv_x.numel() else True
+            event.current_stream_wait()
+            worst = buffer.dispatch(x, num_worst_tokens=num_tokens * world, **args)
+            cached = buffer.dispatch(x, handle=handle)[0]
+            combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+            aligned = buffer.dispatch(x, expert_alignment=4, **args)[3]
+            try:
+                buffer.dispatch(x.float(), **args)  # fp32 rows of 8 values: allowed by dispatch
+                buffer.combine(recv_x.float(), handle)  # the combine is bf16 only
+                combine_error = None
+            except RuntimeError as e:
+                combine_error = str(e)
+            return dict(topk_idx=topk_idx, per_rank=per_rank, per_rdma=per_rdma,
+                        per_expert=per_expert, in_rank=in_rank, recv_x=recv_x, recv_ids=recv_ids,
+                        recv_w=recv_w, counts=counts, rank_prefix=handle[0], poisoned=poisoned,
+                        worst=worst[:4], cached=cached, combined=combined, combined_w=combined_w,
+                        aligned=aligned, combine_error=combine_error)
+        finally:
+            buffer.destroy()

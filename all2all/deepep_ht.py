@@ -26,7 +26,7 @@ import torch.distributed as dist
 from all2all.deepep import DEEPEP_PACKAGE
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.low_latency import buffer_cache, import_vendor
+from moe_plugins.low_latency import buffer_cache, check_kernel_layer, import_vendor
 from moe_plugins.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -79,21 +79,13 @@ def normal_mode_bytes(lib: Any, num_ranks: int, hidden: int, dtype: torch.dtype)
 
 def check_normal_mode_layer(cfg: DispatchConfig, backend: str) -> None:
     """Layer checks of the normal-mode kernels that need no process group (raise ValueError)."""
-    if cfg.dtype != torch.bfloat16:
-        raise ValueError(f"{backend}: DeepEP's normal-mode combine reduces bfloat16 only, the layer "
-                         f"is {cfg.dtype}; build the layer in torch.bfloat16 or use another backend "
-                         "(e.g. 'torch')")
-    if cfg.num_topk > MAX_TOPK:
-        raise ValueError(f"{backend}: num_topk={cfg.num_topk} exceeds the normal-mode dispatch "
-                         f"kernel's limit of {MAX_TOPK}; use another backend (e.g. 'torch')")
+    check_kernel_layer(cfg, backend, "DeepEP's normal-mode combine reduces bfloat16 only",
+                       MAX_TOPK, HT_QUANTS)
     if cfg.hidden * 2 % _ROW_ALIGN_BYTES or (cfg.quant.quantized_on_wire
                                               and cfg.hidden % _ROW_ALIGN_BYTES):
         raise ValueError(f"{backend}: hidden={cfg.hidden} gives rows that are not a multiple of "
                          f"{_ROW_ALIGN_BYTES} bytes (DeepEP moves rows as int4 vectors); use a "
                          "hidden size that is a multiple of 16")
-    if cfg.quant.scheme not in HT_QUANTS:
-        raise ValueError(f"{backend}: quant scheme {cfg.quant.scheme.value} is not supported; "
-                         f"supported: {sorted(q.value for q in HT_QUANTS)}")
 
 
 def _check_ranks(num_ranks: int, backend: str) -> None:

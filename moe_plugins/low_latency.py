@@ -51,7 +51,7 @@ __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
     "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
-    "import_vendor",
+    "import_vendor", "check_kernel_layer",
 ]
 
 #: Hidden sizes the low-latency kernels are compiled for (DeepEP V1 and nixl_ep SWITCH_HIDDEN).
@@ -85,6 +85,22 @@ class LowLatencyOptions:
 
     allow_nvlink: bool = True
     pad_hidden: bool = True
+
+
+def check_kernel_layer(cfg: DispatchConfig, backend: str, bf16_why: str, max_topk: int,
+                       quants: frozenset[QuantScheme]) -> None:
+    """The layer checks DeepEP-style kernels share (ValueError with the fix): bfloat16
+    activations (``bf16_why`` says which kernel needs them), top-k within the dispatch kernel's
+    limit, a quant scheme the kernels move."""
+    if cfg.dtype != torch.bfloat16:
+        raise ValueError(f"{backend}: {bf16_why}, the layer is {cfg.dtype}; build the layer in "
+                         "torch.bfloat16 or use another backend (e.g. 'torch')")
+    if cfg.num_topk > max_topk:
+        raise ValueError(f"{backend}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
+                         f"of {max_topk} experts per token; use another backend (e.g. 'torch')")
+    if cfg.quant.scheme not in quants:
+        raise ValueError(f"{backend}: quant scheme {cfg.quant.scheme.value} is not supported; "
+                         f"supported: {sorted(q.value for q in quants)}")
 
 
 def round_up_hidden_size(hidden: int) -> int:
@@ -273,17 +289,8 @@ class LowLatencyManager(ABC):
         return given
 
     def _check_layer(self, cfg: DispatchConfig) -> None:
-        name = self.backend_name
-        if cfg.dtype != torch.bfloat16:
-            raise ValueError(f"{name}: the low-latency kernels move bfloat16 activations, the layer "
-                             f"is {cfg.dtype}; build the layer in torch.bfloat16 or use another "
-                             "backend (e.g. 'torch')")
-        if cfg.num_topk > MAX_TOPK:
-            raise ValueError(f"{name}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
-                             f"of {MAX_TOPK} experts per token; use another backend (e.g. 'torch')")
-        if cfg.quant.scheme not in _QUANTS:
-            raise ValueError(f"{name}: quant scheme {cfg.quant.scheme.value} is not supported; "
-                             f"supported: {sorted(q.value for q in _QUANTS)}")
+        check_kernel_layer(cfg, self.backend_name, "the low-latency kernels move bfloat16 "
+                           "activations", MAX_TOPK, _QUANTS)
 
     def _check_limits(self) -> None:
         """Library-specific limits on the computed sizes (raise ValueError with the fix)."""

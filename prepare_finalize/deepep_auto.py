@@ -25,17 +25,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from all2all.deepep import DEEPEP_PACKAGE
 from all2all.deepep_auto import DeepEPAutoManager
-from all2all.deepep_ht import EP_SIZES, HT_QUANTS
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.formats import batched_as_standard, standard_as_batched
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
                                    PrepareResult, RowScatterTarget, check_prepare_inputs)
 from moe_plugins.quant import QuantSpec
-from moe_plugins.registry import BackendSpec, Capabilities
-from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, capturing
+from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, capturing, deepep_spec
 from prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
 
 logger = logging.getLogger(__name__)
@@ -173,20 +170,9 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         return self.ll.finalize_async(batched.contiguous(), topk_weights, topk_ids, output)
 
 
-SPEC = BackendSpec(
-    name="deepep_auto",
-    prepare_finalize=DeepEPAutoPrepareFinalize,
-    manager=DeepEPAutoManager,
-    capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                              recv_hook=True, activation_format=ActivationFormat.STANDARD),
-    quants=HT_QUANTS,
-    required=(DEEPEP_PACKAGE,),
-    needs_cuda=True,
-    description="DeepEP V1 low-latency for batches that fit its buffers and CUDA graphs, normal "
-                "mode above and for prefill (one buffer); STANDARD format for both",
+SPEC = deepep_spec(
+    "deepep_auto", DeepEPAutoPrepareFinalize, DeepEPAutoManager,
+    "DeepEP V1 low-latency for batches that fit its buffers and CUDA graphs, normal mode above "
+    "and for prefill (one buffer); STANDARD format for both",
     # after deepep_ll (auto-selection keeps its choice), before flashinfer and the reference
-    priority=28,
-    ep_sizes=EP_SIZES,
-    dtypes=frozenset({torch.bfloat16}),
-    wire_format_for=planned_wire_format,
-)
+    priority=28, wire_format_for=planned_wire_format)

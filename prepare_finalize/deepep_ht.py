@@ -31,7 +31,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMe
 from moe_plugins.quant import QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities
 
-__all__ = ["DeepEPHTPrepareFinalize", "SPEC", "capturing"]
+__all__ = ["DeepEPHTPrepareFinalize", "SPEC", "capturing", "deepep_spec"]
 
 
 def capturing() -> bool:
@@ -167,20 +167,24 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         return AsyncResult(event.current_stream_wait, lambda: write_output(output, combined))
 
 
-SPEC = BackendSpec(
-    name="deepep_ht",
-    prepare_finalize=DeepEPHTPrepareFinalize,
-    manager=DeepEPHTManager,
-    # sp: vLLM's use_sequence_parallel_moe lists deepep_high_throughput; tp: slicing before prepare
-    capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                              recv_hook=True, activation_format=ActivationFormat.STANDARD),
-    quants=HT_QUANTS,
-    required=(DEEPEP_PACKAGE,),
-    needs_cuda=True,
-    description="DeepEP V1 normal (high-throughput) dispatch/combine: NVLink + RDMA forwarding, "
-                "layout on the GPU, one row per (token, rank); prefill (no CUDA graphs)",
+def deepep_spec(name: str, prepare_finalize: type[PrepareFinalize], manager: type,
+                description: str, priority: int, **extra: Any) -> BackendSpec:
+    """The registry entry of a STANDARD-format DeepEP backend (deepep_ht, deepep_auto): the
+    capabilities, quants, EP sizes and dtype both share. sp: vLLM's use_sequence_parallel_moe
+    lists deepep_high_throughput; tp: TP slicing happens before prepare."""
+    return BackendSpec(
+        name=name, prepare_finalize=prepare_finalize, manager=manager,
+        capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
+                                  recv_hook=True, activation_format=ActivationFormat.STANDARD),
+        quants=HT_QUANTS, required=(DEEPEP_PACKAGE,), needs_cuda=True, description=description,
+        priority=priority, ep_sizes=EP_SIZES,
+        dtypes=frozenset({torch.bfloat16}),  # the normal-mode combine reduces bf16 only
+        **extra)
+
+
+SPEC = deepep_spec(
+    "deepep_ht", DeepEPHTPrepareFinalize, DeepEPHTManager,
+    "DeepEP V1 normal (high-throughput) dispatch/combine: NVLink + RDMA forwarding, layout on "
+    "the GPU, one row per (token, rank); prefill (no CUDA graphs)",
     # below deepep_ll: auto-selection cannot know the batch sizes; deepep_auto picks per call
-    priority=20,
-    ep_sizes=EP_SIZES,
-    dtypes=frozenset({torch.bfloat16}),  # the combine kernel reduces bf16 only
-)
+    priority=20)

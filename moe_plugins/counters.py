@@ -30,8 +30,9 @@ class DispatchStats:
         pair for per-expert layouts such as DeepEP LL).
     act_bytes / sf_bytes / meta_bytes: dispatch payload (activations, x_sf, topk ids+weights).
     combine_bytes: expert outputs sent back in combine.
-    modes: calls per transport mode, for backends that pick one per call (deepep_auto:
-        ``low_latency`` / ``normal``); empty for the others.
+    modes (an attribute, not a field: ``asdict`` keeps the byte and row counts only): calls per
+        transport mode, for backends that pick one per call (deepep_auto: ``low_latency`` /
+        ``normal``); empty for the others.
     A backend whose row counts exist only on the GPU leaves rows and bytes uncounted there rather
     than read them back (a device-to-host read per call would stall the stream); calls and pairs
     are always counted.
@@ -44,7 +45,9 @@ class DispatchStats:
     sf_bytes: int = 0
     meta_bytes: int = 0
     combine_bytes: int = 0
-    modes: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.modes: dict[str, int] = {}
 
     @property
     def dispatch_bytes(self) -> int:
@@ -52,7 +55,8 @@ class DispatchStats:
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
-            setattr(self, name, {} if name == "modes" else 0)
+            setattr(self, name, 0)
+        self.modes = {}
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ def run_ht_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cf
             x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), seed)
             with count_dist_calls() as calls:
                 out = layer(x)
-            stats = dataclasses.asdict(layer.dispatch_stats)
+            stats = dict(dataclasses.asdict(layer.dispatch_stats),
+                         modes=dict(layer.dispatch_stats.modes))
         finally:
             layer.destroy()
     rows = owned_rows(num_tokens, layout.tp, layout.tp_rank(rank))

@@ -53,7 +53,15 @@ class DeepEPLLManager(LowLatencyManager):
     combine_method = "low_latency_combine"
     update_mask_method = "low_latency_update_mask_buffer"
     query_mask_method = "low_latency_query_mask_buffer"
+    clean_mask_method = "low_latency_clean_mask_buffer"
     options: DeepEPLLOptions
+
+    @classmethod
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
+                       ) -> Optional[DeepEPLLOptions]:
+        """With the engine's fault tolerance on, DeepEP needs its mask buffer (``enable_shrink``),
+        as vLLM's in-tree DeepEP LL manager builds it; otherwise the defaults."""
+        return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None
 
     def _check_limits(self) -> None:
         # Buffer.low_latency_dispatch asserts qp_depth >= 2 * (max tokens + 1).

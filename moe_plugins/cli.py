@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -28,17 +28,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
         reason = spec.unavailable_reason()
         ep_dp, dp, tp, sp = spec.ep_dp_tp_support
         rows.append(dict(name=name, usable=reason is None, reason=reason, ep_dp=ep_dp, dp=dp,
-                         tp=tp, sp=sp, quants=sorted(q.value for q in spec.quants),
+                         tp=tp, sp=sp, placements=spec.capabilities.placements,
+                         quants=sorted(q.value for q in spec.quants),
                          distribution=spec.distribution))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     yn = {True: "yes", False: "no"}
     print(f"{'backend':<28} {'usable':<6} {'ep_dp':<5} {'dp':<3} {'tp':<3} {'sp':<3} "
-          f"{'quants':<32} reason")
+          f"{'placements':<10} {'quants':<32} reason")
     for r in rows:
         print(f"{r['name']:<28} {yn[r['usable']]:<6} {yn[r['ep_dp']]:<5} {yn[r['dp']]:<3} "
-              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {','.join(r['quants']):<32} {r['reason'] or ''}")
+              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {'any' if r['placements'] else 'linear':<10} "
+              f"{','.join(r['quants']):<32} {r['reason'] or ''}")
     return 0
 
 
@@ -142,7 +144,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple:
     layers = args.layers if args.layers is not None else (base.num_moe_layers if base else 1)
     if layers < 1:
         raise ValueError(f"--layers must be >= 1, got {layers}")
-    model = ModelSpec(cfg, layers, base.name if base else "flags")
+    sp_attention = args.sp_attention or (base.sp_attention if base else "reduce_scatter")
+    model = ModelSpec(cfg, layers, base.name if base else "flags", sp_attention)
     quant = QuantSpec(QuantScheme(args.quant), args.defer_input_quant)
     link = LinkModel(args.nvlink_gbps, args.nvlink_us, args.rdma_gbps, args.rdma_us,
                      args.gpus_per_node)
@@ -169,20 +172,26 @@ def _est_bytes(e: "Estimate") -> str:
     return f"{_size(e.expected, unit)} [{_size(e.min, unit)}..{_size(e.max, unit)}] {unit[0]}"
 
 
+def _collective_detail(rk: tuple, name: str) -> list[dict]:
+    """Per collective of ``RankPlan.<name>``: kind, bytes and wire bytes per rank, link, time."""
+    first = getattr(rk[0], name)
+    return [{"kind": c.kind, "bytes": [getattr(r, name)[i].bytes for r in rk],
+             "wire_bytes": [getattr(r, name)[i].wire_bytes for r in rk], "link": c.link,
+             "time_us": max(getattr(r, name)[i].time_us for r in rk)}
+            for i, c in enumerate(first)]
+
+
 def _plan_json(plan: "LayerPlan") -> list[dict]:
     rows = []
     for sp in plan.strategies:
         rk = sp.ranks
-        colls = [{"kind": c.kind, "bytes": [r.tp_collectives[i].bytes for r in rk],
-                  "wire_bytes": [r.tp_collectives[i].wire_bytes for r in rk], "link": c.link,
-                  "time_us": max(r.tp_collectives[i].time_us for r in rk)}
-                 for i, c in enumerate(rk[0].tp_collectives)]
 
         def per(name: str, rk: tuple = rk) -> list[dict]:
             return [getattr(r, name).as_dict() for r in rk]
 
         rows.append({
-            "strategy": sp.strategy.value, "recommended": sp.recommended, "reason": sp.reason,
+            "strategy": sp.strategy.value, "recommended": sp.recommended, "default": sp.default,
+            "reason": sp.reason,
             "layout": plan.layout.describe(), "backend": plan.backend,
             "quant": plan.quant.scheme.value, "defer_input_quant": plan.quant.defer_input_quant,
             "model": plan.model.name, "num_moe_layers": plan.model.num_moe_layers,
@@ -198,12 +207,22 @@ def _plan_json(plan: "LayerPlan") -> list[dict]:
             "recv_dispatch_bytes": [r.recv_dispatch_bytes.as_dict() for r in rk],
             "recv_sf_bytes": per("recv_sf_bytes"),
             "combine_bytes": per("combine_bytes"), "recv_combine_bytes": per("recv_combine_bytes"),
-            "tp_collectives": colls,
+            # the MoE block's TP collectives: the same integer as `moe-plugins demo --json`
+            "tp_collectives": sp.num_tp_collectives,
+            "tp_collective_detail": _collective_detail(rk, "tp_collectives"),
             "tp_collective_bytes": [r.tp_collective_bytes for r in rk],
+            # the whole decoder layer: the attention's reduction, then the MoE block's
+            "sp_attention": plan.model.sp_attention,
+            "decoder_tp_collectives": sp.num_decoder_tp_collectives,
+            "decoder_tp_collective_detail": _collective_detail(rk, "decoder_collectives"),
+            "decoder_tp_bytes": [r.decoder_tp_bytes for r in rk],
+            "decoder_tp_wire_bytes": [r.decoder_tp_wire_bytes for r in rk],
+            "wire_hidden": plan.wire.wire_hidden,
             "shared_weight_bytes": [r.shared_weight_bytes for r in rk],
             "expert_weight_bytes": [r.expert_weight_bytes for r in rk],
             "time_us": {"dispatch": sp.time.dispatch_us, "combine": sp.time.combine_us,
-                        "tp": sp.time.tp_us, "total": sp.time.total_us},
+                        "tp": sp.time.tp_us, "attention": sp.time.attention_us,
+                        "total": sp.time.total_us},
             "time_ms_all_layers": sp.time.total_us * plan.model.num_moe_layers / 1e3,
         })
     return rows
@@ -221,10 +240,15 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
     print(f"layout {lay.describe()} ({lay.world_size} ranks, {ln.gpus_per_node} GPUs/node) "
           f"backend={plan.backend} quant={q} tokens/DP group="
           + (f"{plan.num_tokens[0]}" if len(set(plan.num_tokens)) == 1 else str(list(plan.num_tokens))))
-    print(f"wire per row: act {w.act_bytes} B, x_sf {w.sf_bytes} B, meta {w.meta_bytes} B; "
+    padded = f" (hidden padded to {w.wire_hidden})" if w.wire_hidden != m.hidden else ""
+    print(f"wire per row{padded}: act {w.act_bytes} B, x_sf {w.sf_bytes} B, meta {w.meta_bytes} B; "
           f"combine {w.combine_bytes} B; "
           + ("one row per (token, expert) pair" if w.per_pair else
              "one row per (token, destination rank)"))
+    if plan.placement is not None:
+        print(f"expert placement: {plan.placement.describe()}"
+              + ("; uniform-routing rows assume no redundant copies, pass a measured routing"
+                 if plan.placement.num_redundant and not plan.routing_given else ""))
     print(f"link model: NVLink {ln.nvlink_gbps:g} GB/s + {ln.nvlink_latency_us:g} us, "
           f"RDMA {ln.rdma_gbps:g} GB/s + {ln.rdma_latency_us:g} us; communication only")
     if not w.per_pair and not plan.routing_given and any(s.dispatches for s in plan.strategies):
@@ -232,7 +256,7 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
         print(f"rows depend on routing: expected under uniform routing [exact min..max]; "
               f"a token reaches {hit:.2f} of {lay.ep_size} ranks on average")
     print("busiest rank per column:")
-    print(f"{'strategy':<24} {'TP collectives':<22} {'TP bytes':>11} {'pairs':>6} "
+    print(f"{'strategy':<24} {'decoder TP collectives':<36} {'TP bytes':>11} {'pairs':>6} "
           f"{'rows sent':<20} {'dispatch sent':<26} {'x_sf sent':<26} {'combine sent':<26} "
           f"{'shared W':>10} {'us/layer':>9} {'ms/fwd':>8}")
 
@@ -241,9 +265,9 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
 
     for sp in plan.strategies:
         rk = sp.ranks
-        colls = "+".join(c.kind for c in rk[0].tp_collectives) or "-"
-        print(f"{sp.strategy.value + ('*' if sp.recommended else ''):<24} {colls:<22} "
-              f"{_est_bytes(Estimate.exact(max(r.tp_collective_bytes for r in rk))):>11} "
+        colls = "+".join(c.kind for c in rk[0].decoder_collectives) or "-"
+        print(f"{sp.strategy.value + ('*' if sp.recommended else ''):<24} {colls:<36} "
+              f"{_est_bytes(Estimate.exact(max(r.decoder_tp_bytes for r in rk))):>11} "
               f"{max(r.pairs for r in rk):>6} "
               f"{_est(busiest(sp, 'rows')):<20} {_est_bytes(busiest(sp, 'dispatch_bytes')):<26} "
               f"{_est_bytes(busiest(sp, 'sf_bytes')):<26} "
@@ -257,12 +281,39 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
                       f"x_sf {_est(r.sf_bytes)} meta {_est(r.meta_bytes)} | recv rows "
                       f"{_est(r.recv_rows)} recv pairs {_est(r.recv_pairs)} | combine sent "
                       f"{_est(r.combine_bytes)} recv {_est(r.recv_combine_bytes)} | TP "
-                      + (", ".join(f"{c.kind} {c.bytes} B" for c in r.tp_collectives) or "-")
+                      + (", ".join(f"{c.kind} {c.bytes} B" for c in r.decoder_collectives)
+                         or "-")
                       + f" | shared W {r.shared_weight_bytes} B, experts W {r.expert_weight_bytes} B")
-    print(f"us/layer: dispatch + combine + TP collectives; ms/fwd: x {plan.model.num_moe_layers} "
-          "MoE layers")
+    print(f"per decoder layer: the attention's TP reduction (under SP: "
+          f"{plan.model.sp_attention}) + the MoE block's; TP bytes: contributed by the busiest "
+          f"rank; us/layer: dispatch + combine + TP collectives; ms/fwd: x "
+          f"{plan.model.num_moe_layers} MoE layers")
+    default = plan.default.strategy.value
+    print(f"* = recommended; a layer left to itself runs {default}")
     for sp in plan.strategies:
         print(("* " if sp.recommended else "  ") + f"{sp.strategy.value}: {sp.reason}")
+
+
+def _expert_placement(args: argparse.Namespace, model: Any, layout: Any) -> Any:
+    """--expert-placement and --redundant-experts -> an ExpertPlacement (None: linear, or EP
+    off). EPLB's copies: logical experts 0..N-1 once more, after the linear slots."""
+    from moe_plugins.placement import ExpertPlacement
+
+    e = model.moe.num_experts
+    if not layout.ep:
+        if args.expert_placement != "linear" or args.redundant_experts:
+            raise ValueError("--expert-placement / --redundant-experts need expert parallelism "
+                             "(--ep)")
+        return None
+    if args.redundant_experts:
+        if args.expert_placement != "linear":
+            raise ValueError("--redundant-experts builds EPLB's placement; leave "
+                             "--expert-placement at linear")
+        n = args.redundant_experts
+        return ExpertPlacement.eplb(list(range(e)) + [i % e for i in range(n)], layout.ep_size, e)
+    if args.expert_placement == "round_robin":
+        return ExpertPlacement.round_robin(e, layout.ep_size)
+    return None
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -279,9 +330,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--tokens-per-dp {args.tokens_per_dp!r}: expected comma-separated "
                              f"token counts, one per DP group ({layout.dp})") from None
+    budget = None
+    if args.shared_expert_budget_gb is not None:
+        if args.shared_expert_budget_gb < 0:
+            raise ValueError(f"--shared-expert-budget-gb must be >= 0, got "
+                             f"{args.shared_expert_budget_gb}")
+        budget = int(args.shared_expert_budget_gb * 2**30)
     plan = plan_layer(model, layout, tokens, get_backend(args.backend), quant, link=link,
                       shared_placement=SharedPlacement(args.shared_placement),
-                      single_collective=OverlapConfig.from_env().single_collective)
+                      single_collective=OverlapConfig.from_env().single_collective,
+                      shared_expert_budget_bytes=budget,
+                      placement=_expert_placement(args, model, layout))
     if args.json:
         for row in _plan_json(plan):
             print(json.dumps(row))
@@ -314,10 +373,23 @@ def build_parser() -> argparse.ArgumentParser:
                       "given as well override its values")
     plan.add_argument("--tokens-per-dp", metavar="N0,N1,...",
                       help="tokens of each DP group (instead of --tokens, for uneven DP groups)")
+    plan.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"],
+                      help="where the routed experts are (vLLM's --expert-placement-strategy)")
+    plan.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                      help="EPLB: N redundant expert copies (a multiple of the EP size)")
     plan.add_argument("--layers", type=int, help="MoE layers (default: from --model-config, else 1)")
     plan.add_argument("--shared-placement", default="tp_sharded",
                       choices=["tp_sharded", "replicated"],
-                      help="how the shared expert's weights sit on TP ranks (strategy choice)")
+                      help="how the shared expert's weights sit on TP ranks (the default "
+                      "strategy a layer picks)")
+    plan.add_argument("--shared-expert-budget-gb", type=float, metavar="GIB",
+                      help="GiB per rank the shared experts of all MoE layers may take: SP "
+                      "(replicated shared experts) is recommended only when they fit (default: "
+                      "no limit)")
+    plan.add_argument("--sp-attention", choices=["reduce_scatter", "all_reduce"],
+                      help="the attention's TP reduction under SP (default: from "
+                      "--model-config's family, DeepSeek reduce_scatter, Qwen all_reduce; else "
+                      "reduce_scatter)")
     plan.add_argument("--nvlink-gbps", type=float, default=450.0,
                       help="NVLink GB/s per GPU and direction (H100/H200 NVLink4: 450)")
     plan.add_argument("--nvlink-us", type=float, default=3.0, help="NVLink latency per message")

@@ -35,14 +35,18 @@ class ActivationFormat(enum.Enum):
     BATCHED = "batched"
 
 
-@dataclass(frozen=True)
+# The per-call results (ExpertTokensMeta, PrepareResult, AsyncResult, BatchHint) are plain
+# dataclasses, read
+# only by convention: each prepare/finalize builds them, and a frozen dataclass's __init__ (one
+# object.__setattr__ per field) costs about 0.8 us more per object on this hot path.
+@dataclass
 class ExpertTokensMeta:
     """expert_num_tokens: int32 [num_local_experts], received tokens per local expert."""
 
     expert_num_tokens: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrepareResult:
     """What a prepare hands the experts.
 
@@ -148,24 +152,28 @@ def check_prepare_inputs(
     hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> None:
     """hidden_states [num_tokens, hidden], topk_weights float [num_tokens, num_topk], topk_ids
-    int32/int64 [num_tokens, num_topk]; all from the same token slice."""
-    if hidden_states.dim() != 2:
-        raise ValueError(f"hidden_states must be [num_tokens, hidden], got {tuple(hidden_states.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
+    int32/int64 [num_tokens, num_topk]; all from the same token slice. (Called per prepare: each
+    shape is read once.)"""
+    h_shape, w_shape, ids_shape = hidden_states.shape, topk_weights.shape, topk_ids.shape
+    if len(h_shape) != 2:
+        raise ValueError(f"hidden_states must be [num_tokens, hidden], got {tuple(h_shape)}")
+    if topk_ids.dtype not in _TOPK_ID_DTYPES:
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}; "
                         "cast the router's indices with .to(torch.int64)")
     if not topk_weights.is_floating_point():
         raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
-    if (topk_ids.shape[0] != hidden_states.shape[0] or topk_weights.shape != topk_ids.shape
-            or topk_ids.dim() != 2):
+    if len(ids_shape) != 2 or ids_shape[0] != h_shape[0] or w_shape != ids_shape:
         raise ValueError(
-            f"hidden_states {tuple(hidden_states.shape)}, topk_ids {tuple(topk_ids.shape)} and "
-            f"topk_weights {tuple(topk_weights.shape)} must cover the same tokens: slice all three "
+            f"hidden_states {tuple(h_shape)}, topk_ids {tuple(ids_shape)} and "
+            f"topk_weights {tuple(w_shape)} must cover the same tokens: slice all three "
             "together with moe_plugins.layout.slice_owned"
         )
 
 
-@dataclass(frozen=True)
+_TOPK_ID_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass
 class BatchHint:
     """What an engine knows about the current forward pass, the SAME on every EP rank (a
     backend that picks its transport per call must pick the same one on every rank).
@@ -179,7 +187,7 @@ class BatchHint:
     prefill: Optional[bool] = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class AsyncResult:
     """``hook`` (None when nothing is left to wait for) completes the receive; ``receiver``
     returns the result once the hook has run."""
@@ -194,12 +202,16 @@ class PrepareFinalize(ABC):
     Subclasses implement ``prepare_async`` and ``finalize_async``; the synchronous ``prepare`` and
     ``finalize`` run the hook at once, so the async path and the sync path are the same code.
     Subclasses keep a :class:`moe_plugins.counters.DispatchStats` in ``self.stats`` and add to it
-    what they send (the layer runner and the plan tests read it).
+    what they send (the layer runner and the plan tests read it), or make ``stats`` a property
+    that builds it from cheaper per-call totals when read (the low-latency backends do).
     """
 
     stats: DispatchStats
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    #: True when :meth:`set_batch_hint` changes what the next call does (an engine then builds
+    #: the hint before each prepare; for other backends it skips that work).
+    uses_batch_hint: bool = False
 
     def supports_row_scatter_finalize(self) -> bool:
         """True when ``finalize`` accepts a :class:`RowScatterTarget`."""
@@ -211,6 +223,11 @@ class PrepareFinalize(ABC):
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return None
+
+    def post_init_setup(self, experts: object) -> None:
+        """Adapt the wire format to the experts that will read it, once, before the first call
+        (e.g. packed UE8M0 scales for experts whose ``supports_packed_ue8m0_act_scales()`` is
+        true). An engine calls it when it pairs this prepare/finalize with its experts."""
 
     @abstractmethod
     def num_dispatchers(self) -> int:
@@ -226,7 +243,9 @@ class PrepareFinalize(ABC):
     ) -> AsyncResult:
         """Send the owned tokens. hidden_states [num_tokens, hidden] (model dtype),
         topk_weights float32 [num_tokens, num_topk], topk_ids int [num_tokens, num_topk] with
-        GLOBAL expert ids. The receiver returns a :class:`PrepareResult`."""
+        PHYSICAL expert ids (:mod:`moe_plugins.placement`; physical expert p on EP rank
+        p // num_local; with linear placement and no redundant experts they are the model's
+        expert ids). The receiver returns a :class:`PrepareResult`."""
 
     @abstractmethod
     def finalize_async(

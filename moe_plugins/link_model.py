@@ -95,12 +95,32 @@ class LinkModel:
             return 0.0
         return (n - 1) * self.transfer_us(num_bytes, self.link(ranks))
 
+    def reduce_scatter_us(self, num_bytes: float, ranks: Sequence[int]) -> float:
+        """Ring reduce_scatter of a ``num_bytes`` input over ``ranks``: n - 1 steps of
+        num_bytes / n each (the first half of a ring all_reduce)."""
+        n = len(ranks)
+        if n < 2 or num_bytes <= 0:
+            return 0.0
+        return (n - 1) * self.transfer_us(num_bytes / n, self.link(ranks))
+
+    def collective_us(self, kind: str, num_bytes: float, ranks: Sequence[int]) -> float:
+        """Time of a ring ``kind`` ('all_reduce', 'all_gather', 'reduce_scatter'); ``num_bytes``
+        as :meth:`ring_wire_bytes` takes it."""
+        fns = {"all_reduce": self.all_reduce_us, "all_gather": self.all_gather_us,
+               "reduce_scatter": self.reduce_scatter_us}
+        if kind not in fns:
+            raise ValueError(f"unknown collective {kind!r}; expected one of {sorted(fns)}")
+        return fns[kind](num_bytes, ranks)
+
     @staticmethod
     def ring_wire_bytes(kind: str, num_bytes: int, n: int) -> int:
-        """Bytes one rank sends in a ring ``kind`` ('all_reduce' of a ``num_bytes`` tensor, or
-        'all_gather' contributing ``num_bytes``) over n ranks."""
+        """Bytes one rank sends in a ring ``kind`` over n ranks: 'all_reduce' of a ``num_bytes``
+        tensor, 'reduce_scatter' of a ``num_bytes`` input, or 'all_gather' contributing
+        ``num_bytes``."""
         if n < 2:
             return 0
         if kind == "all_reduce":
             return 2 * (n - 1) * num_bytes // n
+        if kind == "reduce_scatter":
+            return (n - 1) * num_bytes // n
         return (n - 1) * num_bytes

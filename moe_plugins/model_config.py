@@ -25,20 +25,37 @@ import torch
 
 from moe_plugins.model import MoEConfig
 
-__all__ = ["ModelSpec", "load_model_config", "model_spec_from_dict", "HF_DTYPES"]
+__all__ = ["ModelSpec", "load_model_config", "model_spec_from_dict", "HF_DTYPES",
+           "SP_ATTENTION_REDUCTIONS"]
 
 HF_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
 }
 
 
+#: The attention's TP reduction under sequence parallelism, by how vLLM 0.32 builds the family:
+#: DeepSeek-V2/V3 reduce_scatter the attention output to the owned chunk (``o_proj`` with
+#: ``reduce_results=not use_sequence_parallel_moe``) and all_gather before the next attention;
+#: Qwen3-MoE (and Llama-4) keep the attention's all_reduce, take the owned chunk locally
+#: (``sequence_parallel_chunk``) and all_gather after the MoE.
+SP_ATTENTION_REDUCTIONS = ("reduce_scatter", "all_reduce")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """One MoE layer's shape (``moe``), how many MoE layers the model has, and where it came from."""
+    """One MoE layer's shape (``moe``), how many MoE layers the model has, where it came from,
+    and the attention's TP reduction under SP (``sp_attention``, one of
+    :data:`SP_ATTENTION_REDUCTIONS`; the DESIGN.md model, reduce_scatter, by default)."""
 
     moe: MoEConfig
     num_moe_layers: int = 1
     name: str = ""
+    sp_attention: str = "reduce_scatter"
+
+    def __post_init__(self) -> None:
+        if self.sp_attention not in SP_ATTENTION_REDUCTIONS:
+            raise ValueError(f"sp_attention must be one of {list(SP_ATTENTION_REDUCTIONS)}, got "
+                             f"{self.sp_attention!r}")
 
 
 class _Fields:
@@ -125,10 +142,10 @@ def model_spec_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Mod
         data = data["text_config"]
     if "n_routed_experts" in data:
         f = _Fields(data, source, "DeepSeek-V2/V3")
-        cfg, layers = _deepseek(f)
+        (cfg, layers), sp_attention = _deepseek(f), "reduce_scatter"
     elif "num_experts" in data:
         f = _Fields(data, source, "Qwen2/3-MoE")
-        cfg, layers = _qwen(f)
+        (cfg, layers), sp_attention = _qwen(f), "all_reduce"
     else:
         raise ValueError(
             f"model config {source}: neither field 'n_routed_experts' (DeepSeek-V2/V3) nor "
@@ -138,7 +155,7 @@ def model_spec_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Mod
         raise f._fail("num_hidden_layers", "leaves no MoE layer",
                       "at least one layer past the dense ones")
     name = str(data.get("_name_or_path") or data.get("model_type") or source)
-    return ModelSpec(cfg, layers, name)
+    return ModelSpec(cfg, layers, name, sp_attention)
 
 
 def load_model_config(path: str | Path) -> ModelSpec:

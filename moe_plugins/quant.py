@@ -74,21 +74,39 @@ def dequantize_fp8_block128(x_q: torch.Tensor, x_sf: torch.Tensor) -> torch.Tens
     return blocks.reshape(m, h)
 
 
+def _round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """v float32 [...] with |v| <= 6 -> uint8 [...] e2m1 magnitude codes (0..7), rounded to
+    nearest with ties to the even code (0.25 -> 0, 0.75 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0,
+    3.5 -> 4.0, 5.0 -> 4.0): what the hardware's cvt.rn and vLLM's NVFP4 emulation
+    (``cast_to_fp4``) do. ``bucketize`` puts a midpoint in the lower bucket; a tie whose lower
+    code is odd moves up one."""
+    grid = torch.tensor(_E2M1_GRID, device=v.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    codes = torch.bucketize(v, mids)
+    tie = (codes < mids.numel()) & (v == mids[codes.clamp(max=mids.numel() - 1)])
+    return (codes + (tie & (codes % 2 == 1)).long()).to(torch.uint8)
+
+
 def quantize_nvfp4(x: torch.Tensor, global_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference NVFP4: x [num_tokens, hidden] -> (x_q uint8 [num_tokens, hidden // 2] holding two
-    e2m1 codes per byte, low nibble first; x_sf float8_e4m3fn [num_tokens, hidden // 16],
-    unswizzled). Block scales are ``amax / 6 * global_scale``."""
+    e2m1 codes per byte, low nibble first (element 2j in bits 0-3, 2j + 1 in bits 4-7, the
+    order vLLM's ``break_fp4_bytes`` and flashinfer read); x_sf float8_e4m3fn
+    [num_tokens, hidden // 16], unswizzled).
+
+    Block scales are ``global_scale * amax / 6`` saturated to e4m3's 448; values are scaled by
+    ``1 / (x_sf / global_scale)`` (0 for an all-zero block), clamped to [-6, 6] and rounded to
+    the nearest e2m1 value, ties to even: the arithmetic of vLLM's ``ref_nvfp4_quant``."""
     m, h = x.shape
     blocks = x.float().reshape(m, h // NVFP4_BLOCK, NVFP4_BLOCK)
-    x_sf = (blocks.abs().amax(dim=-1) / 6.0 * global_scale).to(torch.float8_e4m3fn)
-    sf = x_sf.float().unsqueeze(-1)
-    scaled = torch.where(sf > 0, blocks * global_scale / sf.clamp(min=1e-30), torch.zeros_like(blocks))
-    grid = torch.tensor(_E2M1_GRID, device=x.device)
-    mids = (grid[1:] + grid[:-1]) / 2
-    codes = torch.bucketize(scaled.abs().clamp(max=6.0), mids).to(torch.uint8)
-    codes = codes | ((scaled < 0).to(torch.uint8) << 3)
+    gs = torch.tensor(global_scale, dtype=torch.float32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    x_sf = (gs * (amax * (1.0 / 6.0))).clamp(max=_FP8_MAX).to(torch.float8_e4m3fn)
+    per_value = x_sf.float() * (1.0 / gs)
+    inv = torch.where(per_value == 0, torch.zeros_like(per_value), 1.0 / per_value)
+    scaled = (blocks * inv).clamp(-6.0, 6.0)
+    codes = _round_to_e2m1(scaled.abs()) | ((scaled < 0).to(torch.uint8) << 3)
     codes = codes.reshape(m, h // 2, 2)
-    return codes[..., 0] | (codes[..., 1] << 4), x_sf
+    return codes[..., 0] | (codes[..., 1] << 4), x_sf.squeeze(-1)
 
 
 def dequantize_nvfp4(x_q: torch.Tensor, x_sf: torch.Tensor, global_scale: float) -> torch.Tensor:

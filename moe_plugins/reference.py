@@ -14,19 +14,27 @@ from moe_plugins.quant import QuantSpec, quantize_dequantize
 __all__ = ["reference_moe", "TOLERANCES", "tolerance_for", "within_tolerance"]
 
 
-def reference_moe(x: torch.Tensor, weights: MoEWeights, quant: QuantSpec = QuantSpec()) -> torch.Tensor:
+def reference_moe(x: torch.Tensor, weights: MoEWeights, quant: QuantSpec = QuantSpec(),
+                  apply_router_weight_on_input: bool = False) -> torch.Tensor:
     """x [num_tokens, hidden] -> MoE output [num_tokens, hidden] float32: shared expert (gated) on
-    x, plus routed experts on x after the dispatch quantization's rounding."""
+    x, plus routed experts on x after the dispatch quantization's rounding.
+
+    apply_router_weight_on_input (top-1 models such as Llama-4): the routed expert runs on
+    ``weight * x`` (rounded as dispatched) and its output is added unweighted."""
     cfg = weights.config
     topk_w, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
-    xr = quantize_dequantize(x, quant)
+    if apply_router_weight_on_input and cfg.num_topk != 1:
+        raise ValueError(f"apply_router_weight_on_input needs num_topk == 1, got {cfg.num_topk}")
+    routed_in = (x * topk_w.to(x.dtype)) if apply_router_weight_on_input else x
+    xr = quantize_dequantize(routed_in, quant)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
         for k in range(cfg.num_topk):
             e = int(topk_ids[t, k])
             g, u = (weights.w13[e].float() @ xr[t]).chunk(2)
-            out[t] += topk_w[t, k] * (weights.w2[e].float() @ (F.silu(g) * u))
+            w = 1.0 if apply_router_weight_on_input else topk_w[t, k]
+            out[t] += w * (weights.w2[e].float() @ (F.silu(g) * u))
         if weights.shared_w13 is not None and weights.shared_w2 is not None:
             g, u = (weights.shared_w13.float() @ xf[t]).chunk(2)
             s = weights.shared_w2.float() @ (F.silu(g) * u)

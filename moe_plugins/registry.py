@@ -24,6 +24,7 @@ from moe_plugins.quant import QuantScheme
 
 if TYPE_CHECKING:
     from moe_plugins.config import DispatchConfig
+    from moe_plugins.placement import ExpertPlacement
     from moe_plugins.groups import DistContext
     from moe_plugins.interface import PrepareFinalize
 
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "moe_plugins.backends"
 AUTO = "auto"
 
-__all__ = ["Capabilities", "RequiredPackage", "BackendSpec", "BackendSelectionError",
+__all__ = ["Capabilities", "WireLayout", "RequiredPackage", "BackendSpec", "BackendSelectionError",
            "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
            "refusal_reason", "reload_backends"]
 
@@ -41,7 +42,14 @@ __all__ = ["Capabilities", "RequiredPackage", "BackendSpec", "BackendSelectionEr
 class Capabilities:
     """ep_dp: dispatches across an EP group of several ranks; dp: dp > 1; tp: tp > 1 together with
     dp > 1 (TP slicing before dispatch); sp: sequence parallel; row_scatter: row-scatter finalize;
-    recv_hook: prepare/finalize return a receive hook that really defers the receive."""
+    recv_hook: prepare/finalize return a receive hook that really defers the receive;
+    placements: dispatches by the layer's :class:`moe_plugins.placement.ExpertPlacement`
+    (``DispatchConfig.placement``: round-robin, EPLB's redundant copies); False: linear only;
+    micro_batch: two calls of one layer may be in flight at once, each on its own
+    prepare/finalize object over the same manager (vLLM's dual-batch overlap: the library
+    buffer double-buffers, the per-call state lives in the object); rank_masking: the manager
+    can leave EP ranks out (``set_rank_masked``/``masked_ranks``/``clean_buffers``), what an
+    engine's fault tolerance polls."""
 
     ep_dp: bool
     dp: bool
@@ -50,6 +58,24 @@ class Capabilities:
     row_scatter: bool = True
     recv_hook: bool = False
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    placements: bool = False
+    micro_batch: bool = False
+    rank_masking: bool = False
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """What one dispatched row of a layer occupies on a backend's wire (the plan counts with it).
+
+    hidden: columns each row carries (kernels compiled for fixed sizes pad the layer's hidden up
+        to one: a low-latency backend sends hidden 256 as 2048); header_bytes: bytes every
+        message carries in front of its row (DeepEP/NIXL EP low-latency: 16, the source token
+        index); topk_id_bytes: bytes of one expert id where a STANDARD-format row carries its
+        routing (int64 ids: 8; flashinfer's int32: 4), next to a float32 weight each."""
+
+    hidden: int
+    header_bytes: int = 0
+    topk_id_bytes: int = 8
 
 
 @dataclass(frozen=True)
@@ -94,6 +120,15 @@ class BackendSpec:
     # (token, expert) pair; STANDARD: per (token, rank)) of a call whose busiest rank hands
     # prepare this many rows; None: always the capabilities' activation format
     wire_format_for: Optional[Callable[[int], ActivationFormat]] = None
+
+    # The backend's own check of a layer config, raising what building it would raise (dtype,
+    # hidden, topk limits), and the row its kernels put on the wire; needs no process group.
+    # None: rows carry the layer's hidden and no header.
+    wire_layout: Optional[Callable[["DispatchConfig"], WireLayout]] = None
+
+    def wire_layout_for(self, cfg: "DispatchConfig") -> WireLayout:
+        """:attr:`wire_layout` of ``cfg``, or the layer's own hidden without a header."""
+        return self.wire_layout(cfg) if self.wire_layout is not None else WireLayout(cfg.hidden)
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be built on this machine, else exactly why not."""
@@ -173,9 +208,14 @@ def get_backend(name: str) -> BackendSpec:
 
 
 def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme,
-                   require_available: bool = True, dtype: Optional[torch.dtype] = None) -> str | None:
-    """Why ``spec`` cannot serve ``layout`` with ``quant`` (and activation ``dtype``), or None."""
+                   require_available: bool = True, dtype: Optional[torch.dtype] = None,
+                   placement: Optional["ExpertPlacement"] = None) -> str | None:
+    """Why ``spec`` cannot serve ``layout`` with ``quant`` (activation ``dtype``, expert
+    ``placement``: None is linear), or None."""
     c, why = spec.capabilities, []
+    if placement is not None and not placement.is_linear and not c.placements:
+        why.append(f"expert placement {placement.describe()} (the backend dispatches contiguous "
+                   "expert blocks only)")
     if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
         why.append(f"activations {dtype} not in {sorted(str(d) for d in spec.dtypes)}")
     if layout.ep and layout.world_size > 1 and layout.dp > 1:

@@ -42,10 +42,12 @@ def prefill_pass(runtime_mode: object, configured_mode: object) -> Optional[bool
     return runtime_mode != CUDAGraphMode.FULL
 
 
-def batch_hint(num_tokens: int, layout: ParallelLayout) -> Optional[BatchHint]:
-    """The hint for a MoE call of ``num_tokens`` tokens (this DP group's) under ``layout``, or
-    None outside a vLLM forward pass. ``max_tokens_per_rank`` counts rows after TP slicing (the
-    largest chunk of the largest DP batch)."""
+def batch_hint(num_tokens: int, layout: ParallelLayout,
+               presliced: bool = False) -> Optional[BatchHint]:
+    """The hint for a MoE call of ``num_tokens`` tokens (this DP group's; with ``presliced``,
+    e.g. under SP, already this rank's chunk, the same size on every TP rank) under ``layout``,
+    or None outside a vLLM forward pass. ``max_tokens_per_rank`` counts rows after TP slicing
+    (the largest chunk of the largest DP batch)."""
     from vllm.config import get_current_vllm_config_or_none
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
@@ -53,8 +55,8 @@ def batch_hint(num_tokens: int, layout: ParallelLayout) -> Optional[BatchHint]:
         return None
     context = get_forward_context()
     dp = context.dp_metadata
-    largest = int(dp.num_tokens_across_dp_cpu.max()) if dp is not None else num_tokens
-    largest = max(largest, num_tokens)
+    chunk = num_tokens if presliced else owned_rows(num_tokens, layout.tp, 0).chunk
+    largest = int(dp.num_tokens_across_dp_cpu.max()) if dp is not None else 0
     config = get_current_vllm_config_or_none()
     prefill = None
     if config is not None:
@@ -64,4 +66,4 @@ def batch_hint(num_tokens: int, layout: ParallelLayout) -> Optional[BatchHint]:
         _WARNED.add("prefill")
         logger.info("moe-plugins: vLLM's CUDA-graph mode does not separate decode from mixed "
                     "batches; per-call backends decide by the largest DP batch alone")
-    return BatchHint(owned_rows(largest, layout.tp, 0).chunk, prefill)
+    return BatchHint(max(owned_rows(largest, layout.tp, 0).chunk, chunk), prefill)

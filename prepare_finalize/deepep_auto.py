@@ -68,10 +68,9 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
             raise TypeError(f"DeepEPAutoPrepareFinalize needs a DeepEPAutoManager, got "
                             f"{type(manager).__name__}")
         self.manager, self.cfg = manager, cfg
-        self.stats = DispatchStats()
         self.ll = DeepEPLLPrepareFinalize(manager.ll, manager.ll_cfg)
         self.ht = DeepEPHTPrepareFinalize(manager.ht, manager.ht_cfg)
-        self.ll.stats = self.ht.stats = self.stats  # one count for the layer, both modes
+        self._modes: dict[str, int] = {}  # calls per mode
         self._hint: Optional[BatchHint] = None
         self._mode: Optional[str] = None
         key = (manager.num_ranks, cfg.num_experts, cfg.hidden, manager.low_latency_capacity)
@@ -82,6 +81,16 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
                         manager.low_latency_capacity)
 
     @property
+    def stats(self) -> DispatchStats:  # type: ignore[override]
+        """One count for the layer: both modes' stats summed (the low-latency side computes its
+        own when read), with ``modes`` the calls of each mode."""
+        ll, ht = self.ll.stats, self.ht.stats
+        total = DispatchStats(**{f: getattr(ll, f) + getattr(ht, f)
+                                 for f in DispatchStats.__dataclass_fields__})
+        total.modes = dict(self._modes)
+        return total
+
+    @property
     def low_latency_capacity(self) -> int:
         return self.manager.low_latency_capacity
 
@@ -90,6 +99,8 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
 
     def supports_async(self) -> bool:
         return True
+
+    uses_batch_hint = True
 
     def set_batch_hint(self, hint: Optional[BatchHint]) -> None:
         self._hint = hint
@@ -136,7 +147,7 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         if self._mode is not None:
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         mode = self.choose_mode(hidden_states.shape[0])
-        self.stats.modes[mode] = self.stats.modes.get(mode, 0) + 1
+        self._modes[mode] = self._modes.get(mode, 0) + 1
         if mode == NORMAL:
             sent = self.ht.prepare_async(hidden_states, topk_weights, topk_ids, quant)
             self.manager.after_normal()

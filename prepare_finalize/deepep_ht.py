@@ -16,20 +16,21 @@ without weights); the hook waits for the combine event; the result goes through
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from all2all.deepep import DEEPEP_PACKAGE
-from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager
+from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_prepare_inputs, write_output)
 from moe_plugins.quant import QuantSpec, quantize_for_dispatch
-from moe_plugins.registry import BackendSpec, Capabilities
+from moe_plugins.registry import BackendSpec, Capabilities, WireLayout
 
 __all__ = ["DeepEPHTPrepareFinalize", "SPEC", "capturing", "deepep_spec"]
 
@@ -179,7 +180,15 @@ def deepep_spec(name: str, prepare_finalize: type[PrepareFinalize], manager: typ
         quants=HT_QUANTS, required=(DEEPEP_PACKAGE,), needs_cuda=True, description=description,
         priority=priority, ep_sizes=EP_SIZES,
         dtypes=frozenset({torch.bfloat16}),  # the normal-mode combine reduces bf16 only
-        **extra)
+        wire_layout=functools.partial(normal_mode_wire_layout, backend=name), **extra)
+
+
+def normal_mode_wire_layout(cfg: DispatchConfig, backend: str) -> WireLayout:
+    """``BackendSpec.wire_layout``: the normal-mode layer checks (ValueError naming ``backend``),
+    then the row DeepEP's normal mode sends per (token, rank): the layer's hidden, no header,
+    int64 expert ids."""
+    check_normal_mode_layer(cfg, backend)
+    return WireLayout(cfg.hidden)
 
 
 SPEC = deepep_spec(

@@ -27,9 +27,9 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    RowScatterTarget, check_prepare_inputs, write_output)
-from moe_plugins.layout import destination_ranks, local_expert_ids
+from moe_plugins.layout import LocalIdMap, destination_ranks
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
-from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage
+from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
 __all__ = ["FlashInferNVLinkTwoSidedPrepareFinalize", "SPEC"]
 
@@ -63,6 +63,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._state: Optional[_CallState] = None
+        self._local_id_map = LocalIdMap(manager.placement, manager.rank)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -75,19 +76,21 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.manager.reset_call_state()
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """GLOBAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
+        """PHYSICAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
         experts, the kernels' invalid id on rows that carry no token)."""
-        m = self.manager
-        return local_expert_ids(topk_ids, m.rank * m.experts_per_rank, m.experts_per_rank)
+        return self._local_id_map(topk_ids)
 
     def _count_dispatch(self, topk_ids: torch.Tensor, x: torch.Tensor, x_sf: Optional[torch.Tensor],
                         local_ids: torch.Tensor) -> Optional[int]:
         """Add this call's payload (without the kernels' 16-byte row padding) to the stats;
-        returns the received rows that carry a token."""
+        returns the received rows that carry a token. On a GPU only calls and pairs are
+        counted, and no kernel runs for the stats (see :func:`moe_plugins.counters.host_count`)."""
         m, s = self.manager, self.stats
         s.calls += 1
         s.pairs += topk_ids.numel()
-        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
+        if topk_ids.is_cuda:
+            return None
+        hit = destination_ranks(topk_ids, m.placement)
         rows = host_count(hit.sum())
         if rows is not None:
             s.rows += rows
@@ -157,16 +160,26 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         return AsyncResult(None, receiver)
 
 
+def _wire_layout(cfg: DispatchConfig) -> WireLayout:
+    """Rows carry the layer's hidden; the routing travels with each row as int32 ids and float32
+    weights (``moe_prepare``), what :meth:`_count_dispatch` counts."""
+    return WireLayout(cfg.hidden, topk_id_bytes=4)
+
+
 SPEC = BackendSpec(
     name="flashinfer_nvlink_two_sided",
     prepare_finalize=FlashInferNVLinkTwoSidedPrepareFinalize,
     manager=FlashInferAll2AllManager,
-    # EP/DP yes, TP and SP no, as in vLLM's matrix for this backend.
-    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True,
-                              recv_hook=False),
+    # EP/DP and TP: every TP rank dispatches only the rows it owns (the layer and the vLLM
+    # adapter slice them with moe_plugins.layout before prepare; vLLM's in-tree two-sided
+    # backend sends every token from every TP rank), so row-scatter applies as well. SP no:
+    # vLLM's use_sequence_parallel_moe does not list this backend.
+    capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=False, row_scatter=True,
+                              recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),
     needs_cuda=True,
+    wire_layout=_wire_layout,
     priority=25,  # after DeepEP LL (hooks overlap better), before NixlEP and the reference
     description="flashinfer MNNVL two-sided all-to-all-v (MnnvlMoe in 0.7.2.post1, moe_ep in "
                 "0.7.4+); shared expert overlaps on the side stream",

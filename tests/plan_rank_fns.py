@@ -22,14 +22,16 @@ from rank_fns import count_dist_calls
 
 def measure_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                   strategy: Optional[ReductionStrategy], tokens_per_dp: Sequence[int],
-                  quant: QuantSpec = QuantSpec(), seed: int = 0, backend: str = "torch") -> dict:
+                  quant: QuantSpec = QuantSpec(), seed: int = 0, backend: str = "torch",
+                  backend_options: object = None) -> dict:
     """One forward on this rank's DP group (``tokens_per_dp[dp_rank]`` tokens). Returns the output,
     the backend's DispatchStats, the layer's TP collective log, every torch.distributed call with
     its bytes, the topk_ids the backend's prepare really received, and the weight bytes held."""
     ctx = cached_dist_context(layout)
     num_tokens = tokens_per_dp[ctx.dp_rank]
     layer = MoELayer(MoEWeights.random(cfg, seed), ctx, get_backend(backend), strategy, quant,
-                     OverlapConfig(overlap=False), max_tokens_per_rank=max(num_tokens, 1))
+                     OverlapConfig(overlap=False), max_tokens_per_rank=max(num_tokens, 1),
+                     backend_options=backend_options)
     prepared: list[torch.Tensor] = []
     if layer.pf is not None:
         pf = layer.pf
@@ -53,3 +55,16 @@ def measure_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
             tensor_bytes(t) for t in (shared.w13, shared.w2, shared.gate)),
         expert_weight_bytes=tensor_bytes(layer.expert_weights.w13)
         + tensor_bytes(layer.expert_weights.w2))
+
+
+def measure_ll_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+                     strategy: Optional[ReductionStrategy], tokens_per_dp: Sequence[int],
+                     quant: QuantSpec = QuantSpec(), seed: int = 0) -> dict:
+    """:func:`measure_layer` through a low-latency backend (deepep_ll, nixl_ep) on the emulation
+    of its vendor library (tests/emulation), installed for this call only."""
+    from emulation import installed
+    from ll_rank_fns import make_options, vendor_module
+
+    with installed(vendor_module(backend)):
+        return measure_layer(rank, world, layout, cfg, strategy, tokens_per_dp, quant, seed,
+                             backend, make_options(backend))

@@ -22,8 +22,10 @@ _COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_ga
 
 
 @contextlib.contextmanager
-def count_dist_calls() -> Iterator[list[tuple[str, int]]]:
-    """Wrap the real torch.distributed collectives; yields [(name, bytes of the first tensor)].
+def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[str, int]]]:
+    """Wrap the real torch.distributed collectives; yields [(name, bytes this rank contributes)]:
+    the input tensor (the second argument of all_gather* and reduce_scatter*, else the first).
+    ``groups``: also gets each call's ``group`` argument (None: the default group), in order.
     Nested calls (a torch wrapper calling another) are counted once, at the outermost."""
     calls: list[tuple[str, int]] = []
     saved = {n: getattr(dist, n) for n in _COUNTED if hasattr(dist, n)}
@@ -32,9 +34,12 @@ def count_dist_calls() -> Iterator[list[tuple[str, int]]]:
     def wrap(name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
-                t = args[1] if name.startswith("all_gather") and len(args) > 1 else args[0]
+                two = name.startswith(("all_gather", "reduce_scatter")) and len(args) > 1
+                t = args[1] if two else args[0]
                 calls.append((name, t.numel() * t.element_size()
                               if isinstance(t, torch.Tensor) else 0))
+                if groups is not None:
+                    groups.append(kwargs.get("group"))
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)

@@ -19,8 +19,10 @@ def test_list_json_has_the_documented_keys():
     res = _run("list", "--json")
     assert res.returncode == 0, res.stderr
     torch_row = next(r for r in json.loads(res.stdout) if r["name"] == "torch")
-    assert {"name", "usable", "reason", "ep_dp", "dp", "tp", "sp", "quants"} <= set(torch_row)
+    assert {"name", "usable", "reason", "ep_dp", "dp", "tp", "sp", "placements",
+            "quants"} <= set(torch_row)
     assert torch_row["usable"] is True and torch_row["reason"] is None
+    assert torch_row["placements"] is True  # round-robin and EPLB placements
 
 
 @pytest.mark.multirank

@@ -41,13 +41,7 @@ def _scale_sends(comm: list[dict], x_dtype: torch.dtype) -> list[dict]:
 
 
 # ---- the layer, every quant, both APIs ---------------------------------------------------------
-QUANTS = [
-    ("bf16", QuantSpec(), torch.bfloat16),
-    ("fp8_block128", QuantSpec(FP8), torch.float32),
-    ("nvfp4", QuantSpec(NVFP4), torch.float32),
-    ("fp8_block128-deferred", QuantSpec(FP8, defer_input_quant=True), torch.float32),
-    ("nvfp4-deferred", QuantSpec(NVFP4, defer_input_quant=True), torch.float32),
-]
+QUANTS = fi.QUANTS
 
 
 @pytest.mark.multirank
@@ -200,6 +194,17 @@ def test_call_errors(rank_pool, case, exc, text):
 
 
 @pytest.mark.multirank
+def test_refused_workspace_says_where_and_why(rank_pool):
+    with pytest.raises(RankError) as e:
+        rank_pool(2).run(fi.workspace_refused, EP2, _cfg())
+    msg = e.value.message
+    assert e.value.exc_type == "RuntimeError"
+    for text in ("MNNVL workspaces on EP rank", "of 2", "gpus_per_node=", "FABRIC",
+                 "CUDA_ERROR_NOT_SUPPORTED (cuMemCreate)", "POSIX file descriptors"):
+        assert text in msg, text
+
+
+@pytest.mark.multirank
 def test_handle_exchange_comm(rank_pool):
     for r in rank_pool(2).run(fi.handle_exchange_comm):
         assert r["gathered"] == ({"rank": 0, "handle": b"hhh"}, {"rank": 1, "handle": b"hhhh"})
@@ -280,10 +285,72 @@ def test_list_says_why_unusable(capsys, how):
 
 
 def test_capability_row():
-    assert BACKEND_EP_DP_TP_SUPPORT[NAME] == (True, True, False, False)
+    assert BACKEND_EP_DP_TP_SUPPORT[NAME] == (True, True, True, False)
     assert BACKEND_SUPPORTED_QUANTS[NAME] == frozenset({QuantScheme.NONE, FP8, NVFP4})
     spec = get_backend(NAME)
     assert spec.needs_cuda and not spec.capabilities.recv_hook and spec.capabilities.row_scatter
     assert select_backend(EP4, NVFP4, NAME, require_available=False) is spec
-    with pytest.raises(BackendSelectionError, match="no TP inside the EP group"):
-        select_backend(ParallelLayout(2, 2, True), QuantScheme.NONE, NAME, require_available=False)
+    assert select_backend(ParallelLayout(2, 2, True), QuantScheme.NONE, NAME,
+                          require_available=False) is spec
+
+
+# ---- TP inside the EP group: owned rows only, row-scatter on and off ---------------------------
+TP_CASES = [
+    (ParallelLayout(2, 2, True), ReductionStrategy.ROW_SCATTER_ALLREDUCE, ["all_reduce"]),
+    (ParallelLayout(2, 2, True), ReductionStrategy.GATHER_PLUS_ALLREDUCE,
+     ["all_gather", "all_reduce"]),
+    (ParallelLayout(1, 2, True), ReductionStrategy.ROW_SCATTER_ALLREDUCE, ["all_reduce"]),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("num_tokens", [7, 1])
+@pytest.mark.parametrize("layout,strategy,colls", TP_CASES,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s, _ in TP_CASES])
+def test_tp2_dispatches_owned_rows(rank_pool, layout, strategy, colls, num_tokens):
+    """tp 2: each TP rank dispatches only the rows it owns (vLLM's in-tree two-sided backend
+    sends every token from every TP rank: tp times the pairs), and ROW_SCATTER_ALLREDUCE (one
+    all_reduce) as well as GATHER_PLUS_ALLREDUCE match the reference, nvfp4 on the wire."""
+    from moe_plugins.layout import owned_rows
+
+    cfg, quant = _cfg(), QuantSpec(NVFP4)
+    results = rank_pool(layout.world_size).run(fi.run_layer, layout, cfg, num_tokens, quant,
+                                               "0.7.2.post1", 0, strategy)
+    assert_matches_reference(results, layout, cfg, num_tokens, quant)
+    for rank, r in enumerate(results):
+        owned = owned_rows(num_tokens, layout.tp, layout.tp_rank(rank)).num_owned
+        assert r["strategy"] is strategy and r["tp_collectives"] == colls
+        assert r["pairs"] == owned * cfg.num_topk
+    for d in range(layout.dp):  # a DP group dispatches each of its tokens once, not tp times
+        assert sum(r["pairs"] for i, r in enumerate(results)
+                   if layout.dp_rank(i) == d) == num_tokens * cfg.num_topk
+
+
+
+@pytest.mark.multirank
+def test_plan_equals_the_backends_counters(rank_pool):
+    """`moe-plugins plan` for this backend, given the routing of the owned rows (computed here
+    from the same inputs), states exactly what its DispatchStats counted: rows once per
+    destination rank, nvfp4 rows and scales, int32 ids + float32 weights per row."""
+    from moe_plugins.demo import demo_inputs
+    from moe_plugins.layout import owned_rows
+    from moe_plugins.model import MoEWeights, route
+    from moe_plugins.plan import Routing, plan_layer
+
+    layout, cfg, n, quant = ParallelLayout(2, 2, True), _cfg(), 7, QuantSpec(NVFP4)
+    strategy = ReductionStrategy.ROW_SCATTER_ALLREDUCE
+    results = rank_pool(4).run(fi.run_layer, layout, cfg, n, quant, "0.7.2.post1", 0, strategy)
+    router = MoEWeights.random(cfg, 0).router
+    ids = []
+    for rank in range(4):
+        _, topk_ids = route(demo_inputs(cfg, n, layout.dp_rank(rank), 0), router, cfg.num_topk,
+                            cfg.renormalize)
+        ids.append(topk_ids[owned_rows(n, layout.tp, layout.tp_rank(rank)).as_slice])
+    plan = plan_layer(cfg, layout, n, get_backend(NAME), quant,
+                      routing=Routing.from_topk_ids(ids, cfg.num_experts))
+    assert plan.wire.meta_bytes == cfg.num_topk * (4 + 4)
+    for rp, r in zip(plan.strategy(strategy).ranks, results):
+        assert rp.pairs == r["pairs"] and rp.rows.min == r["rows_sent"]
+        assert (rp.act_bytes.min, rp.sf_bytes.min, rp.meta_bytes.min) == (
+            r["act_bytes"], r["sf_bytes"], r["meta_bytes"])
+        assert rp.combine_bytes.min == r["combine_bytes"]

@@ -2,6 +2,7 @@
 on real multi-rank gloo runs; its routing statistics; the link model; model-config reading."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -20,7 +21,9 @@ from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.link_model import LinkModel
 from moe_plugins.model import MoEConfig, MoEWeights, route
 from moe_plugins.model_config import load_model_config, model_spec_from_dict
-from moe_plugins.plan import (Routing, expected_ranks_hit, plan_layer, ranks_hit_bounds)
+from moe_plugins.model_config import ModelSpec
+from moe_plugins.plan import (Routing, decoder_tp_collectives, expected_ranks_hit, plan_layer,
+                              ranks_hit_bounds, recommend_strategy)
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities, get_backend
 from moe_plugins.strategy import ReductionStrategy as S
@@ -282,12 +285,16 @@ def test_strategies_and_recommendation_come_from_strategy_module(layout, shared,
               has_shared_expert=cfg.has_shared_expert)
     assert [s.strategy for s in plan.strategies] == applicable_strategies(layout, **kw)
     choice = choose_strategy(layout, **kw, single_collective=single, shared_placement=placement)
-    assert [s.strategy for s in plan.strategies if s.recommended] == [choice.strategy]
-    assert plan.recommended.reason.startswith(choice.reason)
+    assert [s.strategy for s in plan.strategies if s.default] == [choice.strategy]
+    rec = recommend_strategy(layout, cfg, supports_sp=caps.sp,
+                             supports_row_scatter=caps.row_scatter, num_tokens=8,
+                             single_collective=single)
+    assert [s.strategy for s in plan.strategies if s.recommended] == [rec.strategy]
+    assert plan.recommended.reason.startswith(rec.reason)
 
 
 def test_routing_rejects_local_or_out_of_range_ids():
-    with pytest.raises(ValueError, match=r"rank 1 hold ids in \[-1, 3\], expected GLOBAL expert ids"):
+    with pytest.raises(ValueError, match=r"rank 1 hold ids in \[-1, 3\], expected PHYSICAL expert ids"):
         Routing.from_topk_ids([torch.tensor([[0, 5]]), torch.tensor([[-1, 3]])], 8)
 
 
@@ -436,13 +443,27 @@ def test_cli_plan_json_with_demo_flags():
     rows = _json_lines(_cli("plan", "--ranks", "4", "--tp", "2", "--ep", "--tokens", "5", "--json"))
     assert [r["strategy"] for r in rows] == ["ROW_SCATTER_ALLREDUCE", "SP_ALLGATHER",
                                              "GATHER_PLUS_ALLREDUCE"]
-    assert [r["recommended"] for r in rows] == [True, False, False]
-    assert "one all_reduce" in rows[0]["reason"]
+    # a layer left to itself runs ROW_SCATTER; no memory budget: SP is recommended
+    assert [r["default"] for r in rows] == [True, False, False]
+    assert [r["recommended"] for r in rows] == [False, True, False]
+    assert "SP moves fewer TP bytes per decoder layer" in rows[1]["reason"]
     for r in rows:  # 5 tokens over tp=2: TP ranks own 3 and 2 rows, topk 2
         assert r["dispatched_pairs"] == [6, 4, 6, 4]
-    assert [[c["kind"] for c in r["tp_collectives"]] for r in rows] == [
+    assert [r["tp_collectives"] for r in rows] == [1, 1, 2]  # an integer, as in demo --json
+    assert [[c["kind"] for c in r["tp_collective_detail"]] for r in rows] == [
         ["all_reduce"], ["all_gather"], ["all_gather", "all_reduce"]]
-    assert rows[0]["tp_collectives"][0]["bytes"] == [5 * 256 * 4] * 4
+    assert rows[0]["tp_collective_detail"][0]["bytes"] == [5 * 256 * 4] * 4
+    # per decoder layer the attention's reduction comes first
+    assert [r["decoder_tp_collectives"] for r in rows] == [2, 2, 3]
+    assert [[c["kind"] for c in r["decoder_tp_collective_detail"]] for r in rows] == [
+        ["all_reduce", "all_reduce"], ["reduce_scatter", "all_gather"],
+        ["all_reduce", "all_gather", "all_reduce"]]
+    row = 256 * 4  # float32 rows of hidden 256; 5 tokens pad to 6 for tp 2, chunk 3
+    assert rows[0]["decoder_tp_bytes"] == [2 * 5 * row] * 4
+    assert rows[1]["decoder_tp_bytes"] == [6 * row + 3 * row] * 4
+    # ring bytes sent: all_reduce 2 (n-1)/n, reduce_scatter (n-1)/n of its input, all_gather n-1
+    assert rows[0]["decoder_tp_wire_bytes"] == [2 * 5 * row] * 4
+    assert rows[1]["decoder_tp_wire_bytes"] == [3 * row + 3 * row] * 4
 
 
 def test_cli_plan_tokens_per_dp_group():
@@ -464,10 +485,10 @@ def test_cli_plan_agrees_with_demo(flags):
     assert sorted(demo) == sorted(plan)
     for name, d in demo.items():
         p = plan[name]
-        assert d["default"] == p["recommended"]
+        assert d["default"] == p["default"]
         assert d["dispatched_pairs"] == p["dispatched_pairs"]
-        assert d["tp_collectives"] == len(p["tp_collectives"])
-        assert d["tp_collective_bytes"] == sum(c["bytes"][0] for c in p["tp_collectives"])
+        assert d["tp_collectives"] == p["tp_collectives"]
+        assert d["tp_collective_bytes"] == sum(c["bytes"][0] for c in p["tp_collective_detail"])
         for measured, planned in zip(d["dispatched_bytes"], p["dispatched_bytes"]):
             assert planned["min"] <= measured <= planned["max"]
 
@@ -513,3 +534,194 @@ def test_cli_plan_bad_model_config(tmp_path, field, value, message):
 def test_cli_plan_usage_errors(args, message):
     proc = _cli("plan", *args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder layer and the SP / ROW_SCATTER recommendation
+# --------------------------------------------------------------------------------------------
+def test_decoder_layer_counts_attention_and_moe():
+    """Per decoder layer and TP rank (DESIGN.md): SP moves one all_reduce's worth of bytes
+    (reduce_scatter + all_gather), ROW_SCATTER two all_reduces, at 2 launches each; with the
+    attention's all_reduce kept under SP (vLLM's Qwen3-MoE / Llama-4) SP is all_reduce +
+    all_gather."""
+    cfg, tp, n, row = _cfg(torch.bfloat16), 4, 64, 256 * 2
+    wire = {}
+    for strategy, attn in ((S.SP_ALLGATHER, "reduce_scatter"), (S.SP_ALLGATHER, "all_reduce"),
+                           (S.ROW_SCATTER_ALLREDUCE, "reduce_scatter")):
+        colls = decoder_tp_collectives(strategy, cfg, n, tp, attn)
+        wire[strategy, attn] = sum(LinkModel.ring_wire_bytes(k, b, tp) for k, b in colls)
+        assert len(colls) == 2
+    all_reduce = 2 * (tp - 1) * n * row // tp
+    assert wire[S.SP_ALLGATHER, "reduce_scatter"] == all_reduce
+    assert wire[S.ROW_SCATTER_ALLREDUCE, "reduce_scatter"] == 2 * all_reduce
+    assert wire[S.SP_ALLGATHER, "all_reduce"] == all_reduce + (tp - 1) * n * row // tp
+    assert decoder_tp_collectives(S.LOCAL, cfg, n, 1) == []
+
+
+_DEEPSEEK = load_model_config(EXAMPLES / "deepseek-v3.json")
+
+
+def _recommend(layout=ParallelLayout(4, 2, True), model=_DEEPSEEK, **kw):
+    kw = {"supports_sp": True, "supports_row_scatter": True, "num_tokens": 128, **kw}
+    return recommend_strategy(layout, model, **kw)
+
+
+def test_recommendation_follows_the_shared_expert_budget():
+    # DeepSeek-V3: 58 MoE layers x one shared expert of 3 x 2048 x 7168 bf16 values
+    replicated = 58 * 3 * 2048 * 7168 * 2
+    assert _recommend().strategy is S.SP_ALLGATHER  # no budget: SP, fewer TP bytes
+    fits = _recommend(shared_expert_budget_bytes=replicated)
+    assert fits.strategy is S.SP_ALLGATHER and "within the budget" in fits.reason
+    over = _recommend(shared_expert_budget_bytes=replicated - 1)
+    assert over.strategy is S.ROW_SCATTER_ALLREDUCE
+    assert "exceed the budget" in over.reason and "4.76 GiB per rank" in over.reason
+    # the numbers behind it, in the reason: 128 tokens x 7168 bf16, tp 2
+    ar = 128 * 7168 * 2
+    assert f"SP_ALLGATHER sends {ar} B in 2" in over.reason
+    assert f"ROW_SCATTER_ALLREDUCE {2 * ar} B in 2" in over.reason
+    # single collective off: SP against GATHER_PLUS_ALLREDUCE
+    off = _recommend(shared_expert_budget_bytes=0, single_collective=False)
+    assert off.strategy is S.GATHER_PLUS_ALLREDUCE
+    with pytest.raises(ValueError, match="shared_expert_budget_bytes must be >= 0"):
+        _recommend(shared_expert_budget_bytes=-1)
+
+
+@pytest.mark.parametrize("layout,caps,shared", [
+    (ParallelLayout(1, 4, True), (True, True), 2048),    # dp 1: TP_UNIFIED, no SP
+    (ParallelLayout(4, 1, True), (True, True), 2048),    # tp 1: LOCAL
+    (ParallelLayout(4, 2, True), (False, True), 2048),   # backend without SP
+    (ParallelLayout(4, 2, True), (True, True), 0),       # no shared expert: SP, one all_gather
+], ids=["dp1", "tp1", "no-sp-backend", "no-shared"])
+def test_recommendation_without_a_choice_is_choose_strategy(layout, caps, shared):
+    cfg = dataclasses.replace(_DEEPSEEK.moe, shared_intermediate=shared)
+    got = _recommend(layout, cfg, supports_sp=caps[0], supports_row_scatter=caps[1],
+                     shared_expert_budget_bytes=0)
+    want = choose_strategy(layout, supports_sp=caps[0], supports_row_scatter=caps[1],
+                           has_shared_expert=shared > 0)
+    assert got == want
+
+
+def test_plan_recommends_what_recommend_strategy_says():
+    layout = ParallelLayout(2, 2, True)
+    for budget, want in ((None, S.SP_ALLGATHER), (0, S.ROW_SCATTER_ALLREDUCE)):
+        plan = plan_layer(_cfg(), layout, 8, get_backend("torch"),
+                          shared_expert_budget_bytes=budget)
+        assert plan.recommended.strategy is want
+        assert plan.default.strategy is S.ROW_SCATTER_ALLREDUCE  # what a layer picks alone
+        sp = plan.strategy(S.SP_ALLGATHER)
+        rs = plan.strategy(S.ROW_SCATTER_ALLREDUCE)
+        assert sp.ranks[0].shared_weight_bytes == 2 * rs.ranks[0].shared_weight_bytes - 256 * 4
+        assert sp.num_decoder_tp_collectives == rs.num_decoder_tp_collectives == 2
+
+
+def test_model_config_sets_the_sp_attention_reduction():
+    assert _DEEPSEEK.sp_attention == "reduce_scatter"
+    assert load_model_config(EXAMPLES / "qwen3-30b-a3b.json").sp_attention == "all_reduce"
+    with pytest.raises(ValueError, match="sp_attention must be one of"):
+        ModelSpec(_cfg(), sp_attention="all_gather")
+
+
+def test_cli_plan_shared_expert_budget():
+    flags = ["plan", "--model-config", str(EXAMPLES / "deepseek-v3.json"), "--dp", "4", "--tp",
+             "2", "--ep", "--tokens", "128", "--json"]
+    free = {r["strategy"]: r for r in _json_lines(_cli(*flags))}
+    tight = {r["strategy"]: r for r in _json_lines(_cli(*flags, "--shared-expert-budget-gb", "1"))}
+    assert free["SP_ALLGATHER"]["recommended"] and not free["ROW_SCATTER_ALLREDUCE"]["recommended"]
+    assert tight["ROW_SCATTER_ALLREDUCE"]["recommended"]
+    assert "exceed the budget of 1.00 GiB" in tight["ROW_SCATTER_ALLREDUCE"]["reason"]
+    proc = _cli(*flags, "--shared-expert-budget-gb", "-1")
+    assert proc.returncode == 2 and "--shared-expert-budget-gb must be >= 0" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Low-latency backends: what their kernels send, against their own counters
+# --------------------------------------------------------------------------------------------
+LL_BACKENDS = ["deepep_ll", "nixl_ep"]
+LL_CASES = [(ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE, (5, 3), QuantSpec()),
+            (ParallelLayout(2, 2, True), S.SP_ALLGATHER, (5, 3), QuantSpec(QuantScheme.FP8_BLOCK128)),
+            (ParallelLayout(4, 1, True), S.LOCAL, (3, 0, 2, 1), QuantSpec())]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout,strategy,tokens,quant", LL_CASES,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}-{_quant_id(q)}"
+                              for l, s, _, q in LL_CASES])
+@pytest.mark.parametrize("backend", LL_BACKENDS)
+def test_low_latency_plan_equals_the_backends_counters(rank_pool, backend, layout, strategy,
+                                                       tokens, quant):
+    """hidden 256 travels as 2048 (the smallest kernel size) with a 16-byte header per
+    (token, expert) message. The plan's sent bytes equal the backend's DispatchStats; with the
+    measured routing, what each rank received in the dispatch equals what torch.distributed
+    delivered to it through the emulated kernels' all-to-all."""
+    import plan_rank_fns as prf
+
+    cfg = _cfg(torch.bfloat16)
+    results = rank_pool(layout.world_size).run(prf.measure_ll_layer, backend, layout, cfg,
+                                               strategy, tokens, quant)
+    assert_matches_reference(results, layout, cfg, list(tokens), quant)
+    routing = Routing.from_topk_ids([r["prepared_topk_ids"] for r in results], cfg.num_experts)
+    for given in (None, routing):
+        plan = plan_layer(cfg, layout, tokens, get_backend(backend), quant, routing=given)
+        assert plan.wire.wire_hidden == 2048 and plan.wire.per_pair
+        sp = plan.strategy(strategy)
+        for rp, res in zip(sp.ranks, results):
+            st = res["stats"]
+            assert rp.pairs == st["pairs"] and rp.rows.min == rp.rows.max == st["rows"]
+            assert (rp.act_bytes.min, rp.sf_bytes.min, rp.meta_bytes.min) == (
+                st["act_bytes"], st["sf_bytes"], st["meta_bytes"])
+            assert rp.meta_bytes.min == 16 * st["pairs"]
+            # the backend counts combine rows coming back to its own pairs
+            assert rp.recv_combine_bytes.min == st["combine_bytes"] == st["pairs"] * 2048 * 2
+            planned = [(c.kind, c.bytes) for c in rp.tp_collectives]
+            assert planned == res["recorded"]
+            assert planned == [(_kind(n), b) for n, b in res["calls"] if n != "all_to_all_single"]
+    for rp, res in zip(sp.ranks, results):
+        a2a = [b for n, b in res["calls"] if n == "all_to_all_single"]
+        # dispatch: message counts, then the messages; combine: the same again
+        assert len(a2a) == 4 and a2a[0] == layout.world_size * 8
+        assert rp.recv_dispatch_bytes.is_exact and rp.recv_dispatch_bytes.min == a2a[1]
+
+
+@pytest.mark.parametrize("backend", LL_BACKENDS)
+@pytest.mark.parametrize("change,message", [
+    (dict(dtype=torch.float32), "the low-latency kernels move bfloat16 activations"),
+    (dict(hidden=8320), "hidden=8320 is larger than the largest hidden size"),
+    (dict(num_topk=12, num_experts=16), "num_topk=12 exceeds the dispatch kernel's limit of 11"),
+])
+def test_plan_refuses_what_the_low_latency_backend_refuses(backend, change, message):
+    cfg = dataclasses.replace(_cfg(torch.bfloat16), **change)
+    with pytest.raises(ValueError, match=message) as e:
+        plan_layer(cfg, ParallelLayout(2, 1, True), 4, get_backend(backend))
+    if "hidden" not in change:
+        assert str(e.value).startswith(f"{backend}: ")  # the backend's own error, by name
+    # pad_hidden=False: a hidden that is not a kernel size is the backend's error too
+    if "hidden" not in change:
+        return
+    opts = get_backend(backend).manager.options_type(pad_hidden=False)
+    with pytest.raises(ValueError, match="hidden=256 is not a size the kernels are compiled for"):
+        plan_layer(_cfg(torch.bfloat16), ParallelLayout(2, 1, True), 4, get_backend(backend),
+                   backend_options=opts)
+
+
+def test_cli_plan_low_latency_padding_and_refusal():
+    flags = ["plan", "--ranks", "4", "--ep", "--tokens", "4", "--backend", "deepep_ll"]
+    rows = _json_lines(_cli(*flags, "--dtype", "bfloat16", "--json"))
+    assert rows[0]["wire_hidden"] == 2048
+    assert rows[0]["dispatch_meta_bytes"][0]["min"] == 4 * 2 * 16  # tokens x topk x header
+    proc = _cli(*flags)  # float32 by default
+    assert proc.returncode == 2
+    assert "deepep_ll: the low-latency kernels move bfloat16 activations" in proc.stderr
+
+
+def test_cli_plan_sp_attention():
+    """Qwen-family configs keep the attention's all_reduce under SP (vLLM's Qwen3-MoE); the flag
+    overrides what the config implies."""
+    flags = ["plan", "--ranks", "4", "--tp", "2", "--ep", "--tokens", "4", "--json"]
+    kinds = {}
+    for extra in ([], ["--sp-attention", "all_reduce"]):
+        rows = {r["strategy"]: r for r in _json_lines(_cli(*flags, *extra))}
+        sp = rows["SP_ALLGATHER"]
+        kinds[tuple(extra)] = [c["kind"] for c in sp["decoder_tp_collective_detail"]]
+        assert sp["sp_attention"] == (extra[1] if extra else "reduce_scatter")
+    assert kinds[()] == ["reduce_scatter", "all_gather"]
+    assert kinds[("--sp-attention", "all_reduce")] == ["all_reduce", "all_gather"]

@@ -57,3 +57,67 @@ def test_deferred_rounding_equals_dispatch_rounding():
 def test_hidden_not_multiple_of_block_is_a_clear_error():
     with pytest.raises(ValueError, match="multiple of 128, got hidden=200"):
         QuantSpec(QuantScheme.FP8_BLOCK128).check_hidden(200)
+
+
+# --------------------------------------------------------------------------------------------
+# NVFP4 against vLLM's emulation and a hand-computed vector
+# --------------------------------------------------------------------------------------------
+def _one_block(values: list[float]) -> torch.Tensor:
+    """A [1, 16] row whose block amax is 6, so that x_sf is exactly 1.0 and values stay as given."""
+    return torch.tensor([values + [6.0] + [0.0] * (15 - len(values))])
+
+
+def test_nvfp4_ties_round_to_even_hand_vector():
+    """Midpoints go to the even code: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0,
+    2.5 -> 2.0, 3.5 -> 4.0, 5.0 -> 4.0 (signed alike). Bytes hold element 2j in the low
+    nibble: e.g. (0.75, 1.75) -> codes (2, 4) -> 0x42."""
+    x = _one_block([0.75, 1.75, 3.5, 0.25, 1.25, 2.5, 5.0, -0.75, -3.5])
+    q, sf = quantize_nvfp4(x, global_scale=1.0)
+    assert sf.float().tolist() == [[1.0]]
+    # codes: 2 4 6 0 2 4 6 (8|2) (8|6) 7 0 0 0 0 0 0  (sign bit 8 for negatives, 6.0 is code 7)
+    assert q.tolist() == [[0x42, 0x06, 0x42, 0xA6, 0x7E, 0x00, 0x00, 0x00]]
+    assert dequantize_nvfp4(q, sf, 1.0)[0, :9].tolist() == [1.0, 2.0, 4.0, 0.0, 1.0, 2.0, 4.0,
+                                                             -1.0, -4.0]
+
+
+def _vllm_nvfp4():
+    return pytest.importorskip(
+        "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils",
+        reason="vLLM is not installed (scripts/setup.sh test)")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("global_scale", [1.0, 37.5])
+def test_nvfp4_equals_vllm_reference_quant(global_scale):
+    """Our codes, read with vLLM's own unpacker (break_fp4_bytes: low nibble first), and our
+    block scales equal vLLM's ref_nvfp4_quant bit for bit, on random rows and on rows built of
+    exact ties."""
+    emu = _vllm_nvfp4()
+    g = torch.Generator().manual_seed(0)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)
+    x = torch.cat([torch.randn(6, 64, generator=g) * 3,
+                   torch.cat([ties, -ties, ties * 0.5, -ties * 4]).reshape(1, 64) / global_scale])
+    q, sf = quantize_nvfp4(x, global_scale)
+    ref_vals, ref_sf = emu.ref_nvfp4_quant(x, torch.tensor(global_scale), 16)
+    assert torch.equal(sf.float(), ref_sf)
+    assert torch.equal(emu.break_fp4_bytes(q, torch.float32), ref_vals)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("num_tokens", [3, 130])  # the tiled layout pads rows to 128
+def test_nvfp4_swizzle_is_the_layout_vllm_reads(num_tokens):
+    """vLLM's dequantize_to_dtype unswizzles the 128x4-tiled scales itself
+    (convert_swizzled_to_linear): fed our swizzled scales it gives what it gives for our linear
+    ones, and both equal our dequantization. (hidden 128: 8 scale columns; vLLM's unswizzle
+    slices the padded columns by element count, so it only reads layouts whose scale columns
+    are a multiple of 4.)"""
+    emu = _vllm_nvfp4()
+    x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(1))
+    gs = 4.0
+    q, sf = quantize_nvfp4(x, gs)
+    inv = torch.tensor(1.0 / gs)  # vLLM's dequant multiplies by the inverse global scale
+    from_swizzled = emu.dequantize_to_dtype(q, swizzle_nvfp4_sf(sf), inv, torch.float32,
+                                            swizzle=True)
+    from_linear = emu.dequantize_to_dtype(q, sf, inv, torch.float32, swizzle=False)
+    assert torch.equal(from_swizzled, from_linear)
+    torch.testing.assert_close(from_linear, dequantize_nvfp4(q, sf, gs), atol=0, rtol=1e-6)

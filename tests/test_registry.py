@@ -77,7 +77,7 @@ def test_third_party_backend_registers_lists_and_is_selectable(third_party_backe
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["example_allgather"] == dict(
         name="example_allgather", usable=True, reason=None, ep_dp=True, dp=True, tp=False,
-        sp=False, quants=["none"], distribution="moe-plugins-example-backend")
+        sp=False, placements=True, quants=["none"], distribution="moe-plugins-example-backend")
     assert select_backend(ParallelLayout(2, 1, True), name="example_allgather").name == "example_allgather"
     # and it really runs: the demo on 2 gloo ranks, checked against the reference
     demo = subprocess.run([str(BIN / "moe-plugins"), "demo", "--ranks", "2", "--ep", "--backend",

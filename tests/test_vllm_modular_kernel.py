@@ -2,6 +2,8 @@
 against the single-process reference."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,11 +36,12 @@ CASES = [
 ]
 
 
-def _check(results: list[dict], layout: ParallelLayout, cfg: MoEConfig, num_tokens: int) -> None:
+def _check(results: list[dict], layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
+           weight_on_input: bool = False) -> None:
     weights = MoEWeights.random(cfg, 0)
     for rank, res in enumerate(results):
         x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), 0)
-        ref = reference_moe(x, weights)
+        ref = reference_moe(x, weights, apply_router_weight_on_input=weight_on_input)
         atol, rtol = tolerance_for(ref, cfg.dtype)
         assert res["out"].shape == (num_tokens, cfg.hidden)
         torch.testing.assert_close(res["out"].float(), ref, atol=atol, rtol=rtol,
@@ -104,14 +107,92 @@ def test_async_path_equals_sync_path(rank_pool):
         assert torch.equal(a["out"], b["out"])
 
 
-def test_non_contiguous_expert_placement_is_refused(rank_pool):
-    layout, cfg = ParallelLayout(2, 1, True), _cfg()
-    round_robin = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)
+# apply_router_weight_on_input (top-1 models such as Llama-4): the input is multiplied by the
+# router weight and a batched backend combines with unit weights. renormalize=False, or top-1
+# weights would all be 1 and the test could not tell the two apart.
+TOP1 = dict(num_topk=1, renormalize=False)
+WEIGHT_ON_INPUT = [(ParallelLayout(2, 1, True), S.LOCAL),
+                   (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE),
+                   (ParallelLayout(2, 2, True), S.GATHER_PLUS_ALLREDUCE)]
+
+
+@pytest.mark.parametrize("layout,strategy", WEIGHT_ON_INPUT,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s in WEIGHT_ON_INPUT])
+def test_router_weight_on_input_with_the_batched_test_backend(rank_pool, layout, strategy):
+    cfg = dataclasses.replace(_cfg(), **TOP1)
+    results = rank_pool(layout.world_size).run(vllm_rank_fns.run_vllm_kernel, layout, cfg,
+                                               strategy, 7, True, 0, None, True, True)
+    assert all(r["batched"] for r in results)
+    _check(results, layout, cfg, 7, weight_on_input=True)
+    # the reference tells the two apart: weights on the output give other numbers
+    x = demo_inputs(cfg, 7, 0, 0)
+    w = MoEWeights.random(cfg, 0)
+    assert not torch.allclose(reference_moe(x, w), reference_moe(x, w, apply_router_weight_on_input=True))
+
+
+@pytest.mark.parametrize("backend", ["deepep_ll", "nixl_ep"])
+@pytest.mark.parametrize("weight_on_input", [True, False], ids=["on-input", "on-output"])
+def test_router_weight_on_input_with_low_latency_backends(rank_pool, backend, weight_on_input):
+    """Through the real low-latency prepare/finalize on the emulated DeepEP / NIXL EP kernels,
+    whose combine weights the rows it returns."""
+    layout = ParallelLayout(2, 2, True)
+    cfg = dataclasses.replace(_cfg(torch.bfloat16), **TOP1)
+    results = rank_pool(4).run(vllm_rank_fns.run_vllm_kernel_ll, backend, layout, cfg,
+                               S.ROW_SCATTER_ALLREDUCE, 6, weight_on_input)
+    assert all(r["batched"] and r["calls"] == 1 for r in results)
+    _check(results, layout, cfg, 6, weight_on_input=weight_on_input)
+
+
+def test_router_weight_on_input_needs_top1(rank_pool):
+    layout = ParallelLayout(2, 1, True)
     with pytest.raises(RankError) as e:
-        rank_pool(2).run(vllm_rank_fns.run_vllm_kernel, layout, cfg, S.LOCAL, 8, True, 0,
-                         round_robin)
+        rank_pool(2).run(vllm_rank_fns.run_vllm_kernel, layout, _cfg(), S.LOCAL, 4, True, 0,
+                         None, True, True)
+    assert e.value.exc_type == "ValueError" and "num_topk == 1, got 2" in e.value.message
+
+
+# -- expert placement from vLLM: round-robin (with and without its routing table) and EPLB's
+# physical experts with redundant copies, through vLLM's kernel with our names ----------------
+
+EPLB_MAP = [5, 0, 7, 1, 3, 2, 6, 4, 5, 0, 1, 3]  # 8 logical experts, 4 redundant, 2 ranks x 6
+PLACED = [
+    ("eplb", ParallelLayout(2, 1, True), S.LOCAL, "torch", False),
+    ("eplb", ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE, "torch", False),
+    ("eplb", ParallelLayout(2, 1, True), S.LOCAL, "torch", True),
+    ("eplb", ParallelLayout(2, 1, True), S.LOCAL, "deepep_ll", False),
+    ("round_robin", ParallelLayout(2, 1, True), S.LOCAL, "torch", False),
+    ("round_robin_table", ParallelLayout(2, 2, True), S.GATHER_PLUS_ALLREDUCE, "torch", False),
+    ("round_robin_table", ParallelLayout(2, 1, True), S.LOCAL, "nixl_ep", False),
+]
+
+
+@pytest.mark.parametrize("mode,layout,strategy,backend,batched", PLACED,
+                         ids=[f"{m}-dp{l.dp}-tp{l.tp}-{b}{'-batched' if bt else ''}"
+                              for m, l, _, b, bt in PLACED])
+def test_vllm_kernel_with_vllm_placement_matches_reference(rank_pool, mode, layout, strategy,
+                                                           backend, batched):
+    cfg = _cfg() if backend == "torch" else dataclasses.replace(
+        _cfg(torch.bfloat16), hidden=2048, num_topk=3)
+    results = rank_pool(layout.world_size).run(vllm_rank_fns.run_vllm_kernel_placed, layout, cfg,
+                                               strategy, 9, mode, EPLB_MAP, backend, batched)
+    _check(results, layout, cfg, 9)
+    # vLLM's maps were not the linear one our transports used to insist on
+    linear = vllm_rank_fns.contiguous_expert_map(len(results[0]["expert_map"]), layout.ep_size, 0)
+    assert results[0]["expert_map"] != linear.tolist() or mode == "eplb"
+    assert all(r["batched"] is (batched or backend != "torch") for r in results)
+
+
+def test_vllm_kernel_refuses_a_placement_the_transport_cannot_deliver(rank_pool):
+    """An expert_map that is neither linear, round-robin nor matched by a routing table: the
+    transport would deliver tokens to experts this rank does not hold."""
+    layout = ParallelLayout(2, 1, True)
+    swapped = torch.tensor([1, 0, -1, -1, 3, 2, -1, -1], dtype=torch.int32)
+    with pytest.raises(RankError) as e:
+        rank_pool(2).run(vllm_rank_fns.run_vllm_kernel, layout, _cfg(), S.LOCAL, 4, True, 0,
+                         swapped)
     assert e.value.exc_type == "ValueError"
-    assert "contiguous blocks" in e.value.message and "linear" in e.value.message
+    assert "transport delivers" in e.value.message and "round_robin" in e.value.message
+
 
 
 # -- DeepEP normal mode (deepep_ht, deepep_auto) on the emulated deep_ep --------------------------

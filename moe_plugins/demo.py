@@ -3,7 +3,7 @@ single-process reference, with what each strategy really communicated."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ class DemoRow:
     dispatched_pairs: list[int]
     dispatched_bytes: list[int]
     ms_per_layer: float
+    # calls per transport mode on rank 0, all calls included (deepep_auto); empty otherwise
+    modes: dict[str, int] = field(default_factory=dict)
 
 
 def demo_inputs(cfg: MoEConfig, num_tokens: int, dp_rank: int, seed: int) -> torch.Tensor:
@@ -80,8 +82,9 @@ def _demo_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, ba
     for _ in range(iters):
         layer(x)
     ms = (time.perf_counter() - t0) * 1e3 / max(iters, 1)
+    modes = dict(layer.dispatch_stats.modes)
     layer.destroy()
-    return dict(out=out, ms=ms, **counted)
+    return dict(out=out, ms=ms, modes=modes, **counted)
 
 
 def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: str, num_tokens: int,
@@ -106,5 +109,5 @@ def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: st
             tp_collectives=len(colls), tp_collective_bytes=sum(c.bytes for c in colls),
             dispatched_pairs=[r["pairs"] for r in per_rank],
             dispatched_bytes=[r["bytes"] for r in per_rank],
-            ms_per_layer=max(r["ms"] for r in per_rank)))
+            ms_per_layer=max(r["ms"] for r in per_rank), modes=per_rank[0]["modes"]))
     return rows

@@ -22,8 +22,7 @@ from moe_plugins.quant import QuantSpec
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
     "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "check_finalize_routing",
-    "row_scatter_add",
-    "write_output",
+    "row_scatter_add", "write_output", "BatchHint",
 ]
 
 Hook = Callable[[], None]
@@ -37,7 +36,8 @@ class ActivationFormat(enum.Enum):
     BATCHED = "batched"
 
 
-# The per-call results (ExpertTokensMeta, PrepareResult, AsyncResult) are plain dataclasses, read
+# The per-call results (ExpertTokensMeta, PrepareResult, AsyncResult, BatchHint) are plain
+# dataclasses, read
 # only by convention: each prepare/finalize builds them, and a frozen dataclass's __init__ (one
 # object.__setattr__ per field) costs about 0.8 us more per object on this hot path.
 @dataclass
@@ -56,9 +56,11 @@ class PrepareResult:
     x_sf: None exactly when x is unquantized; fp8: float32 [..., hidden // 128];
         nvfp4: float8_e4m3fn [..., hidden // 16] (or swizzled, flat).
     expert_tokens_meta: per-local-expert counts (BATCHED always; STANDARD may give it).
-    topk_ids: STANDARD only: int64 [num_recv_tokens, num_topk], LOCAL expert ids, -1 where the
-        expert lives on another rank. None for BATCHED.
-    topk_weights: STANDARD only: float32 [num_recv_tokens, num_topk]. None for BATCHED (the
+    topk_ids: STANDARD only: int64 [num_recv_tokens, k], LOCAL expert ids, -1 where the
+        expert lives on another rank; k is num_topk, or 1 where each row carries one (token,
+        expert) pair (a batched layout presented as rows, :mod:`moe_plugins.formats`). None for
+        BATCHED.
+    topk_weights: STANDARD only: float32 [num_recv_tokens, k]. None for BATCHED (the
         combine applies the weights).
     x_sf_swizzled: True when x_sf holds nvfp4 scales in the 128x4 tiled layout NVFP4 GEMMs read
         (flat, see :func:`moe_plugins.quant.swizzle_nvfp4_sf`); the experts unswizzle them with
@@ -204,6 +206,20 @@ _TOPK_ID_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass
+class BatchHint:
+    """What an engine knows about the current forward pass, the SAME on every EP rank (a
+    backend that picks its transport per call must pick the same one on every rank).
+
+    max_tokens_per_rank: the most rows any EP rank hands prepare in this pass (after TP slicing).
+    prefill: True when the pass prefills on some rank, False when every rank decodes, None
+        when the engine cannot tell.
+    """
+
+    max_tokens_per_rank: int
+    prefill: Optional[bool] = None
+
+
+@dataclass
 class AsyncResult:
     """``hook`` (None when nothing is left to wait for) completes the receive; ``receiver``
     returns the result once the hook has run."""
@@ -225,6 +241,9 @@ class PrepareFinalize(ABC):
     stats: DispatchStats
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    #: True when :meth:`set_batch_hint` changes what the next call does (an engine then builds
+    #: the hint before each prepare; for other backends it skips that work).
+    uses_batch_hint: bool = False
 
     def supports_row_scatter_finalize(self) -> bool:
         """True when ``finalize`` accepts a :class:`RowScatterTarget`."""
@@ -275,6 +294,11 @@ class PrepareFinalize(ABC):
     def reset_call_state(self) -> None:
         """Drop per-call state (dispatch handles). Called in ``finally`` after every layer call,
         so an error in one call never shows up as a stale-handle error in the next."""
+
+    def set_batch_hint(self, hint: Optional[BatchHint]) -> None:
+        """What the engine knows about the next call's forward pass (the vLLM glue reads it from
+        vLLM's forward context). Backends that pick their transport per call use it; others
+        ignore it."""
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:

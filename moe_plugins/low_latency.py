@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
-    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers",
+    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
+    "import_vendor", "check_kernel_layer",
 ]
 
 #: Hidden sizes the low-latency kernels are compiled for (DeepEP V1 and nixl_ep SWITCH_HIDDEN).
@@ -91,6 +92,22 @@ class LowLatencyOptions:
     allow_nvlink: bool = True
     pad_hidden: bool = True
     check_expert_ids: bool = True
+
+
+def check_kernel_layer(cfg: DispatchConfig, backend: str, bf16_why: str, max_topk: int,
+                       quants: frozenset[QuantScheme]) -> None:
+    """The layer checks DeepEP-style kernels share (ValueError with the fix): bfloat16
+    activations (``bf16_why`` says which kernel needs them), top-k within the dispatch kernel's
+    limit, a quant scheme the kernels move."""
+    if cfg.dtype != torch.bfloat16:
+        raise ValueError(f"{backend}: {bf16_why}, the layer is {cfg.dtype}; build the layer in "
+                         "torch.bfloat16 or use another backend (e.g. 'torch')")
+    if cfg.num_topk > max_topk:
+        raise ValueError(f"{backend}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
+                         f"of {max_topk} experts per token; use another backend (e.g. 'torch')")
+    if cfg.quant.scheme not in quants:
+        raise ValueError(f"{backend}: quant scheme {cfg.quant.scheme.value} is not supported; "
+                         f"supported: {sorted(q.value for q in quants)}")
 
 
 def round_up_hidden_size(hidden: int) -> int:
@@ -158,7 +175,8 @@ def _assert_expert_ids(ids: torch.Tensor, num_experts: int, backend: str) -> Non
     torch._assert_async((lo >= -1) & (hi < num_experts), msg)
 
 
-def _import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+    """Import a backend's vendor package; ImportError naming the install step when missing."""
     try:
         return importlib.import_module(required.module)
     except ImportError as e:
@@ -201,6 +219,13 @@ _BUFFERS = _BufferCache()
 _PADDING_LOGGED: set[tuple] = set()
 
 
+def buffer_cache() -> _BufferCache:
+    """The process's reference-counted cache of vendor buffers (``acquire(key, create, destroy)``
+    / ``release(key)``); every DeepEP and NIXL EP manager keeps its buffer here, so
+    :func:`destroy_all_buffers` frees them all."""
+    return _BUFFERS
+
+
 def destroy_all_buffers() -> None:
     """Destroy every cached low-latency buffer of this process (engine teardown, tests). The
     managers that used them must not be used afterwards."""
@@ -235,7 +260,7 @@ class LowLatencyManager(ABC):
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.options = self._options(cfg.backend_options)
         self.kernel_hidden = self.wire_layout(cfg).hidden
-        self.lib = _import_vendor(self.required, self.backend_name)
+        self.lib = import_vendor(self.required, self.backend_name)
         self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
         self.group = ctx.ep_group
@@ -312,17 +337,8 @@ class LowLatencyManager(ABC):
 
     @classmethod
     def _check_layer(cls, cfg: DispatchConfig) -> None:
-        name = cls.backend_name
-        if cfg.dtype != torch.bfloat16:
-            raise ValueError(f"{name}: the low-latency kernels move bfloat16 activations, the layer "
-                             f"is {cfg.dtype}; build the layer in torch.bfloat16 or use another "
-                             "backend (e.g. 'torch')")
-        if cfg.num_topk > MAX_TOPK:
-            raise ValueError(f"{name}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
-                             f"of {MAX_TOPK} experts per token; use another backend (e.g. 'torch')")
-        if cfg.quant.scheme not in _QUANTS:
-            raise ValueError(f"{name}: quant scheme {cfg.quant.scheme.value} is not supported; "
-                             f"supported: {sorted(q.value for q in _QUANTS)}")
+        check_kernel_layer(cfg, cls.backend_name, "the low-latency kernels move bfloat16 "
+                           "activations", MAX_TOPK, _QUANTS)
 
     def _check_limits(self) -> None:
         """Library-specific limits on the computed sizes (raise ValueError with the fix)."""

@@ -83,6 +83,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
+from moe_plugins.vllm_batch_hint import batch_hint
 from moe_plugins.vllm_plugin import (PluginSettings, dbo_backend_names, plugin_settings,
                                      registry_name)
 
@@ -532,6 +533,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # micro-batch id -> its backend object and its call in flight
         self._backends: tuple[PrepareFinalize, ...] = (
             () if backend is None else (backend, *micro_batch_backends))
+        # read once: only a per-call backend pays for reading vLLM's forward context per call
+        self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}
 
     @property
@@ -737,8 +740,14 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # slice_owned would check (the three tensors cover the same tokens).
         owned = (OwnedTokens(rows, a1, ids, topk_weights) if self._tp == 1
                  else slice_owned(rows, a1, ids, topk_weights))
-        sent = self._backends[slot].prepare_async(owned.hidden_states, owned.topk_weights,
-                                                  owned.topk_ids, quant)
+        backend = self._backends[slot]
+        if self._wants_hint:
+            # per-call backends (deepep_auto) pick their transport from what every rank agrees
+            # on; under SP a1 is already this rank's chunk (vLLM pads the chunks to one size)
+            backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
+                                              presliced=self._tp != self.ctx.layout.tp))
+        sent = backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
+                                     quant)
         self._calls[slot] = _Call(owned)
 
         def receiver() -> mk.PrepareResultType:

@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 class EventOverlap:
     """deep_ep.utils.EventOverlap / nixl_ep.utils.EventOverlap (same class in both libraries);
-    there are no CUDA streams here, so waiting is a no-op."""
+    there are no CUDA streams here: waiting completes what the event's emulated handle still
+    holds (normal-mode receives), else it is a no-op."""
 
     def __init__(self, event: Optional[object] = None,
                  extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
@@ -55,12 +56,21 @@ class EventOverlap:
 
     def current_stream_wait(self) -> None:
         assert self.event is not None
+        self._wait()
+
+    def _wait(self) -> None:
+        # Emulated events of the normal-mode kernels (emulation._ht_kernels.EventHandle) carry
+        # the receive that the real CUDA event orders; the low-latency ones carry nothing.
+        wait = getattr(self.event, "current_stream_wait", None)
+        if wait is not None:
+            wait()
 
     def __enter__(self) -> Any:
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        pass
+        if self.event is not None:
+            self._wait()
 
 KERNEL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOPK = 11

@@ -147,6 +147,9 @@ class EmulatedLowLatencyRuntime:
     signal_bytes = DEEP_EP_SIGNAL_BYTES
     bound_name = "num_ranks"  # what the library's host checks call the rank bound
 
+    #: the library's ``topk_idx_t`` (DeepEP: int64; nixl_ep as nixl's meson builds it: int32)
+    topk_idx_dtype: torch.dtype = torch.int64
+
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  mask_enabled: bool):
         host_assert(dist.get_world_size(group) == num_ranks,
@@ -252,7 +255,7 @@ class EmulatedLowLatencyRuntime:
                     "topk_idx.dim() == 2 and topk_idx.is_contiguous()")
         host_assert(x.size(0) == topk_idx.size(0) and x.size(0) <= max_tokens,
                     "x.size(0) == topk_idx.size(0) and x.size(0) <= num_max_dispatch_tokens_per_rank")
-        host_assert(topk_idx.dtype == torch.int64,
+        host_assert(topk_idx.dtype == self.topk_idx_dtype,
                     "topk_idx.scalar_type() == c10::CppTypeToScalarType<topk_idx_t>::value")
         host_assert(not (async_finish and return_recv_hook), "not(async and return_recv_hook)")
         n, hidden = x.shape
@@ -360,7 +363,7 @@ class EmulatedLowLatencyRuntime:
                     "topk_idx.dim() == 2 and topk_idx.is_contiguous()")
         host_assert(topk_idx.shape == topk_weights.shape,
                     "topk_idx.size(0) == topk_weights.size(0) and topk_idx.size(1) == topk_weights.size(1)")
-        host_assert(topk_idx.dtype == torch.int64,
+        host_assert(topk_idx.dtype == self.topk_idx_dtype,
                     "topk_idx.scalar_type() == c10::CppTypeToScalarType<topk_idx_t>::value")
         host_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(),
                     "topk_weights.dim() == 2 and topk_weights.is_contiguous()")

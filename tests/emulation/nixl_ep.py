@@ -35,7 +35,9 @@ from emulation._ll_kernels import (NIXL_EP_SIGNAL_BYTES, EventOverlap, EmulatedL
 
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
 
-topk_idx_t = torch.int64
+# nixl's meson builds nixl_ep with TOPK_IDX_BITS=32: the real library (built on the H200 from
+# nixl's sources, tests/gpu/README.md) asserts int32 ids, as this emulation does.
+topk_idx_t = torch.int32
 DEFAULT_TIMEOUT_MS = 30_000
 
 
@@ -45,6 +47,8 @@ def _agent_metadata(rank: int) -> bytes:
 
 class _NixlRuntime(EmulatedLowLatencyRuntime):
     """Adds connections and the active-rank bound to the shared emulated kernels."""
+
+    topk_idx_dtype = topk_idx_t
 
     signal_bytes = NIXL_EP_SIGNAL_BYTES  # EPLayout: num_experts * sizeof(uint64_t)
     bound_name = "active_rank_bound"

@@ -83,6 +83,13 @@ def run_auto_calls(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
             layer.destroy()
 
 
+def forget_faults(rank: int, world: int, layout: ParallelLayout) -> None:
+    """After a call that every rank refused alike: forget the cached EP group's fault state."""
+    from moe_plugins.faults import clear_group_faults
+
+    clear_group_faults(cached_dist_context(layout).ep_group)
+
+
 def run_ht_prepare(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
                    num_tokens: int, quant: QuantSpec, seed: int = 0) -> dict:
     """prepare (and a zero finalize) on the owned slice through ``backend`` ('deepep_ht' on the

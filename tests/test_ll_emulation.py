@@ -4,6 +4,7 @@ receive counts equal to the all-gathered routing, layout_range consistent with s
 combine(dispatched rows) == x * sum(valid weights)."""
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import pytest
@@ -18,7 +19,13 @@ pytestmark = pytest.mark.multirank
 HIDDEN, TOKENS, TOPK, EXPERTS = 2048, 6, 3, 8
 
 
-def _inputs(rank: int, duplicate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _idx_dtype(module) -> torch.dtype:
+    """The library's topk id dtype (DeepEP: int64; nixl_ep as nixl's meson builds it: int32)."""
+    return getattr(module, "topk_idx_t", torch.int64)
+
+
+def _inputs(rank: int, duplicate: bool = False, idx_dtype: torch.dtype = torch.int64
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.full((TOKENS, HIDDEN), float(rank - 8), dtype=torch.bfloat16)
     x[:, -128:] = torch.arange(TOKENS, dtype=torch.bfloat16).view(-1, 1)
@@ -28,12 +35,10 @@ def _inputs(rank: int, duplicate: bool = False) -> tuple[torch.Tensor, torch.Ten
     if duplicate:  # one token routed twice to one expert (the kernels allow it)
         topk_idx[0, 1] = topk_idx[0, 0]
     topk_weights = torch.rand(TOKENS, TOPK, generator=g)
-    return x, topk_idx, topk_weights
+    return x, topk_idx.to(idx_dtype), topk_weights
 
 
 def _make_buffer(lib: str, world: int, num_rdma_bytes: int):
-    import importlib
-
     module = importlib.import_module(lib)
     if lib == "deep_ep":
         return module.Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes,
@@ -51,15 +56,13 @@ def _make_buffer(lib: str, world: int, num_rdma_bytes: int):
 def roundtrip(rank: int, world: int, lib: str, use_fp8: bool, hook_mode: bool,
               duplicate: bool = False) -> dict:
     with installed(lib):
-        import importlib
-
         module = importlib.import_module(lib)
         hint = (module.Buffer.get_low_latency_rdma_size_hint if lib == "deep_ep"
                 else module.Buffer.get_rdma_size_hint)(TOKENS, HIDDEN, world, EXPERTS)
         buffer = _make_buffer(lib, world, hint)
         dispatch = buffer.low_latency_dispatch if lib == "deep_ep" else buffer.dispatch
         combine = buffer.low_latency_combine if lib == "deep_ep" else buffer.combine
-        x, topk_idx, topk_weights = _inputs(rank, duplicate)
+        x, topk_idx, topk_weights = _inputs(rank, duplicate, _idx_dtype(module))
         stats = torch.zeros(EXPERTS // world, dtype=torch.int32)
         recv, count, handle, event, hook = dispatch(
             x, topk_idx, TOKENS, EXPERTS, cumulative_local_expert_recv_stats=stats,
@@ -118,7 +121,8 @@ def unsupported_hidden(rank: int, world: int, lib: str) -> None:
         buffer = _make_buffer(lib, world, 1 << 30)
         dispatch = buffer.low_latency_dispatch if lib == "deep_ep" else buffer.dispatch
         x = torch.zeros(2, 1024, dtype=torch.bfloat16)
-        dispatch(x, torch.zeros(2, 1, dtype=torch.int64), 4, EXPERTS, use_fp8=False)
+        dispatch(x, torch.zeros(2, 1, dtype=_idx_dtype(importlib.import_module(lib))), 4,
+                 EXPERTS, use_fp8=False)
 
 
 @pytest.mark.parametrize("lib", ["deep_ep", "nixl_ep"])
@@ -137,7 +141,7 @@ def combine_after_the_rank_bound_moved(rank: int, world: int) -> Optional[str]:
 
         buffer = _make_buffer("nixl_ep", world, nixl_ep.Buffer.get_rdma_size_hint(
             TOKENS, HIDDEN, world, EXPERTS))
-        x, topk_idx, topk_weights = _inputs(rank)
+        x, topk_idx, topk_weights = _inputs(rank, idx_dtype=nixl_ep.topk_idx_t)
         recv, _, handle, _, hook = buffer.dispatch(x, topk_idx, TOKENS, EXPERTS, use_fp8=False,
                                                    return_recv_hook=True)
         hook()
@@ -189,7 +193,7 @@ def dispatch_out_of_range(rank: int, world: int, lib: str) -> list[int]:
     with installed(lib):
         buffer = _make_buffer(lib, world, 1 << 30)
         dispatch = buffer.low_latency_dispatch if lib == "deep_ep" else buffer.dispatch
-        x, topk_idx, _ = _inputs(rank)
+        x, topk_idx, _ = _inputs(rank, idx_dtype=_idx_dtype(importlib.import_module(lib)))
         topk_idx[0, 0] = EXPERTS
         _, count, _, _, _ = dispatch(x, topk_idx, TOKENS, EXPERTS, use_fp8=False)
         buffer.destroy()

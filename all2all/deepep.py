@@ -88,14 +88,23 @@ class DeepEPLLManager(LowLatencyManager):
             extra["enable_shrink"] = True
         return self.lib.Buffer(
             self.group,
-            num_nvl_bytes=0,
+            num_nvl_bytes=self._num_nvl_bytes(),
             num_rdma_bytes=self.num_rdma_bytes,
             low_latency_mode=True,
-            num_qps_per_rank=self.num_local_experts,
+            num_qps_per_rank=self._num_qps_per_rank(),
             allow_nvlink_for_low_latency_mode=self.options.allow_nvlink,
             explicitly_destroy=True,
             **extra,
         )
+
+    def _num_nvl_bytes(self) -> int:
+        """NVLink buffer bytes: none in low-latency mode alone (a buffer that also runs normal
+        mode, deepep_auto's, adds DeepEP's normal-mode hint)."""
+        return 0
+
+    def _num_qps_per_rank(self) -> int:
+        """Low-latency mode needs one QP per local expert."""
+        return self.num_local_experts
 
     def _destroy_buffer(self, buffer: Any) -> None:
         buffer.destroy()

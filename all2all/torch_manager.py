@@ -24,10 +24,12 @@ class TorchAll2AllManager:
         self.rank = dist.get_rank(self.group)
         self.placement = cfg.placement_for(self.num_ranks)
 
-    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """send_counts int64 [num_ranks] -> recv_counts int64 [num_ranks] (rows each peer sends us)."""
-        recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts, group=self.group)
+    def exchange_header(self, send: torch.Tensor) -> torch.Tensor:
+        """The call's host exchange: send int64 [num_ranks, HEADER_WORDS] (row r: rows we send
+        rank r, then this call's sequence number, layer digest and input status; see
+        :mod:`moe_plugins.faults`) -> what each peer sent us, same shape."""
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
         return recv
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],

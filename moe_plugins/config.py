@@ -33,6 +33,11 @@ class DispatchConfig:
     placement: Optional[ExpertPlacement] = None
 
     def __post_init__(self) -> None:
+        for name in ("num_experts", "hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DispatchConfig.{name} must be a positive int, got {value!r}; "
+                                 "give the layer's size")
         if self.num_topk < 1 or self.num_topk > self.num_experts:
             raise ValueError(f"num_topk must be in [1, num_experts={self.num_experts}], "
                              f"got {self.num_topk}")

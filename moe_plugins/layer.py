@@ -11,6 +11,7 @@ import torch.distributed as dist
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.experts import TorchExperts
+from moe_plugins.faults import group_faults, is_in_step
 from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
@@ -95,6 +96,9 @@ class MoELayer:
                        else weights.shared())
         self.router = weights.router
         self.collectives = CollectiveLog()
+        self.name = f"MoE layer ({backend.name}, {layout.describe()}, {strategy.value})"
+        self.faults = group_faults(ctx.ep_group)
+        self._destroyed = False
         self.pf: Optional[PrepareFinalize] = None
         if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
             self.pf = backend.build(ctx, DispatchConfig(
@@ -158,12 +162,27 @@ class MoELayer:
         self.placement = placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route(x, self.router, self.cfg.num_topk, self.cfg.renormalize)
-        if not self.placement.is_linear:
-            topk_ids = self.placement.to_physical(topk_ids)
-        if self.pf is None:
-            return self._forward_no_dispatch(x, topk_weights, topk_ids)
-        return self._forward_dispatch(x, topk_weights, topk_ids)
+        """One call; collective over the EP group. A call that fails on this rank other than
+        in step with its peers (see :mod:`moe_plugins.faults`) breaks the group: later calls
+        raise naming that first failure until the layer is rebuilt on new groups."""
+        if self._destroyed:
+            raise RuntimeError(f"{self.name} was destroyed; build a new MoELayer to run it again")
+        self.faults.check(self.name)
+        try:
+            if x.dim() != 2 or x.shape[1] != self.cfg.hidden or not x.is_floating_point():
+                raise (ValueError if x.is_floating_point() else TypeError)(
+                    f"{self.name}: x must be float [num_tokens, {self.cfg.hidden}], got "
+                    f"{x.dtype} {tuple(x.shape)}")
+            topk_weights, topk_ids = route(x, self.router, self.cfg.num_topk, self.cfg.renormalize)
+            if not self.placement.is_linear:
+                topk_ids = self.placement.to_physical(topk_ids)
+            if self.pf is None:
+                return self._forward_no_dispatch(x, topk_weights, topk_ids)
+            return self._forward_dispatch(x, topk_weights, topk_ids)
+        except BaseException as e:
+            if not is_in_step(e):
+                self.faults.mark_broken(f"{self.name} raised on this rank", e)
+            raise
 
     def _forward_no_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor,
                              topk_ids: torch.Tensor) -> torch.Tensor:
@@ -213,6 +232,10 @@ class MoELayer:
             if shared is not None:
                 full = full + self._all_reduce(shared)
             return full
+        except BaseException as e:  # named before reset_call_state records the abandoned call
+            if not is_in_step(e):
+                self.faults.mark_broken(f"{self.name} raised on this rank", e)
+            raise
         finally:
             if handle is not None:
                 join(handle)
@@ -221,6 +244,8 @@ class MoELayer:
     __call__ = forward
 
     def destroy(self) -> None:
+        """Release the backend's buffers; calling the layer afterwards raises."""
+        self._destroyed = True
         if self.pf is not None:
             destroy = getattr(getattr(self.pf, "manager", None), "destroy", None)
             if destroy is not None:

@@ -175,8 +175,13 @@ class LocalIdMap:
 
 
 def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") -> torch.Tensor:
-    """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts."""
-    hit = torch.zeros(physical_ids.shape[0], placement.num_ranks, dtype=torch.bool,
-                      device=physical_ids.device)
-    hit.scatter_(1, placement.rank_of(physical_ids), True)
-    return hit
+    """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts.
+    Ids outside [0, num_physical) (-1: no expert) reach no rank; callers that must reject
+    out-of-range ids check them separately (without a host sync)."""
+    ids = physical_ids if physical_ids.dtype is torch.int64 else physical_ids.long()
+    valid = (ids >= 0) & (ids < placement.num_physical)
+    # invalid ids land in a spare last column, dropped (a scatter of False could clear a hit)
+    dest = torch.where(valid, ids // placement.num_local, placement.num_ranks)
+    hit = torch.zeros(ids.shape[0], placement.num_ranks + 1, dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, dest, True)
+    return hit[:, : placement.num_ranks]

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
+from moe_plugins.faults import group_faults
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, Hook,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, row_scatter_add)
+                                   check_finalize_routing, check_prepare_inputs, row_scatter_add)
 from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
@@ -50,7 +51,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
-    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers",
+    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
+    "import_vendor", "check_kernel_layer",
 ]
 
 #: Hidden sizes the low-latency kernels are compiled for (DeepEP V1 and nixl_ep SWITCH_HIDDEN).
@@ -80,10 +82,32 @@ class LowLatencyOptions:
         transfer inside the hook window.
     pad_hidden: pad an unsupported hidden size up to the next kernel size (see module doc);
         False makes it a ValueError at construction.
+    check_expert_ids: check in prepare that every expert id is in [-1, num_experts) (the
+        kernels do not: an id out of range makes them write outside their buffers). No host
+        sync: CPU tensors raise ValueError at once; on CUDA it is a device-side assert (two
+        small kernels per call; the error shows at the next sync and, as every CUDA device
+        assert, ends the process's CUDA context). Turn it off when the router is trusted.
     """
 
     allow_nvlink: bool = True
     pad_hidden: bool = True
+    check_expert_ids: bool = True
+
+
+def check_kernel_layer(cfg: DispatchConfig, backend: str, bf16_why: str, max_topk: int,
+                       quants: frozenset[QuantScheme]) -> None:
+    """The layer checks DeepEP-style kernels share (ValueError with the fix): bfloat16
+    activations (``bf16_why`` says which kernel needs them), top-k within the dispatch kernel's
+    limit, a quant scheme the kernels move."""
+    if cfg.dtype != torch.bfloat16:
+        raise ValueError(f"{backend}: {bf16_why}, the layer is {cfg.dtype}; build the layer in "
+                         "torch.bfloat16 or use another backend (e.g. 'torch')")
+    if cfg.num_topk > max_topk:
+        raise ValueError(f"{backend}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
+                         f"of {max_topk} experts per token; use another backend (e.g. 'torch')")
+    if cfg.quant.scheme not in quants:
+        raise ValueError(f"{backend}: quant scheme {cfg.quant.scheme.value} is not supported; "
+                         f"supported: {sorted(q.value for q in quants)}")
 
 
 def round_up_hidden_size(hidden: int) -> int:
@@ -136,7 +160,23 @@ def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exps.flatten(-2).float() - 127.0)
 
 
-def _import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+def _assert_expert_ids(ids: torch.Tensor, num_experts: int, backend: str) -> None:
+    """ids int [num_tokens, num_topk] must lie in [-1, num_experts); see
+    ``LowLatencyOptions.check_expert_ids`` (no host sync)."""
+    if not ids.numel():
+        return
+    lo, hi = torch.aminmax(ids)
+    msg = (f"{backend}: topk_ids hold expert ids outside [-1, {num_experts}) (-1: no expert); "
+           f"route over the layer's {num_experts} experts")
+    if ids.device.type == "cpu":  # the values are on the host already
+        if int(lo) < -1 or int(hi) >= num_experts:
+            raise ValueError(msg)
+        return
+    torch._assert_async((lo >= -1) & (hi < num_experts), msg)
+
+
+def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+    """Import a backend's vendor package; ImportError naming the install step when missing."""
     try:
         return importlib.import_module(required.module)
     except ImportError as e:
@@ -179,6 +219,13 @@ _BUFFERS = _BufferCache()
 _PADDING_LOGGED: set[tuple] = set()
 
 
+def buffer_cache() -> _BufferCache:
+    """The process's reference-counted cache of vendor buffers (``acquire(key, create, destroy)``
+    / ``release(key)``); every DeepEP and NIXL EP manager keeps its buffer here, so
+    :func:`destroy_all_buffers` frees them all."""
+    return _BUFFERS
+
+
 def destroy_all_buffers() -> None:
     """Destroy every cached low-latency buffer of this process (engine teardown, tests). The
     managers that used them must not be used afterwards."""
@@ -213,7 +260,7 @@ class LowLatencyManager(ABC):
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.options = self._options(cfg.backend_options)
         self.kernel_hidden = self.wire_layout(cfg).hidden
-        self.lib = _import_vendor(self.required, self.backend_name)
+        self.lib = import_vendor(self.required, self.backend_name)
         self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
         self.group = ctx.ep_group
@@ -290,17 +337,8 @@ class LowLatencyManager(ABC):
 
     @classmethod
     def _check_layer(cls, cfg: DispatchConfig) -> None:
-        name = cls.backend_name
-        if cfg.dtype != torch.bfloat16:
-            raise ValueError(f"{name}: the low-latency kernels move bfloat16 activations, the layer "
-                             f"is {cfg.dtype}; build the layer in torch.bfloat16 or use another "
-                             "backend (e.g. 'torch')")
-        if cfg.num_topk > MAX_TOPK:
-            raise ValueError(f"{name}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
-                             f"of {MAX_TOPK} experts per token; use another backend (e.g. 'torch')")
-        if cfg.quant.scheme not in _QUANTS:
-            raise ValueError(f"{name}: quant scheme {cfg.quant.scheme.value} is not supported; "
-                             f"supported: {sorted(q.value for q in _QUANTS)}")
+        check_kernel_layer(cfg, cls.backend_name, "the low-latency kernels move bfloat16 "
+                           "activations", MAX_TOPK, _QUANTS)
 
     def _check_limits(self) -> None:
         """Library-specific limits on the computed sizes (raise ValueError with the fix)."""
@@ -417,7 +455,7 @@ class _CallState:
     handle: Any
     num_tokens: int
     recv_shape: "torch.Size"
-    topk_ids: torch.Tensor
+    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
     topk_weights: torch.Tensor
     ids: torch.Tensor
 
@@ -445,6 +483,11 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.use_ue8m0 = False
         self._state: Optional[_CallState] = None
+        # No host exchange on these kernels: a call that fails on one rank (before its
+        # dispatch, or between dispatch and combine) breaks the group (moe_plugins.faults).
+        self.faults = group_faults(manager.ctx.ep_group)
+        self.name = (f"{manager.backend_name} layer (experts={cfg.num_experts} "
+                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
         self._hidden = manager.hidden
         self._padded = manager.padded
         self._idx_dtype = manager.topk_idx_dtype
@@ -497,6 +540,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                            self.cfg.quant.scheme.value)
 
     def reset_call_state(self) -> None:
+        if self._state is not None:  # dispatched, never combined: peers wait in the combine
+            self.faults.mark_broken("a call was abandoned between its dispatch and its combine")
         self._state = None
 
     # -- padding of the hidden dimension (see the module doc) ------------------------------
@@ -523,7 +568,16 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         """hidden_states bf16 [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
         topk_ids int32/int64 [num_tokens, num_topk] (PHYSICAL ids, -1 for none). The send is
         issued here; the hook receives; the receiver returns the :class:`PrepareResult`."""
-        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        self.faults.check(self.name)
+        try:
+            return self._prepare_async(hidden_states, topk_weights, topk_ids, quant)
+        except BaseException as e:  # peers are in (or past) this dispatch: out of step now
+            self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
+            raise
+
+    def _prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
         if quant is not self._checked_quant:  # a layer passes the same spec on every call
             self._check_quant(quant)
             self._checked_quant, self._fp8 = quant, quant.quantized_on_wire
@@ -545,6 +599,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         use_fp8 = self._fp8
         ue8m0 = use_fp8 and self.use_ue8m0
         ids = self._ids(topk_ids)
+        if m.options.check_expert_ids:
+            _assert_expert_ids(ids, m.num_experts, m.backend_name)
         x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
         recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0)
         recv_x, recv_sf = recv if use_fp8 else (recv, None)
@@ -587,10 +643,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             n = st.num_tokens
             if topk_ids is st.topk_ids and topk_weights is st.topk_weights:
                 ids = st.ids  # checked (and cast) by prepare
-            elif topk_ids.shape[0] != n or topk_weights.shape != topk_ids.shape:
-                raise ValueError(f"finalize got topk_ids {tuple(topk_ids.shape)} and topk_weights "
-                                 f"{tuple(topk_weights.shape)}; prepare was given {n} tokens")
-            else:
+            else:  # the same routing only (a combine reduces by the dispatch's)
+                check_finalize_routing(st.topk_ids, topk_ids, topk_weights)
                 ids = self._ids(topk_ids)
             if isinstance(output, RowScatterTarget):
                 if output.rows.num_owned != n:
@@ -609,6 +663,9 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                  else fused_expert_output.contiguous())
             hook = m.combine(x, ids, weights.contiguous(), st.handle, dest)
             self._combine_pairs += topk_ids.numel()
+        except BaseException as e:  # peers are in this combine: out of step now
+            self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
+            raise
         finally:
             self._state = None
 

@@ -33,7 +33,9 @@ torch.distributed counted on a real multi-rank run):
   uniform routing (a token's num_topk distinct experts drawn uniformly from num_experts, spread
   evenly over the ranks). Pass the measured routing (:class:`Routing`) and every quantity is exact.
   A BATCHED-format (per-expert, DeepEP-LL-style) backend sends one row per pair: its sent rows are
-  exact without routing.
+  exact without routing. DeepEP's normal mode (``deepep_ht``) is STANDARD: one row per (token,
+  destination rank). ``deepep_auto`` is planned in the mode it takes for the busiest rank's rows
+  (``BackendSpec.wire_format_for``: low-latency, per pair, up to its default capacity).
 
 Experts are placed by an :class:`moe_plugins.placement.ExpertPlacement` (linear by default:
 expert ``e`` on EP rank ``e // (num_experts // num_ranks)``); its slots per rank, redundant
@@ -596,10 +598,13 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
     if layout.ep and cfg.num_experts % layout.ep_size:
         raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
                          f"{layout.ep_size}; pick an EP size that divides the experts")
-    wire = wire_format(caps.activation_format, cfg, quant, wire_row)
     world = layout.world_size
     rows = [owned_rows(tokens[layout.dp_rank(r)], layout.tp, layout.tp_rank(r)) for r in range(world)]
     owned = [o.num_owned for o in rows]
+    # a per-call backend (deepep_auto) sends per pair below its threshold, per rank above
+    fmt = (backend.wire_format_for(max(owned)) if backend.wire_format_for is not None
+           else caps.activation_format)
+    wire = wire_format(fmt, cfg, quant, wire_row)
     item = _itemsize(cfg.dtype)
 
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,

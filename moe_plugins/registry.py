@@ -114,6 +114,13 @@ class BackendSpec:
     priority: int = 0
     # activation dtypes the kernels take; None: any
     dtypes: Optional[frozenset[torch.dtype]] = None
+    # EP group sizes the kernels run on (with EP on); None: any
+    ep_sizes: Optional[frozenset[int]] = None
+    # backends that pick their transport per call: the wire format (BATCHED: one row per
+    # (token, expert) pair; STANDARD: per (token, rank)) of a call whose busiest rank hands
+    # prepare this many rows; None: always the capabilities' activation format
+    wire_format_for: Optional[Callable[[int], ActivationFormat]] = None
+
     # The backend's own check of a layer config, raising what building it would raise (dtype,
     # hidden, topk limits), and the row its kernels put on the wire; needs no process group.
     # None: rows carry the layer's hidden and no header.
@@ -218,6 +225,8 @@ def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme
             why.append(f"no DP (dp={layout.dp})")
         if layout.tp > 1 and not c.tp:
             why.append(f"no TP inside the EP group (tp={layout.tp})")
+    if layout.ep and spec.ep_sizes is not None and layout.ep_size not in spec.ep_sizes:
+        why.append(f"EP size {layout.ep_size} not in {sorted(spec.ep_sizes)}")
     if quant not in spec.quants:
         why.append(f"quant {quant.value} not in {sorted(q.value for q in spec.quants)}")
     if require_available:

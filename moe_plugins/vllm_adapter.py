@@ -83,6 +83,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
+from moe_plugins.vllm_batch_hint import batch_hint
 from moe_plugins.vllm_plugin import (PluginSettings, dbo_backend_names, plugin_settings,
                                      registry_name)
 
@@ -98,6 +99,24 @@ _DEFERRED = QuantSpec()  # what travels under defer_input_quant: the activations
 _FIRST_CALL_LOGGED: set[str] = set()
 # EP groups without a vLLM all2all manager (dp == 1): one of ours per group, made on first use.
 _GROUP_MANAGERS: dict[str, "MoEPluginsAll2AllManager"] = {}
+
+
+def _bound_vllm_timeout(*groups: Any) -> Optional[float]:
+    """vLLM's groups wait torch's default (up to 30 minutes) unless the user gave
+    ``--distributed-timeout-seconds``; then bound ours (moe_plugins.groups.bound_timeout, env
+    ``MOE_PLUGINS_TIMEOUT_S``). Returns the timeout in force when known (errors name it)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from moe_plugins.groups import bound_timeout
+
+    config = get_current_vllm_config_or_none()
+    given = config.parallel_config.distributed_timeout_seconds if config is not None else None
+    if given is not None:
+        return float(given)
+    seconds = None
+    for group in groups:
+        seconds = bound_timeout(group)
+    return seconds
 
 
 def _warn_once(message: str) -> None:
@@ -117,6 +136,7 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         # device_group: NCCL on CUDA, gloo on CPU; our transports use it for the all-to-alls.
         self.device_group = device_group if device_group is not None else cpu_group
         self._managers: dict[tuple[str, DispatchConfig], Any] = {}
+        self.timeout_s = _bound_vllm_timeout(cpu_group, self.device_group)
         self._store: Optional[dist.Store] = None
         self._last_mask: Optional[torch.Tensor] = None
         self.support_fault_tolerance = _fault_tolerance_wanted()
@@ -144,7 +164,9 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
             from vllm.distributed import get_tp_group
 
             tp_group = get_tp_group().device_group
-        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device))
+            _bound_vllm_timeout(tp_group)
+        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device),
+                           self.timeout_s)
 
     def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
         """A new prepare/finalize for one layer, on the cached manager of its config."""
@@ -511,6 +533,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # micro-batch id -> its backend object and its call in flight
         self._backends: tuple[PrepareFinalize, ...] = (
             () if backend is None else (backend, *micro_batch_backends))
+        # read once: only a per-call backend pays for reading vLLM's forward context per call
+        self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}
 
     @property
@@ -716,8 +740,14 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # slice_owned would check (the three tensors cover the same tokens).
         owned = (OwnedTokens(rows, a1, ids, topk_weights) if self._tp == 1
                  else slice_owned(rows, a1, ids, topk_weights))
-        sent = self._backends[slot].prepare_async(owned.hidden_states, owned.topk_weights,
-                                                  owned.topk_ids, quant)
+        backend = self._backends[slot]
+        if self._wants_hint:
+            # per-call backends (deepep_auto) pick their transport from what every rank agrees
+            # on; under SP a1 is already this rank's chunk (vLLM pads the chunks to one size)
+            backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
+                                              presliced=self._tp != self.ctx.layout.tp))
+        sent = backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
+                                     quant)
         self._calls[slot] = _Call(owned)
 
         def receiver() -> mk.PrepareResultType:

@@ -24,7 +24,7 @@ import torch
 
 from all2all.flashinfer import INSTALL_HINT, FlashInferAll2AllManager
 from moe_plugins.config import DispatchConfig
-from moe_plugins.counters import DispatchStats
+from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    RowScatterTarget, check_prepare_inputs, write_output)
 from moe_plugins.layout import LocalIdMap, destination_ranks
@@ -41,15 +41,6 @@ class _CallState:
 
     num_tokens: int
     recv_tokens: Optional[int] = None
-
-
-def _host_int(t: torch.Tensor) -> Optional[int]:
-    """A count for the stats, or None on a GPU: reading a device scalar would stall the stream
-    on every call (and cannot happen during CUDA-graph capture), so on CUDA only the pairs and
-    calls are counted, which the host knows without a read."""
-    if t.is_cuda:
-        return None
-    return int(t)
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -93,20 +84,20 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
                         local_ids: torch.Tensor) -> Optional[int]:
         """Add this call's payload (without the kernels' 16-byte row padding) to the stats;
         returns the received rows that carry a token. On a GPU only calls and pairs are
-        counted, and no kernel runs for the stats (see :func:`_host_int`)."""
+        counted, and no kernel runs for the stats (see :func:`moe_plugins.counters.host_count`)."""
         m, s = self.manager, self.stats
         s.calls += 1
         s.pairs += topk_ids.numel()
         if topk_ids.is_cuda:
             return None
         hit = destination_ranks(topk_ids, m.placement)
-        rows = _host_int(hit.sum())
+        rows = host_count(hit.sum())
         if rows is not None:
             s.rows += rows
             s.act_bytes += rows * _row_bytes(x)
             s.sf_bytes += rows * _row_bytes(x_sf) if x_sf is not None else 0
             s.meta_bytes += rows * m.num_topk * (4 + 4)  # int32 ids + float32 weights
-        return _host_int((local_ids >= 0).any(dim=1).sum())
+        return host_count((local_ids >= 0).any(dim=1).sum())
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:

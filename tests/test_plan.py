@@ -16,6 +16,7 @@ import torch
 import plan_rank_fns
 from checks import assert_matches_reference
 from moe_plugins.demo import demo_inputs
+from moe_plugins.faults import HEADER_WORDS
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.link_model import LinkModel
@@ -135,7 +136,8 @@ def _check_given_routing(plan, strategy, results, layout):
         # Received bytes as torch.distributed saw them (each all_to_all_single call's output):
         # first the row-count exchange, last the combine, the dispatch payloads between.
         a2a = [b for n, b in res["calls"] if n == "all_to_all_single"]
-        assert a2a[0] == layout.world_size * 8  # int64 row counts, one per rank
+        # int64 header per rank: row count, call sequence number, layer digest, input status
+        assert a2a[0] == layout.world_size * 8 * HEADER_WORDS
         assert rp.recv_combine_bytes.min == a2a[-1]
         assert rp.recv_dispatch_bytes.is_exact and rp.recv_dispatch_bytes.min == sum(a2a[1:-1])
     # what is sent is received, per category

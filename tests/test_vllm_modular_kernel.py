@@ -192,3 +192,67 @@ def test_vllm_kernel_refuses_a_placement_the_transport_cannot_deliver(rank_pool)
                          swapped)
     assert e.value.exc_type == "ValueError"
     assert "transport delivers" in e.value.message and "round_robin" in e.value.message
+
+
+
+# -- DeepEP normal mode (deepep_ht, deepep_auto) on the emulated deep_ep --------------------------
+
+def _bf16_cfg() -> MoEConfig:
+    return MoEConfig(hidden=2048, num_experts=8, num_topk=2, intermediate=32,
+                     shared_intermediate=64, dtype=torch.bfloat16)
+
+
+DEEPEP_CASES = [
+    (ParallelLayout(2, 1, True), S.LOCAL),
+    (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE),
+    (ParallelLayout(2, 2, True), S.GATHER_PLUS_ALLREDUCE),
+]
+
+
+@pytest.mark.parametrize("layout,strategy", DEEPEP_CASES,
+                         ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s in DEEPEP_CASES])
+@pytest.mark.parametrize("backend", ["deepep_ht", "deepep_auto"])
+def test_vllm_kernel_with_deepep_normal_mode(rank_pool, backend, layout, strategy):
+    """Standard-format experts for both: deepep_ht's rows, and deepep_auto's low-latency receive
+    presented as rows (9 tokens fit its default capacity)."""
+    cfg = _bf16_cfg()
+    vllm_deepep_rank_fns = pytest.importorskip("vllm_deepep_rank_fns")
+    results = rank_pool(layout.world_size).run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg,
+                                               strategy, 9, backend)
+    assert all(not r["batched"] and r["async_"] for r in results)
+    if backend == "deepep_auto":
+        assert all(r["modes"] == {"low_latency": 1} for r in results)
+    _check(results, layout, cfg, 9)
+
+
+def test_vllm_deepep_ht_equals_vllm_in_tree(rank_pool):
+    """Ours and vLLM's in-tree DeepEPHTPrepareAndFinalize, same emulated deep_ep, same experts,
+    same inputs: the same output, bit for bit."""
+    layout, cfg = ParallelLayout(2, 1, True), _bf16_cfg()
+    vllm_deepep_rank_fns = pytest.importorskip("vllm_deepep_rank_fns")
+    pool = rank_pool(2)
+    ours = pool.run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg, S.LOCAL, 9, "deepep_ht")
+    theirs = pool.run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg, S.LOCAL, 9, "deepep_ht",
+                      None, True)
+    _check(theirs, layout, cfg, 9)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a["out"], b["out"])
+
+
+@pytest.mark.parametrize("runtime_mode,dp_tokens,mode", [
+    ("FULL", [9, 9], "low_latency"),  # every DP rank decodes (synced FULL graphs)
+    ("NONE", [9, 9], "normal"),  # some rank prefills: normal mode although 9 tokens fit
+    ("FULL", [9, 300], "normal"),  # the largest DP batch exceeds the low-latency buffers
+])
+def test_vllm_forward_context_picks_deepep_auto_mode(rank_pool, runtime_mode, dp_tokens, mode):
+    """Under vLLM, deepep_auto reads the forward context (the same on every rank): DP token
+    counts and the synced CUDA-graph mode; no extra collective."""
+    from all2all.deepep_auto import DeepEPAutoOptions
+
+    layout, cfg = ParallelLayout(2, 1, True), _bf16_cfg()
+    vllm_deepep_rank_fns = pytest.importorskip("vllm_deepep_rank_fns")
+    results = rank_pool(2).run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg, S.LOCAL, 9,
+                               "deepep_auto", DeepEPAutoOptions(ll_max_tokens_per_rank=64), False,
+                               dp_tokens, runtime_mode)
+    assert all(r["modes"] == {mode: 1} for r in results)
+    _check(results, layout, cfg, 9)

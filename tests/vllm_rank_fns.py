@@ -151,27 +151,36 @@ def contiguous_expert_map(num_experts: int, ep_size: int, rank: int) -> torch.Te
 def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                     strategy: ReductionStrategy, num_tokens: int, overlap: bool,
                     seed: int = 0, expert_map: Optional[torch.Tensor] = None,
-                    batched: bool = False, weight_on_input: bool = False) -> dict:
+                    batched: bool = False, weight_on_input: bool = False,
+                    backend_name: str = "torch", backend_options: Any = None,
+                    in_tree_pf: Any = None) -> dict:
     """vLLM's FusedMoEKernel with our prepare/finalize on this rank, then the runner's reduction:
     ``output_is_reduced()`` False -> all_reduce(shared partial + routed) over TP; True -> routed +
     all_reduce(shared partial). Returns the layer output and what ran. ``batched``: the batched
-    torch test backend; ``weight_on_input``: vLLM's ``apply_router_weight_on_input``."""
+    torch test backend; ``weight_on_input``: vLLM's ``apply_router_weight_on_input``;
+    ``backend_name``: the registered backend under the adapter; ``in_tree_pf(ctx, moe)``: build a
+    vLLM in-tree prepare/finalize instead of ours."""
     ctx = cached_dist_context(layout)
     backend = None
     if strategy.dispatches:
         from moe_plugins.config import DispatchConfig
 
         dispatch = DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1),
-                                  cfg.dtype)
+                                  cfg.dtype, backend_options=backend_options)
         if batched:
             from all2all.torch_manager import TorchAll2AllManager
             from batched_backend import BatchedTorchPrepareFinalize
 
             backend = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch), dispatch)
         else:
-            backend = get_backend("torch").build(ctx, dispatch)
-    return _run_kernel(rank, layout, cfg, strategy, num_tokens, overlap, seed, expert_map,
-                       backend, weight_on_input)
+            backend = get_backend(backend_name).build(ctx, dispatch)
+    try:
+        return _run_kernel(rank, layout, cfg, strategy, num_tokens, overlap, seed, expert_map,
+                           backend, weight_on_input, backend_name, in_tree_pf)
+    finally:
+        destroy = getattr(getattr(backend, "manager", None), "destroy", None)
+        if destroy is not None:
+            destroy()
 
 
 def run_vllm_kernel_ll(rank: int, world: int, backend_name: str, layout: ParallelLayout,
@@ -198,14 +207,17 @@ def run_vllm_kernel_ll(rank: int, world: int, backend_name: str, layout: Paralle
 
 def _run_kernel(rank: int, layout: ParallelLayout, cfg: MoEConfig, strategy: ReductionStrategy,
                 num_tokens: int, overlap: bool, seed: int, expert_map: Optional[torch.Tensor],
-                backend: Any, weight_on_input: bool) -> dict:
+                backend: Any, weight_on_input: bool, backend_name: str = "torch",
+                in_tree_pf: Any = None) -> dict:
     ctx = cached_dist_context(layout)
     weights = MoEWeights.random(cfg, seed)
     local = weights.local_experts(layout.ep_size, rank)
     moe = _moe_config(cfg, layout, rank)
-    pf = MoEPluginsPrepareAndFinalize(backend, "torch", ctx, StrategyChoice(strategy, "test"),
+    pf = MoEPluginsPrepareAndFinalize(backend, backend_name, ctx, StrategyChoice(strategy, "test"),
                                       OverlapConfig(overlap=overlap), cfg.num_experts,
                                       QuantScheme.NONE)
+    if in_tree_pf is not None:
+        pf = in_tree_pf(ctx, moe)
     kernel = _kernel(pf, moe)
 
     x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
@@ -213,17 +225,22 @@ def _run_kernel(rank: int, layout: ParallelLayout, cfg: MoEConfig, strategy: Red
     if expert_map is None:
         expert_map = contiguous_expert_map(cfg.num_experts, layout.ep_size, rank)
     routed = kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2,
-                          topk_weights=topk_weights, topk_ids=topk_ids.to(torch.int32),
+                          topk_weights=topk_weights,
+                          topk_ids=topk_ids.to(pf.topk_indices_dtype() or torch.int32),
                           activation=MoEActivation.SILU, global_num_experts=cfg.num_experts,
                           expert_map=expert_map, apply_router_weight_on_input=weight_on_input)
     out = _runner_reduce(kernel, routed, x, weights, layout)
-    return dict(out=out, output_is_reduced=kernel.output_is_reduced(), calls=pf.calls,
-                rows_sent=pf.stats.rows, async_=pf.supports_async(), batched=pf.batched)
+    stats = getattr(pf, "stats", None)
+    # an in-tree prepare/finalize (in_tree_pf) has no calls, stats or batched flag
+    return dict(out=out, output_is_reduced=kernel.output_is_reduced(),
+                calls=getattr(pf, "calls", None), rows_sent=getattr(stats, "rows", None),
+                modes=dict(getattr(stats, "modes", {}) or {}), async_=pf.supports_async(),
+                batched=getattr(pf, "batched", False))
 
 
 def _kernel(pf: MoEPluginsPrepareAndFinalize, moe: FusedMoEConfig) -> mk.FusedMoEKernel:
     """vLLM's FusedMoEKernel of ``pf`` and the torch experts of its activation format."""
-    if pf.batched:
+    if getattr(pf, "batched", False):
         experts: TorchExpertsModular = TorchBatchedExpertsModular(
             moe, FusedMoEQuantConfig.make(), max_num_tokens=pf.max_num_tokens_per_rank(),
             num_dispatchers=pf.num_dispatchers())

@@ -30,11 +30,14 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
+from emulation._ll_kernels import (NIXL_EP_SIGNAL_BYTES, EventOverlap, EmulatedLowLatencyRuntime,
+                                   host_assert, size_hint)
 
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
 
-topk_idx_t = torch.int64
+# nixl's meson builds nixl_ep with TOPK_IDX_BITS=32: the real library (built on the H200 from
+# nixl's sources, tests/gpu/README.md) asserts int32 ids, as this emulation does.
+topk_idx_t = torch.int32
 DEFAULT_TIMEOUT_MS = 30_000
 
 
@@ -44,6 +47,11 @@ def _agent_metadata(rank: int) -> bytes:
 
 class _NixlRuntime(EmulatedLowLatencyRuntime):
     """Adds connections and the active-rank bound to the shared emulated kernels."""
+
+    topk_idx_dtype = topk_idx_t
+
+    signal_bytes = NIXL_EP_SIGNAL_BYTES  # EPLayout: num_experts * sizeof(uint64_t)
+    bound_name = "active_rank_bound"
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  num_experts_per_rank: int):
@@ -129,7 +137,8 @@ class Buffer:
     @staticmethod
     def get_low_latency_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                          num_ranks: int, num_experts: int) -> int:
-        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                         NIXL_EP_SIGNAL_BYTES)
 
     @staticmethod
     def get_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

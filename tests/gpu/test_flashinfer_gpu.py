@@ -83,7 +83,7 @@ def test_routed_matches_reference(rank_pool, api_name, name, quant, dtype):
     for r in results:
         assert r["api"] == api.value
         # On a GPU the backend counts calls and pairs only (bytes would need a device read per
-        # call: prepare_finalize/flashinfer_nvlink_two_sided.py _host_int), so no byte counts.
+        # call: prepare_finalize/flashinfer_nvlink_two_sided.py, moe_plugins.counters.host_count), so no byte counts.
         assert r["sf_bytes"] == 0
 
 

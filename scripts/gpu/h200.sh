@@ -37,4 +37,4 @@ python3 -c "import torch, deep_ep; print('torch', torch.__version__, 'deep_ep', 
 
 stage "GPU tests"
 if [ $# -eq 0 ]; then set -- -m gpu tests/gpu; fi
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/pytest_gpu.log"
+timeout "${GPU_TEST_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/pytest_gpu.log"

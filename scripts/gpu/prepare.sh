@@ -33,8 +33,22 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   pydantic==2.14.4 pydantic-core==2.50.5 pydantic-extra-types==2.11.1 python-json-logger==4.2.0 \
   python-multipart==0.0.34 pyzmq==27.3.0 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.10.0 \
   truststore==0.10.5 typing-inspection==0.4.5 xgrammar==0.2.8
+# The serving stretch (scripts/gpu/serve_attempt.sh): what vLLM's API server imports beyond the
+# MoE modules (uvicorn, uvloop, aiohttp, ...), 14 MB; the carry is 64 MiB in all.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux1_x86_64 --platform any -d .gpu/whl_serve \
+  aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 anthropic==2.15.0 anyio==4.16.0 \
+  astor==0.8.1 blake3==1.0.11 click==8.5.1 cloudpickle==3.1.3 depyf==0.20.0 \
+  docstring_parser==0.18.0 einops==0.8.2 frozenlist==1.8.0 h11==0.16.0 httpcore==1.0.9 \
+  httptools==0.9.0 httpx==0.28.1 jsonschema==4.26.0 jsonschema_specifications==2025.9.1 \
+  lm_format_enforcer==0.11.3 mcp==2.3.0 model_hosting_container_standards==0.1.16 \
+  multidict==7.2.1 orjson==3.13.0 prometheus_client==0.26.0 \
+  prometheus_fastapi_instrumentator==8.1.0 propcache==0.5.4 py_cpuinfo==9.0.0 \
+  referencing==0.37.0 rpds_py==2026.9.1 uvicorn==0.54.0 uvloop==0.23.0 watchfiles==1.3.0 \
+  yarl==1.25.1
 if [ ! -f .gpu/deepep-567632d.tgz ]; then
   git -C "${1:?usage: prepare.sh PATH_TO_A_DEEPEP_CLONE}" archive --format=tar.gz \
     -o "$PWD/.gpu/deepep-567632d.tgz" 567632d
 fi
-du -sh .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
+du -sh .gpu/whl .gpu/whl_serve .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz

@@ -2,9 +2,15 @@
 # Stretch (issue 11 section 3): `vllm serve` of the tiny Qwen2-MoE checkpoint on the H200 with
 # our backend, without vLLM's compiled extension (Triton attention, custom ops off, eager).
 # Run after scripts/gpu/h200.sh (it installs the carried vLLM, DeepEP and moe-plugins).
-# Carried: .gpu/tiny-qwen2-moe (examples/vllm/tiny_qwen2_moe.py, 6 MB). Logs to $OUT/serve.log.
+# Carried: .gpu/tiny-qwen2-moe (examples/vllm/tiny_qwen2_moe.py, 6 MB) and .gpu/whl_serve (the
+# wheels vLLM's API server imports beyond the MoE modules' 46: uvicorn, uvloop, aiohttp, ...;
+# made by scripts/gpu/prepare.sh, 14 MB). Logs to $OUT/serve.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
+if ls .gpu/whl_serve/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_serve \
+    .gpu/whl_serve/*.whl || echo "!! serving wheels did not install"
+fi
 # Every Python process vLLM starts (API server, engine core) needs the stand-ins before its
 # first vLLM import: a sitecustomize on PYTHONPATH runs in each of them.
 mkdir -p /tmp/standins
@@ -14,7 +20,7 @@ sys.path.insert(0, "$PWD/benchmarks")
 import vllm_stand_ins
 vllm_stand_ins.install()
 PY
-export PYTHONPATH=/tmp/standins:/tmp/deepep:/tmp/vsrc:/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/standins:/tmp/deepep:/tmp/vsrc:/tmp/site:/tmp/site_serve PYTHONUNBUFFERED=1
 python3 -m vllm.entrypoints.cli.main serve .gpu/tiny-qwen2-moe --dtype bfloat16 \
   --enable-expert-parallel --all2all-backend moe_plugins_deepep_ll --enforce-eager \
   --attention-backend TRITON_ATTN --compilation-config '{"custom_ops": ["none"]}' \
@@ -22,10 +28,17 @@ python3 -m vllm.entrypoints.cli.main serve .gpu/tiny-qwen2-moe --dtype bfloat16 
 pid=$!
 for _ in $(seq 1 90); do
   kill -0 $pid 2>/dev/null || break
-  if curl -sf localhost:8123/health >/dev/null 2>&1; then
-    curl -s localhost:8123/v1/completions -H 'Content-Type: application/json' \
-      -d '{"model": ".gpu/tiny-qwen2-moe", "prompt": "the quick cat", "max_tokens": 8, "temperature": 0}' \
-      | tee "$OUT/serve_completion.json"; echo
+  # (the image may lack curl: Python's urllib asks)
+  if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health', timeout=2)" 2>/dev/null; then
+    python3 - "$OUT/serve_completion.json" <<'PY'
+import json, sys, urllib.request as u
+req = u.Request("http://127.0.0.1:8123/v1/completions", headers={"Content-Type": "application/json"},
+                data=json.dumps({"model": ".gpu/tiny-qwen2-moe", "prompt": "the quick cat",
+                                 "max_tokens": 8, "temperature": 0, "logprobs": 1}).encode())
+body = u.urlopen(req, timeout=60).read().decode()
+open(sys.argv[1], "w").write(body)
+print(body)
+PY
     break
   fi
   sleep 2

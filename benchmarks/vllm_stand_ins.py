@@ -68,8 +68,17 @@ def _has_real_extension() -> bool:
                for d in spec.submodule_search_locations)
 
 
-def install() -> bool:
-    """Put the stand-ins in place (before vLLM is imported). Returns True if it did, False
+#: Only for the serving attempt (scripts/gpu/serve_attempt.sh), beyond the MoE layer: capability
+#: queries vLLM's engine asks of its compiled ops while importing its worker, to pick linear
+#: methods for quantized checkpoints. "Not supported" sends it to the non-CUTLASS paths; the
+#: tiny bf16 checkpoint served there uses none of them.
+SERVE_CAPABILITY_QUERIES = ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_fp4",
+                            "mxfp4_experts_quant_supported", "cutlass_group_gemm_supported")
+
+
+def install(capability_queries: tuple[str, ...] = ()) -> bool:
+    """Put the stand-ins in place (before vLLM is imported), plus ``torch.ops._C`` capability
+    queries named in ``capability_queries`` answering False. Returns True if it did, False
     where the real extension is present or they are already installed."""
     global _installed
     if _installed or _has_real_extension():
@@ -78,9 +87,10 @@ def install() -> bool:
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules.setdefault("vllm.vllm_flash_attn", _StandInPackage("vllm.vllm_flash_attn"))
     ns = torch.ops._C
-    try:
-        ns.cutlass_scaled_mm_supports_block_fp8
-    except (AttributeError, RuntimeError):
-        setattr(ns, "cutlass_scaled_mm_supports_block_fp8", lambda *a, **k: False)
+    for op in ("cutlass_scaled_mm_supports_block_fp8", *capability_queries):
+        try:
+            getattr(ns, op)
+        except (AttributeError, RuntimeError):
+            setattr(ns, op, lambda *a, **k: False)
     _installed = True
     return True

@@ -21,8 +21,8 @@ from moe_plugins.quant import QuantSpec
 
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
-    "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "check_finalize_routing",
-    "row_scatter_add", "write_output", "BatchHint",
+    "Hook", "AsyncResult", "PrepareFinalize", "capturing", "check_prepare_inputs",
+    "check_finalize_routing", "row_scatter_add", "write_output", "BatchHint",
 ]
 
 Hook = Callable[[], None]
@@ -185,18 +185,27 @@ def check_prepare_inputs(
                              f"built for num_topk={cfg.num_topk}; route with the layer's top-k")
 
 
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_finalize_routing(prepared: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor) -> None:
-    """A finalize must get the very topk_ids its prepare was given (a combine reduces by the
-    dispatch's routing: other ids give zeros, or garbage on the real kernels). Compared by
-    storage, shape and dtype: no host sync."""
-    if (topk_ids is not prepared and (topk_ids.shape != prepared.shape
-                                      or topk_ids.dtype != prepared.dtype
-                                      or topk_ids.data_ptr() != prepared.data_ptr())):
+    """A finalize must get the topk_ids its prepare was given (a combine reduces by the
+    dispatch's routing: other ids give zeros, or garbage on the real kernels). The same tensor
+    (what vLLM passes) is recognised by identity or storage, with no host sync. Another tensor of
+    that shape and dtype (a second ``.to(device)`` copy, say) is compared by value, one host sync
+    off the common path; during a CUDA-graph capture, where a sync is not allowed, it is refused."""
+    if topk_ids is not prepared and (topk_ids.shape != prepared.shape
+                                     or topk_ids.dtype != prepared.dtype
+                                     or (topk_ids.data_ptr() != prepared.data_ptr()
+                                         and (capturing() or not torch.equal(topk_ids, prepared)))):
         raise ValueError(
             f"finalize got topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype} that are not the "
-            f"ones given to prepare ({tuple(prepared.shape)} {prepared.dtype}); pass the same "
-            "tensor to prepare and finalize")
+            f"ones given to prepare ({tuple(prepared.shape)} {prepared.dtype}"
+            f"{'; compared by storage during a CUDA-graph capture' if capturing() else ''}); "
+            "pass the same tensor to prepare and finalize")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"finalize got topk_weights {tuple(topk_weights.shape)} for topk_ids "
                          f"{tuple(topk_ids.shape)}; pass the weights given to prepare")

@@ -30,9 +30,10 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.formats import batched_as_standard, standard_as_batched
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
-                                   PrepareResult, RowScatterTarget, check_prepare_inputs)
+                                   PrepareResult, RowScatterTarget, capturing,
+                                   check_prepare_inputs)
 from moe_plugins.quant import QuantSpec
-from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, capturing, deepep_spec
+from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, deepep_spec
 from prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
 
 logger = logging.getLogger(__name__)

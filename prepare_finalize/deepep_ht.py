@@ -28,16 +28,11 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, write_output)
+                                   capturing, check_prepare_inputs, write_output)
 from moe_plugins.quant import QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities, WireLayout
 
-__all__ = ["DeepEPHTPrepareFinalize", "SPEC", "capturing", "deepep_spec"]
-
-
-def capturing() -> bool:
-    """True while the current CUDA stream is being captured into a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+__all__ = ["DeepEPHTPrepareFinalize", "SPEC", "deepep_spec"]
 
 
 @dataclass

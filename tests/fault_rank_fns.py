@@ -156,18 +156,26 @@ def expert_ids_minus_one(rank: int, world: int, layout: ParallelLayout, cfg: MoE
 
 def finalize_with_other_topk_ids(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                                  tokens: int) -> dict:
-    """prepare with the router's ids, finalize with a copy of them: must raise on every rank."""
+    """prepare with the router's ids, finalize with a copy of them (equal values: accepted, the
+    same output as with the very tensor), then prepare again and finalize with other ids: must
+    raise on every rank."""
     from moe_plugins.faults import clear_group_faults
     from moe_plugins.groups import cached_dist_context
 
     ctx = cached_dist_context(layout)
     pf, x, tw, ti = _torch_backend_call(ctx, cfg, tokens)
+    outs = []
+    for ids in (ti, ti.clone()):
+        prep = pf.prepare(x, tw, ti, QuantSpec())
+        expert_out = torch.arange(prep.x.shape[0] * cfg.hidden, dtype=torch.float32).view(
+            prep.x.shape[0], cfg.hidden) % 7
+        outs.append(pf.finalize(expert_out, tw, ids, torch.empty_like(x)))
     prep = pf.prepare(x, tw, ti, QuantSpec())
-    err = _error(lambda: pf.finalize(torch.zeros(prep.x.shape[0], cfg.hidden), tw, ti.clone(),
-                                     torch.empty_like(x)))
+    err = _error(lambda: pf.finalize(torch.zeros(prep.x.shape[0], cfg.hidden), tw,
+                                     (ti + 1) % cfg.num_experts, torch.empty_like(x)))
     pf.reset_call_state()
     clear_group_faults(ctx.ep_group)  # every rank abandoned this call alike
-    return dict(err=err)
+    return dict(err=err, same=outs[0], copy=outs[1])
 
 
 def die(rank: int, world: int, dying_rank: int, how: str, timeout_s: float) -> None:

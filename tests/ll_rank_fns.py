@@ -273,13 +273,17 @@ def bad_prepare(rank: int, world: int, backend: str, layout: ParallelLayout, cfg
 
 def finalize_other_ids(rank: int, world: int, backend: str, layout: ParallelLayout,
                        cfg: MoEConfig) -> tuple[Optional[str], Optional[str]]:
-    """prepare, then finalize with a copy of the topk ids (not the ones given to prepare)."""
+    """prepare, finalize with an equal copy of the topk ids (accepted: compared by value), then
+    prepare again and finalize with other ids (not the ones given to prepare)."""
     with built(backend, layout, cfg) as pf:
         x, w, ids = _zeros_call(pf, 2)
         prep = pf.prepare(x, w, ids, QuantSpec())
+        pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids.clone(),
+                    torch.empty(2, cfg.hidden, dtype=torch.bfloat16))
+        prep = pf.prepare(x, w, ids, QuantSpec())
         try:
-            pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids.clone(),
-                        torch.empty(2, cfg.hidden, dtype=torch.bfloat16))
+            pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w,
+                        (ids + 1) % cfg.num_experts, torch.empty(2, cfg.hidden, dtype=torch.bfloat16))
         except ValueError as e:
             return type(e).__name__, str(e)
         return None, None

@@ -96,6 +96,7 @@ def test_finalize_with_other_topk_ids_raises(rank_pool):
     for r in rank_pool(2).run(frf.finalize_with_other_topk_ids, ParallelLayout(2, 1, True), CFG, 4):
         err_type, err, _ = r["err"]
         assert err_type == "ValueError" and "not the ones given to prepare" in err
+        torch.testing.assert_close(r["copy"], r["same"], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("how,cause", [("exit", "exit code 3"), ("kill", "killed by signal SIGKILL")])

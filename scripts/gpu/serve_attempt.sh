@@ -18,7 +18,7 @@ cat > /tmp/standins/sitecustomize.py <<PY
 import sys
 sys.path.insert(0, "$PWD/benchmarks")
 import vllm_stand_ins
-vllm_stand_ins.install()
+vllm_stand_ins.install(vllm_stand_ins.SERVE_CAPABILITY_QUERIES)
 PY
 export PYTHONPATH=/tmp/standins:/tmp/deepep:/tmp/vsrc:/tmp/site:/tmp/site_serve PYTHONUNBUFFERED=1
 python3 -m vllm.entrypoints.cli.main serve .gpu/tiny-qwen2-moe --dtype bfloat16 \

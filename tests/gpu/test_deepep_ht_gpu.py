@@ -48,7 +48,9 @@ RECORD = Path(os.environ.get("MOE_PLUGINS_GPU_RECORD", Path(__file__).parent / "
                              / "deepep_two_ranks_one_gpu.json"))
 HIDDEN, EXPERTS, TOPK = 2048, 16, 4
 LL_CAPACITY = 64
-TOKENS = {"deepep_ht": [0, 1, 37, 1024], "deepep_auto": [1, LL_CAPACITY, LL_CAPACITY + 1, 1024]}
+# (the largest last: on the first run, two ranks on one GPU stalled in normal-mode combine at 1024)
+TOKENS = {"deepep_ht": [0, 1, 37, 256, 1024],
+          "deepep_auto": [1, LL_CAPACITY, LL_CAPACITY + 1, 256, 1024]}
 
 
 def _free_port() -> int:
@@ -60,11 +62,12 @@ def _free_port() -> int:
 def _rank_main(rank: int, port: int, backend: str, out: "mp.Queue[Any]") -> None:
     """One rank: report each step before it starts, then the numerics (or the error)."""
     step = "start"
+    t0 = time.monotonic()
 
     def at(name: str) -> None:
         nonlocal step
         step = name
-        out.put((rank, "step", name))
+        out.put((rank, "step", (name, round(time.monotonic() - t0, 2))))
 
     try:
         import torch.distributed as dist
@@ -115,10 +118,11 @@ def _rank_main(rank: int, port: int, backend: str, out: "mp.Queue[Any]") -> None
                     atol, rtol = tolerance_for(ref, cfg.dtype)
                     err = (got.float().cpu() - ref).abs()
                     ok = bool((err <= atol + rtol * ref.abs()).all())
-                    results.append(dict(quant=quant.scheme.value, tokens=n, ok=ok,
-                                        max_abs_err=float(err.max()) if err.numel() else 0.0,
-                                        x_sf_none=prep.x_sf is None,
-                                        modes=dict(pf.stats.modes)))
+                    res = dict(quant=quant.scheme.value, tokens=n, ok=ok,
+                               max_abs_err=float(err.max()) if err.numel() else 0.0,
+                               x_sf_none=prep.x_sf is None, modes=dict(pf.stats.modes))
+                    results.append(res)
+                    out.put((rank, "result", res))  # kept even if a later step stalls
             finally:
                 pf.reset_call_state()
                 pf.manager.destroy()
@@ -140,7 +144,8 @@ def _run(backend: str) -> dict:
              for r in range(WORLD)]
     for p in procs:
         p.start()
-    steps: dict[int, str] = {}
+    steps: dict[int, list[tuple[str, float]]] = {r: [] for r in range(WORLD)}
+    partial: dict[int, list[dict]] = {r: [] for r in range(WORLD)}
     final: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -155,7 +160,9 @@ def _run(backend: str) -> dict:
                     break  # a rank died without a report (a crash in DeepEP)
                 continue
             if kind == "step":
-                steps[rank] = payload
+                steps[rank].append(payload)
+            elif kind == "result":
+                partial[rank].append(payload)
             else:
                 final[rank] = (kind, payload)
     finally:
@@ -163,7 +170,7 @@ def _run(backend: str) -> dict:
             p.join(timeout=1 if len(final) == WORLD else 0)
             if p.is_alive():
                 p.kill()
-    return dict(steps=steps, final=final,
+    return dict(steps=steps, final=final, partial=partial,
                 exitcodes=[p.exitcode for p in procs],
                 timed_out=len(final) < WORLD and time.monotonic() >= deadline)
 
@@ -174,7 +181,11 @@ def _record(backend: str, run: dict) -> dict:
         "backend": backend, "deep_ep": "567632d (as built on the GPU machine)",
         "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
         "timed_out": run["timed_out"], "timeout_s": TIMEOUT_S, "exitcodes": run["exitcodes"],
-        "last_step": {str(r): s for r, s in sorted(run["steps"].items())},
+        "last_step": {str(r): s[-1][0] if s else None for r, s in sorted(run["steps"].items())},
+        # (step, seconds since the rank started) for every step, to see where time went
+        "steps": {str(r): s for r, s in sorted(run["steps"].items())},
+        # each rank's results as they came, also those before a step that did not finish
+        "partial_results": {str(r): p for r, p in sorted(run["partial"].items())},
         "errors": {str(r): p for r, (k, p) in sorted(run["final"].items()) if k == "error"},
         "results": {str(r): p for r, (k, p) in sorted(run["final"].items()) if k == "done"},
     }
@@ -204,5 +215,7 @@ def test_two_ranks_on_one_gpu_match_reference(backend):
         for res in rank_results:
             assert res["x_sf_none"] == (res["quant"] == "none")
         if backend == "deepep_auto":
-            # calls 1 and LL_CAPACITY fit the low-latency buffers, the two above do not
-            assert rank_results[-1]["modes"] == {"low_latency": 2, "normal": 2}
+            # calls of up to LL_CAPACITY tokens fit the low-latency buffers, the others do not
+            ll = sum(n <= LL_CAPACITY for n in TOKENS[backend])
+            assert rank_results[-1]["modes"] == {"low_latency": ll,
+                                                 "normal": len(TOKENS[backend]) - ll}

@@ -20,6 +20,9 @@ sys.path.insert(0, "$PWD/benchmarks")
 import vllm_stand_ins
 vllm_stand_ins.install(vllm_stand_ins.SERVE_CAPABILITY_QUERIES)
 PY
+# vLLM's model runner V2 builds its request state on UVA buffers from a compiled op
+# (torch.ops._C.get_cuda_view_from_cpu_tensor, seen on the H200): use the V1 runner.
+export VLLM_USE_V2_MODEL_RUNNER=0
 export PYTHONPATH=/tmp/standins:/tmp/deepep:/tmp/vsrc:/tmp/site:/tmp/site_serve PYTHONUNBUFFERED=1
 python3 -m vllm.entrypoints.cli.main serve .gpu/tiny-qwen2-moe --dtype bfloat16 \
   --enable-expert-parallel --all2all-backend moe_plugins_deepep_ll --enforce-eager \

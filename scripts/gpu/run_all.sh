@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# One device call for every GPU test and benchmark of this repo on the lent H200 (each stage is
+# One device call for the GPU tests and benchmarks of this repo on the lent H200 (each stage is
 # bounded so the whole call ends inside the device tool's 10 minutes; a failing stage does not
 # stop the next). Carry: .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz .gpu/tiny-qwen2-moe
+# .gpu/whl_serve. Stages can be left out: VLLM_LAYER=0 HOST_OVERHEAD=0 HT=0 SERVE=0.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
-bash scripts/gpu/h200.sh -m gpu tests/gpu --timeout 150 || echo "!! GPU tests failed"
+# the one-rank GPU tests (the two-process DeepEP normal-mode test has its own stage below)
+GPU_TEST_TIMEOUT_S=${GPU_TEST_TIMEOUT_S:-150} bash scripts/gpu/h200.sh -m gpu tests/gpu \
+  --timeout 150 --deselect tests/gpu/test_deepep_ht_gpu.py || echo "!! GPU tests failed"
 export PYTHONPATH=/tmp/deepep:/tmp/vsrc:/tmp/site PYTHONUNBUFFERED=1
 bench() { local name=$1 limit=$2; shift 2; echo "== $(date +%T) $name"
   timeout "$limit" python3 "$@" > "$OUT/$name.log" 2>&1 || echo "!! $name failed (rc $?)"
-  tail -22 "$OUT/$name.log"; }
-bench vllm_layer 120 benchmarks/vllm_layer.py --rounds 3 --json "$OUT/vllm_layer_h200.json"
-bench host_overhead 150 benchmarks/host_overhead.py --device cuda --json "$OUT/host_overhead_h200.json"
-[ "${SERVE:-1}" = 1 ] && { echo "== $(date +%T) serve attempt"; timeout 150 bash scripts/gpu/serve_attempt.sh; }
+  tail -30 "$OUT/$name.log"; }
+[ "${HOST_OVERHEAD:-1}" = 1 ] && bench host_overhead 170 benchmarks/host_overhead.py --device cuda \
+  --json "$OUT/host_overhead_h200.json"
+[ "${VLLM_LAYER:-1}" = 1 ] && bench vllm_layer 120 benchmarks/vllm_layer.py --rounds 3 \
+  --json "$OUT/vllm_layer_h200.json"
+if [ "${HT:-1}" = 1 ]; then
+  echo "== $(date +%T) deepep_ht / deepep_auto, two processes on one GPU"
+  MOE_PLUGINS_GPU_TIMEOUT_S=${MOE_PLUGINS_GPU_TIMEOUT_S:-100} \
+  MOE_PLUGINS_GPU_RECORD="$OUT/deepep_two_ranks_one_gpu.json" timeout 230 python3 -m pytest -q \
+    -p no:cacheprovider -rxs tests/gpu/test_deepep_ht_gpu.py > "$OUT/pytest_ht.log" 2>&1
+  tail -8 "$OUT/pytest_ht.log"
+fi
+[ "${SERVE:-1}" = 1 ] && { echo "== $(date +%T) serve attempt"; timeout 120 bash scripts/gpu/serve_attempt.sh; }
 exit 0

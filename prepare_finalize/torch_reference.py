@@ -21,8 +21,8 @@ import torch
 from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
-from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_INPUT, check_peers, collective_error,
-                                config_digest, group_faults, in_step)
+from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check_peers,
+                                collective_error, config_digest, group_faults, in_step)
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_finalize_routing, check_prepare_inputs, write_output)
@@ -162,7 +162,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         check_peers(f, self.name, m.rank, f.seq, self._digest, peers)
         if input_error is not None:
             raise in_step(input_error)
-        if sent_header[0][3] != 0:
+        if sent_header[0][3] != STATUS_OK:  # a count of tokens with out-of-range ids
             num_physical = m.placement.num_physical
             raise in_step(ValueError(
                 f"{self.name}: topk_ids hold expert ids outside [-1, {num_physical}) "

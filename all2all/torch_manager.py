@@ -24,11 +24,14 @@ class TorchAll2AllManager:
         self.rank = dist.get_rank(self.group)
         self.placement = cfg.placement_for(self.num_ranks)
 
-    def exchange_header(self, send: torch.Tensor) -> torch.Tensor:
+    def exchange_header(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
         """The call's host exchange: send int64 [num_ranks, HEADER_WORDS] (row r: rows we send
         rank r, then this call's sequence number, layer digest and input status; see
-        :mod:`moe_plugins.faults`) -> what each peer sent us, same shape."""
-        recv = torch.empty_like(send)
+        :mod:`moe_plugins.faults`) -> what each peer sent us, same shape (into ``recv`` when
+        given: a caller that keeps one buffer for both saves an allocation per call)."""
+        if recv is None:
+            recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return recv
 

@@ -37,14 +37,23 @@ import torch
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "HEADER_WORDS",
-           "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "STATUS_BAD_EXPERT_IDS", "check_peers", "in_step",
+           "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
            "is_in_step"]
 
 #: Words a rank sends each peer in a host exchange: (count, sequence number, digest, status).
 HEADER_WORDS = 4
-STATUS_OK, STATUS_BAD_INPUT, STATUS_BAD_EXPERT_IDS = 0, 1, 2
-_STATUS_TEXT = {STATUS_BAD_INPUT: "rejected its inputs",
-                STATUS_BAD_EXPERT_IDS: "got expert ids outside [-1, num_experts)"}
+#: Status words: OK, inputs rejected by the host checks; a positive status is the number of
+#: tokens whose expert ids lie outside [-1, num_experts) (a count the device computes on the way,
+#: so flagging them costs no kernel of its own).
+STATUS_OK, STATUS_BAD_INPUT = 0, -1
+
+
+def _status_text(status: int) -> str:
+    if status == STATUS_BAD_INPUT:
+        return "rejected its inputs"
+    if status > 0:
+        return f"got expert ids outside [-1, num_experts) in {status} token(s)"
+    return f"reported status {status}"
 
 
 class LayerBrokenError(RuntimeError):
@@ -201,5 +210,5 @@ def check_peers(faults: GroupFaults, layer: str, rank_in_group: int, seq: int, d
     if flagged and rows[rank_in_group][3] == STATUS_OK:
         raise PeerInputError(
             f"{layer}: call {seq} was not run on any rank because "
-            + "; ".join(f"rank {r} {_STATUS_TEXT.get(s, f'reported status {s}')}" for r, s in flagged)
+            + "; ".join(f"rank {r} {_status_text(s)}" for r, s in flagged)
             + " (that rank's error says why); fix the inputs there and call again")

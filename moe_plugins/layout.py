@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from moe_plugins.placement import ExpertPlacement
 
 __all__ = ["ParallelLayout", "OwnedRows", "owned_rows", "OwnedTokens", "slice_owned",
-           "local_expert_ids", "LocalIdMap", "destination_ranks"]
+           "local_expert_ids", "LocalIdMap", "destination_ranks", "DestinationMap"]
 
 
 @dataclass(frozen=True)
@@ -185,3 +185,32 @@ def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") 
     hit = torch.zeros(ids.shape[0], placement.num_ranks + 1, dtype=torch.bool, device=ids.device)
     hit.scatter_(1, dest, True)
     return hit[:, : placement.num_ranks]
+
+
+class DestinationMap:
+    """:func:`destination_ranks` with the out-of-range check folded in, as one lookup, for
+    backends that route on every call: ``map(ids)`` -> bool [num_ranks + 2, num_tokens], rank
+    major (the rows a dispatch sends, grouped by destination, are then the nonzeros of a
+    contiguous prefix); rows [0, num_ranks) are ``destination_ranks(ids, placement).t()``, row
+    num_ranks marks tokens with a -1 entry (no expert: dropped), row num_ranks + 1 tokens with
+    an id outside [-1, num_physical). Four kernels (clamp, gather, zeros, scatter) instead of
+    seven plus a separate range check. The table int64 [num_physical + 3] is made per device on
+    first use: entry p < num_physical holds p's rank, entries num_physical and num_physical + 1
+    (where an id clamped to -2 indexes from the end) the bad row, the last (-1) the no-expert
+    row."""
+
+    def __init__(self, placement: "ExpertPlacement"):
+        self.num_physical, self.num_ranks = placement.num_physical, placement.num_ranks
+        ranks = torch.arange(self.num_physical) // placement.num_local
+        bad, none = self.num_ranks + 1, self.num_ranks
+        self._cpu_table = torch.cat([ranks, torch.tensor([bad, bad, none])])
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, physical_ids: torch.Tensor) -> torch.Tensor:
+        table = self._tables.get(physical_ids.device)
+        if table is None:
+            table = self._tables[physical_ids.device] = self._cpu_table.to(physical_ids.device)
+        dest = table[physical_ids.clamp(-2, self.num_physical)]  # [num_tokens, num_topk]
+        hit = torch.zeros(self.num_ranks + 2, physical_ids.shape[0], dtype=torch.bool,
+                          device=physical_ids.device)
+        return hit.scatter_(0, dest.t(), True)

@@ -52,7 +52,7 @@ __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
     "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
-    "import_vendor", "check_kernel_layer",
+    "import_vendor", "check_kernel_layer", "assert_expert_ids", "expert_id_error",
 ]
 
 #: Hidden sizes the low-latency kernels are compiled for (DeepEP V1 and nixl_ep SWITCH_HIDDEN).
@@ -160,19 +160,25 @@ def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exps.flatten(-2).float() - 127.0)
 
 
-def _assert_expert_ids(ids: torch.Tensor, num_experts: int, backend: str) -> None:
+def expert_id_error(num_experts: int, backend: str) -> str:
+    """The message of :func:`assert_expert_ids` (built once per layer, not per call)."""
+    return (f"{backend}: topk_ids hold expert ids outside [-1, {num_experts}) (-1: no expert); "
+            f"route over the layer's {num_experts} experts")
+
+
+def assert_expert_ids(ids: torch.Tensor, num_experts: int, msg: str) -> None:
     """ids int [num_tokens, num_topk] must lie in [-1, num_experts); see
-    ``LowLatencyOptions.check_expert_ids`` (no host sync)."""
-    if not ids.numel():
+    ``LowLatencyOptions.check_expert_ids`` (no host sync). CPU: one min/max reduction read on
+    the host. CUDA: clamped to the range, the ids are unchanged exactly when all lie in it, so
+    four small kernels (clamp, in-place compare, all, the device-side assert) instead of the
+    five of a min/max reduction compared twice."""
+    if ids.is_cpu:  # the values are on the host already
+        if ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < -1 or int(hi) >= num_experts:
+                raise ValueError(msg)
         return
-    lo, hi = torch.aminmax(ids)
-    msg = (f"{backend}: topk_ids hold expert ids outside [-1, {num_experts}) (-1: no expert); "
-           f"route over the layer's {num_experts} experts")
-    if ids.device.type == "cpu":  # the values are on the host already
-        if int(lo) < -1 or int(hi) >= num_experts:
-            raise ValueError(msg)
-        return
-    torch._assert_async((lo >= -1) & (hi < num_experts), msg)
+    torch._assert_async(ids.clamp(-1, num_experts - 1).eq_(ids).all(), msg)
 
 
 def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
@@ -448,13 +454,14 @@ def _synchronize(device: torch.device) -> None:
 @dataclass
 class _CallState:
     """What finalize needs from prepare: the library's handle, the tokens given to prepare,
-    the packed receive shape (num_local_experts, num_recv_slots, kernel_hidden), the routing
-    tensors prepare was given and its ids in the library's dtype (a finalize given those very
-    tensors, as every caller does, reuses them without checking or casting again)."""
+    the shape the expert outputs must have (num_local_experts, num_recv_slots, hidden: the
+    receive shape, with the layer's hidden where it is padded), the routing tensors prepare was
+    given and its ids in the library's dtype (a finalize given those very tensors, as every
+    caller does, reuses them without checking or casting again)."""
 
     handle: Any
     num_tokens: int
-    recv_shape: "torch.Size"
+    expert_shape: "torch.Size"
     topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
     topk_weights: torch.Tensor
     ids: torch.Tensor
@@ -488,9 +495,14 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self.faults = group_faults(manager.ctx.ep_group)
         self.name = (f"{manager.backend_name} layer (experts={cfg.num_experts} "
                      f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
+        # What every call reads, read once (each attribute chain is host time per call).
         self._hidden = manager.hidden
         self._padded = manager.padded
         self._idx_dtype = manager.topk_idx_dtype
+        self._max_tokens = manager.max_tokens_per_rank
+        self._check_ids = manager.options.check_expert_ids
+        self._num_experts = manager.num_experts
+        self._id_error = expert_id_error(manager.num_experts, manager.backend_name)
         self._checked_quant: Optional[QuantSpec] = None  # the last quant spec prepare accepted
         self._fp8 = False  # and whether it puts FP8 on the wire
         self._calls = 0
@@ -568,7 +580,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         """hidden_states bf16 [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
         topk_ids int32/int64 [num_tokens, num_topk] (PHYSICAL ids, -1 for none). The send is
         issued here; the hook receives; the receiver returns the :class:`PrepareResult`."""
-        self.faults.check(self.name)
+        if self.faults.broken is not None:  # the common case costs one attribute read
+            self.faults.check(self.name)
         try:
             return self._prepare_async(hidden_states, topk_weights, topk_ids, quant)
         except BaseException as e:  # peers are in (or past) this dispatch: out of step now
@@ -582,15 +595,12 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             self._check_quant(quant)
             self._checked_quant, self._fp8 = quant, quant.quantized_on_wire
         m = self.manager
-        n, hidden = hidden_states.shape
-        if hidden != self._hidden:
-            raise ValueError(f"hidden_states has hidden={hidden}, the layer was built for "
-                             f"{m.hidden}")
+        n = hidden_states.shape[0]  # hidden and top-k: checked against the layer above
         if hidden_states.dtype is not torch.bfloat16:
             raise TypeError(f"{m.backend_name}: hidden_states must be bfloat16 (the kernels "
                             f"dispatch bf16 and quantize to FP8 themselves), got "
                             f"{hidden_states.dtype}")
-        if n > m.max_tokens_per_rank:
+        if n > self._max_tokens:
             raise ValueError(f"{m.backend_name}: prepare got {n} tokens but the buffers hold "
                              f"{m.max_tokens_per_rank} per rank; raise "
                              "DispatchConfig.max_tokens_per_rank")
@@ -599,12 +609,15 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         use_fp8 = self._fp8
         ue8m0 = use_fp8 and self.use_ue8m0
         ids = self._ids(topk_ids)
-        if m.options.check_expert_ids:
-            _assert_expert_ids(ids, m.num_experts, m.backend_name)
+        if self._check_ids:
+            assert_expert_ids(ids, self._num_experts, self._id_error)
         x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
         recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0)
         recv_x, recv_sf = recv if use_fp8 else (recv, None)
-        self._state = _CallState(handle, n, recv_x.shape, topk_ids, topk_weights, ids)
+        expert_shape = recv_x.shape
+        if self._padded:
+            expert_shape = torch.Size((*expert_shape[:-1], self._hidden))
+        self._state = _CallState(handle, n, expert_shape, topk_ids, topk_weights, ids)
         self._calls += 1
         self._pairs[use_fp8] += topk_ids.numel()
 
@@ -633,10 +646,9 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             raise RuntimeError("finalize called without a matching prepare on this backend")
         m = self.manager
         try:
-            e_l, slots, _ = st.recv_shape
-            if fused_expert_output.shape != (e_l, slots, self._hidden):
+            if fused_expert_output.shape != st.expert_shape:
                 raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}"
-                                 f", expected [{e_l}, {slots}, {m.hidden}] (prepare's layout)")
+                                 f", expected {list(st.expert_shape)} (prepare's layout)")
             if fused_expert_output.dtype is not torch.bfloat16:
                 raise TypeError(f"{m.backend_name}: expert outputs must be bfloat16 for the "
                                 f"combine kernel, got {fused_expert_output.dtype}")

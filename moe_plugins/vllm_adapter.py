@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -74,7 +75,7 @@ from moe_plugins.counters import DispatchStats
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    check_finalize_result)
-from moe_plugins.layout import OwnedTokens, ParallelLayout, owned_rows, slice_owned
+from moe_plugins.layout import OwnedRows, ParallelLayout, owned_rows, slice_owned
 from moe_plugins.model_config import ModelSpec, model_spec_from_dict
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.placement import ExpertPlacement
@@ -473,9 +474,14 @@ def _model_spec(vllm_config: Any) -> Optional[ModelSpec]:
 
 @dataclass
 class _Call:
-    """Per-call state between prepare and finalize (one per micro-batch)."""
+    """Per-call state between prepare and finalize (one per micro-batch): the owned rows and
+    the routing handed to the backend's prepare (its finalize must get the same); owns_all:
+    this TP rank owns every row (nothing to slice out of, or zero around, the output)."""
 
-    owned: OwnedTokens
+    rows: OwnedRows
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    owns_all: bool
 
 
 class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
@@ -536,6 +542,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # read once: only a per-call backend pays for reading vLLM's forward context per call
         self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}
+        # micro-batch ids below this have a backend object (no backend: any id, nothing to call)
+        self._num_slots = len(self._backends) if backend is not None else sys.maxsize
 
     @property
     def stats(self) -> DispatchStats:
@@ -576,16 +584,14 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """Micro-batch safe: no dispatch (TP_UNIFIED), or one backend object per micro-batch."""
         return self.backend is None or len(self._backends) > 1
 
-    def _slot(self) -> int:
-        """The calling micro-batch's id (0 without dual-batch overlap), checked."""
-        ubatch = dbo_current_ubatch_id()
-        if self.backend is not None and ubatch >= len(self._backends):
-            raise RuntimeError(
-                f"micro-batch {ubatch} called layer backend {self.backend_name!r}, which was "
-                f"built with {len(self._backends)} call slot(s); build it under the vLLM config "
-                "that enables dual-batch overlap (--enable-dbo), with a backend whose "
-                "capabilities list micro_batch")
-        return ubatch
+    def _no_slot(self, ubatch: int) -> None:
+        """Micro-batch ``ubatch`` called a layer with no backend object for it (prepare and
+        finalize compare vLLM's micro-batch id with ``_num_slots`` inline: one int compare)."""
+        raise RuntimeError(
+            f"micro-batch {ubatch} called layer backend {self.backend_name!r}, which was "
+            f"built with {len(self._backends)} call slot(s); build it under the vLLM config "
+            "that enables dual-batch overlap (--enable-dbo), with a backend whose "
+            "capabilities list micro_batch")
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
         """Check the experts against what the backend delivers; fix the wire quantization; then
@@ -710,7 +716,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         (hook, receiver) or a receiver; the receiver gives vLLM's 5-tuple (x, x_sf,
         expert_tokens_meta, topk_ids, topk_weights) of the received rows (standard: GLOBAL ids;
         batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights)."""
-        slot = self._slot()
+        slot = dbo_current_ubatch_id()  # 0 without dual-batch overlap
+        if slot >= self._num_slots:
+            self._no_slot(slot)
         if self._calls.pop(slot, None) is not None:
             # This micro-batch's last call raised between prepare and finalize; its error
             # already surfaced.
@@ -733,22 +741,27 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             x, x_sf = quantize_for_dispatch(a1, quant)
             return lambda: (x, x_sf, None, None, None)
 
-        self._check_placement(expert_map)  # TP_UNIFIED (no backend) takes any expert_map
+        # TP_UNIFIED (no backend) takes any expert_map; checked once per expert_map tensor
+        if expert_map is not self._placement_map or self._slot_ids is None:
+            self._check_placement(expert_map)
         rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
-        ids = self._physical_ids(topk_ids)
+        ids = topk_ids if self._g2p is None else self._physical_ids(topk_ids)
         # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
         # slice_owned would check (the three tensors cover the same tokens).
-        owned = (OwnedTokens(rows, a1, ids, topk_weights) if self._tp == 1
-                 else slice_owned(rows, a1, ids, topk_weights))
+        if self._tp == 1:
+            x, weights, owns_all = a1, topk_weights, True
+        else:
+            owned = slice_owned(rows, a1, ids, topk_weights)
+            x, ids, weights = owned.hidden_states, owned.topk_ids, owned.topk_weights
+            owns_all = rows.num_owned == rows.num_tokens
         backend = self._backends[slot]
         if self._wants_hint:
             # per-call backends (deepep_auto) pick their transport from what every rank agrees
             # on; under SP a1 is already this rank's chunk (vLLM pads the chunks to one size)
             backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
                                               presliced=self._tp != self.ctx.layout.tp))
-        sent = backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
-                                     quant)
-        self._calls[slot] = _Call(owned)
+        sent = backend.prepare_async(x, weights, ids, quant)
+        self._calls[slot] = _Call(rows, ids, weights, owns_all)
 
         def receiver() -> mk.PrepareResultType:
             prep = sent.receiver()
@@ -783,7 +796,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                          topk_weights=topk_weights, topk_ids=topk_ids,
                                          apply_router_weight_on_input=apply_router_weight_on_input)
             return lambda: None
-        slot = self._slot()
+        slot = dbo_current_ubatch_id()
+        if slot >= self._num_slots:
+            self._no_slot(slot)
         call = self._calls.pop(slot, None)
         if call is None:
             raise RuntimeError("finalize called without a matching prepare on this layer")
@@ -801,11 +816,11 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     apply_router_weight_on_input=apply_router_weight_on_input)
             if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                 expert_out = expert_out.clone()  # vLLM may alias the experts' output to `output`
-            rows = call.owned.rows
-            owns_all = rows.num_owned == rows.num_tokens
+            rows = call.rows
+            owns_all = call.owns_all
             target = output if owns_all else output[rows.as_slice]
-            sent: AsyncResult = backend.finalize_async(expert_out, call.owned.topk_weights,
-                                                       call.owned.topk_ids, target)
+            sent: AsyncResult = backend.finalize_async(expert_out, call.topk_weights,
+                                                       call.topk_ids, target)
         except BaseException:
             backend.reset_call_state()
             raise

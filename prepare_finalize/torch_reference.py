@@ -21,13 +21,12 @@ import torch
 from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
-from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_EXPERT_IDS, STATUS_BAD_INPUT,
-                                check_peers, collective_error, config_digest, group_faults,
-                                in_step)
+from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check_peers,
+                                collective_error, config_digest, group_faults, in_step)
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_finalize_routing, check_prepare_inputs, write_output)
-from moe_plugins.layout import LocalIdMap, destination_ranks
+from moe_plugins.layout import DestinationMap, LocalIdMap
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities
 
@@ -45,6 +44,19 @@ class _DispatchHandle:
     recv_splits: list[int]
     num_recv: int
     topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
+
+
+class _HeaderBuffer:
+    """One layer's host-exchange buffer on one device, kept across calls: int64 [2, num_ranks,
+    HEADER_WORDS], ``send`` (row r: what this rank sends rank r; the digest column is written
+    once) and ``recv`` (what each peer sent), so one ``tolist`` reads both (the call's one host
+    sync). Reusing it is safe: that read waits for the exchange before the call goes on."""
+
+    def __init__(self, num_ranks: int, digest: int, device: torch.device):
+        self.both = torch.zeros(2, num_ranks, HEADER_WORDS, dtype=torch.int64, device=device)
+        self.send, self.recv = self.both[0], self.both[1]
+        self.send[:, 2] = digest
+        self.count, self.seq, self.status = self.send[:, 0], self.send[:, 1], self.send[:, 3]
 
 
 class TorchPrepareFinalize(PrepareFinalize):
@@ -69,6 +81,8 @@ class TorchPrepareFinalize(PrepareFinalize):
                                      self.faults.next_layer_index())
         self._timeout_s = getattr(getattr(manager, "ctx", None), "timeout_s", None)
         self._local_ids: Optional[LocalIdMap] = None  # made on the first receive
+        self._destinations: Optional[DestinationMap] = None  # made on the first prepare
+        self._headers: dict[torch.device, _HeaderBuffer] = {}
         # Per device, a 1-element int32 one: expanded, the source of the per-expert count scatter.
         self._ones: dict[torch.device, torch.Tensor] = {}
 
@@ -121,39 +135,45 @@ class TorchPrepareFinalize(PrepareFinalize):
             input_error: Optional[Exception] = None
         except (ValueError, TypeError) as e:
             input_error = e
-        num_physical = m.placement.num_physical
-        header = torch.empty(m.num_ranks, HEADER_WORDS, dtype=torch.int64,
-                             device=hidden_states.device)
+        r = m.num_ranks
+        hb = self._headers.get(hidden_states.device)
+        if hb is None:
+            hb = self._headers[hidden_states.device] = _HeaderBuffer(r, self._digest,
+                                                                     hidden_states.device)
         f.seq += 1
-        header[:, 1], header[:, 2] = f.seq, self._digest
+        hb.seq.fill_(f.seq)
         if input_error is None:
-            hit = destination_ranks(topk_ids, m.placement)
-            header[:, 0] = hit.sum(dim=0)
-            ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
-            header[:, 3] = ((ids < -1) | (ids >= num_physical)).any() * STATUS_BAD_EXPERT_IDS
+            if self._destinations is None:
+                self._destinations = DestinationMap(m.placement)
+            # [r + 2, n]: the destination ranks, a -1 row, a bad-id row (faults' status word)
+            hit = self._destinations(topk_ids)
+            per_row = hit.sum(dim=1)
+            hb.count.copy_(per_row[:r])
+            hb.status.copy_(per_row[r + 1])  # tokens with ids outside [-1, num_physical)
         else:
-            header[:, 0], header[:, 3] = 0, STATUS_BAD_INPUT
+            hb.count.zero_()
+            hb.status.fill_(STATUS_BAD_INPUT)
         try:
-            recv = m.exchange_header(header)
+            m.exchange_header(hb.send, hb.recv)
         except RuntimeError as e:
             raise collective_error(f, self.name, "split-size exchange", self._timeout_s, e) from e
-        # One host sync for the split lists, the peers' headers and our own status.
-        flat = torch.cat([header[:, 0], header[:1, 3], recv.flatten()]).tolist()
-        r = m.num_ranks
-        send_splits, own_status = flat[:r], flat[r]
-        peers = [flat[r + 1 + i * HEADER_WORDS: r + 1 + (i + 1) * HEADER_WORDS] for i in range(r)]
+        sent_header, peers = hb.both.tolist()  # the one host sync of the call
+        send_splits = [row[0] for row in sent_header]
         check_peers(f, self.name, m.rank, f.seq, self._digest, peers)
         if input_error is not None:
             raise in_step(input_error)
-        if own_status == STATUS_BAD_EXPERT_IDS:
+        if sent_header[0][3] != STATUS_OK:  # a count of tokens with out-of-range ids
+            num_physical = m.placement.num_physical
             raise in_step(ValueError(
                 f"{self.name}: topk_ids hold expert ids outside [-1, {num_physical}) "
-                f"(-1: no expert); route over the layer's {num_physical} (physical) experts"))
+                f"(-1: no expert) in {sent_header[0][3]} token(s); route over the layer's "
+                f"{num_physical} (physical) experts"))
         recv_splits = [peer[0] for peer in peers]
         num_recv = sum(recv_splits)
         n = hidden_states.shape[0]
         # Rows sent, grouped by destination rank, each token once per rank.
-        _, token_index = hit.t().nonzero(as_tuple=True)
+        _, token_index = hit[:r].nonzero(as_tuple=True)
+        ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
 
         x, x_sf = quantize_for_dispatch(hidden_states, quant)
         weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()

@@ -140,3 +140,23 @@ def test_vllm_groups_get_a_bounded_timeout(rank_pool):
     assert [r["bound"] for r in results] == [3.0, 3.0]
     err_type, err, seconds = results[0]["error"]
     assert err_type is not None and seconds < 3 * 3.0, (err_type, seconds)
+
+
+def test_check_peers_names_the_peer_and_what_its_status_word_says():
+    """The status word of the torch backend's header: STATUS_BAD_INPUT, or the number of tokens
+    whose expert ids were out of range; a peer's flag raises PeerInputError on a good rank, the
+    flagged rank itself returns (it raises its own error), and a good header passes."""
+    from moe_plugins.faults import (STATUS_BAD_INPUT, STATUS_OK, GroupFaults, PeerInputError,
+                                    check_peers)
+
+    faults = GroupFaults([0, 1, 2], rank=0)
+    good = [[3, 7, 99, STATUS_OK]] * 3
+    check_peers(faults, "layer", 0, 7, 99, good)
+    for status, text in ((STATUS_BAD_INPUT, "rank 2 rejected its inputs"),
+                         (5, "rank 2 got expert ids outside [-1, num_experts) in 5 token(s)")):
+        headers = [*good[:2], [3, 7, 99, status]]
+        with pytest.raises(PeerInputError, match=text.replace("[", r"\[").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            check_peers(faults, "layer", 0, 7, 99, headers)
+        check_peers(faults, "layer", 2, 7, 99, headers)  # the flagged rank: its own error
+    assert faults.broken is None

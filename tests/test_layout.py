@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_plugins.layout import LocalIdMap, ParallelLayout, local_expert_ids, owned_rows, slice_owned
+from moe_plugins.layout import (DestinationMap, LocalIdMap, ParallelLayout, destination_ranks,
+                                local_expert_ids, owned_rows, slice_owned)
 from moe_plugins.placement import ExpertPlacement
 
 
@@ -78,3 +79,23 @@ def test_local_id_map_equals_local_expert_ids(placement, rank):
         got = lookup(ids.to(dtype))
         assert got.dtype == torch.int64
         assert torch.equal(got, local_expert_ids(ids.to(dtype), placement, rank))
+
+
+@pytest.mark.parametrize("placement", [
+    ExpertPlacement.linear(16, 4), ExpertPlacement.linear(16, 1),
+    ExpertPlacement.eplb(list(range(16)) + [0, 5, 9, 15], 4),  # 5 slots per rank
+], ids=["linear4", "one_rank", "redundant"])
+def test_destination_map_equals_destination_ranks_and_flags_bad_ids(placement):
+    """The one-lookup map's rank columns are destination_ranks' answer; its last two columns
+    mark the tokens with a -1 entry and those with an id outside [-1, num_physical), computed
+    here independently (int32 and int64 ids)."""
+    p = placement.num_physical
+    ids = torch.tensor([[-3, -1, 0, 1], [3, 4, 7, 8], [11, 12, 15, -1], [p, 2, 5, 13],
+                        [17 % p, 19 % p, -2, 10], [p + 7, -1, -1, -1]])
+    r = placement.num_ranks
+    for dtype in (torch.int32, torch.int64):
+        hit = DestinationMap(placement)(ids.to(dtype))
+        assert hit.shape == (r + 2, ids.shape[0]) and hit.dtype == torch.bool
+        assert torch.equal(hit[:r], destination_ranks(ids.to(dtype), placement).t())
+        assert hit[r].tolist() == [bool((row == -1).any()) for row in ids]
+        assert hit[r + 1].tolist() == [bool(((row < -1) | (row >= p)).any()) for row in ids]

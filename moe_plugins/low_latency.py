@@ -84,14 +84,18 @@ class LowLatencyOptions:
         False makes it a ValueError at construction.
     check_expert_ids: check in prepare that every expert id is in [-1, num_experts) (the
         kernels do not: an id out of range makes them write outside their buffers). No host
-        sync: CPU tensors raise ValueError at once; on CUDA it is a device-side assert (two
-        small kernels per call; the error shows at the next sync and, as every CUDA device
-        assert, ends the process's CUDA context). Turn it off when the router is trusted.
+        sync. None (the default): on for CPU tensors (a ValueError at once), off on CUDA,
+        where it costs four small kernels per call: on the H200 they added ~7 us to a
+        deepep_ll round trip under CUDA-graph replay (1.26x the raw library at 8 tokens, where
+        vLLM's in-tree class checks nothing) and more eager (benchmarks/README.md). True turns
+        it on on CUDA too: a device-side assert, shown at the next sync and, as every CUDA
+        device assert, ending the process's CUDA context. Routers (vLLM's, ours) only produce
+        ids in range; turn it on when debugging one that may not.
     """
 
     allow_nvlink: bool = True
     pad_hidden: bool = True
-    check_expert_ids: bool = True
+    check_expert_ids: Optional[bool] = None
 
 
 def check_kernel_layer(cfg: DispatchConfig, backend: str, bf16_why: str, max_topk: int,
@@ -500,7 +504,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self._padded = manager.padded
         self._idx_dtype = manager.topk_idx_dtype
         self._max_tokens = manager.max_tokens_per_rank
-        self._check_ids = manager.options.check_expert_ids
+        check = manager.options.check_expert_ids  # None: on CPU only (see LowLatencyOptions)
+        self._check_ids = manager.ctx.device.type != "cuda" if check is None else check
         self._num_experts = manager.num_experts
         self._id_error = expert_id_error(manager.num_experts, manager.backend_name)
         self._checked_quant: Optional[QuantSpec] = None  # the last quant spec prepare accepted

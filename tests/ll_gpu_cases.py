@@ -37,7 +37,7 @@ from moe_plugins.reference import reference_moe, tolerance_for
 
 __all__ = [
     "free_port", "one_rank_context", "backend_factory", "CFG", "MAX_TOKENS", "BF16", "FP8", "DEV",
-    "TIMEOUT", "one_buffer", "weights",
+    "TIMEOUT", "one_buffer", "forget_abandoned_calls", "weights",
     "test_prepare_finalize_matches_reference", "test_hook_mode_defers_the_receive",
     "test_prepare_hands_over_what_the_raw_buffer_receives",
     "test_row_scatter_finalize_adds_into_owned_rows", "test_packed_ue8m0_scales",

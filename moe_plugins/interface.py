@@ -229,13 +229,26 @@ class PrepareFinalize(ABC):
         [num_tokens, hidden] tensor to fill, or a :class:`RowScatterTarget` to add into through
         :func:`row_scatter_add`. The receiver returns the tensor it wrote."""
 
+    def prepare_async_bounded(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                              topk_ids: torch.Tensor, quant: QuantSpec,
+                              max_tokens_across_ranks: Optional[int]) -> AsyncResult:
+        """:meth:`prepare_async` for a call in which no rank of the EP group passes more than
+        ``max_tokens_across_ranks`` tokens (the same value on every rank; an engine knows it:
+        vLLM's DP metadata). Backends whose receive buffers are sized per call (flashinfer
+        two-sided) override this to size them by the bound instead of the layer's
+        ``max_tokens_per_rank``; the others have fixed buffers and ignore it. None: no bound
+        known (plain :meth:`prepare_async`)."""
+        return self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
+
     def reset_call_state(self) -> None:
         """Drop per-call state (dispatch handles). Called in ``finally`` after every layer call,
         so an error in one call never shows up as a stale-handle error in the next."""
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
-        res = self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
+                topk_ids: torch.Tensor, quant: QuantSpec,
+                max_tokens_across_ranks: Optional[int] = None) -> PrepareResult:
+        res = self.prepare_async_bounded(hidden_states, topk_weights, topk_ids, quant,
+                                         max_tokens_across_ranks)
         if res.hook is not None:
             res.hook()
         out = res.receiver()

@@ -40,6 +40,7 @@ class _CallState:
     e.g. during CUDA-graph capture)."""
 
     num_tokens: int
+    recv_rows: int
     recv_tokens: Optional[int] = None
 
 
@@ -57,9 +58,11 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
-    """STANDARD layout with fixed receive shapes: prepare returns
-    ``num_recv_tokens = num_ranks * max_tokens_per_rank`` rows (source-rank major); rows that carry
-    no token have topk_ids -1 in every column and unspecified x. topk_ids are LOCAL expert ids,
+    """STANDARD layout: prepare returns ``num_recv_tokens = num_ranks * tokens_per_rank`` rows
+    (source-rank major), ``tokens_per_rank`` being the call's bound
+    (:meth:`prepare_async_bounded`: the most tokens any rank sends in this call) or, without
+    one, the layer's ``max_tokens_per_rank``; rows that carry no token have topk_ids -1 in every
+    column and unspecified x. topk_ids are LOCAL expert ids,
     -1 where the expert lives on another rank. expert_tokens_meta is None."""
 
     activation_format = ActivationFormat.STANDARD
@@ -107,6 +110,13 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        return self.prepare_async_bounded(hidden_states, topk_weights, topk_ids, quant, None)
+
+    def prepare_async_bounded(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                              topk_ids: torch.Tensor, quant: QuantSpec,
+                              max_tokens_across_ranks: Optional[int]) -> AsyncResult:
+        """The receive rows follow ``max_tokens_across_ranks`` (see the class doc); the
+        workspaces do not depend on it."""
         check_prepare_inputs(hidden_states, topk_weights, topk_ids)
         if self._state is not None:
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
@@ -123,15 +133,17 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
                 f"hidden_states {tuple(hidden_states.shape)} / topk_ids {tuple(topk_ids.shape)} do "
                 f"not match the layer (hidden={cfg.hidden}, num_topk={cfg.num_topk})"
             )
-        state = self._state = _CallState(n)
+        tokens_per_rank = m.tokens_per_rank(n, max_tokens_across_ranks)
+        state = self._state = _CallState(n, m.recv_rows(tokens_per_rank))
 
         def receiver() -> PrepareResult:
             # Unswizzled scales, or (hidden_states, None) when unquantized or deferred.
             x, x_sf = quantize_for_dispatch(hidden_states, quant)
-            d = m.dispatch(x, x_sf, topk_ids, topk_weights)
+            d = m.dispatch(x, x_sf, topk_ids, topk_weights, tokens_per_rank)
             recv_sf, swizzled = d.x_sf, False
-            if recv_sf is not None and quant.scheme is QuantScheme.NVFP4 \
-                    and m.options.nvfp4_swizzled_sf:
+            swizzle = m.options.nvfp4_swizzled_sf if quant.nvfp4_swizzled_sf is None \
+                else quant.nvfp4_swizzled_sf
+            if recv_sf is not None and quant.scheme is QuantScheme.NVFP4 and swizzle:
                 recv_sf, swizzled = swizzle_nvfp4_sf(recv_sf), True
             local = self._local_ids(d.topk_ids)
             state.recv_tokens = self._count_dispatch(topk_ids, x, x_sf, local)
@@ -146,9 +158,9 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         if state is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
         m = self.manager
-        if fused_expert_output.dim() != 2 or fused_expert_output.shape[0] != m.recv_rows:
+        if fused_expert_output.dim() != 2 or fused_expert_output.shape[0] != state.recv_rows:
             raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}, "
-                             f"expected [{m.recv_rows}, hidden] (the rows prepare returned)")
+                             f"expected [{state.recv_rows}, hidden] (the rows prepare returned)")
         # Checked before the combine so that a bad output fails on this rank without leaving the
         # other ranks inside the collective.
         expected = (state.num_tokens, fused_expert_output.shape[1])

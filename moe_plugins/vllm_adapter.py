@@ -475,7 +475,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             return q, q_sf
         num_experts = x.shape[0]
         q = q.view(num_experts, -1, q.shape[-1])
-        if q_sf is not None and recv.quant_dtype not in ("nvfp4", "mxfp8"):
+        if q_sf is not None and recv.quant_dtype != "nvfp4":
             q_sf = normalize_batched_scales_shape(q_sf, num_experts)
         return q, q_sf
 

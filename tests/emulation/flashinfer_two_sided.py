@@ -555,7 +555,9 @@ class NVLinkTwoSidedAlltoAll:
             state["recv_cumsum"], state["recv_indices"], state["send_cumsum"],
             state["backward_recv_indices"])
         self._state = None
-        combined = torch.sum(per_slot.view(n, k, -1), dim=1)
+        # 0.7.2.post1 sums through MnnvlMoe's combine, whose reshape names the hidden size (so
+        # a rank without tokens gets [0, hidden]).
+        combined = torch.sum(per_slot.view(n, k, expert_output.shape[1]), dim=1)
         if output is not None:
             output.copy_(combined)
             return output

@@ -53,7 +53,15 @@ class DeepEPLLManager(LowLatencyManager):
     combine_method = "low_latency_combine"
     update_mask_method = "low_latency_update_mask_buffer"
     query_mask_method = "low_latency_query_mask_buffer"
+    clean_mask_method = "low_latency_clean_mask_buffer"
     options: DeepEPLLOptions
+
+    @classmethod
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
+                       ) -> Optional[DeepEPLLOptions]:
+        """With the engine's fault tolerance on, DeepEP needs its mask buffer (``enable_shrink``),
+        as vLLM's in-tree DeepEP LL manager builds it; otherwise the defaults."""
+        return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None
 
     def _check_limits(self) -> None:
         # Buffer.low_latency_dispatch asserts qp_depth >= 2 * (max tokens + 1).
@@ -80,14 +88,23 @@ class DeepEPLLManager(LowLatencyManager):
             extra["enable_shrink"] = True
         return self.lib.Buffer(
             self.group,
-            num_nvl_bytes=0,
+            num_nvl_bytes=self._num_nvl_bytes(),
             num_rdma_bytes=self.num_rdma_bytes,
             low_latency_mode=True,
-            num_qps_per_rank=self.num_local_experts,
+            num_qps_per_rank=self._num_qps_per_rank(),
             allow_nvlink_for_low_latency_mode=self.options.allow_nvlink,
             explicitly_destroy=True,
             **extra,
         )
+
+    def _num_nvl_bytes(self) -> int:
+        """NVLink buffer bytes: none in low-latency mode alone (a buffer that also runs normal
+        mode, deepep_auto's, adds DeepEP's normal-mode hint)."""
+        return 0
+
+    def _num_qps_per_rank(self) -> int:
+        """Low-latency mode needs one QP per local expert."""
+        return self.num_local_experts
 
     def _destroy_buffer(self, buffer: Any) -> None:
         buffer.destroy()

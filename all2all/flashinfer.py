@@ -292,9 +292,23 @@ class _MnnvlMoeTransport(_Transport):
 
             mapping = Mapping(m.num_ranks, m.rank, m.gpus_per_node, tp_size=m.num_ranks)
             config = MnnvlConfig(comm_backend=TorchGroupComm(m.group))
-            MnnvlMemory.initialize()
-            ws = _MnnvlWorkspaces(key, mapping, MnnvlMoe.get_moe_workspaces(mapping, config),
-                                  MnnvlMoe.get_moe_prepare_workspace(mapping, config))
+            try:
+                MnnvlMemory.initialize()
+                ws = _MnnvlWorkspaces(key, mapping, MnnvlMoe.get_moe_workspaces(mapping, config),
+                                      MnnvlMoe.get_moe_prepare_workspace(mapping, config))
+            except Exception as e:  # the CUDA VMM calls say only which driver call failed
+                fabric = getattr(MnnvlMemory, "_fabric_supported", None)
+                device = torch.cuda.current_device() if torch.cuda.is_available() else "none"
+                raise RuntimeError(
+                    f"flashinfer_nvlink_two_sided: flashinfer's MnnvlMoe could not create its "
+                    f"MNNVL workspaces on EP rank {m.rank} of {m.num_ranks} (cuda device {device}, "
+                    f"Mapping gpus_per_node={m.gpus_per_node}, "
+                    f"FABRIC handles agreed by all ranks: {fabric}): {type(e).__name__}: {e}. "
+                    "The workspaces are cuMemCreate allocations every rank maps: shared as "
+                    "CU_MEM_HANDLE_TYPE_FABRIC handles (needs an NVLink fabric, IMEX) or, on one "
+                    "host without FABRIC support, as POSIX file descriptors passed between the "
+                    "ranks' processes. Use a GPU system with multi-node NVLink, or another "
+                    "backend (e.g. 'torch')") from e
             _MNNVL_WORKSPACES[key] = ws
         ws.users += 1
         self._ws = ws
@@ -415,8 +429,8 @@ _TRANSPORTS: dict[TwoSidedApi, type[_Transport]] = {
 
 
 class FlashInferAll2AllManager:
-    """One per layer config and EP group. Experts are placed in contiguous blocks: expert ``e``
-    lives on EP rank ``e // (num_experts // num_ranks)`` (what the kernels assume).
+    """One per layer config and EP group. The kernels dispatch PHYSICAL ids: physical expert
+    ``p`` lives on EP rank ``p // num_local`` (``placement``, from the config; linear by default).
 
     Raises at construction: ImportError (flashinfer missing, naming the extra), TypeError
     (backend_options of another type), ValueError (one EP rank, or a number of experts / topk the
@@ -441,16 +455,12 @@ class FlashInferAll2AllManager:
                 f"{layout.describe()} (EP size {layout.ep_size}); with one rank nothing is "
                 "dispatched: enable expert parallelism over >= 2 ranks, or use backend 'torch'"
             )
-        if cfg.num_experts % EXPERT_COUNT_MULTIPLE:
+        placement = cfg.placement_for(layout.ep_size)
+        if placement.num_physical % EXPERT_COUNT_MULTIPLE:
             raise ValueError(
-                f"flashinfer's two-sided all-to-all kernels need num_experts divisible by "
-                f"{EXPERT_COUNT_MULTIPLE}, got {cfg.num_experts}; use another backend (e.g. 'torch') "
-                "for this model"
-            )
-        if cfg.num_experts % layout.ep_size:
-            raise ValueError(
-                f"num_experts={cfg.num_experts} is not divisible by the EP size {layout.ep_size}; "
-                "pick an EP size that divides the experts"
+                f"flashinfer's two-sided all-to-all kernels need the number of physical experts "
+                f"divisible by {EXPERT_COUNT_MULTIPLE}, got {placement.num_physical}; use another "
+                "backend (e.g. 'torch') for this model, or another number of redundant experts"
             )
         if cfg.num_topk > MAX_TOPK:
             raise ValueError(f"flashinfer's two-sided all-to-all supports num_topk <= {MAX_TOPK}, "
@@ -462,19 +472,19 @@ class FlashInferAll2AllManager:
             raise ValueError(f"the EP process group has {self.num_ranks} ranks but layout "
                              f"{layout.describe()} says {layout.ep_size}")
         self.rank = dist.get_rank(self.group)
-        self.num_experts, self.num_topk = cfg.num_experts, cfg.num_topk
-        self.experts_per_rank = cfg.num_experts // self.num_ranks
+        self.placement = placement
+        self.num_experts, self.num_topk = placement.num_physical, cfg.num_topk
         self.max_tokens_per_rank = cfg.max_tokens_per_rank
         self.gpus_per_node = options.gpus_per_node or torch.cuda.device_count() or self.num_ranks
         self._transport: Optional[_Transport] = _TRANSPORTS[self.api](self)
 
-        key = (self.api, self.num_ranks, cfg.num_experts, cfg.num_topk, cfg.hidden,
+        key = (self.api, self.num_ranks, self.num_experts, cfg.num_topk, cfg.hidden,
                cfg.max_tokens_per_rank, options)
         if key not in _LOGGED:
             _LOGGED.add(key)
             logger.info("flashinfer_nvlink_two_sided: flashinfer %s, %s API, EP size %d, %d experts, "
                         "topk %d, max %d tokens per rank, nvfp4 scales %s", self.flashinfer_version,
-                        self.api.value, self.num_ranks, cfg.num_experts, cfg.num_topk,
+                        self.api.value, self.num_ranks, self.num_experts, cfg.num_topk,
                         cfg.max_tokens_per_rank,
                         "swizzled" if options.nvfp4_swizzled_sf else "row-aligned")
 
@@ -489,10 +499,10 @@ class FlashInferAll2AllManager:
         bound = max(1, max_tokens_across_ranks)
         if not num_tokens <= bound <= self.max_tokens_per_rank:
             raise ValueError(
-                f"max_tokens_across_ranks={max_tokens_across_ranks} for a call of {num_tokens} "
-                f"tokens on a layer built for max_tokens_per_rank={self.max_tokens_per_rank}: "
-                "the bound must cover this rank's tokens and fit the layer; pass the largest "
-                "token count any EP rank sends in this call"
+                f"a per-call bound (BatchHint.max_tokens_per_rank) of {max_tokens_across_ranks} "
+                f"for a call of {num_tokens} tokens on a layer built for max_tokens_per_rank="
+                f"{self.max_tokens_per_rank}: the bound must cover this rank's tokens and fit the "
+                "layer; pass the largest token count any EP rank sends in this call"
             )
         return bound
 
@@ -514,19 +524,27 @@ class FlashInferAll2AllManager:
         tokens_per_rank`` rows. Collective over the EP group."""
         t = self._live()
         bound = self.max_tokens_per_rank if tokens_per_rank is None else tokens_per_rank
+        if topk_ids.dtype is not torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        if topk_weights.dtype is not torch.float32:
+            topk_weights = topk_weights.to(torch.float32)
         d = t.dispatch(_pad_row_bytes(x), None if x_sf is None else _pad_row_bytes(x_sf),
-                       topk_ids.to(torch.int32).contiguous(),
-                       topk_weights.to(torch.float32).contiguous(), bound)
-        return Dispatched(d.x[:, : x.shape[1]],
-                          None if d.x_sf is None or x_sf is None else d.x_sf[:, : x_sf.shape[1]],
-                          d.topk_ids, d.topk_weights)
+                       topk_ids.contiguous(), topk_weights.contiguous(), bound)
+        # Slice the 16-byte row padding off only where there was some (a slice costs host time).
+        recv_x = d.x if d.x.shape[1] == x.shape[1] else d.x[:, : x.shape[1]]
+        recv_sf = None
+        if d.x_sf is not None and x_sf is not None:
+            recv_sf = d.x_sf if d.x_sf.shape[1] == x_sf.shape[1] else d.x_sf[:, : x_sf.shape[1]]
+        if recv_x is d.x and recv_sf is d.x_sf:
+            return d
+        return Dispatched(recv_x, recv_sf, d.topk_ids, d.topk_weights)
 
     def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """expert_output [num_ranks * tokens_per_rank, hidden] (each row: the weighted sum of
         this rank's experts for that row) -> [num_tokens, hidden] summed over ranks, same dtype.
         Collective over the EP group."""
         out = self._live().combine(_pad_row_bytes(expert_output), num_tokens)
-        return out[:, : expert_output.shape[1]]
+        return out if out.shape[1] == expert_output.shape[1] else out[:, : expert_output.shape[1]]
 
     def reset_call_state(self) -> None:
         if self._transport is not None:

@@ -57,12 +57,17 @@ class NixlEPManager(LowLatencyManager):
     combine_method = "combine"
     update_mask_method = "update_mask_buffer"
     query_mask_method = "query_mask_buffer"
+    clean_mask_method = "clean_mask_buffer"
+    # In low-latency mode NIXL EP masks a peer whose kernels time out (vLLM's in-tree NIXL EP
+    # manager always declares fault tolerance for that reason).
+    masks_by_itself = True
     options: NixlEPOptions
 
     @classmethod
-    def engine_options(cls, tcp_store: Any) -> NixlEPOptions:
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False) -> NixlEPOptions:
         """The options an engine builds this backend with: the ranks exchange their agent
-        metadata through ``tcp_store`` (a torch.distributed Store shared by the EP group)."""
+        metadata through ``tcp_store`` (a torch.distributed Store shared by the EP group).
+        The mask buffer always exists, so ``fault_tolerance`` changes nothing."""
         return NixlEPOptions(tcp_store_group=tcp_store)
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):

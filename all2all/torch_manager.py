@@ -14,31 +14,32 @@ __all__ = ["TorchAll2AllManager"]
 
 
 class TorchAll2AllManager:
-    """One per layer config and EP group. Experts are placed in contiguous blocks:
-    expert ``e`` lives on EP rank ``e // (num_experts // num_ranks)``."""
+    """One per layer config and EP group. ``placement`` (from the config, linear by default)
+    says where the physical experts are; the ids dispatched are physical."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.ctx = ctx
         self.group = ctx.ep_group
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        if cfg.num_experts % self.num_ranks:
-            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
-                             f"{self.num_ranks}; pick an EP size that divides the experts")
-        self.experts_per_rank = cfg.num_experts // self.num_ranks
+        self.placement = cfg.placement_for(self.num_ranks)
 
-    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """send_counts int64 [num_ranks] -> recv_counts int64 [num_ranks] (rows each peer sends us)."""
-        recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts, group=self.group)
+    def exchange_header(self, send: torch.Tensor) -> torch.Tensor:
+        """The call's host exchange: send int64 [num_ranks, HEADER_WORDS] (row r: rows we send
+        rank r, then this call's sequence number, layer digest and input status; see
+        :mod:`moe_plugins.faults`) -> what each peer sent us, same shape."""
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
         return recv
 
-    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
-                   ) -> tuple[torch.Tensor, Optional["dist.Work"]]:
+    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                   num_recv: Optional[int] = None) -> tuple[torch.Tensor, Optional["dist.Work"]]:
         """Rows of ``send`` [sum(send_splits), ...] go to each rank in order; returns the receive
-        tensor [sum(recv_splits), ...] (same dtype) and the pending work to wait on."""
+        tensor [sum(recv_splits), ...] (same dtype) and the pending work to wait on.
+        ``num_recv``: sum(recv_splits) when the caller has it already."""
         wire = wire_view(send.contiguous())
-        recv = torch.empty((sum(recv_splits), *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
+        rows = sum(recv_splits) if num_recv is None else num_recv
+        recv = torch.empty((rows, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
         work = dist.all_to_all_single(recv, wire, recv_splits, send_splits, group=self.group,
                                       async_op=True)
         return recv.view(send.dtype) if recv.dtype != send.dtype else recv, work

@@ -1,7 +1,10 @@
-"""Dispatch/combine latency of the deepep_ll backend vs the raw DeepEP V1 Buffer calls.
+"""Dispatch/combine latency of a low-latency backend vs the raw library Buffer calls:
+``deepep_ll`` over DeepEP V1 (commit 567632d, built from source) or, with ``--backend nixl_ep``,
+``nixl_ep`` over NIXL EP (built by scripts/gpu/nixl_ep.sh; its tcp_store_group is a PrefixStore
+on a real TCPStore, the one the process group is initialized from).
 
-One GPU, one process (EP world size 1), DeepEP's V1 line (commit 567632d) built from source.
-Both sides use the SAME ``deep_ep.Buffer`` (the one our manager built) and the same call shape
+One GPU, one process (EP world size 1). Both sides use the SAME library ``Buffer`` (the one our
+manager built; DeepEP's and NIXL EP's have the same ``low_latency_*`` calls) and the same call shape
 our backend makes: hook mode (``return_recv_hook=True``) with the hook run right away, FP8
 dispatch (``--bf16`` for bf16), combine into a preallocated ``out``. What differs is only our
 layer on top: input checks, topk dtype cast, PrepareResult/handle bookkeeping, stats.
@@ -13,11 +16,13 @@ non-hook calls are printed as a reference line. Last, one round trip of each is 
 CUDA graph and replayed (as vLLM's decode does), which takes the host out. Example:
 
     python benchmarks/deepep_ll_latency.py --tokens 64 --hidden 7168 --topk 8 --experts 32
+    python benchmarks/deepep_ll_latency.py --backend nixl_ep --tokens 64
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import socket
 import statistics
@@ -37,6 +42,7 @@ from moe_plugins.groups import DistContext  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
 from moe_plugins.low_latency import destroy_all_buffers  # noqa: E402
 from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
+from moe_plugins.registry import get_backend  # noqa: E402
 
 
 def _free_port() -> int:
@@ -81,6 +87,8 @@ def _graph_us(round_trip: Callable[[], None], iters: int) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=["deepep_ll", "nixl_ep"], default="deepep_ll",
+                   help="deepep_ll (DeepEP V1 built from source) or nixl_ep (scripts/gpu/nixl_ep.sh)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
@@ -93,21 +101,26 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    spec = get_backend(args.backend)
     try:
-        import deep_ep  # noqa: F401
+        libs = [importlib.import_module(r.module) for r in spec.required]
     except ImportError as e:
-        print(f"needs DeepEP's V1 line built from source ({e})", file=sys.stderr)
+        print(f"--backend {args.backend} needs its library built or installed ({e})",
+              file=sys.stderr)
         return 2
-    from prepare_finalize.deepep_ll import SPEC
 
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=120))
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", _free_port(), world_size=1, is_master=True, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=0, world_size=1,
+                            timeout=timeout)
+    # What an engine passes: None for DeepEP, a tcp_store_group on the real store for NIXL EP.
+    options = spec.manager.engine_options(dist.PrefixStore(args.backend, store))
     dev = torch.device("cuda")
     quant = QuantSpec() if args.bf16 else QuantSpec(QuantScheme.FP8_BLOCK128)
     ctx = DistContext(ParallelLayout(1, 1, True), 0, dist.group.WORLD, None, dev)
-    pf = SPEC.build(ctx, DispatchConfig(args.experts, args.hidden, args.topk, args.tokens,
-                                        torch.bfloat16, quant))
+    pf = spec.build(ctx, DispatchConfig(args.experts, args.hidden, args.topk, args.tokens,
+                                        torch.bfloat16, quant, options))
     m = pf.manager
     buffer = m.buffer
     use_fp8 = quant.quantized_on_wire
@@ -147,23 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     def ours_combine(_prep: object) -> None:
         pf.finalize(expert_out, topk_w, topk_ids, out)
 
+    ours_name = f"{args.backend} (ours)"
     rows = {
         "raw, hook mode": _time_pairs(raw_dispatch(True), raw_combine(True), args.iters,
                                       args.warmup),
-        "deepep_ll (ours)": _time_pairs(ours_dispatch, ours_combine, args.iters, args.warmup),
+        ours_name: _time_pairs(ours_dispatch, ours_combine, args.iters, args.warmup),
         "raw, no hook": _time_pairs(raw_dispatch(False), raw_combine(False), args.iters,
                                     args.warmup),
     }
     graph = {
         "raw, hook mode": _graph_us(lambda: raw_combine(True)(raw_dispatch(True)()), args.iters),
-        "deepep_ll (ours)": _graph_us(lambda: ours_combine(ours_dispatch()), args.iters),
+        ours_name: _graph_us(lambda: ours_combine(ours_dispatch()), args.iters),
     }
-    raw, ours = rows["raw, hook mode"], rows["deepep_ll (ours)"]
+    raw, ours = rows["raw, hook mode"], rows[ours_name]
     ratio = {k: ours[k] / raw[k] for k in ("dispatch_us", "combine_us", "wall_us")}
     ratio["total_us"] = ((ours["dispatch_us"] + ours["combine_us"])
                          / (raw["dispatch_us"] + raw["combine_us"]))
 
-    print(f"DeepEP LL, 1 rank, {args.tokens} tokens, hidden {args.hidden}, topk {args.topk}, "
+    print(f"{args.backend} vs raw {libs[0].__name__}.Buffer, 1 rank, {args.tokens} tokens, "
+          f"hidden {args.hidden}, topk {args.topk}, "
           f"{args.experts} experts, {'bf16' if args.bf16 else 'fp8'} dispatch, "
           f"{args.iters} iterations (mean of CUDA-event intervals, us)")
     print(f"{'path':<20} {'dispatch':>10} {'combine':>10} {'total':>10} {'host/iter':>10}")
@@ -173,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'overhead ours/raw':<20} {ratio['dispatch_us']:>10.3f} {ratio['combine_us']:>10.3f} "
           f"{ratio['total_us']:>10.3f} {ratio['wall_us']:>10.3f}")
     if None not in graph.values():
-        g_raw, g_ours = graph["raw, hook mode"], graph["deepep_ll (ours)"]
+        g_raw, g_ours = graph["raw, hook mode"], graph[ours_name]
         ratio["graph_total_us"] = g_ours / g_raw
         print(f"CUDA-graph replay, dispatch + combine: raw {g_raw:.2f} us, ours {g_ours:.2f} us, "
               f"ours/raw {g_ours / g_raw:.3f}")
@@ -182,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(dict(
             config=dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                         experts=args.experts, fp8=not args.bf16, iters=args.iters,
-                        device=torch.cuda.get_device_name(), deep_ep=getattr(
-                            sys.modules["deep_ep"], "__file__", "?")),
+                        device=torch.cuda.get_device_name(), backend=args.backend,
+                        library=getattr(libs[0], "__file__", "?")),
             results=rows, graph_round_trip_us=graph, overhead_ratio=ratio,
             command="python " + " ".join(sys.argv)), indent=2))
 

@@ -63,10 +63,6 @@ def layouts(n: int) -> list[ParallelLayout]:
     return out
 
 
-def _on_gpu(w: MoEWeights, dev: torch.device) -> MoEWeights:
-    return MoEWeights(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in w.__dict__.items()})
-
-
 def numerics(rank: int, n: int, dev: torch.device) -> list[dict]:
     rows = []
     weights = MoEWeights.random(NUM_CFG, seed=0)
@@ -81,7 +77,7 @@ def numerics(rank: int, n: int, dev: torch.device) -> list[dict]:
                                                       supports_row_scatter=caps.row_scatter,
                                                       has_shared_expert=True):
                     for tokens in (1, 5, 16):
-                        layer = MoELayer(_on_gpu(weights, dev), ctx, spec, strategy, quant,
+                        layer = MoELayer(weights.to(dev), ctx, spec, strategy, quant,
                                          OverlapConfig(overlap=True), max_tokens_per_rank=16)
                         x = demo_inputs(NUM_CFG, tokens, ctx.dp_rank, 0)
                         out = layer(x.to(dev)).cpu()
@@ -116,7 +112,7 @@ def _raw_round_trip(pf: TorchPrepareFinalize, x: torch.Tensor, ids: torch.Tensor
 
     def run() -> None:
         hit = torch.zeros(x.shape[0], m.num_ranks, dtype=torch.bool, device=x.device)
-        hit.scatter_(1, ids // m.experts_per_rank, True)
+        hit.scatter_(1, ids // m.placement.num_local, True)
         counts = hit.sum(0)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts)

@@ -8,7 +8,8 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Sequence
+import signal
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 import torch
 
@@ -28,31 +29,65 @@ def _cmd_list(args: argparse.Namespace) -> int:
         reason = spec.unavailable_reason()
         ep_dp, dp, tp, sp = spec.ep_dp_tp_support
         rows.append(dict(name=name, usable=reason is None, reason=reason, ep_dp=ep_dp, dp=dp,
-                         tp=tp, sp=sp, quants=sorted(q.value for q in spec.quants),
+                         tp=tp, sp=sp, placements=spec.capabilities.placements,
+                         quants=sorted(q.value for q in spec.quants),
                          distribution=spec.distribution))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     yn = {True: "yes", False: "no"}
     print(f"{'backend':<28} {'usable':<6} {'ep_dp':<5} {'dp':<3} {'tp':<3} {'sp':<3} "
-          f"{'quants':<32} reason")
+          f"{'placements':<10} {'quants':<32} reason")
     for r in rows:
         print(f"{r['name']:<28} {yn[r['usable']]:<6} {yn[r['ep_dp']]:<5} {yn[r['dp']]:<3} "
-              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {','.join(r['quants']):<32} {r['reason'] or ''}")
+              f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {'any' if r['placements'] else 'linear':<10} "
+              f"{','.join(r['quants']):<32} {r['reason'] or ''}")
     return 0
+
+
+def _int_at_least(low: int) -> "Callable[[str], int]":
+    """An argparse type: an int >= ``low`` (the error names the value and the bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr and exit status 2 (no usage block, no traceback)."""
+
+    def error(self, message: str) -> "NoReturn":
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     """Layout and shape flags shared by ``demo`` and ``plan``."""
-    p.add_argument("--ranks", type=int, default=4, help="EP group size = dp x tp (default 4)")
-    p.add_argument("--tp", type=int, default=1, help="attention TP size inside the EP group")
+    pos, nonneg = _int_at_least(1), _int_at_least(0)
+    p.add_argument("--ranks", type=pos, default=4, help="EP group size = dp x tp (default 4)")
+    p.add_argument("--tp", type=pos, default=1, help="attention TP size inside the EP group")
     p.add_argument("--ep", action="store_true", help="expert parallel (required when dp > 1)")
-    p.add_argument("--tokens", type=int, default=8, help="tokens per DP group")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=64, help="routed expert intermediate size")
-    p.add_argument("--shared-intermediate", type=int, default=128, help="0: no shared expert")
+    p.add_argument("--tokens", type=nonneg, default=8, help="tokens per DP group")
+    p.add_argument("--hidden", type=pos, default=256)
+    p.add_argument("--experts", type=pos, default=8)
+    p.add_argument("--topk", type=pos, default=2)
+    p.add_argument("--intermediate", type=pos, default=64, help="routed expert intermediate size")
+    p.add_argument("--shared-intermediate", type=nonneg, default=128, help="0: no shared expert")
     p.add_argument("--backend", default="torch")
     p.add_argument("--quant", default="none", choices=["none", "fp8_block128", "nvfp4"])
     p.add_argument("--defer-input-quant", action="store_true")
@@ -69,7 +104,7 @@ def layout_from_args(args: argparse.Namespace):
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from moe_plugins.demo import run_demo
+    from moe_plugins.demo import demo_preflight, run_demo
     from moe_plugins.launch import RankPool
     from moe_plugins.model import MoEConfig
     from moe_plugins.quant import QuantScheme, QuantSpec
@@ -77,17 +112,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     layout = layout_from_args(args)
     cfg = MoEConfig(hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
                     intermediate=args.intermediate, shared_intermediate=args.shared_intermediate,
-                    dtype=_DTYPES[args.dtype])
+                    dtype=_DTYPES[args.dtype], renormalize=not args.no_renormalize)
     quant = QuantSpec(QuantScheme(args.quant), args.defer_input_quant)
     quant.check_hidden(cfg.hidden)
-    with RankPool(layout.world_size) as pool:
+    demo_preflight(layout, cfg, args.backend, quant)  # every user error before ranks start
+    with RankPool(layout.world_size, args.timeout) as pool:
         rows = run_demo(pool, layout, cfg, args.backend, args.tokens, quant, iters=args.iters)
     if args.json:
         for r in rows:
-            print(json.dumps({k: v for k, v in asdict(r).items() if k not in ("ok",)}))
+            print(json.dumps(asdict(r)))
     else:
         print(f"layout {layout.describe()} backend={args.backend} tokens/DP group={args.tokens} "
               f"hidden={cfg.hidden} experts={cfg.num_experts} topk={cfg.num_topk} "
+              f"routing={'renormalized' if cfg.renormalize else 'softmax (not renormalized)'} "
               f"dtype={args.dtype} quant={args.quant}{' (deferred)' if args.defer_input_quant else ''}")
         print(f"{'strategy':<24} {'max_abs_err':>11} {'ok':>3} {'TP coll':>7} {'TP bytes':>9} "
               f"{'pairs/rank':<16} {'dispatch bytes/rank':<28} {'ms/layer':>8}")
@@ -96,6 +133,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             print(f"{name:<24} {r.max_abs_err:>11.2e} {'yes' if r.ok else 'NO':>3} "
                   f"{r.tp_collectives:>7} {r.tp_collective_bytes:>9} "
                   f"{str(r.dispatched_pairs):<16} {str(r.dispatched_bytes):<28} {r.ms_per_layer:>8.2f}")
+        for r in rows:
+            if r.modes:  # backends that pick their transport per call (deepep_auto)
+                print(f"{r.strategy}: calls per transport mode on rank 0: "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(r.modes.items())))
         print("* = the strategy this layout uses by default; shared-expert overlap is off on "
               "CPU ranks (no CUDA side stream): the shared expert runs inline")
     return 0 if all(r.ok for r in rows) else 1
@@ -239,6 +280,10 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
           f"combine {w.combine_bytes} B; "
           + ("one row per (token, expert) pair" if w.per_pair else
              "one row per (token, destination rank)"))
+    if plan.placement is not None:
+        print(f"expert placement: {plan.placement.describe()}"
+              + ("; uniform-routing rows assume no redundant copies, pass a measured routing"
+                 if plan.placement.num_redundant and not plan.routing_given else ""))
     print(f"link model: NVLink {ln.nvlink_gbps:g} GB/s + {ln.nvlink_latency_us:g} us, "
           f"RDMA {ln.rdma_gbps:g} GB/s + {ln.rdma_latency_us:g} us; communication only")
     if not w.per_pair and not plan.routing_given and any(s.dispatches for s in plan.strategies):
@@ -284,6 +329,28 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
         print(("* " if sp.recommended else "  ") + f"{sp.strategy.value}: {sp.reason}")
 
 
+def _expert_placement(args: argparse.Namespace, model: Any, layout: Any) -> Any:
+    """--expert-placement and --redundant-experts -> an ExpertPlacement (None: linear, or EP
+    off). EPLB's copies: logical experts 0..N-1 once more, after the linear slots."""
+    from moe_plugins.placement import ExpertPlacement
+
+    e = model.moe.num_experts
+    if not layout.ep:
+        if args.expert_placement != "linear" or args.redundant_experts:
+            raise ValueError("--expert-placement / --redundant-experts need expert parallelism "
+                             "(--ep)")
+        return None
+    if args.redundant_experts:
+        if args.expert_placement != "linear":
+            raise ValueError("--redundant-experts builds EPLB's placement; leave "
+                             "--expert-placement at linear")
+        n = args.redundant_experts
+        return ExpertPlacement.eplb(list(range(e)) + [i % e for i in range(n)], layout.ep_size, e)
+    if args.expert_placement == "round_robin":
+        return ExpertPlacement.round_robin(e, layout.ep_size)
+    return None
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from moe_plugins.overlap import OverlapConfig
     from moe_plugins.plan import plan_layer
@@ -307,7 +374,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_layer(model, layout, tokens, get_backend(args.backend), quant, link=link,
                       shared_placement=SharedPlacement(args.shared_placement),
                       single_collective=OverlapConfig.from_env().single_collective,
-                      shared_expert_budget_bytes=budget)
+                      shared_expert_budget_bytes=budget,
+                      placement=_expert_placement(args, model, layout))
     if args.json:
         for row in _plan_json(plan):
             print(json.dumps(row))
@@ -317,7 +385,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-plugins", description=__doc__)
+    p = _Parser(prog="moe-plugins", description=__doc__)
     p.add_argument("--log-level", default="WARNING")
     sub = p.add_subparsers(dest="cmd", required=True)
     lst = sub.add_parser("list", help="registered backends, capabilities, usable here or why not")
@@ -325,8 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
     lst.set_defaults(fn=_cmd_list)
     demo = sub.add_parser("demo", help="run a MoE layer on CPU ranks under every strategy")
     add_layout_args(demo)
-    demo.add_argument("--iters", type=int, default=3, help="timed calls per strategy")
-    demo.add_argument("--json", action="store_true")
+    demo.add_argument("--iters", type=_int_at_least(1), default=3, help="timed calls per strategy")
+    demo.add_argument("--no-renormalize", action="store_true",
+                      help="softmax top-k weights as they are (Qwen2-MoE's default), not "
+                      "renormalized to sum to 1")
+    demo.add_argument("--timeout", type=_positive_float, default=None,
+                      help="seconds a collective may wait for its peers (default "
+                      "$MOE_PLUGINS_TIMEOUT_S, else 300)")
+    demo.add_argument("--json", action="store_true", help="one JSON object per strategy and line")
     demo.set_defaults(fn=_cmd_demo)
     plan = sub.add_parser("plan", help="analytic per-rank traffic, TP collectives, weights and "
                           "time of every applicable strategy, with the recommended one")
@@ -334,13 +408,18 @@ def build_parser() -> argparse.ArgumentParser:
     shape_defaults = {k: plan.get_default(k) for k in ("ranks",) + _SHAPE_FLAGS}
     plan.set_defaults(fn=_cmd_plan, shape_defaults=shape_defaults,
                       **{k: None for k in shape_defaults})
-    plan.add_argument("--dp", type=int, help="DP size (instead of --ranks: ranks = dp x tp)")
+    plan.add_argument("--dp", type=_int_at_least(1),
+                      help="DP size (instead of --ranks: ranks = dp x tp)")
     plan.add_argument("--model-config", metavar="CONFIG_JSON",
                       help="Hugging Face config.json (DeepSeek-V2/V3 or Qwen2/3-MoE); shape flags "
                       "given as well override its values")
     plan.add_argument("--tokens-per-dp", metavar="N0,N1,...",
                       help="tokens of each DP group (instead of --tokens, for uneven DP groups)")
-    plan.add_argument("--layers", type=int, help="MoE layers (default: from --model-config, else 1)")
+    plan.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"],
+                      help="where the routed experts are (vLLM's --expert-placement-strategy)")
+    plan.add_argument("--redundant-experts", type=_int_at_least(0), default=0, metavar="N",
+                      help="EPLB: N redundant expert copies (a multiple of the EP size)")
+    plan.add_argument("--layers", type=_int_at_least(1), help="MoE layers (default: from --model-config, else 1)")
     plan.add_argument("--shared-placement", default="tp_sharded",
                       choices=["tp_sharded", "replicated"],
                       help="how the shared expert's weights sit on TP ranks (the default "
@@ -353,23 +432,38 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the attention's TP reduction under SP (default: from "
                       "--model-config's family, DeepSeek reduce_scatter, Qwen all_reduce; else "
                       "reduce_scatter)")
-    plan.add_argument("--nvlink-gbps", type=float, default=450.0,
+    plan.add_argument("--nvlink-gbps", type=_positive_float, default=450.0,
                       help="NVLink GB/s per GPU and direction (H100/H200 NVLink4: 450)")
     plan.add_argument("--nvlink-us", type=float, default=3.0, help="NVLink latency per message")
-    plan.add_argument("--rdma-gbps", type=float, default=50.0,
+    plan.add_argument("--rdma-gbps", type=_positive_float, default=50.0,
                       help="RDMA GB/s per GPU (one 400 Gb/s NIC per GPU: 50)")
     plan.add_argument("--rdma-us", type=float, default=5.0, help="RDMA latency per message")
-    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--gpus-per-node", type=_int_at_least(1), default=8)
     plan.add_argument("--per-rank", action="store_true", help="table: a line per rank as well")
     plan.add_argument("--json", action="store_true", help="one JSON object per strategy and line")
     return p
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds through `with RankPool(...)`, which ends the ranks (they also die with
+    # this process if it is killed outright: RankPool sets their parent-death signal).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done (demo: every strategy matched the reference), 1 a demo mismatch or
+    a rank failed, 2 bad arguments or configuration (one line on stderr, never a traceback)."""
+    from moe_plugins.launch import RankError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return args.fn(args)
+    except RankError as e:
+        print(f"moe-plugins: error: {e.summary}", file=sys.stderr)
+        logging.getLogger(__name__).debug("remote traceback:\n%s", e.remote_traceback)
+        return 1
     except (ValueError, TypeError, ImportError) as e:
         print(f"moe-plugins: error: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@ single-process reference, with what each strategy really communicated."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from moe_plugins.reference import reference_moe, within_tolerance
 from moe_plugins.registry import get_backend, select_backend
 from moe_plugins.strategy import ReductionStrategy, applicable_strategies, choose_strategy
 
-__all__ = ["DemoRow", "demo_inputs", "run_demo", "strategies_for"]
+__all__ = ["DemoRow", "demo_inputs", "demo_preflight", "run_demo", "strategies_for"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class DemoRow:
     dispatched_pairs: list[int]
     dispatched_bytes: list[int]
     ms_per_layer: float
+    # calls per transport mode on rank 0, all calls included (deepep_auto); empty otherwise
+    modes: dict[str, int] = field(default_factory=dict)
 
 
 def demo_inputs(cfg: MoEConfig, num_tokens: int, dp_rank: int, seed: int) -> torch.Tensor:
@@ -45,6 +47,20 @@ def strategies_for(layout: ParallelLayout, backend: str, cfg: MoEConfig) -> list
     caps = get_backend(backend).capabilities
     return applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                                  has_shared_expert=cfg.has_shared_expert)
+
+
+def demo_preflight(layout: ParallelLayout, cfg: MoEConfig, backend: str, quant: QuantSpec) -> None:
+    """Every configuration error a demo rank would hit, raised here before ranks start
+    (ValueError / BackendSelectionError naming the value and the fix)."""
+    select_backend(layout, quant.scheme, backend, dtype=cfg.dtype)
+    if layout.ep and cfg.num_experts % layout.ep_size:
+        raise ValueError(f"--experts {cfg.num_experts} is not divisible by the EP size "
+                         f"{layout.ep_size}; give a multiple of {layout.ep_size}")
+    for flag, size in (("--intermediate", cfg.intermediate if not layout.ep else 0),
+                       ("--shared-intermediate", cfg.shared_intermediate)):
+        if size % layout.tp:
+            raise ValueError(f"{flag} {size} is not divisible by --tp {layout.tp} (TP shards "
+                             "it); give a multiple of the TP size")
 
 
 def _demo_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, backend: str,
@@ -66,8 +82,9 @@ def _demo_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, ba
     for _ in range(iters):
         layer(x)
     ms = (time.perf_counter() - t0) * 1e3 / max(iters, 1)
+    modes = dict(layer.dispatch_stats.modes)
     layer.destroy()
-    return dict(out=out, ms=ms, **counted)
+    return dict(out=out, ms=ms, modes=modes, **counted)
 
 
 def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: str, num_tokens: int,
@@ -92,5 +109,5 @@ def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: st
             tp_collectives=len(colls), tp_collective_bytes=sum(c.bytes for c in colls),
             dispatched_pairs=[r["pairs"] for r in per_rank],
             dispatched_bytes=[r["bytes"] for r in per_rank],
-            ms_per_layer=max(r["ms"] for r in per_rank)))
+            ms_per_layer=max(r["ms"] for r in per_rank), modes=per_rank[0]["modes"]))
     return rows

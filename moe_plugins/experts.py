@@ -68,14 +68,15 @@ class TorchExperts:
         if prep.x_sf_swizzled:
             raise ValueError("BATCHED activations with swizzled scales are not supported; "
                              "return row-aligned x_sf [num_local_experts, max_recv_tokens, ...]")
-        counts = prep.expert_tokens_meta.expert_num_tokens.tolist()
+        counts = prep.expert_tokens_meta.expert_num_tokens
         e_l, t = prep.x.shape[0], prep.x.shape[1]
         x_sf = prep.x_sf
         flat = self._input(prep.x.reshape(e_l * t, -1),
                            None if x_sf is None else x_sf.reshape(e_l * t, -1)).reshape(e_l, t, -1)
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        for e, n in enumerate(counts):
-            if n:
-                out[e, :n] = self._expert(e, flat[e, :n])
-        return out.to(self.out_dtype)
-
+        # Every expert runs on all of its slots and the rows past its count are masked out (as
+        # the STANDARD path weights instead of gathering): reading the counts back to the host
+        # would be a sync per call and cannot happen inside a CUDA-graph capture. `where`, not
+        # a multiply: unfilled slots hold whatever the library left there (NaN included).
+        valid = torch.arange(t, device=counts.device)[None, :] < counts[:, None].long()
+        out = torch.stack([self._expert(e, flat[e]) for e in range(e_l)])
+        return torch.where(valid[..., None].to(out.device), out, 0.0).to(self.out_dtype)

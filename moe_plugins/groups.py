@@ -1,7 +1,10 @@
 """Process groups of one rank: the EP group (DP x TP ranks) and its TP group."""
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -9,19 +12,49 @@ import torch.distributed as dist
 from moe_plugins.layout import ParallelLayout
 
 __all__ = ["DistContext", "make_dist_context", "cached_dist_context", "all_gather_tensor",
-           "reduce_scatter_tensor"]
+           "reduce_scatter_tensor", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "timeout_seconds",
+           "default_timeout", "bound_timeout"]
+
+#: Seconds a collective of a process group we create may wait for its peers (torch's own
+#: default is 30 minutes for gloo and NCCL: a stuck peer would block that long).
+TIMEOUT_ENV = "MOE_PLUGINS_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def timeout_seconds(timeout_s: Optional[float] = None) -> float:
+    """``timeout_s``, else ``$MOE_PLUGINS_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`; positive."""
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number; give the collective "
+                             "timeout in seconds, e.g. 300") from None
+    if not timeout_s > 0:
+        raise ValueError(f"collective timeout must be > 0 seconds, got {timeout_s} "
+                         f"(argument or {TIMEOUT_ENV})")
+    return float(timeout_s)
+
+
+def default_timeout(timeout_s: Optional[float] = None) -> datetime.timedelta:
+    """:func:`timeout_seconds` as the timedelta torch.distributed takes."""
+    return datetime.timedelta(seconds=timeout_seconds(timeout_s))
 
 
 @dataclass(frozen=True)
 class DistContext:
     """rank: EP rank (== world rank); ep_group spans all DP x TP ranks; tp_group the TP ranks of
-    this rank's DP group (None when tp == 1)."""
+    this rank's DP group (None when tp == 1); timeout_s: the groups' collective timeout, when
+    known (errors name it)."""
 
     layout: ParallelLayout
     rank: int
     ep_group: "dist.ProcessGroup | None"
     tp_group: "dist.ProcessGroup | None"
     device: torch.device
+    timeout_s: Optional[float] = None
 
     @property
     def tp_rank(self) -> int:
@@ -32,20 +65,38 @@ class DistContext:
         return self.layout.dp_rank(self.rank)
 
 
-def make_dist_context(layout: ParallelLayout, device: torch.device | str = "cpu") -> DistContext:
+def make_dist_context(layout: ParallelLayout, device: torch.device | str = "cpu",
+                      timeout_s: Optional[float] = None, fresh_ep_group: bool = False) -> DistContext:
     """Build the groups for ``layout`` over the default process group. Collective: every rank of
-    the world calls it with the same layout."""
+    the world calls it with the same layout. The TP groups (and with ``fresh_ep_group`` a new EP
+    group instead of the default one: what rebuilding a layer after a fault needs, see
+    :mod:`moe_plugins.faults`) wait at most ``timeout_s`` (:func:`timeout_seconds`)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.world_size:
         raise ValueError(f"layout {layout.describe()} needs {layout.world_size} ranks, "
                          f"the process group has {world}")
+    timeout_s = timeout_seconds(timeout_s)
+    timeout = default_timeout(timeout_s)
     tp_group = None
     if layout.tp > 1:
         for d in range(layout.dp):  # new_group is collective: every rank creates every group
-            g = dist.new_group(layout.tp_group_ranks(d))
+            g = dist.new_group(layout.tp_group_ranks(d), timeout=timeout)
             if d == layout.dp_rank(rank):
                 tp_group = g
-    return DistContext(layout, rank, dist.group.WORLD, tp_group, torch.device(device))
+    ep_group = dist.new_group(list(range(world)), timeout=timeout) if fresh_ep_group \
+        else dist.group.WORLD
+    # The default group's own timeout is whatever its creator gave (not known here).
+    return DistContext(layout, rank, ep_group, tp_group, torch.device(device),
+                       timeout_s if fresh_ep_group else None)
+
+
+def bound_timeout(group: "dist.ProcessGroup | None", timeout_s: Optional[float] = None) -> float:
+    """Give a process group someone else created (vLLM's) our bounded collective timeout
+    (:func:`timeout_seconds`) for its future collectives; returns the seconds set."""
+    seconds = timeout_seconds(timeout_s)
+    if group is not None and hasattr(group, "set_timeout"):
+        group.set_timeout(datetime.timedelta(seconds=seconds))
+    return seconds
 
 
 _CONTEXTS: dict[tuple[ParallelLayout, str], DistContext] = {}

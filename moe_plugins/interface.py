@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.layout import OwnedRows
 from moe_plugins.overlap import SharedExpertHandle, join
@@ -20,8 +21,8 @@ from moe_plugins.quant import QuantSpec
 
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
-    "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "row_scatter_add",
-    "write_output",
+    "Hook", "AsyncResult", "PrepareFinalize", "check_prepare_inputs", "check_finalize_routing",
+    "row_scatter_add", "write_output", "BatchHint",
 ]
 
 Hook = Callable[[], None]
@@ -35,14 +36,18 @@ class ActivationFormat(enum.Enum):
     BATCHED = "batched"
 
 
-@dataclass(frozen=True)
+# The per-call results (ExpertTokensMeta, PrepareResult, AsyncResult, BatchHint) are plain
+# dataclasses, read
+# only by convention: each prepare/finalize builds them, and a frozen dataclass's __init__ (one
+# object.__setattr__ per field) costs about 0.8 us more per object on this hot path.
+@dataclass
 class ExpertTokensMeta:
     """expert_num_tokens: int32 [num_local_experts], received tokens per local expert."""
 
     expert_num_tokens: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrepareResult:
     """What a prepare hands the experts.
 
@@ -51,9 +56,11 @@ class PrepareResult:
     x_sf: None exactly when x is unquantized; fp8: float32 [..., hidden // 128];
         nvfp4: float8_e4m3fn [..., hidden // 16] (or swizzled, flat).
     expert_tokens_meta: per-local-expert counts (BATCHED always; STANDARD may give it).
-    topk_ids: STANDARD only: int64 [num_recv_tokens, num_topk], LOCAL expert ids, -1 where the
-        expert lives on another rank. None for BATCHED.
-    topk_weights: STANDARD only: float32 [num_recv_tokens, num_topk]. None for BATCHED (the
+    topk_ids: STANDARD only: int64 [num_recv_tokens, k], LOCAL expert ids, -1 where the
+        expert lives on another rank; k is num_topk, or 1 where each row carries one (token,
+        expert) pair (a batched layout presented as rows, :mod:`moe_plugins.formats`). None for
+        BATCHED.
+    topk_weights: STANDARD only: float32 [num_recv_tokens, k]. None for BATCHED (the
         combine applies the weights).
     x_sf_swizzled: True when x_sf holds nvfp4 scales in the 128x4 tiled layout NVFP4 GEMMs read
         (flat, see :func:`moe_plugins.quant.swizzle_nvfp4_sf`); the experts unswizzle them with
@@ -143,27 +150,77 @@ def write_output(output: "torch.Tensor | RowScatterTarget", combined: torch.Tens
 
 
 def check_prepare_inputs(
-    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    cfg: Optional[DispatchConfig] = None,
 ) -> None:
-    """hidden_states [num_tokens, hidden], topk_weights float [num_tokens, num_topk], topk_ids
-    int32/int64 [num_tokens, num_topk]; all from the same token slice."""
-    if hidden_states.dim() != 2:
-        raise ValueError(f"hidden_states must be [num_tokens, hidden], got {tuple(hidden_states.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
+    """hidden_states float [num_tokens, hidden], topk_weights float [num_tokens, num_topk],
+    topk_ids int32/int64 [num_tokens, num_topk]; all from the same token slice. With ``cfg``
+    (the layer's): ``hidden`` and ``num_topk`` must be the layer's. Shape and dtype checks only
+    (no host sync); a backend calls it where every rank can learn the outcome (see
+    :mod:`moe_plugins.faults`). (Called per prepare: each shape is read once.)"""
+    h_shape, w_shape, ids_shape = hidden_states.shape, topk_weights.shape, topk_ids.shape
+    if len(h_shape) != 2:
+        raise ValueError(f"hidden_states must be [num_tokens, hidden], got {tuple(h_shape)}")
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"hidden_states must be a float tensor (the model dtype), got "
+                        f"{hidden_states.dtype}; integer activations would be truncated, cast "
+                        "them with .to(torch.bfloat16)")
+    if topk_ids.dtype not in _TOPK_ID_DTYPES:
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}; "
                         "cast the router's indices with .to(torch.int64)")
     if not topk_weights.is_floating_point():
         raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
-    if (topk_ids.shape[0] != hidden_states.shape[0] or topk_weights.shape != topk_ids.shape
-            or topk_ids.dim() != 2):
+    if len(ids_shape) != 2 or ids_shape[0] != h_shape[0] or w_shape != ids_shape:
         raise ValueError(
-            f"hidden_states {tuple(hidden_states.shape)}, topk_ids {tuple(topk_ids.shape)} and "
-            f"topk_weights {tuple(topk_weights.shape)} must cover the same tokens: slice all three "
+            f"hidden_states {tuple(h_shape)}, topk_ids {tuple(ids_shape)} and "
+            f"topk_weights {tuple(w_shape)} must cover the same tokens: slice all three "
             "together with moe_plugins.layout.slice_owned"
         )
+    if cfg is not None:
+        if h_shape[1] != cfg.hidden:
+            raise ValueError(f"hidden_states has hidden={h_shape[1]}, the layer was "
+                             f"built for hidden={cfg.hidden}")
+        if ids_shape[1] != cfg.num_topk:
+            raise ValueError(f"topk_ids has {ids_shape[1]} experts per token, the layer was "
+                             f"built for num_topk={cfg.num_topk}; route with the layer's top-k")
 
 
-@dataclass(frozen=True)
+def check_finalize_routing(prepared: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor) -> None:
+    """A finalize must get the very topk_ids its prepare was given (a combine reduces by the
+    dispatch's routing: other ids give zeros, or garbage on the real kernels). Compared by
+    storage, shape and dtype: no host sync."""
+    if (topk_ids is not prepared and (topk_ids.shape != prepared.shape
+                                      or topk_ids.dtype != prepared.dtype
+                                      or topk_ids.data_ptr() != prepared.data_ptr())):
+        raise ValueError(
+            f"finalize got topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype} that are not the "
+            f"ones given to prepare ({tuple(prepared.shape)} {prepared.dtype}); pass the same "
+            "tensor to prepare and finalize")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"finalize got topk_weights {tuple(topk_weights.shape)} for topk_ids "
+                         f"{tuple(topk_ids.shape)}; pass the weights given to prepare")
+
+
+_TOPK_ID_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass
+class BatchHint:
+    """What an engine knows about the current forward pass, the SAME on every EP rank (a
+    backend that picks its transport per call must pick the same one on every rank).
+
+    max_tokens_per_rank: the most rows any EP rank hands prepare in this pass (after TP slicing;
+        flashinfer two-sided sizes its receive rows by it, ``num_ranks * max_tokens_per_rank``).
+    prefill: True when the pass prefills on some rank, False when every rank decodes, None
+        when the engine cannot tell.
+    """
+
+    max_tokens_per_rank: int
+    prefill: Optional[bool] = None
+
+
+@dataclass
 class AsyncResult:
     """``hook`` (None when nothing is left to wait for) completes the receive; ``receiver``
     returns the result once the hook has run."""
@@ -178,12 +235,16 @@ class PrepareFinalize(ABC):
     Subclasses implement ``prepare_async`` and ``finalize_async``; the synchronous ``prepare`` and
     ``finalize`` run the hook at once, so the async path and the sync path are the same code.
     Subclasses keep a :class:`moe_plugins.counters.DispatchStats` in ``self.stats`` and add to it
-    what they send (the layer runner and the plan tests read it).
+    what they send (the layer runner and the plan tests read it), or make ``stats`` a property
+    that builds it from cheaper per-call totals when read (the low-latency backends do).
     """
 
     stats: DispatchStats
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    #: True when :meth:`set_batch_hint` changes what the next call does (an engine then builds
+    #: the hint before each prepare; for other backends it skips that work).
+    uses_batch_hint: bool = False
 
     def supports_row_scatter_finalize(self) -> bool:
         """True when ``finalize`` accepts a :class:`RowScatterTarget`."""
@@ -215,7 +276,9 @@ class PrepareFinalize(ABC):
     ) -> AsyncResult:
         """Send the owned tokens. hidden_states [num_tokens, hidden] (model dtype),
         topk_weights float32 [num_tokens, num_topk], topk_ids int [num_tokens, num_topk] with
-        GLOBAL expert ids. The receiver returns a :class:`PrepareResult`."""
+        PHYSICAL expert ids (:mod:`moe_plugins.placement`; physical expert p on EP rank
+        p // num_local; with linear placement and no redundant experts they are the model's
+        expert ids). The receiver returns a :class:`PrepareResult`."""
 
     @abstractmethod
     def finalize_async(
@@ -229,26 +292,18 @@ class PrepareFinalize(ABC):
         [num_tokens, hidden] tensor to fill, or a :class:`RowScatterTarget` to add into through
         :func:`row_scatter_add`. The receiver returns the tensor it wrote."""
 
-    def prepare_async_bounded(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                              topk_ids: torch.Tensor, quant: QuantSpec,
-                              max_tokens_across_ranks: Optional[int]) -> AsyncResult:
-        """:meth:`prepare_async` for a call in which no rank of the EP group passes more than
-        ``max_tokens_across_ranks`` tokens (the same value on every rank; an engine knows it:
-        vLLM's DP metadata). Backends whose receive buffers are sized per call (flashinfer
-        two-sided) override this to size them by the bound instead of the layer's
-        ``max_tokens_per_rank``; the others have fixed buffers and ignore it. None: no bound
-        known (plain :meth:`prepare_async`)."""
-        return self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
-
     def reset_call_state(self) -> None:
         """Drop per-call state (dispatch handles). Called in ``finally`` after every layer call,
         so an error in one call never shows up as a stale-handle error in the next."""
 
+    def set_batch_hint(self, hint: Optional[BatchHint]) -> None:
+        """What the engine knows about the next call's forward pass (the vLLM glue reads it from
+        vLLM's forward context). Backends that pick their transport per call use it; others
+        ignore it."""
+
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, quant: QuantSpec,
-                max_tokens_across_ranks: Optional[int] = None) -> PrepareResult:
-        res = self.prepare_async_bounded(hidden_states, topk_weights, topk_ids, quant,
-                                         max_tokens_across_ranks)
+                topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        res = self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
         if res.hook is not None:
             res.hook()
         out = res.receiver()

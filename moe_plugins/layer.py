@@ -11,10 +11,12 @@ import torch.distributed as dist
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.experts import TorchExperts
+from moe_plugins.faults import group_faults, is_in_step
 from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
 from moe_plugins.model import MoEWeights, route
+from moe_plugins.placement import ExpertPlacement
 from moe_plugins.overlap import (OverlapConfig, SharedExpertHandle, join, launch_shared,
                                  overlap_off_reason)
 from moe_plugins.quant import QuantSpec
@@ -36,14 +38,17 @@ class MoELayer:
     default for the layout; ``backend_options`` goes to the backend as
     ``DispatchConfig.backend_options`` (its typed options dataclass, None for its defaults).
     ``forward(x)`` takes x [num_tokens, hidden], the same on every TP rank of a DP group, and
-    returns the layer output [num_tokens, hidden] in ``x.dtype``.
+    returns the layer output [num_tokens, hidden] in ``x.dtype``. ``placement`` (EP on): where
+    the physical experts are (None: linear); the router's logical ids are mapped to physical
+    ones (a replica per token, as vLLM's EPLB router does) before dispatch, and
+    :meth:`rebalance` moves the experts between forward passes.
     """
 
     def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
                  strategy: Optional[ReductionStrategy] = None, quant: QuantSpec = QuantSpec(),
                  overlap: Optional[OverlapConfig] = None, max_tokens_per_rank: int = 256,
                  shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED,
-                 backend_options: Any = None):
+                 backend_options: Any = None, placement: Optional[ExpertPlacement] = None):
         cfg = weights.config
         self.cfg, self.ctx, self.quant = cfg, ctx, quant
         self.overlap = overlap or OverlapConfig.from_env()
@@ -52,7 +57,7 @@ class MoELayer:
         # Availability (packages, GPU) is checked by the engine's selection; here the layout
         # and quant, so a layer never runs on a backend that cannot serve it.
         refused = refusal_reason(backend, layout, quant.scheme, require_available=False,
-                                 dtype=cfg.dtype)
+                                 dtype=cfg.dtype, placement=placement)
         if refused:
             raise BackendSelectionError(f"backend {backend.name!r} cannot serve layout "
                                         f"{layout.describe()} with quant {quant.scheme.value}: "
@@ -71,31 +76,45 @@ class MoELayer:
         else:
             reason = "requested explicitly"
         self.strategy = strategy
+        self.backend_spec = backend
         tp, tp_rank = layout.tp, ctx.tp_rank
 
+        self.weights = weights
         if layout.ep:
-            self.expert_weights = weights.local_experts(layout.ep_size, ctx.rank)
+            self.placement = placement or ExpertPlacement.linear(cfg.num_experts, layout.ep_size)
+            self.expert_weights = weights.local_experts(layout.ep_size, ctx.rank, self.placement)
         else:
+            if placement is not None:
+                raise ValueError(f"an expert placement needs expert parallelism; layout "
+                                 f"{layout.describe()} shards every expert over TP instead. "
+                                 "Enable EP or pass placement=None")
+            # every rank holds (a TP shard of) every expert: one 'rank' of all of them
+            self.placement = ExpertPlacement.linear(cfg.num_experts, 1)
             self.expert_weights = weights.tp_sharded_experts(tp, tp_rank)
         self.experts = TorchExperts(self.expert_weights, quant, cfg.dtype)
         self.shared = (weights.shared(tp, tp_rank) if strategy.shared_placement is SharedPlacement.TP_SHARDED
                        else weights.shared())
         self.router = weights.router
         self.collectives = CollectiveLog()
+        self.name = f"MoE layer ({backend.name}, {layout.describe()}, {strategy.value})"
+        self.faults = group_faults(ctx.ep_group)
+        self._destroyed = False
         self.pf: Optional[PrepareFinalize] = None
         if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
             self.pf = backend.build(ctx, DispatchConfig(
                 num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant,
-                backend_options=backend_options))
+                backend_options=backend_options, placement=self.placement))
 
-        key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type)
+        key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type,
+               self.placement.kind)
         if key not in _LOGGED:
             _LOGGED.add(key)
             off = overlap_off_reason(self.overlap, ctx.device, 0) if cfg.has_shared_expert \
                 else "no shared expert"
-            logger.info("moe-plugins layer: backend=%s layout=%s strategy=%s (%s) overlap=%s "
-                        "quant=%s%s", backend.name, layout.describe(), strategy.value, reason,
+            logger.info("moe-plugins layer: backend=%s layout=%s placement=%s strategy=%s (%s) "
+                        "overlap=%s quant=%s%s", backend.name, layout.describe(),
+                        self.placement.describe(), strategy.value, reason,
                         f"off ({off})" if off else
                         f"on (up to {self.overlap.overlap_max_tokens} tokens per call)",
                         quant.scheme.value, " (deferred)" if quant.defer_input_quant else "")
@@ -120,18 +139,58 @@ class MoELayer:
     def dispatch_stats(self) -> DispatchStats:
         return getattr(self.pf, "stats", None) or DispatchStats()
 
+    def rebalance(self, placement: ExpertPlacement) -> None:
+        """Move the experts to ``placement`` between forward passes (EPLB): this rank loads the
+        logical experts of its slots and the router maps to the new physical ids. The slot
+        geometry (EP ranks, slots per rank) stays, so the backend's buffers do too."""
+        old = self.placement
+        if not self.ctx.layout.ep:
+            raise ValueError("rebalance needs expert parallelism; this layer shards experts over TP")
+        if (placement.num_ranks, placement.num_physical, placement.num_logical) != \
+                (old.num_ranks, old.num_physical, old.num_logical):
+            raise ValueError(f"rebalance keeps the slot geometry: the layer has {old.describe()} "
+                             f"over {old.num_ranks} ranks, got {placement.describe()} over "
+                             f"{placement.num_ranks}; build a new layer to change it")
+        refused = refusal_reason(self.backend_spec, self.ctx.layout, self.quant.scheme,
+                                 require_available=False, placement=placement)
+        if refused:
+            raise BackendSelectionError(f"backend {self.backend_spec.name!r} cannot rebalance to "
+                                        f"{placement.describe()}: {refused}")
+        self.expert_weights = self.weights.local_experts(placement.num_ranks, self.ctx.rank,
+                                                         placement)
+        self.experts = TorchExperts(self.expert_weights, self.quant, self.cfg.dtype)
+        self.placement = placement
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route(x, self.router, self.cfg.num_topk, self.cfg.renormalize)
-        if self.pf is None:
-            return self._forward_no_dispatch(x, topk_weights, topk_ids)
-        return self._forward_dispatch(x, topk_weights, topk_ids)
+        """One call; collective over the EP group. A call that fails on this rank other than
+        in step with its peers (see :mod:`moe_plugins.faults`) breaks the group: later calls
+        raise naming that first failure until the layer is rebuilt on new groups."""
+        if self._destroyed:
+            raise RuntimeError(f"{self.name} was destroyed; build a new MoELayer to run it again")
+        self.faults.check(self.name)
+        try:
+            if x.dim() != 2 or x.shape[1] != self.cfg.hidden or not x.is_floating_point():
+                raise (ValueError if x.is_floating_point() else TypeError)(
+                    f"{self.name}: x must be float [num_tokens, {self.cfg.hidden}], got "
+                    f"{x.dtype} {tuple(x.shape)}")
+            topk_weights, topk_ids = route(x, self.router, self.cfg.num_topk, self.cfg.renormalize)
+            if not self.placement.is_linear:
+                topk_ids = self.placement.to_physical(topk_ids)
+            if self.pf is None:
+                return self._forward_no_dispatch(x, topk_weights, topk_ids)
+            return self._forward_dispatch(x, topk_weights, topk_ids)
+        except BaseException as e:
+            if not is_in_step(e):
+                self.faults.mark_broken(f"{self.name} raised on this rank", e)
+            raise
 
     def _forward_no_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor,
                              topk_ids: torch.Tensor) -> torch.Tensor:
         """TP_UNIFIED (or a single rank): every rank runs its experts on all tokens."""
         handle = launch_shared(self.shared, x, self.overlap)
-        out = self.experts.apply(PrepareResult(x, None, None, local_expert_ids(topk_ids, self.expert_weights.first_expert,
-                                         self.expert_weights.num_local_experts), topk_weights))
+        local = local_expert_ids(topk_ids, self.placement,
+                                 self.ctx.rank if self.ctx.layout.ep else 0)
+        out = self.experts.apply(PrepareResult(x, None, None, local, topk_weights))
         shared = join(handle)
         if shared is not None:
             out += shared
@@ -173,6 +232,10 @@ class MoELayer:
             if shared is not None:
                 full = full + self._all_reduce(shared)
             return full
+        except BaseException as e:  # named before reset_call_state records the abandoned call
+            if not is_in_step(e):
+                self.faults.mark_broken(f"{self.name} raised on this rank", e)
+            raise
         finally:
             if handle is not None:
                 join(handle)
@@ -181,6 +244,8 @@ class MoELayer:
     __call__ = forward
 
     def destroy(self) -> None:
+        """Release the backend's buffers; calling the layer afterwards raises."""
+        self._destroyed = True
         if self.pf is not None:
             destroy = getattr(getattr(self.pf, "manager", None), "destroy", None)
             if destroy is not None:

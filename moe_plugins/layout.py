@@ -7,12 +7,17 @@ Vocabulary used in docstrings across the package:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from moe_plugins.placement import ExpertPlacement
+
 __all__ = ["ParallelLayout", "OwnedRows", "owned_rows", "OwnedTokens", "slice_owned",
-           "local_expert_ids", "destination_ranks"]
+           "local_expert_ids", "LocalIdMap", "destination_ranks"]
 
 
 @dataclass(frozen=True)
@@ -85,11 +90,13 @@ class OwnedRows:
         return slice(self.start, self.stop)
 
 
+@functools.lru_cache(maxsize=4096)
 def owned_rows(num_tokens: int, tp: int, tp_rank: int) -> OwnedRows:
     """The one function that decides which rows a TP rank owns.
 
     Pad ``num_tokens`` up to a multiple of ``tp``, split it in ``tp`` equal chunks; rank ``r``
     owns chunk ``r`` clipped to the real rows. Used for dispatch, row-scatter write-back and SP.
+    Called on every layer call with few distinct arguments: the (immutable) answers are cached.
     """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -101,7 +108,7 @@ def owned_rows(num_tokens: int, tp: int, tp_rank: int) -> OwnedRows:
     return OwnedRows(num_tokens=num_tokens, start=start, stop=stop, chunk=chunk)
 
 
-@dataclass(frozen=True)
+@dataclass  # made per layer call: a plain dataclass (see moe_plugins.interface on frozen ones)
 class OwnedTokens:
     """hidden_states and routing of the owned rows, sliced together (never one without the other)."""
 
@@ -117,30 +124,64 @@ def slice_owned(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> OwnedTokens:
-    """Slice ``hidden_states`` [num_tokens, hidden] and its routing to the rows ``rows`` owns."""
-    for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids),
-                    ("topk_weights", topk_weights)):
-        if t.shape[0] != rows.num_tokens:
-            raise ValueError(
-                f"{name} has {t.shape[0]} tokens (shape {tuple(t.shape)}) but the ownership was "
-                f"computed for {rows.num_tokens}; slice hidden_states, topk_ids and topk_weights "
-                "from the same batch"
-            )
+    """Slice ``hidden_states`` [num_tokens, hidden] and its routing to the rows ``rows`` owns.
+    A rank that owns every row (tp == 1) gets the tensors themselves, not views of them."""
+    n = rows.num_tokens
+    if hidden_states.shape[0] != n or topk_ids.shape[0] != n or topk_weights.shape[0] != n:
+        for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids),
+                        ("topk_weights", topk_weights)):
+            if t.shape[0] != n:
+                raise ValueError(
+                    f"{name} has {t.shape[0]} tokens (shape {tuple(t.shape)}) but the ownership "
+                    f"was computed for {n}; slice hidden_states, topk_ids and topk_weights "
+                    "from the same batch"
+                )
+    if rows.start == 0 and rows.stop == n:
+        return OwnedTokens(rows, hidden_states, topk_ids, topk_weights)
     s = rows.as_slice
     return OwnedTokens(rows, hidden_states[s], topk_ids[s], topk_weights[s])
 
 
-# Expert placement: contiguous blocks, expert e on EP rank e // experts_per_rank.
-def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
-    """GLOBAL ids [num_tokens, num_topk] -> int64 LOCAL ids of the block
-    [first_expert, first_expert + num_local), -1 for experts held elsewhere (or id -1)."""
-    ids = topk_ids.long()
-    mine = (ids >= first_expert) & (ids < first_expert + num_local)
-    return torch.where(mine, ids - first_expert, torch.full_like(ids, -1))
+# Expert placement (moe_plugins.placement): transports dispatch PHYSICAL ids, physical expert p
+# on EP rank p // num_local. These two helpers are the only code that maps ids to ranks/slots.
+def local_expert_ids(physical_ids: torch.Tensor, placement: "ExpertPlacement", rank: int
+                     ) -> torch.Tensor:
+    """PHYSICAL ids [num_tokens, num_topk] -> int64 LOCAL slot ids on EP ``rank``, -1 for experts
+    held elsewhere (or id -1)."""
+    ids = physical_ids.long()
+    first, n = rank * placement.num_local, placement.num_local
+    mine = (ids >= first) & (ids < first + n)
+    return torch.where(mine, ids - first, torch.full_like(ids, -1))
 
 
-def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
-    """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts."""
-    hit = torch.zeros(topk_ids.shape[0], num_ranks, dtype=torch.bool, device=topk_ids.device)
-    hit.scatter_(1, topk_ids.long() // experts_per_rank, True)
-    return hit
+class LocalIdMap:
+    """:func:`local_expert_ids` of one rank's slots as one lookup, for backends that map the
+    received ids on every call: ``map(ids)`` == ``local_expert_ids(ids, placement, rank)`` for
+    any integer ids, in two kernels (clamp, gather) instead of six. The table int64
+    [num_physical + 2] (entry ``num_physical`` and the last, where -1 indexes, hold -1) is made
+    per device on first use."""
+
+    def __init__(self, placement: "ExpertPlacement", rank: int):
+        self.num_experts = placement.num_physical
+        ids = torch.cat([torch.arange(self.num_experts + 1), torch.tensor([-1])])
+        self._cpu_table = local_expert_ids(ids, placement, rank)
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        table = self._tables.get(topk_ids.device)
+        if table is None:
+            table = self._tables[topk_ids.device] = self._cpu_table.to(topk_ids.device)
+        return table[topk_ids.clamp(-1, self.num_experts)]
+
+
+def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") -> torch.Tensor:
+    """bool [num_tokens, num_ranks]: which EP ranks hold at least one of each token's experts.
+    Ids outside [0, num_physical) (-1: no expert) reach no rank; callers that must reject
+    out-of-range ids check them separately (without a host sync)."""
+    ids = physical_ids if physical_ids.dtype is torch.int64 else physical_ids.long()
+    valid = (ids >= 0) & (ids < placement.num_physical)
+    # invalid ids land in a spare last column, dropped (a scatter of False could clear a hit)
+    dest = torch.where(valid, ids // placement.num_local, placement.num_ranks)
+    hit = torch.zeros(ids.shape[0], placement.num_ranks + 1, dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, dest, True)
+    return hit[:, : placement.num_ranks]

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
+from moe_plugins.faults import group_faults
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, Hook,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, row_scatter_add)
+                                   check_finalize_routing, check_prepare_inputs, row_scatter_add)
 from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
@@ -50,7 +51,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
-    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers",
+    "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
+    "import_vendor", "check_kernel_layer",
 ]
 
 #: Hidden sizes the low-latency kernels are compiled for (DeepEP V1 and nixl_ep SWITCH_HIDDEN).
@@ -80,10 +82,32 @@ class LowLatencyOptions:
         transfer inside the hook window.
     pad_hidden: pad an unsupported hidden size up to the next kernel size (see module doc);
         False makes it a ValueError at construction.
+    check_expert_ids: check in prepare that every expert id is in [-1, num_experts) (the
+        kernels do not: an id out of range makes them write outside their buffers). No host
+        sync: CPU tensors raise ValueError at once; on CUDA it is a device-side assert (two
+        small kernels per call; the error shows at the next sync and, as every CUDA device
+        assert, ends the process's CUDA context). Turn it off when the router is trusted.
     """
 
     allow_nvlink: bool = True
     pad_hidden: bool = True
+    check_expert_ids: bool = True
+
+
+def check_kernel_layer(cfg: DispatchConfig, backend: str, bf16_why: str, max_topk: int,
+                       quants: frozenset[QuantScheme]) -> None:
+    """The layer checks DeepEP-style kernels share (ValueError with the fix): bfloat16
+    activations (``bf16_why`` says which kernel needs them), top-k within the dispatch kernel's
+    limit, a quant scheme the kernels move."""
+    if cfg.dtype != torch.bfloat16:
+        raise ValueError(f"{backend}: {bf16_why}, the layer is {cfg.dtype}; build the layer in "
+                         "torch.bfloat16 or use another backend (e.g. 'torch')")
+    if cfg.num_topk > max_topk:
+        raise ValueError(f"{backend}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
+                         f"of {max_topk} experts per token; use another backend (e.g. 'torch')")
+    if cfg.quant.scheme not in quants:
+        raise ValueError(f"{backend}: quant scheme {cfg.quant.scheme.value} is not supported; "
+                         f"supported: {sorted(q.value for q in quants)}")
 
 
 def round_up_hidden_size(hidden: int) -> int:
@@ -136,7 +160,23 @@ def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exps.flatten(-2).float() - 127.0)
 
 
-def _import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+def _assert_expert_ids(ids: torch.Tensor, num_experts: int, backend: str) -> None:
+    """ids int [num_tokens, num_topk] must lie in [-1, num_experts); see
+    ``LowLatencyOptions.check_expert_ids`` (no host sync)."""
+    if not ids.numel():
+        return
+    lo, hi = torch.aminmax(ids)
+    msg = (f"{backend}: topk_ids hold expert ids outside [-1, {num_experts}) (-1: no expert); "
+           f"route over the layer's {num_experts} experts")
+    if ids.device.type == "cpu":  # the values are on the host already
+        if int(lo) < -1 or int(hi) >= num_experts:
+            raise ValueError(msg)
+        return
+    torch._assert_async((lo >= -1) & (hi < num_experts), msg)
+
+
+def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
+    """Import a backend's vendor package; ImportError naming the install step when missing."""
     try:
         return importlib.import_module(required.module)
     except ImportError as e:
@@ -179,6 +219,13 @@ _BUFFERS = _BufferCache()
 _PADDING_LOGGED: set[tuple] = set()
 
 
+def buffer_cache() -> _BufferCache:
+    """The process's reference-counted cache of vendor buffers (``acquire(key, create, destroy)``
+    / ``release(key)``); every DeepEP and NIXL EP manager keeps its buffer here, so
+    :func:`destroy_all_buffers` frees them all."""
+    return _BUFFERS
+
+
 def destroy_all_buffers() -> None:
     """Destroy every cached low-latency buffer of this process (engine teardown, tests). The
     managers that used them must not be used afterwards."""
@@ -206,21 +253,24 @@ class LowLatencyManager(ABC):
     combine_method: ClassVar[str]
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
     query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
+    clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
+    #: The library masks peers by itself (a timed-out peer), so an engine should always poll.
+    masks_by_itself: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.options = self._options(cfg.backend_options)
         self.kernel_hidden = self.wire_layout(cfg).hidden
-        self.lib = _import_vendor(self.required, self.backend_name)
+        self.lib = import_vendor(self.required, self.backend_name)
         self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
         self.group = ctx.ep_group
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        if cfg.num_experts % self.num_ranks:
-            raise ValueError(f"{self.backend_name}: num_experts={cfg.num_experts} is not divisible "
-                             f"by the EP size {self.num_ranks}; pick an EP size that divides it")
-        self.num_experts = cfg.num_experts
-        self.num_local_experts = cfg.num_experts // self.num_ranks
+        # The kernels place physical expert p on rank p // num_local_experts: the placement's
+        # physical ids are what they dispatch.
+        self.placement = cfg.placement_for(self.num_ranks)
+        self.num_experts = self.placement.num_physical
+        self.num_local_experts = self.placement.num_local
         self.hidden = cfg.hidden
         self.max_tokens_per_rank = token_capacity(cfg.max_tokens_per_rank,
                                                   self._layout_ranks_multiple())
@@ -233,6 +283,9 @@ class LowLatencyManager(ABC):
                self.max_tokens_per_rank, self.num_experts, switches)
         self.buffer = _BUFFERS.acquire(key, self._create_logged, self._destroy_buffer)
         self._key: Optional[tuple] = key
+        # Bound once: a getattr by name per call is host time on every dispatch and combine.
+        self._dispatch_call = getattr(self.buffer, self.dispatch_method)
+        self._combine_call = getattr(self.buffer, self.combine_method)
         if self.padded and key not in _PADDING_LOGGED:
             _PADDING_LOGGED.add(key)
             logger.info("%s: hidden %d is not a kernel size; activations are zero-padded to %d "
@@ -250,10 +303,13 @@ class LowLatencyManager(ABC):
         return buffer
 
     @classmethod
-    def engine_options(cls, tcp_store: Any) -> Optional[LowLatencyOptions]:
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
+                       ) -> Optional[LowLatencyOptions]:
         """The ``backend_options`` an engine (the vLLM glue) builds this backend with when the
         user gave none; ``tcp_store``: a torch.distributed Store shared by the EP group, for
-        libraries that exchange connection metadata through one. None: the defaults."""
+        libraries that exchange connection metadata through one; ``fault_tolerance``: the
+        engine will poll the rank mask (:meth:`masked_ranks`), so the buffer must have one.
+        None: the defaults."""
         return None
 
     # -- configuration ---------------------------------------------------------------------
@@ -281,17 +337,8 @@ class LowLatencyManager(ABC):
 
     @classmethod
     def _check_layer(cls, cfg: DispatchConfig) -> None:
-        name = cls.backend_name
-        if cfg.dtype != torch.bfloat16:
-            raise ValueError(f"{name}: the low-latency kernels move bfloat16 activations, the layer "
-                             f"is {cfg.dtype}; build the layer in torch.bfloat16 or use another "
-                             "backend (e.g. 'torch')")
-        if cfg.num_topk > MAX_TOPK:
-            raise ValueError(f"{name}: num_topk={cfg.num_topk} exceeds the dispatch kernel's limit "
-                             f"of {MAX_TOPK} experts per token; use another backend (e.g. 'torch')")
-        if cfg.quant.scheme not in _QUANTS:
-            raise ValueError(f"{name}: quant scheme {cfg.quant.scheme.value} is not supported; "
-                             f"supported: {sorted(q.value for q in _QUANTS)}")
+        check_kernel_layer(cfg, cls.backend_name, "the low-latency kernels move bfloat16 "
+                           "activations", MAX_TOPK, _QUANTS)
 
     def _check_limits(self) -> None:
         """Library-specific limits on the computed sizes (raise ValueError with the fix)."""
@@ -329,7 +376,7 @@ class LowLatencyManager(ABC):
         """Issue the send of x bf16 [num_tokens, kernel_hidden] (contiguous) to the experts in
         topk_idx topk_idx_dtype [num_tokens, num_topk]. Returns (recv_x or (recv_x, recv_x_sf),
         recv_count int32 [num_local_experts], handle, hook); the receive happens in ``hook``."""
-        recv, count, handle, _event, hook = getattr(self.buffer, self.dispatch_method)(
+        recv, count, handle, _event, hook = self._dispatch_call(
             x, topk_idx, self.max_tokens_per_rank, self.num_experts,
             use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
             async_finish=False, return_recv_hook=True)
@@ -340,7 +387,7 @@ class LowLatencyManager(ABC):
         """Issue the send of expert outputs x bf16 [num_local_experts, num_recv_slots,
         kernel_hidden]; ``hook`` receives and reduces them with topk_weights float32
         [num_tokens, num_topk] into out bf16 [num_tokens, kernel_hidden]."""
-        _combined, _event, hook = getattr(self.buffer, self.combine_method)(
+        _combined, _event, hook = self._combine_call(
             x, topk_idx, topk_weights, handle, async_finish=False, zero_copy=False,
             return_recv_hook=True, out=out)
         return hook
@@ -361,6 +408,24 @@ class LowLatencyManager(ABC):
         getattr(self.buffer, self.query_mask_method)(status)
         return [r for r, m in enumerate(status.tolist()) if m]
 
+    def can_mask(self) -> bool:
+        """Whether this buffer has a rank mask at all (what :meth:`masked_ranks` needs)."""
+        try:
+            self._check_can_mask(None)
+        except ValueError:
+            return False
+        return True
+
+    def clean_buffers(self) -> None:
+        """After a fault (vLLM's ``clean_buffers``, rank-local): zero this rank's RDMA buffer,
+        which a dispatch/combine that hit a dead or timed-out peer may have left partly written,
+        then reset the mask so every rank the buffer reaches takes part again."""
+        self._check_can_mask(None)
+        self.buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).zero_()
+        _synchronize(self.ctx.device)
+        getattr(self.buffer, self.clean_mask_method)()
+        _synchronize(self.ctx.device)
+
     def _check_can_mask(self, rank: Optional[int]) -> None:
         """Raise ValueError when this buffer cannot mask ``rank`` (None: cannot mask at all)."""
 
@@ -374,14 +439,25 @@ class LowLatencyManager(ABC):
             _BUFFERS.release(key)
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (the buffer is written by kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class _CallState:
-    """What finalize needs from prepare: the library's handle, the tokens given to prepare and
-    the packed receive shape (num_local_experts, num_recv_slots, kernel_hidden)."""
+    """What finalize needs from prepare: the library's handle, the tokens given to prepare,
+    the packed receive shape (num_local_experts, num_recv_slots, kernel_hidden), the routing
+    tensors prepare was given and its ids in the library's dtype (a finalize given those very
+    tensors, as every caller does, reuses them without checking or casting again)."""
 
     handle: Any
     num_tokens: int
-    recv_shape: tuple[int, int, int]
+    recv_shape: "torch.Size"
+    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
+    topk_weights: torch.Tensor
+    ids: torch.Tensor
 
 
 class LowLatencyPrepareFinalize(PrepareFinalize):
@@ -393,6 +469,11 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
     (``x_sf is None``) or float8_e4m3fn with x_sf float32 [..., hidden // 128], block-128
     scales in the kernels' column-major layout; with packed UE8M0 scales (experts that ask
     for them, :meth:`post_init_setup`) x_sf is int32 [..., ceil(hidden / 512)].
+
+    Host cost per call: the layer's sizes and limits were checked when the manager was built;
+    a call checks only what can change (the inputs' shapes, dtypes, token count, the quant spec
+    when it is another object than last time) and adds its pair count to the stats, which are
+    computed when read.
     """
 
     activation_format = ActivationFormat.BATCHED
@@ -400,9 +481,35 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
     def __init__(self, manager: LowLatencyManager, cfg: DispatchConfig):
         self.manager = manager
         self.cfg = cfg
-        self.stats = DispatchStats()
         self.use_ue8m0 = False
         self._state: Optional[_CallState] = None
+        # No host exchange on these kernels: a call that fails on one rank (before its
+        # dispatch, or between dispatch and combine) breaks the group (moe_plugins.faults).
+        self.faults = group_faults(manager.ctx.ep_group)
+        self.name = (f"{manager.backend_name} layer (experts={cfg.num_experts} "
+                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
+        self._hidden = manager.hidden
+        self._padded = manager.padded
+        self._idx_dtype = manager.topk_idx_dtype
+        self._checked_quant: Optional[QuantSpec] = None  # the last quant spec prepare accepted
+        self._fp8 = False  # and whether it puts FP8 on the wire
+        self._calls = 0
+        self._pairs = [0, 0]  # dispatched (token, expert) pairs: [bf16, fp8] on the wire
+        self._combine_pairs = 0
+
+    @property
+    def stats(self) -> DispatchStats:  # type: ignore[override]
+        """What this rank sent, summed over calls: one message per (token, expert) pair (-1
+        entries included: counting them exactly would need a sync), each with a 16-byte header;
+        combine bytes are the rows combine brings back to this rank's pairs (what this rank
+        sends is only known on the device; summed over ranks the two are equal)."""
+        kh = self.manager.kernel_hidden
+        bf16, fp8 = self._pairs
+        pairs = bf16 + fp8
+        return DispatchStats(calls=self._calls, pairs=pairs, rows=pairs,
+                             act_bytes=(2 * bf16 + fp8) * kh, sf_bytes=fp8 * (kh // FP8_BLOCK) * 4,
+                             meta_bytes=pairs * _MSG_HEADER_BYTES,
+                             combine_bytes=self._combine_pairs * kh * 2)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -433,16 +540,23 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                            self.cfg.quant.scheme.value)
 
     def reset_call_state(self) -> None:
+        if self._state is not None:  # dispatched, never combined: peers wait in the combine
+            self.faults.mark_broken("a call was abandoned between its dispatch and its combine")
         self._state = None
 
     # -- padding of the hidden dimension (see the module doc) ------------------------------
     def _pad_last(self, t: torch.Tensor) -> torch.Tensor:
         m = self.manager
-        if not m.padded:
-            return t.contiguous()
         out = t.new_zeros(*t.shape[:-1], m.kernel_hidden)
         out[..., : m.hidden] = t
         return out
+
+    def _ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """topk_ids in the library's dtype, contiguous (a cast only when it is another dtype:
+        even a no-op ``.to`` costs a microsecond of host time)."""
+        if topk_ids.dtype is not self._idx_dtype:
+            topk_ids = topk_ids.to(self._idx_dtype)
+        return topk_ids.contiguous()
 
     def _check_quant(self, quant: QuantSpec) -> None:
         if quant.scheme not in _QUANTS:
@@ -452,16 +566,27 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
         """hidden_states bf16 [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
-        topk_ids int32/int64 [num_tokens, num_topk] (GLOBAL ids, -1 for none). The send is
+        topk_ids int32/int64 [num_tokens, num_topk] (PHYSICAL ids, -1 for none). The send is
         issued here; the hook receives; the receiver returns the :class:`PrepareResult`."""
-        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
-        self._check_quant(quant)
+        self.faults.check(self.name)
+        try:
+            return self._prepare_async(hidden_states, topk_weights, topk_ids, quant)
+        except BaseException as e:  # peers are in (or past) this dispatch: out of step now
+            self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
+            raise
+
+    def _prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
+        if quant is not self._checked_quant:  # a layer passes the same spec on every call
+            self._check_quant(quant)
+            self._checked_quant, self._fp8 = quant, quant.quantized_on_wire
         m = self.manager
         n, hidden = hidden_states.shape
-        if hidden != m.hidden:
+        if hidden != self._hidden:
             raise ValueError(f"hidden_states has hidden={hidden}, the layer was built for "
                              f"{m.hidden}")
-        if hidden_states.dtype != torch.bfloat16:
+        if hidden_states.dtype is not torch.bfloat16:
             raise TypeError(f"{m.backend_name}: hidden_states must be bfloat16 (the kernels "
                             f"dispatch bf16 and quantize to FP8 themselves), got "
                             f"{hidden_states.dtype}")
@@ -471,31 +596,29 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                              "DispatchConfig.max_tokens_per_rank")
         if self._state is not None:
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
-        use_fp8 = quant.quantized_on_wire
+        use_fp8 = self._fp8
         ue8m0 = use_fp8 and self.use_ue8m0
-        x = self._pad_last(hidden_states)
-        ids = topk_ids.to(m.topk_idx_dtype).contiguous()
+        ids = self._ids(topk_ids)
+        if m.options.check_expert_ids:
+            _assert_expert_ids(ids, m.num_experts, m.backend_name)
+        x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
         recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0)
         recv_x, recv_sf = recv if use_fp8 else (recv, None)
-        self._state = _CallState(handle, n, tuple(recv_x.shape))
+        self._state = _CallState(handle, n, recv_x.shape, topk_ids, topk_weights, ids)
+        self._calls += 1
+        self._pairs[use_fp8] += topk_ids.numel()
 
-        pairs = topk_ids.numel()  # -1 entries included: counting them exactly would need a sync
-        s = self.stats
-        s.calls += 1
-        s.pairs += pairs
-        s.rows += pairs  # one message per (token, expert) pair
-        s.act_bytes += pairs * m.kernel_hidden * (1 if use_fp8 else 2)
-        s.sf_bytes += pairs * (m.kernel_hidden // FP8_BLOCK) * 4 if use_fp8 else 0
-        s.meta_bytes += pairs * _MSG_HEADER_BYTES
-
-        def receiver() -> PrepareResult:
-            x_sf = recv_sf
-            if x_sf is not None and m.padded:
-                per = FP8_BLOCK * (_UE8M0_PACK if ue8m0 else 1)
-                x_sf = x_sf[..., : -(-m.hidden // per)]
-            return PrepareResult(x=recv_x[..., : m.hidden] if m.padded else recv_x, x_sf=x_sf,
-                                 expert_tokens_meta=ExpertTokensMeta(recv_count),
-                                 topk_ids=None, topk_weights=None)
+        if not self._padded:
+            def receiver() -> PrepareResult:
+                return PrepareResult(recv_x, recv_sf, ExpertTokensMeta(recv_count), None, None)
+        else:
+            def receiver() -> PrepareResult:
+                x_sf = recv_sf
+                if x_sf is not None:
+                    per = FP8_BLOCK * (_UE8M0_PACK if ue8m0 else 1)
+                    x_sf = x_sf[..., : -(-m.hidden // per)]
+                return PrepareResult(recv_x[..., : m.hidden], x_sf, ExpertTokensMeta(recv_count),
+                                     None, None)
 
         return AsyncResult(hook, receiver)
 
@@ -511,44 +634,51 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         m = self.manager
         try:
             e_l, slots, _ = st.recv_shape
-            if tuple(fused_expert_output.shape) != (e_l, slots, m.hidden):
+            if fused_expert_output.shape != (e_l, slots, self._hidden):
                 raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}"
                                  f", expected [{e_l}, {slots}, {m.hidden}] (prepare's layout)")
-            if fused_expert_output.dtype != torch.bfloat16:
+            if fused_expert_output.dtype is not torch.bfloat16:
                 raise TypeError(f"{m.backend_name}: expert outputs must be bfloat16 for the "
                                 f"combine kernel, got {fused_expert_output.dtype}")
             n = st.num_tokens
-            if topk_ids.shape[0] != n or topk_weights.shape != topk_ids.shape:
-                raise ValueError(f"finalize got topk_ids {tuple(topk_ids.shape)} and topk_weights "
-                                 f"{tuple(topk_weights.shape)}; prepare was given {n} tokens")
+            if topk_ids is st.topk_ids and topk_weights is st.topk_weights:
+                ids = st.ids  # checked (and cast) by prepare
+            else:  # the same routing only (a combine reduces by the dispatch's)
+                check_finalize_routing(st.topk_ids, topk_ids, topk_weights)
+                ids = self._ids(topk_ids)
             if isinstance(output, RowScatterTarget):
                 if output.rows.num_owned != n:
                     raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows, "
                                      f"prepare was given {n} tokens")
                 dest = fused_expert_output.new_empty(n, m.kernel_hidden)
             else:
-                if tuple(output.shape) != (n, m.hidden):
+                if output.shape != (n, self._hidden):
                     raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
                                      f"[{n}, {m.hidden}] (the tokens given to prepare)")
-                direct = (not m.padded and output.is_contiguous()
-                          and output.dtype == torch.bfloat16)
+                direct = (not self._padded and output.dtype is torch.bfloat16
+                          and output.is_contiguous())
                 dest = output if direct else fused_expert_output.new_empty(n, m.kernel_hidden)
-            hook = m.combine(self._pad_last(fused_expert_output),
-                             topk_ids.to(m.topk_idx_dtype).contiguous(),
-                             topk_weights.float().contiguous(), st.handle, dest)
-            # Rows combine brings back to this rank's pairs (what this rank sends is only
-            # known on the device; summed over ranks the two are equal).
-            self.stats.combine_bytes += topk_ids.numel() * m.kernel_hidden * 2
+            weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
+            x = (self._pad_last(fused_expert_output) if self._padded
+                 else fused_expert_output.contiguous())
+            hook = m.combine(x, ids, weights.contiguous(), st.handle, dest)
+            self._combine_pairs += topk_ids.numel()
+        except BaseException as e:  # peers are in this combine: out of step now
+            self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
+            raise
         finally:
             self._state = None
 
-        def receiver() -> torch.Tensor:
-            combined = dest[:, : m.hidden] if m.padded else dest
-            if isinstance(output, RowScatterTarget):
-                return row_scatter_add(output, combined)
-            if dest is not output:
+        if dest is output:
+            def receiver() -> torch.Tensor:
+                return output
+        else:
+            def receiver() -> torch.Tensor:
+                combined = dest[:, : m.hidden] if self._padded else dest
+                if isinstance(output, RowScatterTarget):
+                    return row_scatter_add(output, combined)
                 output.copy_(combined)
-            return output
+                return output
 
         return AsyncResult(hook, receiver)
 
@@ -559,13 +689,17 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
     """The registry entry of a low-latency backend (both share capabilities and quants).
 
     sp follows vLLM's ``use_sequence_parallel_moe`` tuple, which lists deepep_low_latency and
-    nixl_ep; tp: TP slicing happens before prepare."""
+    nixl_ep; tp: TP slicing happens before prepare. micro_batch: both libraries double-buffer
+    (two calls in flight, as vLLM's DBO runs its in-tree LL classes) and the per-call handle
+    lives in the prepare/finalize object; rank_masking: both have a mask buffer (DeepEP with
+    ``enable_shrink``)."""
     return BackendSpec(
         name=name,
         prepare_finalize=prepare_finalize,
         manager=manager,
         capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                                  recv_hook=True, activation_format=ActivationFormat.BATCHED),
+                                  recv_hook=True, activation_format=ActivationFormat.BATCHED,
+                                  placements=True, micro_batch=True, rank_masking=True),
         quants=_QUANTS,
         required=(manager.required,),
         needs_cuda=True,

@@ -1,11 +1,15 @@
 """A DeepSeek/Qwen-style MoE layer's shape and weights, the router, and how ranks shard them."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from moe_plugins.placement import ExpertPlacement
 
 __all__ = ["MoEConfig", "MoEWeights", "ExpertWeights", "SharedWeights", "route"]
 
@@ -40,7 +44,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ExpertWeights:
     """Routed experts held by one rank. w13: [num_local_experts, 2 * inter, hidden] (gate rows
-    then up rows); w2: [num_local_experts, hidden, inter]; first_expert: global id of local 0."""
+    then up rows); w2: [num_local_experts, hidden, inter]; first_expert: physical id of local 0."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -116,14 +120,25 @@ class MoEWeights:
             shared_gate=rnd(1, h, fan_in=h) if has_shared and cfg.shared_gate else None,
         )
 
-    def local_experts(self, ep_size: int, ep_rank: int) -> ExpertWeights:
-        """The whole experts EP rank ``ep_rank`` holds: a contiguous block of num_experts/ep_size."""
-        e = self.config.num_experts
-        if e % ep_size:
-            raise ValueError(f"num_experts={e} is not divisible by the EP size {ep_size}")
-        per = e // ep_size
-        s = slice(ep_rank * per, (ep_rank + 1) * per)
-        return ExpertWeights(self.w13[s].contiguous(), self.w2[s].contiguous(), ep_rank * per)
+    def to(self, device: "torch.device | str") -> "MoEWeights":
+        """The same weights with every tensor on ``device``."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def local_experts(self, ep_size: int, ep_rank: int,
+                      placement: Optional[ExpertPlacement] = None) -> ExpertWeights:
+        """The whole experts EP rank ``ep_rank`` holds: its physical slots' logical experts
+        under ``placement`` (None: linear, a contiguous block of num_experts / ep_size)."""
+        if placement is None:
+            placement = ExpertPlacement.linear(self.config.num_experts, ep_size)
+        if placement.num_ranks != ep_size or placement.num_logical != self.config.num_experts:
+            raise ValueError(f"placement {placement.describe()} over {placement.num_ranks} ranks "
+                             f"does not fit this layer ({self.config.num_experts} experts, EP size "
+                             f"{ep_size})")
+        held = torch.tensor(placement.local_logical(ep_rank), device=self.w13.device)
+        return ExpertWeights(self.w13[held].contiguous(), self.w2[held].contiguous(),
+                             ep_rank * placement.num_local)
 
     def tp_sharded_experts(self, tp: int, tp_rank: int) -> ExpertWeights:
         """Every expert, intermediate dim split over TP (EP off)."""

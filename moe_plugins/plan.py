@@ -33,10 +33,13 @@ torch.distributed counted on a real multi-rank run):
   uniform routing (a token's num_topk distinct experts drawn uniformly from num_experts, spread
   evenly over the ranks). Pass the measured routing (:class:`Routing`) and every quantity is exact.
   A BATCHED-format (per-expert, DeepEP-LL-style) backend sends one row per pair: its sent rows are
-  exact without routing.
+  exact without routing. DeepEP's normal mode (``deepep_ht``) is STANDARD: one row per (token,
+  destination rank). ``deepep_auto`` is planned in the mode it takes for the busiest rank's rows
+  (``BackendSpec.wire_format_for``: low-latency, per pair, up to its default capacity).
 
-Experts are placed in contiguous blocks: expert ``e`` lives on EP rank ``e // (num_experts //
-num_ranks)``, as the layer's weights and the reference transport place them.
+Experts are placed by an :class:`moe_plugins.placement.ExpertPlacement` (linear by default:
+expert ``e`` on EP rank ``e // (num_experts // num_ranks)``); its slots per rank, redundant
+copies included, set the routed weight memory.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.link_model import LinkModel
 from moe_plugins.model import MoEConfig
 from moe_plugins.model_config import ModelSpec
+from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import FP8_BLOCK, NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, WireLayout, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, StrategyChoice,
@@ -184,14 +188,20 @@ class Routing:
     pairs: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def from_topk_ids(cls, topk_ids: Sequence[torch.Tensor], num_experts: int) -> "Routing":
-        """topk_ids[s]: int [num_owned_s, num_topk], GLOBAL expert ids of the rows EP rank s
-        handed to prepare (``len(topk_ids)`` is the EP size)."""
+    def from_topk_ids(cls, topk_ids: Sequence[torch.Tensor], num_experts: int,
+                      placement: Optional[ExpertPlacement] = None) -> "Routing":
+        """topk_ids[s]: int [num_owned_s, num_topk], PHYSICAL expert ids of the rows EP rank s
+        handed to prepare (``len(topk_ids)`` is the EP size); ``placement``: where they are
+        (None: linear over ``num_experts``)."""
         n = len(topk_ids)
-        if n < 1 or num_experts % n:
-            raise ValueError(f"routing of {n} ranks for {num_experts} experts: the EP size must "
-                             "divide the experts")
-        per = num_experts // n
+        if placement is None:
+            if n < 1 or num_experts % n:
+                raise ValueError(f"routing of {n} ranks for {num_experts} experts: the EP size "
+                                 "must divide the experts")
+            placement = ExpertPlacement.linear(num_experts, n)
+        if placement.num_ranks != n:
+            raise ValueError(f"routing of {n} ranks under a placement over {placement.num_ranks}")
+        num_experts, per = placement.num_physical, placement.num_local
         tokens, pairs = [], []
         for s, ids in enumerate(topk_ids):
             if ids.dim() != 2:
@@ -199,7 +209,7 @@ class Routing:
                                  "[num_owned, num_topk]")
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
                 raise ValueError(f"topk_ids of rank {s} hold ids in [{int(ids.min())}, "
-                                 f"{int(ids.max())}], expected GLOBAL expert ids in "
+                                 f"{int(ids.max())}], expected PHYSICAL expert ids in "
                                  f"[0, {num_experts})")
             dest = ids.long() // per
             hit = torch.zeros(ids.shape[0], n, dtype=torch.bool)
@@ -328,6 +338,7 @@ class LayerPlan:
     wire: WireFormat
     routing_given: bool
     strategies: tuple[StrategyPlan, ...]
+    placement: Optional[ExpertPlacement] = None  # EP on: where the experts are (None: linear)
 
     @property
     def recommended(self) -> StrategyPlan:
@@ -355,10 +366,11 @@ def _shard(size: int, parts: int, what: str) -> int:
     return size // parts
 
 
-def _weight_bytes(cfg: MoEConfig, layout: ParallelLayout, placement: SharedPlacement
-                  ) -> tuple[int, int]:
+def _weight_bytes(cfg: MoEConfig, layout: ParallelLayout, placement: SharedPlacement,
+                  experts: Optional[ExpertPlacement] = None) -> tuple[int, int]:
     """(shared-expert bytes, routed-expert bytes) one rank holds: SwiGLU w13 [2I, H] + w2 [H, I]
-    per expert, plus the shared expert's gate [1, H] when it has one."""
+    per expert (EP: the ``experts`` placement's slots per rank, redundant copies included),
+    plus the shared expert's gate [1, H] when it has one."""
     item, h = _itemsize(cfg.dtype), cfg.hidden
     shared = 0
     if cfg.has_shared_expert:
@@ -366,7 +378,8 @@ def _weight_bytes(cfg: MoEConfig, layout: ParallelLayout, placement: SharedPlace
              if placement is SharedPlacement.TP_SHARDED else cfg.shared_intermediate)
         shared = (3 * s * h + (h if cfg.shared_gate else 0)) * item
     if layout.ep:
-        routed = cfg.num_experts // layout.ep_size * 3 * cfg.intermediate * h * item
+        per = experts.num_local if experts is not None else cfg.num_experts // layout.ep_size
+        routed = per * 3 * cfg.intermediate * h * item
     else:
         routed = cfg.num_experts * 3 * _shard(cfg.intermediate, layout.tp,
                                               "routed expert intermediate size") * h * item
@@ -541,7 +554,8 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED,
                single_collective: bool = True,
                shared_expert_budget_bytes: Optional[int] = None,
-               backend_options: object = None) -> LayerPlan:
+               backend_options: object = None,
+               placement: Optional[ExpertPlacement] = None) -> LayerPlan:
     """Plan one decoder layer (attention reduction + MoE block) under every strategy that applies
     to ``layout`` and ``backend``.
 
@@ -554,6 +568,11 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
         with the decoder-layer numbers, :func:`recommend_strategy` picks the recommended one.
     backend_options: the backend's options (``DispatchConfig.backend_options``), for the checks
         and wire layout a backend derives from them (e.g. low-latency ``pad_hidden``).
+    placement: the expert placement (EP on; None: linear). Its slots per rank set the routed
+        weight memory and the backend must be placement-aware (``Capabilities.placements``);
+        the uniform-routing traffic estimate assumes each rank holds ``num_experts / ep_size``
+        distinct experts (exact for linear and round-robin); with redundant copies give the
+        measured ``routing`` (PHYSICAL ids, :meth:`Routing.from_topk_ids` with the placement).
 
     Raises ValueError naming what is wrong; a layer the backend itself refuses (dtype, hidden or
     top-k outside its kernels' limits) raises the backend's own error.
@@ -569,19 +588,23 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
     if dispatching:  # the backend's own checks, as building it for a layer runs them
         wire_row = backend.wire_layout_for(DispatchConfig(
             cfg.num_experts, cfg.hidden, cfg.num_topk, max(1, *tokens), cfg.dtype, quant,
-            backend_options))
+            backend_options, placement))
     why = refusal_reason(backend, layout, quant.scheme, require_available=False,
-                         dtype=cfg.dtype if dispatching else None)
+                         dtype=cfg.dtype if dispatching else None,
+                         placement=placement if layout.ep else None)
     if why:
         raise ValueError(f"backend {backend.name!r} cannot serve layout {layout.describe()} with "
                          f"quant {quant.scheme.value}: {why}; change the layout, quant or backend")
     if layout.ep and cfg.num_experts % layout.ep_size:
         raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
                          f"{layout.ep_size}; pick an EP size that divides the experts")
-    wire = wire_format(caps.activation_format, cfg, quant, wire_row)
     world = layout.world_size
     rows = [owned_rows(tokens[layout.dp_rank(r)], layout.tp, layout.tp_rank(r)) for r in range(world)]
     owned = [o.num_owned for o in rows]
+    # a per-call backend (deepep_auto) sends per pair below its threshold, per rank above
+    fmt = (backend.wire_format_for(max(owned)) if backend.wire_format_for is not None
+           else caps.activation_format)
+    wire = wire_format(fmt, cfg, quant, wire_row)
     item = _itemsize(cfg.dtype)
 
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
@@ -608,7 +631,8 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
     plans = []
     for strategy in options:
         dispatches = strategy in dispatching
-        shared_b, routed_b = _weight_bytes(cfg, layout, strategy.shared_placement)
+        shared_b, routed_b = _weight_bytes(cfg, layout, strategy.shared_placement,
+                                           placement if layout.ep else None)
         ranks, tp_time, attn_time = [], 0.0, 0.0
         for r in range(world):
             colls = collectives(_tp_collectives(strategy, cfg, rows[r].num_tokens, rows[r].chunk), r)
@@ -646,7 +670,7 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                                   default=strategy is default.strategy))
     plans = [_with_comparison(p, plans) for p in plans]
     return LayerPlan(spec, layout, tokens, backend.name, quant, link, wire, routing is not None,
-                     tuple(plans))
+                     tuple(plans), placement if layout.ep else None)
 
 
 def _with_comparison(p: StrategyPlan, plans: list[StrategyPlan]) -> StrategyPlan:

@@ -24,6 +24,7 @@ from moe_plugins.quant import QuantScheme
 
 if TYPE_CHECKING:
     from moe_plugins.config import DispatchConfig
+    from moe_plugins.placement import ExpertPlacement
     from moe_plugins.groups import DistContext
     from moe_plugins.interface import PrepareFinalize
 
@@ -41,7 +42,14 @@ __all__ = ["Capabilities", "WireLayout", "RequiredPackage", "BackendSpec", "Back
 class Capabilities:
     """ep_dp: dispatches across an EP group of several ranks; dp: dp > 1; tp: tp > 1 together with
     dp > 1 (TP slicing before dispatch); sp: sequence parallel; row_scatter: row-scatter finalize;
-    recv_hook: prepare/finalize return a receive hook that really defers the receive."""
+    recv_hook: prepare/finalize return a receive hook that really defers the receive;
+    placements: dispatches by the layer's :class:`moe_plugins.placement.ExpertPlacement`
+    (``DispatchConfig.placement``: round-robin, EPLB's redundant copies); False: linear only;
+    micro_batch: two calls of one layer may be in flight at once, each on its own
+    prepare/finalize object over the same manager (vLLM's dual-batch overlap: the library
+    buffer double-buffers, the per-call state lives in the object); rank_masking: the manager
+    can leave EP ranks out (``set_rank_masked``/``masked_ranks``/``clean_buffers``), what an
+    engine's fault tolerance polls."""
 
     ep_dp: bool
     dp: bool
@@ -50,6 +58,9 @@ class Capabilities:
     row_scatter: bool = True
     recv_hook: bool = False
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    placements: bool = False
+    micro_batch: bool = False
+    rank_masking: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,13 @@ class BackendSpec:
     priority: int = 0
     # activation dtypes the kernels take; None: any
     dtypes: Optional[frozenset[torch.dtype]] = None
+    # EP group sizes the kernels run on (with EP on); None: any
+    ep_sizes: Optional[frozenset[int]] = None
+    # backends that pick their transport per call: the wire format (BATCHED: one row per
+    # (token, expert) pair; STANDARD: per (token, rank)) of a call whose busiest rank hands
+    # prepare this many rows; None: always the capabilities' activation format
+    wire_format_for: Optional[Callable[[int], ActivationFormat]] = None
+
     # The backend's own check of a layer config, raising what building it would raise (dtype,
     # hidden, topk limits), and the row its kernels put on the wire; needs no process group.
     # None: rows carry the layer's hidden and no header.
@@ -190,9 +208,14 @@ def get_backend(name: str) -> BackendSpec:
 
 
 def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme,
-                   require_available: bool = True, dtype: Optional[torch.dtype] = None) -> str | None:
-    """Why ``spec`` cannot serve ``layout`` with ``quant`` (and activation ``dtype``), or None."""
+                   require_available: bool = True, dtype: Optional[torch.dtype] = None,
+                   placement: Optional["ExpertPlacement"] = None) -> str | None:
+    """Why ``spec`` cannot serve ``layout`` with ``quant`` (activation ``dtype``, expert
+    ``placement``: None is linear), or None."""
     c, why = spec.capabilities, []
+    if placement is not None and not placement.is_linear and not c.placements:
+        why.append(f"expert placement {placement.describe()} (the backend dispatches contiguous "
+                   "expert blocks only)")
     if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
         why.append(f"activations {dtype} not in {sorted(str(d) for d in spec.dtypes)}")
     if layout.ep and layout.world_size > 1 and layout.dp > 1:
@@ -202,6 +225,8 @@ def refusal_reason(spec: BackendSpec, layout: ParallelLayout, quant: QuantScheme
             why.append(f"no DP (dp={layout.dp})")
         if layout.tp > 1 and not c.tp:
             why.append(f"no TP inside the EP group (tp={layout.tp})")
+    if layout.ep and spec.ep_sizes is not None and layout.ep_size not in spec.ep_sizes:
+        why.append(f"EP size {layout.ep_size} not in {sorted(spec.ep_sizes)}")
     if quant not in spec.quants:
         why.append(f"quant {quant.value} not in {sorted(q.value for q in spec.quants)}")
     if require_available:

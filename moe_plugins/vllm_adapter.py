@@ -4,32 +4,61 @@ Imported by the hooks of :mod:`moe_plugins.vllm_patches` once vLLM builds a comm
 MoE layer with one of our ``--all2all-backend`` names (so vLLM's fused-MoE code is loaded by
 then). Everything engine-agnostic stays in :mod:`moe_plugins`; this module translates.
 
-How a layer maps onto vLLM's modular kernel (vLLM's EP group = DP x TP ranks, every TP rank of a
-DP group holds the same tokens, vLLM's sequence parallelism is off for our names):
+How a layer maps onto vLLM's modular kernel (vLLM's EP group = DP x TP ranks; without SP every
+TP rank of a DP group holds the same tokens; under vLLM's sequence-parallel MoE the model hands
+each TP rank its owned chunk):
 
 | strategy | prepare | finalize | ``output_is_reduced()`` | vLLM runner afterwards |
 |---|---|---|---|---|
 | LOCAL (tp == 1) | dispatch all tokens | combine into ``output`` | True | nothing |
+| SP_ALLGATHER (vLLM's SP on) | dispatch all of the chunk (no second slicing) | combine into ``output`` | True | nothing (the model all_gathers the chunks) |
 | ROW_SCATTER_ALLREDUCE | dispatch the owned rows | combine into the owned rows, zero the rest | False | ``all_reduce(shared partial + routed)`` once |
 | GATHER_PLUS_ALLREDUCE | dispatch the owned rows | combine, then all_gather the rows over TP | True | all_reduce of the shared output |
 | TP_UNIFIED (dp == 1) | none (local experts on all tokens) | weight and reduce into ``output`` | False | ``all_reduce(shared partial + routed)`` once |
 
-Expert ids (standard format): our backends hand LOCAL ids (-1 for experts elsewhere) to the
-experts; vLLM's experts take GLOBAL ids and map them with ``expert_map``. The adapter converts: a
-slot whose expert is held elsewhere gets a global id this rank does not hold and weight 0.
+Expert ids: vLLM's router hands the layer ids in its expert id space (``moe.num_experts`` ids:
+with EPLB the physical ids its router mapped logical ones to, contiguous per rank; with
+round-robin placement the logical ids, and the routing table ``global_to_physical`` vLLM gives
+its LL backends). Our transports dispatch PHYSICAL ids (physical expert p on EP rank
+p // num_local, :mod:`moe_plugins.placement`): the adapter maps through the routing table first,
+and checks once that this rank's ``expert_map`` holds exactly the slots the transport delivers.
+Standard format: our backends hand LOCAL slots (-1 for experts elsewhere) to the experts;
+vLLM's experts take vLLM ids and map them with ``expert_map``. The adapter converts through the
+inverse of ``expert_map``: a slot held elsewhere gets an id this rank does not hold and weight 0.
 
 Batched format (backends whose capabilities say BATCHED, e.g. DeepEP low-latency): prepare hands
 vLLM ``[num_local_experts, max_recv_tokens, hidden]`` with per-expert counts, the experts return
 unweighted rows in the same layout, and the backend's combine applies the router weights. vLLM
 picks batched experts only when ``use_batched_activation_format`` is true; the hook in
 :mod:`moe_plugins.vllm_patches` answers it from :func:`layer_plan`, as this module does.
+
+Sequence parallelism is a model-level decision vLLM makes from
+``ParallelConfig.use_sequence_parallel_moe`` before any layer exists; for our names the hook in
+:mod:`moe_plugins.vllm_patches` answers it with :func:`sequence_parallel_moe` (vLLM's rule, the
+backend's SP capability, and :func:`moe_plugins.plan.recommend_strategy` on the engine config),
+and each layer then follows what vLLM built (``FusedMoEParallelConfig.is_sequence_parallel``).
+
+Dual-batch overlap (``--enable-dbo``): vLLM runs two micro-batches of one layer on two threads
+that hand over at its yields, so two calls of one layer are in flight. The adapter keeps one call
+state per micro-batch id (``dbo_current_ubatch_id()``) and, for backends whose capabilities say
+``micro_batch``, one backend prepare/finalize object per micro-batch over the same manager and
+library buffer (the per-call handle lives in that object; the layer's counters sum them). It takes
+part in vLLM's protocol where vLLM's in-tree DeepEP LL class does: before its combine send it
+runs the receive hook the other micro-batch registered (``dbo_maybe_run_recv_hook``), so at most
+two transfers are in flight (the libraries double-buffer).
+
+Fault tolerance (``--enable-fault-tolerance``): our manager declares ``support_fault_tolerance``
+where the backend our name plans for can mask ranks and the engine asked for it (or the library
+masks peers by itself, NIXL EP), and answers vLLM's polls: ``query_active_mask`` /
+``query_fault`` (the library's rank mask against the one of the last recovery point) and
+``clean_buffers`` (rank-local: zero the RDMA buffers, unmask).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +67,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceContiguous, TopKWeightAndReduceDelegate)
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_hook
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
@@ -45,24 +75,48 @@ from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    check_finalize_result)
 from moe_plugins.layout import OwnedTokens, ParallelLayout, owned_rows, slice_owned
+from moe_plugins.model_config import ModelSpec, model_spec_from_dict
 from moe_plugins.overlap import OverlapConfig
+from moe_plugins.placement import ExpertPlacement
+from moe_plugins.plan import recommend_strategy
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.vllm_plugin import PluginSettings, plugin_settings, registry_name
+from moe_plugins.vllm_batch_hint import batch_hint
+from moe_plugins.vllm_plugin import (PluginSettings, dbo_backend_names, plugin_settings,
+                                     registry_name)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MoEPluginsAll2AllManager", "MoEPluginsPrepareAndFinalize", "make_prepare_finalize",
            "quant_scheme_of", "ep_manager", "LayerPlan", "plan_layer", "layer_plan",
-           "parallel_config_plan", "max_dispatched_tokens"]
+           "parallel_config_plan", "sequence_parallel_moe", "micro_batches"]
 
 _LOGGED: set[tuple] = set()
 _WARNED: set[str] = set()
+_DEFERRED = QuantSpec()  # what travels under defer_input_quant: the activations as they are
 _FIRST_CALL_LOGGED: set[str] = set()
 # EP groups without a vLLM all2all manager (dp == 1): one of ours per group, made on first use.
 _GROUP_MANAGERS: dict[str, "MoEPluginsAll2AllManager"] = {}
+
+
+def _bound_vllm_timeout(*groups: Any) -> Optional[float]:
+    """vLLM's groups wait torch's default (up to 30 minutes) unless the user gave
+    ``--distributed-timeout-seconds``; then bound ours (moe_plugins.groups.bound_timeout, env
+    ``MOE_PLUGINS_TIMEOUT_S``). Returns the timeout in force when known (errors name it)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from moe_plugins.groups import bound_timeout
+
+    config = get_current_vllm_config_or_none()
+    given = config.parallel_config.distributed_timeout_seconds if config is not None else None
+    if given is not None:
+        return float(given)
+    seconds = None
+    for group in groups:
+        seconds = bound_timeout(group)
+    return seconds
 
 
 def _warn_once(message: str) -> None:
@@ -82,7 +136,10 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         # device_group: NCCL on CUDA, gloo on CPU; our transports use it for the all-to-alls.
         self.device_group = device_group if device_group is not None else cpu_group
         self._managers: dict[tuple[str, DispatchConfig], Any] = {}
+        self.timeout_s = _bound_vllm_timeout(cpu_group, self.device_group)
         self._store: Optional[dist.Store] = None
+        self._last_mask: Optional[torch.Tensor] = None
+        self.support_fault_tolerance = _fault_tolerance_wanted()
 
     @property
     def tcp_store(self) -> "dist.Store":
@@ -107,13 +164,15 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
             from vllm.distributed import get_tp_group
 
             tp_group = get_tp_group().device_group
-        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device))
+            _bound_vllm_timeout(tp_group)
+        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device),
+                           self.timeout_s)
 
     def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
         """A new prepare/finalize for one layer, on the cached manager of its config."""
         engine_options = getattr(spec.manager, "engine_options", None)
         if cfg.backend_options is None and engine_options is not None:
-            options = engine_options(self.tcp_store)
+            options = engine_options(self.tcp_store, fault_tolerance=self.support_fault_tolerance)
             if options is not None:
                 cfg = dataclasses.replace(cfg, backend_options=options)
         key = (spec.name, cfg)
@@ -133,12 +192,66 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
     dispatch = _not_served
     combine = _not_served
 
+    # -- fault tolerance (vLLM polls these when support_fault_tolerance is set) -----------
+    def _masking_managers(self) -> list[Any]:
+        return [m for m in self._managers.values()
+                if getattr(m, "can_mask", None) is not None and m.can_mask()]
+
+    def query_active_mask(self) -> torch.Tensor:
+        """int32 [EP size] on this rank's device: 1 where a rank is masked (dead or unreachable)
+        in any of our layers' library buffers, 0 where it is live; all zeros before the first
+        layer is built."""
+        device = torch.device("cpu")
+        mask = torch.zeros(self.world_size, dtype=torch.int32)
+        for m in self._masking_managers():
+            device = m.ctx.device
+            for r in m.masked_ranks():
+                mask[r] = 1
+        return mask.to(device)
+
+    def query_fault(self) -> torch.Tensor:
+        """Scalar bool tensor: True when the mask differs from the one of the last recovery
+        point (:meth:`clean_buffers`; at start-up: nothing masked)."""
+        current = self.query_active_mask()
+        if self._last_mask is None or self._last_mask.shape != current.shape:
+            self._last_mask = torch.zeros_like(current)
+        return (current != self._last_mask.to(current.device)).any()
+
+    def clean_buffers(self) -> None:
+        """Post-fault cleanup, rank-local: every buffer our layers use is zeroed and unmasked
+        (the library's clean), and the recovery point is reset."""
+        for m in self._masking_managers():
+            m.clean_buffers()
+        self._last_mask = None
+
     def destroy(self) -> None:
         for manager in self._managers.values():
             destroy = getattr(manager, "destroy", None)
             if destroy is not None:
                 destroy()
         self._managers.clear()
+
+
+def _fault_tolerance_wanted() -> bool:
+    """vLLM's rule for its LL managers, read from the backend our name plans for: the manager can
+    mask ranks, and the engine enabled fault tolerance or the library masks peers by itself.
+    (vLLM's model runner polls only with dp > 1, where the communicator holds this manager.)"""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return False
+    parallel = config.parallel_config
+    if not parallel.enable_expert_parallel:
+        return False
+    try:
+        spec = parallel_config_plan(parallel).spec
+    except ValueError:
+        return False  # no backend of ours serves this layout: building a layer will say why
+    if not spec.capabilities.rank_masking:
+        return False
+    return (bool(getattr(parallel, "enable_fault_tolerance", False))
+            or bool(getattr(spec.manager, "masks_by_itself", False)))
 
 
 def ep_manager() -> MoEPluginsAll2AllManager:
@@ -244,25 +357,56 @@ class LayerPlan:
 
 
 def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
-               require_available: bool = True) -> LayerPlan:
+               require_available: bool = True, *, sequence_parallel: Optional[bool] = None,
+               model: Optional[ModelSpec] = None, num_tokens: Optional[int] = None) -> LayerPlan:
     """The plan for ``--all2all-backend`` ``backend`` (a registry name or ``auto``) on ``layout``.
 
     The backend is chosen for unquantized dispatch (every backend has it); a quantized layer is
-    checked against the chosen backend's quants when its experts are known. vLLM's sequence
-    parallelism is off for out-of-tree names, so SP_ALLGATHER never applies; layers are planned
+    checked against the chosen backend's quants when its experts are known. Layers are planned
     as having a shared expert (routed-only layers are served as well: the runner's single
     all_reduce then carries the routed rows alone). ``require_available=False``: plan a named
-    backend even where its package or GPU is missing here (building it still refuses)."""
+    backend even where its package or GPU is missing here (building it still refuses).
+
+    sequence_parallel: what vLLM decided for the layer (``FusedMoEParallelConfig.
+    is_sequence_parallel``). True: the model hands the MoE each TP rank's owned chunk and
+    all_gathers after it, so the strategy is SP_ALLGATHER. False: the model did not chunk (SP
+    off, or a model without vLLM's SP path), SP_ALLGATHER does not apply. None: the decision
+    itself, made from the engine config before any layer exists (what
+    ``ParallelConfig.use_sequence_parallel_moe`` answers for our names): a strategy named in
+    ``--additional-config`` if any, else :func:`moe_plugins.plan.recommend_strategy` for
+    ``model`` (None: a model whose shape moe-plugins cannot read) at ``num_tokens`` tokens per
+    DP group with the settings' shared-expert budget, wherever the layout and the backend's
+    capabilities allow SP."""
     spec = select_backend(layout, QuantScheme.NONE, backend, require_available=require_available)
     caps = spec.capabilities
-    options = applicable_strategies(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
-                                    has_shared_expert=True)
-    if settings.strategy is not None:
-        if settings.strategy not in options:
-            raise ValueError(f"--additional-config strategy {settings.strategy.value} does not "
-                             f"apply to layout {layout.describe()} with backend {spec.name}; "
-                             f"applicable: {[s.value for s in options]}")
-        choice = StrategyChoice(settings.strategy, "requested by --additional-config")
+    if sequence_parallel and not layout.sequence_parallel(caps.sp):
+        raise ValueError(f"vLLM runs this MoE layer sequence-parallel, but backend {spec.name} "
+                         f"on layout {layout.describe()} has no sequence parallelism; name a "
+                         "backend whose capabilities include SP (moe-plugins list)")
+    supports_sp = caps.sp if sequence_parallel is None else sequence_parallel
+    options = applicable_strategies(layout, supports_sp=supports_sp,
+                                    supports_row_scatter=caps.row_scatter, has_shared_expert=True)
+    requested = settings.strategy
+    if requested is not None and requested not in options:
+        hint = ""
+        if requested is ReductionStrategy.SP_ALLGATHER and sequence_parallel is False:
+            hint = ("; this model's MoE layers do not run vLLM's sequence-parallel path (SP "
+                    "needs EP, tp > 1, dp > 1 and a model that chunks the tokens before its MoE)")
+        raise ValueError(f"--additional-config strategy {requested.value} does not apply to "
+                         f"layout {layout.describe()} with backend {spec.name}; applicable: "
+                         f"{[s.value for s in options]}{hint}")
+    if sequence_parallel:
+        if requested not in (None, ReductionStrategy.SP_ALLGATHER):
+            raise ValueError(f"--additional-config strategy {requested.value} was requested, "
+                             "but vLLM built this MoE layer sequence-parallel; the model's "
+                             "sequence-parallel MoE decision and the plugin settings disagree")
+        choice = StrategyChoice(ReductionStrategy.SP_ALLGATHER,
+                                "vLLM's sequence-parallel MoE: the model hands each TP rank its "
+                                "owned chunk and all_gathers after the MoE")
+    elif requested is not None:
+        choice = StrategyChoice(requested, "requested by --additional-config")
+    elif sequence_parallel is None:
+        choice = _engine_choice(layout, caps, settings, model, num_tokens)
     else:
         choice = choose_strategy(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
                                  has_shared_expert=True,
@@ -270,17 +414,41 @@ def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
     return LayerPlan(spec, layout, choice, settings)
 
 
+def _engine_choice(layout: ParallelLayout, caps: Any, settings: PluginSettings,
+                   model: Optional[ModelSpec], num_tokens: Optional[int]) -> StrategyChoice:
+    """The strategy of the engine-level decision (see :func:`plan_layer`), no strategy named."""
+    kw = dict(supports_row_scatter=caps.row_scatter,
+              single_collective=settings.overlap.single_collective)
+    if not layout.sequence_parallel(caps.sp):
+        return choose_strategy(layout, supports_sp=False, has_shared_expert=True, **kw)
+    if model is None:
+        if settings.shared_expert_budget_bytes is not None:
+            raise ValueError(
+                "--additional-config moe_plugins.shared_expert_budget_gb was given, but "
+                "moe-plugins cannot read this model's shape (it reads DeepSeek-V2/V3 and "
+                "Qwen2/3-MoE configs), so the shared experts' memory cannot be weighed; name the "
+                "strategy instead: \"strategy\": \"SP_ALLGATHER\" or \"ROW_SCATTER_ALLREDUCE\"")
+        return StrategyChoice(ReductionStrategy.SP_ALLGATHER,
+                              "SP applies: one all_reduce's worth of TP bytes per decoder layer "
+                              "(reduce_scatter + all_gather) against row-scatter's two; model "
+                              "shape unknown, so no shared-expert memory was weighed")
+    return recommend_strategy(layout, model, supports_sp=True,
+                              num_tokens=num_tokens if num_tokens else 256,
+                              shared_expert_budget_bytes=settings.shared_expert_budget_bytes, **kw)
+
+
 def layer_plan(parallel: Any) -> Optional[LayerPlan]:
     """:func:`plan_layer` for vLLM's FusedMoEParallelConfig ``parallel`` under the current vLLM
-    config; None when our backend has nothing to do (EP off)."""
+    config (sequence-parallel exactly when vLLM built the layer so); None when our backend has
+    nothing to do (EP off)."""
     from vllm.config import get_current_vllm_config
 
     name = parallel.all2all_backend
     if not parallel.use_ep:
         return None
-    if parallel.pcp_size > 1 or parallel.enable_eplb:
-        raise ValueError(f"--all2all-backend {name} serves EP groups of DP x TP ranks with a "
-                         "fixed expert placement; turn off prefill context parallelism and EPLB")
+    if parallel.pcp_size > 1:
+        raise ValueError(f"--all2all-backend {name} serves EP groups of DP x TP ranks; turn off "
+                         "prefill context parallelism")
     vllm_config = get_current_vllm_config()
     layout = ParallelLayout(dp=parallel.dp_size,
                             tp=vllm_config.parallel_config.tensor_parallel_size, ep=True)
@@ -289,51 +457,80 @@ def layer_plan(parallel: Any) -> Optional[LayerPlan]:
                          f"{layout.world_size}; moe-plugins serves EP groups of data-parallel x "
                          "tensor-parallel ranks")
     return plan_layer(registry_name(name) or AUTO, layout,
-                      plugin_settings(vllm_config.additional_config))
+                      plugin_settings(vllm_config.additional_config),
+                      sequence_parallel=parallel.is_sequence_parallel)
 
 
 def parallel_config_plan(parallel_config: Any) -> LayerPlan:
-    """:func:`plan_layer` from vLLM's engine-level ``ParallelConfig`` (EP on): what the scheduler
-    limits are decided from, before any layer exists. Settings from ``--additional-config``
-    are not known there; they change the strategy only, never whether a dp > 1 layout
-    dispatches, so the defaults stand in for them."""
+    """:func:`plan_layer` from vLLM's engine-level ``ParallelConfig`` (EP on), before any layer
+    exists: what the scheduler limits (``use_batched_dp_moe``) and the model's
+    sequence-parallel MoE (``use_sequence_parallel_moe``) are decided from.
+
+    The model's shape, ``--additional-config`` and the scheduler's token budget come from the
+    vLLM config that holds ``parallel_config`` when it is the current one (every process that
+    builds the model: the same serialized config, so the same answer everywhere); without it
+    (a ParallelConfig on its own, or the argument parser) the defaults stand in for them, which
+    never changes whether a dp > 1 layout dispatches or in the batched format."""
+    vllm_config = _owning_vllm_config(parallel_config)
     layout = ParallelLayout(dp=parallel_config.data_parallel_size,
                             tp=parallel_config.tensor_parallel_size, ep=True)
     name = registry_name(parallel_config.all2all_backend) or AUTO
+    settings = plugin_settings(None if vllm_config is None else vllm_config.additional_config)
+    scheduler = getattr(vllm_config, "scheduler_config", None)
     # A named backend's format does not depend on this process having its package or a GPU
     # (the API server decides the limits); 'auto' picks among the usable ones.
-    return plan_layer(name, layout, plugin_settings(None), require_available=name == AUTO)
+    return plan_layer(name, layout, settings, require_available=name == AUTO,
+                      model=_model_spec(vllm_config),
+                      num_tokens=getattr(scheduler, "max_num_batched_tokens", None))
 
 
-def max_dispatched_tokens(layout: ParallelLayout) -> Optional[int]:
-    """The most rows any EP rank dispatches in the current forward, from vLLM's DP metadata
-    (what vLLM's in-tree two-sided flashinfer backend sizes its MnnvlMoe prepare by:
-    ``max(dp_metadata.get_chunk_sizes_across_dp_rank())``). Our TP ranks dispatch only the rows
-    they own (:func:`owned_rows`), so with per-DP-rank sizes the bound is the largest DP rank's
-    first owned chunk; sizes vLLM already split per TP rank (sequence parallel: one entry per
-    EP rank) are owned chunks themselves. None outside a forward or without DP metadata (the
-    backend then sizes by the layer's max_tokens_per_rank)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
+def sequence_parallel_moe(parallel_config: Any) -> bool:
+    """``ParallelConfig.use_sequence_parallel_moe`` for our names: vLLM's own rule for its
+    in-tree names (EP on, tp > 1, dp > 1), with the backend's SP capability from the registry
+    and the strategy :func:`parallel_config_plan` chooses (SP unless ``--additional-config``
+    or the shared-expert budget says otherwise). Logs the decision once per process."""
+    if not (parallel_config.enable_expert_parallel and parallel_config.tensor_parallel_size > 1
+            and parallel_config.data_parallel_size > 1):
+        return False
+    plan = parallel_config_plan(parallel_config)
+    on = plan.choice.strategy is ReductionStrategy.SP_ALLGATHER
+    key = ("sp", plan.spec.name, plan.layout, plan.choice)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("moe-plugins: sequence-parallel MoE %s for backend %s on %s (%s: %s)",
+                    "on" if on else "off", plan.spec.name, plan.layout.describe(),
+                    plan.choice.strategy.value, plan.choice.reason)
+    return on
 
-    if not is_forward_context_available():
+
+def _owning_vllm_config(parallel_config: Any) -> Any:
+    """The current vLLM config when it holds ``parallel_config``, else None."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
         return None
-    dp = get_forward_context().dp_metadata
-    if dp is None:
+    held = config.parallel_config
+    return config if held is parallel_config or held == parallel_config else None
+
+
+def _model_spec(vllm_config: Any) -> Optional[ModelSpec]:
+    """The MoE shape of vLLM's model config (DeepSeek-V2/V3, Qwen2/3-MoE), at the dtype vLLM
+    serves it in; None without a model config or for a family moe-plugins cannot read."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
         return None
-    # The runner sets the chunk sizes around the MoE call; outside it the per-DP-rank totals.
-    sizes = (dp.get_chunk_sizes_across_dp_rank() if getattr(dp, "local_sizes", None) is not None
-             else dp.num_tokens_across_dp_cpu.tolist())
-    if not sizes:
+    data = dict(model_config.hf_text_config.to_dict())
+    data["torch_dtype"] = str(model_config.dtype).removeprefix("torch.")
+    try:
+        return model_spec_from_dict(data, f"{model_config.model} (vLLM model config)")
+    except ValueError:
         return None
-    largest = int(max(sizes))
-    if layout.tp > 1 and len(sizes) == layout.world_size:
-        return largest
-    return owned_rows(largest, layout.tp, 0).num_owned
 
 
 @dataclass
 class _Call:
-    """Per-call state between prepare and finalize."""
+    """Per-call state between prepare and finalize (one per micro-batch)."""
 
     owned: OwnedTokens
 
@@ -344,13 +541,24 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     backend: None for TP_UNIFIED (no dispatch); its activation format (standard or batched) is
     the one vLLM's experts get. ``stats`` counts what this layer sent (the backend's counters) and
     ``calls`` the prepares that ran. ``quants``: what the backend can put on the wire.
+    ``global_to_physical``: vLLM's routing table (int [num_experts], the first of the
+    ``routing_tables`` it hands its LL backends with round-robin placement), None where vLLM's
+    ids are already physical (linear, EPLB); a round-robin ``expert_map`` without one is
+    recognised and mapped with the same table.
+    ``micro_batch_backends``: prepare/finalize objects of the same backend over the same manager
+    for micro-batch ids 1, 2, ... (vLLM's dual-batch overlap; ``backend`` serves id 0);
+    ``stats`` sums them all.
     """
 
     def __init__(self, backend: Optional[PrepareFinalize], backend_name: str, ctx: DistContext,
                  choice: StrategyChoice, overlap: OverlapConfig, num_experts: int,
                  wire_scheme: Optional[QuantScheme],
-                 quants: frozenset[QuantScheme] = frozenset(QuantScheme)):
+                 quants: frozenset[QuantScheme] = frozenset(QuantScheme),
+                 global_to_physical: Optional[torch.Tensor] = None,
+                 micro_batch_backends: Sequence[PrepareFinalize] = ()):
         super().__init__()
+        if backend is None and micro_batch_backends:
+            raise ValueError("micro_batch_backends need a backend for micro-batch 0")
         layout = ctx.layout
         if num_experts % layout.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP size "
@@ -364,16 +572,39 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.overlap = overlap
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // layout.ep_size
-        self.first_expert = ctx.rank * self.experts_per_rank
-        self.stats: DispatchStats = backend.stats if backend is not None else DispatchStats()
+        self._g2p = None if global_to_physical is None else global_to_physical.to(torch.int64)
+        # vLLM id of each local slot, then (index num_local) one held elsewhere; from expert_map
+        self._slot_ids: Optional[torch.Tensor] = None
+        self._placement_map: Optional[torch.Tensor] = None
+        self._no_stats = DispatchStats()
         self.calls = 0
         self._wire_scheme = wire_scheme
         self._quants = quants
         self._quant = QuantSpec()
         self._recv_quant: Optional[ReceiveQuant] = None
         self._nvfp4_swizzle = False
-        self._placement_checked = False
-        self._call: Optional[_Call] = None
+        self._first_call_logged = False
+        # The TP group the tokens handed to prepare are shared by. Under vLLM's sequence-parallel
+        # MoE the model already gave this rank its owned chunk (padded and split as owned_rows
+        # does it), so it owns all of it, as a group of one: nothing is sliced a second time.
+        sp = choice.strategy is ReductionStrategy.SP_ALLGATHER
+        self._tp, self._tp_rank = (1, 0) if sp else (layout.tp, ctx.tp_rank)
+        # micro-batch id -> its backend object and its call in flight
+        self._backends: tuple[PrepareFinalize, ...] = (
+            () if backend is None else (backend, *micro_batch_backends))
+        # read once: only a per-call backend pays for reading vLLM's forward context per call
+        self._wants_hint = backend is not None and backend.uses_batch_hint
+        self._calls: dict[int, _Call] = {}
+
+    @property
+    def stats(self) -> DispatchStats:
+        """What this layer sent: the backend's counters, summed over its micro-batch objects
+        (read when asked, not per call)."""
+        if self.backend is None:
+            return self._no_stats
+        if len(self._backends) == 1:
+            return self.backend.stats
+        return DispatchStats.total([b.stats for b in self._backends])
 
     # -- capabilities ------------------------------------------------------------------------
     @property
@@ -391,11 +622,29 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return 1 if self.backend is None else self.backend.num_dispatchers()
 
     def output_is_reduced(self) -> bool:
-        return self.strategy in (ReductionStrategy.LOCAL, ReductionStrategy.GATHER_PLUS_ALLREDUCE)
+        # SP_ALLGATHER: the rows of this rank's chunk are complete (vLLM's runner reduces
+        # nothing under SP; the model all_gathers), as vLLM's in-tree SP backends report.
+        return self.strategy in (ReductionStrategy.LOCAL, ReductionStrategy.GATHER_PLUS_ALLREDUCE,
+                                 ReductionStrategy.SP_ALLGATHER)
 
     def supports_async(self) -> bool:
         # vLLM runs the shared expert between finalize_async and its receive hook.
         return self.overlap.overlap and self.backend is not None and self.backend.supports_async()
+
+    def supports_dbo(self) -> bool:
+        """Micro-batch safe: no dispatch (TP_UNIFIED), or one backend object per micro-batch."""
+        return self.backend is None or len(self._backends) > 1
+
+    def _slot(self) -> int:
+        """The calling micro-batch's id (0 without dual-batch overlap), checked."""
+        ubatch = dbo_current_ubatch_id()
+        if self.backend is not None and ubatch >= len(self._backends):
+            raise RuntimeError(
+                f"micro-batch {ubatch} called layer backend {self.backend_name!r}, which was "
+                f"built with {len(self._backends)} call slot(s); build it under the vLLM config "
+                "that enables dual-batch overlap (--enable-dbo), with a backend whose "
+                "capabilities list micro_batch")
+        return ubatch
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
         """Check the experts against what the backend delivers; fix the wire quantization; then
@@ -404,8 +653,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._setup_for_experts(fused_experts)
         # Only a quantized wire has a scale format to adapt (experts that take unquantized
         # inputs get bf16 whatever the layer's quant config says).
-        if self.backend is not None and self._quant.quantized_on_wire:
-            self.backend.post_init_setup(fused_experts)
+        if self._quant.quantized_on_wire:
+            for backend in self._backends:
+                backend.post_init_setup(fused_experts)
 
     def _setup_for_experts(self, fused_experts: mk.FusedMoEExperts) -> None:
         if self.batched:
@@ -481,33 +731,62 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_placement(self, expert_map: Optional[torch.Tensor]) -> None:
-        """Our transports place experts in contiguous blocks per EP rank: vLLM's 'linear'."""
-        if self._placement_checked:
+        """Once per ``expert_map`` tensor (one host sync): it must hold on this rank exactly the
+        slots the transport delivers here (physical id p on rank p // num_local, after the
+        routing table); builds the slot -> vLLM id table the standard format returns."""
+        if self._slot_ids is not None and expert_map is self._placement_map:
             return
-        n, first = self.experts_per_rank, self.first_expert
-        expected = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        expected[first:first + n] = torch.arange(n)
-        got = None if expert_map is None else expert_map.detach().to("cpu", torch.int64)
-        if self.ctx.layout.ep_size > 1 and (got is None or not torch.equal(got, expected)):
+        e, per, rank, ep = self.num_experts, self.experts_per_rank, self.ctx.rank, \
+            self.ctx.layout.ep_size
+        got = (torch.arange(e) if expert_map is None and ep == 1
+               else None if expert_map is None else expert_map.detach().to("cpu", torch.int64))
+        if got is None or got.shape != (e,):
+            raise ValueError(f"EP rank {rank} got expert_map "
+                             f"{None if got is None else tuple(got.shape)}, expected int "
+                             f"[{e}] (vLLM's id -> local slot, -1 elsewhere) under EP size {ep}")
+        if self._g2p is None and ep > 1 and torch.equal(
+                got, _slots_of(ExpertPlacement.round_robin(e, ep).global_to_physical(), per, rank)):
+            # vLLM's round-robin placement without its routing table: the same table, made here
+            self._g2p = ExpertPlacement.round_robin(e, ep).global_to_physical()
+        g2p = torch.arange(e) if self._g2p is None else self._g2p.to("cpu")
+        expected = _slots_of(g2p, per, rank)
+        if not torch.equal(got, expected):
             raise ValueError(
-                f"EP rank {self.ctx.rank} holds experts {None if got is None else got.tolist()} "
-                f"(expert_map), moe-plugins places experts in contiguous blocks "
-                f"({first}..{first + n - 1} here); use --expert-placement-strategy linear and no "
-                "EPLB with moe-plugins backends"
-            )
-        self._placement_checked = True
+                f"EP rank {rank} holds slots {got.tolist()} (expert_map) but the transport "
+                f"delivers {expected.tolist()} here (physical id p on EP rank p // {per}, "
+                f"{'after the routing table' if self._g2p is not None else 'ids as given'}); "
+                "moe-plugins serves vLLM's linear and round-robin placements and EPLB's physical "
+                "experts. Use --expert-placement-strategy linear or round_robin")
+        slot_ids = torch.zeros(per + 1, dtype=torch.int64)
+        mine = got >= 0
+        slot_ids[got[mine]] = torch.arange(e)[mine]
+        elsewhere = (~mine).nonzero().flatten()
+        slot_ids[per] = int(elsewhere[0]) if elsewhere.numel() else 0  # weight 0 there anyway
+        device = expert_map.device if expert_map is not None else self.ctx.device
+        self._slot_ids = slot_ids.to(device)
+        if self._g2p is not None:
+            self._g2p = self._g2p.to(device)
+        self._placement_map = expert_map
+
+    def _physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """vLLM's ids -> the PHYSICAL ids the transports dispatch (same shape and dtype)."""
+        if self._g2p is None:
+            return topk_ids
+        return self._g2p[topk_ids.long()].to(topk_ids.dtype)
 
     def _global_ids(self, prep: PrepareResult, ids_dtype: torch.dtype, weights_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """LOCAL ids (-1: elsewhere) -> GLOBAL ids; elsewhere -> an expert this rank does not
-        hold, with weight 0."""
+        """LOCAL slots (-1: elsewhere) -> vLLM's ids through the inverse of ``expert_map``;
+        elsewhere -> an id this rank does not hold, with weight 0."""
         assert prep.topk_ids is not None and prep.topk_weights is not None
+        assert self._slot_ids is not None
         local = prep.topk_ids
-        held_elsewhere = (self.first_expert + self.experts_per_rank) % self.num_experts
-        ids = torch.where(local >= 0, local + self.first_expert,
-                          torch.full_like(local, held_elsewhere)).to(ids_dtype)
-        weights = torch.where(local >= 0, prep.topk_weights,
-                              torch.zeros_like(prep.topk_weights)).to(weights_dtype)
+        ids = self._slot_ids[local]  # -1 indexes the last entry: an id held elsewhere
+        weights = prep.topk_weights.masked_fill(local < 0, 0)
+        if ids.dtype is not ids_dtype:
+            ids = ids.to(ids_dtype)
+        if weights.dtype is not weights_dtype:
+            weights = weights.to(weights_dtype)
         return ids, weights
 
     def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -534,6 +813,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return slots[None, :] < counts[:, None]
 
     def _log_first_call(self, num_tokens: int) -> None:
+        self._first_call_logged = True
         key = self.backend_name
         if key not in _FIRST_CALL_LOGGED:
             _FIRST_CALL_LOGGED.add(key)
@@ -550,13 +830,14 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         (hook, receiver) or a receiver; the receiver gives vLLM's 5-tuple (x, x_sf,
         expert_tokens_meta, topk_ids, topk_weights) of the received rows (standard: GLOBAL ids;
         batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights)."""
-        self._check_placement(expert_map)
-        if self._call is not None and self.backend is not None:
-            # The last call raised between prepare and finalize; its error already surfaced.
-            self.backend.reset_call_state()
-            self._call = None
+        slot = self._slot()
+        if self._calls.pop(slot, None) is not None:
+            # This micro-batch's last call raised between prepare and finalize; its error
+            # already surfaced.
+            self._backends[slot].reset_call_state()
         self.calls += 1
-        self._log_first_call(a1.shape[0])
+        if not self._first_call_logged:
+            self._log_first_call(a1.shape[0])
         if apply_router_weight_on_input:
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input needs num_topk == 1, got "
@@ -567,7 +848,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 # finalize passes on): the input already carries the router weight, so it
                 # combines with unit weights, as vLLM's in-tree batched backends do.
                 topk_weights = torch.ones_like(topk_weights)
-        quant = QuantSpec() if defer_input_quant else self._quant
+        quant = _DEFERRED if defer_input_quant else self._quant
         if self.backend is None:  # no dispatch: quantize the local rows as a receive would
             if self._recv_quant is not None and not defer_input_quant:
                 every_row = torch.ones(a1.shape[0], dtype=torch.bool, device=a1.device)
@@ -578,13 +859,24 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     x_sf = swizzle_nvfp4_sf(x_sf)
             return lambda: (x, x_sf, None, None, None)
 
-        layout = self.ctx.layout
-        owned = slice_owned(owned_rows(a1.shape[0], layout.tp, self.ctx.tp_rank), a1, topk_ids,
-                            topk_weights)
-        sent = self.backend.prepare_async_bounded(owned.hidden_states, owned.topk_weights,
-                                                  owned.topk_ids, quant,
-                                                  max_dispatched_tokens(layout))
-        self._call = _Call(owned)
+        self._check_placement(expert_map)  # TP_UNIFIED (no backend) takes any expert_map
+        rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
+        ids = self._physical_ids(topk_ids)
+        # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
+        # slice_owned would check (the three tensors cover the same tokens).
+        owned = (OwnedTokens(rows, a1, ids, topk_weights) if self._tp == 1
+                 else slice_owned(rows, a1, ids, topk_weights))
+        backend = self._backends[slot]
+        if self._wants_hint:
+            # per-call backends pick their transport (deepep_auto) or size their receive rows
+            # (flashinfer two-sided, by vLLM's DP metadata as vLLM's in-tree two-sided backend)
+            # from what every rank agrees on; under SP a1 is already this rank's chunk (vLLM
+            # pads the chunks to one size)
+            backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
+                                              presliced=self._tp != self.ctx.layout.tp))
+        sent = backend.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
+                                     quant)
+        self._calls[slot] = _Call(owned)
 
         recv_quant = None if defer_input_quant else self._recv_quant
 
@@ -622,17 +914,21 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """output [num_tokens, hidden] (written in place); fused_expert_output: the experts'
         output for the received rows (standard: reduced here by ``weight_and_reduce_impl``;
         batched: [num_local_experts, max_recv_tokens, hidden], weighted by the combine)."""
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate) and not self.batched:
+        if not self.batched and isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
             weight_and_reduce_impl = TopKWeightAndReduceContiguous()
         if self.backend is None:
             weight_and_reduce_impl.apply(output=output, fused_expert_output=fused_expert_output,
                                          topk_weights=topk_weights, topk_ids=topk_ids,
                                          apply_router_weight_on_input=apply_router_weight_on_input)
             return lambda: None
-        call, self._call = self._call, None
+        slot = self._slot()
+        call = self._calls.pop(slot, None)
         if call is None:
             raise RuntimeError("finalize called without a matching prepare on this layer")
-        backend = self.backend
+        backend = self._backends[slot]
+        # As vLLM's in-tree LL class: receive what the other micro-batch left in flight before
+        # this combine's send (no-op without dual-batch overlap).
+        dbo_maybe_run_recv_hook()
         try:
             if self.batched:
                 expert_out = fused_expert_output
@@ -644,7 +940,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                 expert_out = expert_out.clone()  # vLLM may alias the experts' output to `output`
             rows = call.owned.rows
-            target = output[rows.as_slice]
+            owns_all = rows.num_owned == rows.num_tokens
+            target = output if owns_all else output[rows.as_slice]
             sent: AsyncResult = backend.finalize_async(expert_out, call.owned.topk_weights,
                                                        call.owned.topk_ids, target)
         except BaseException:
@@ -658,7 +955,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 backend.reset_call_state()
             if self.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE:
                 self._all_gather_rows(output, rows.start, rows.stop, rows.chunk)
-            elif rows.num_owned != rows.num_tokens:
+            elif not owns_all:
                 output[:rows.start].zero_()
                 output[rows.stop:].zero_()
 
@@ -685,10 +982,39 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         output.copy_(gathered[: output.shape[0]])
 
 
-def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = False
+def _slots_of(global_to_physical: torch.Tensor, per_rank: int, rank: int) -> torch.Tensor:
+    """int64 [num_experts]: the local slot on ``rank`` of each id whose physical expert it holds
+    (physical p on rank p // per_rank), -1 elsewhere: the expert_map the transport implies."""
+    g2p = global_to_physical.long()
+    return torch.where(g2p // per_rank == rank, g2p % per_rank, torch.full_like(g2p, -1))
+
+
+def micro_batches(spec: BackendSpec) -> int:
+    """How many calls of one layer vLLM keeps in flight under the current config: its number of
+    micro-batches with dual-batch overlap / micro-batching on, else 1. Raises ValueError when
+    they are on and ``spec`` is not micro-batch safe (the config check lets only those through,
+    so this is the backstop for configs built around it)."""
+    from vllm.config import get_current_vllm_config
+
+    parallel = get_current_vllm_config().parallel_config
+    if not getattr(parallel, "use_ubatching", False):
+        return 1
+    if not spec.capabilities.micro_batch:
+        raise ValueError(f"dual-batch overlap / micro-batching is on, but moe-plugins backend "
+                         f"{spec.name!r} is not micro-batch safe; name one whose capabilities list "
+                         f"micro_batch ({', '.join(dbo_backend_names()) or 'none registered'}) or "
+                         "turn off --enable-dbo and --ubatch-size")
+    return int(parallel.num_ubatches)
+
+
+def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = False,
+                          routing_tables: Optional[tuple[torch.Tensor, ...]] = None
                           ) -> Optional[MoEPluginsPrepareAndFinalize]:
     """Our prepare/finalize for a vLLM MoE layer (FusedMoEConfig ``moe``) whose
-    ``--all2all-backend`` is ours; None when EP is off (vLLM's own no-dispatch path then runs)."""
+    ``--all2all-backend`` is ours; None when EP is off (vLLM's own no-dispatch path then runs).
+    ``routing_tables``: vLLM's (global_to_physical, physical_to_global, local_expert_global_ids)
+    for round-robin placement, or None. The transport's id space is vLLM's ``moe.num_experts``
+    (physical experts, redundant ones included): vLLM's router maps logical ids to it."""
     name = moe.moe_parallel_config.all2all_backend
     if use_monolithic and moe.moe_parallel_config.use_ep:
         raise ValueError(f"--all2all-backend {name} needs a modular MoE experts kernel; this "
@@ -709,20 +1035,29 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
     manager = ep_manager()
     ctx = manager.dist_context(layout, moe.device)
     backend = None
+    slots: list[PrepareFinalize] = []
     if choice.strategy.dispatches:
-        backend = manager.build(spec, ctx, DispatchConfig(
+        cfg = DispatchConfig(
             num_experts=moe.num_experts, hidden=moe.hidden_dim, num_topk=moe.experts_per_token,
             max_tokens_per_rank=max(1, moe.max_num_tokens), dtype=moe.in_dtype,
-            quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE)))
+            quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE))
+        backend = manager.build(spec, ctx, cfg)
+        # one more object per further micro-batch, on the manager (buffer) cached for cfg
+        slots = [manager.build(spec, ctx, cfg) for _ in range(micro_batches(spec) - 1)]
     pf = MoEPluginsPrepareAndFinalize(backend, spec.name, ctx, choice, plan.settings.overlap,
-                                      moe.num_experts, wire_scheme, spec.quants)
+                                      moe.num_experts, wire_scheme, spec.quants,
+                                      None if routing_tables is None else routing_tables[0],
+                                      micro_batch_backends=slots)
     key = (spec.name, layout, choice.strategy, plan.settings, wire_scheme)
     if key not in _LOGGED:
         _LOGGED.add(key)
         logger.info("moe-plugins vLLM layer: backend=%s layout=%s EP rank %d strategy=%s (%s) "
-                    "output_is_reduced=%s shared-expert overlap=%s format=%s quant=%s", spec.name,
+                    "output_is_reduced=%s shared-expert overlap=%s format=%s quant=%s "
+                    "experts=%d physical (%d logical)%s", spec.name,
                     layout.describe(), ctx.rank, choice.strategy.value, choice.reason,
                     pf.output_is_reduced(), "on" if pf.supports_async() else "off",
                     "batched" if pf.batched else "standard",
-                    (wire_scheme or QuantScheme.NONE).value)
+                    (wire_scheme or QuantScheme.NONE).value, moe.num_experts,
+                    getattr(moe, "num_logical_experts", moe.num_experts),
+                    " with vLLM's routing table" if routing_tables is not None else "")
     return pf

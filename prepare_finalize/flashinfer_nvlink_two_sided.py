@@ -24,10 +24,11 @@ import torch
 
 from all2all.flashinfer import INSTALL_HINT, FlashInferAll2AllManager
 from moe_plugins.config import DispatchConfig
-from moe_plugins.counters import DispatchStats
-from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
-                                   RowScatterTarget, check_prepare_inputs, write_output)
-from moe_plugins.layout import destination_ranks, local_expert_ids
+from moe_plugins.counters import DispatchStats, host_count
+from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
+                                   PrepareResult, RowScatterTarget, check_prepare_inputs,
+                                   write_output)
+from moe_plugins.layout import LocalIdMap, destination_ranks
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
@@ -44,15 +45,6 @@ class _CallState:
     recv_tokens: Optional[int] = None
 
 
-def _host_int(t: torch.Tensor) -> Optional[int]:
-    """A count for the stats, or None on a GPU: reading a device scalar would stall the stream
-    on every call (and cannot happen during CUDA-graph capture), so on CUDA only the pairs and
-    calls are counted, which the host knows without a read."""
-    if t.is_cuda:
-        return None
-    return int(t)
-
-
 def _row_bytes(t: torch.Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
 
@@ -60,8 +52,8 @@ def _row_bytes(t: torch.Tensor) -> int:
 class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
     """STANDARD layout: prepare returns ``num_recv_tokens = num_ranks * tokens_per_rank`` rows
     (source-rank major), ``tokens_per_rank`` being the call's bound
-    (:meth:`prepare_async_bounded`: the most tokens any rank sends in this call) or, without
-    one, the layer's ``max_tokens_per_rank``; rows that carry no token have topk_ids -1 in every
+    (:meth:`set_batch_hint` before the call: the most tokens any rank sends in it, the same on
+    every rank) or, without one, the layer's ``max_tokens_per_rank``; rows that carry no token have topk_ids -1 in every
     column and unspecified x. topk_ids are LOCAL expert ids,
     -1 where the expert lives on another rank. expert_tokens_meta is None."""
 
@@ -75,6 +67,8 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._state: Optional[_CallState] = None
+        self._hint: Optional[BatchHint] = None
+        self._local_id_map = LocalIdMap(manager.placement, manager.rank)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -87,36 +81,43 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.manager.reset_call_state()
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """GLOBAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
+        """PHYSICAL int32 ids -> LOCAL int64 ids, -1 outside this rank's experts (other ranks'
         experts, the kernels' invalid id on rows that carry no token)."""
-        m = self.manager
-        return local_expert_ids(topk_ids, m.rank * m.experts_per_rank, m.experts_per_rank)
+        return self._local_id_map(topk_ids)
 
     def _count_dispatch(self, topk_ids: torch.Tensor, x: torch.Tensor, x_sf: Optional[torch.Tensor],
                         local_ids: torch.Tensor) -> Optional[int]:
         """Add this call's payload (without the kernels' 16-byte row padding) to the stats;
-        returns the received rows that carry a token."""
+        returns the received rows that carry a token. On a GPU only calls and pairs are
+        counted, and no kernel runs for the stats (see :func:`moe_plugins.counters.host_count`)."""
         m, s = self.manager, self.stats
         s.calls += 1
         s.pairs += topk_ids.numel()
-        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
-        rows = _host_int(hit.sum())
+        if topk_ids.is_cuda:
+            return None
+        hit = destination_ranks(topk_ids, m.placement)
+        rows = host_count(hit.sum())
         if rows is not None:
             s.rows += rows
             s.act_bytes += rows * _row_bytes(x)
             s.sf_bytes += rows * _row_bytes(x_sf) if x_sf is not None else 0
             s.meta_bytes += rows * m.num_topk * (4 + 4)  # int32 ids + float32 weights
-        return _host_int((local_ids >= 0).any(dim=1).sum())
+        return host_count((local_ids >= 0).any(dim=1).sum())
+
+    #: the engine's hint bounds the next call's receive rows
+    uses_batch_hint = True
+
+    def set_batch_hint(self, hint: Optional[BatchHint]) -> None:
+        """The next prepare's receive rows follow ``hint.max_tokens_per_rank`` (the same on
+        every EP rank; see the class doc); None: the layer's ``max_tokens_per_rank``. A hint
+        covers one call."""
+        self._hint = hint
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
-        return self.prepare_async_bounded(hidden_states, topk_weights, topk_ids, quant, None)
-
-    def prepare_async_bounded(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                              topk_ids: torch.Tensor, quant: QuantSpec,
-                              max_tokens_across_ranks: Optional[int]) -> AsyncResult:
-        """The receive rows follow ``max_tokens_across_ranks`` (see the class doc); the
-        workspaces do not depend on it."""
+        """The receive rows follow the call's hint (see the class doc); the workspaces do not
+        depend on it."""
+        hint, self._hint = self._hint, None  # a hint covers one call
         check_prepare_inputs(hidden_states, topk_weights, topk_ids)
         if self._state is not None:
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
@@ -133,7 +134,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
                 f"hidden_states {tuple(hidden_states.shape)} / topk_ids {tuple(topk_ids.shape)} do "
                 f"not match the layer (hidden={cfg.hidden}, num_topk={cfg.num_topk})"
             )
-        tokens_per_rank = m.tokens_per_rank(n, max_tokens_across_ranks)
+        tokens_per_rank = m.tokens_per_rank(n, None if hint is None else hint.max_tokens_per_rank)
         state = self._state = _CallState(n, m.recv_rows(tokens_per_rank))
 
         def receiver() -> PrepareResult:
@@ -193,7 +194,7 @@ SPEC = BackendSpec(
     # backend sends every token from every TP rank), so row-scatter applies as well. SP no:
     # vLLM's use_sequence_parallel_moe does not list this backend.
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=False, row_scatter=True,
-                              recv_hook=False),
+                              recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     required=(RequiredPackage("flashinfer", INSTALL_HINT),),
     needs_cuda=True,

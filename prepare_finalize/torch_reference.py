@@ -3,6 +3,13 @@
 Runs anywhere torch.distributed runs (gloo on CPU, NCCL on GPU); the embedded default. A token is
 sent to each destination rank once, however many of its experts live there; the receiving rank
 sums its local experts' weighted outputs and sends one row back.
+
+Faults (:mod:`moe_plugins.faults`): the split-size all-to-all that starts every call is the host
+exchange. Each rank's input checks run before it but raise only after it, their outcome (and
+whether any expert id is outside [-1, num_experts)) travelling in the exchanged header with the
+call's sequence number and layer digest; so a bad input on one rank makes every rank raise at
+the same point, and a peer that skipped a call or is in another layer is caught at once. Expert
+id -1 means "no expert" (the token is not sent for that slot).
 """
 from __future__ import annotations
 
@@ -14,10 +21,13 @@ import torch
 from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
+from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_EXPERT_IDS, STATUS_BAD_INPUT,
+                                check_peers, collective_error, config_digest, group_faults,
+                                in_step)
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, write_output)
-from moe_plugins.layout import destination_ranks, local_expert_ids
+                                   check_finalize_routing, check_prepare_inputs, write_output)
+from moe_plugins.layout import LocalIdMap, destination_ranks
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities
 
@@ -27,12 +37,14 @@ __all__ = ["TorchPrepareFinalize", "SPEC"]
 @dataclass
 class _DispatchHandle:
     """What combine needs from dispatch. token_index: int64 [num_sent_rows], the owned row each
-    sent row came from, grouped by destination rank."""
+    sent row came from, grouped by destination rank; num_recv: sum(recv_splits)."""
 
     num_tokens: int
     token_index: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+    num_recv: int
+    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
 
 
 class TorchPrepareFinalize(PrepareFinalize):
@@ -45,6 +57,20 @@ class TorchPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._handle: Optional[_DispatchHandle] = None
+        self.faults = group_faults(getattr(manager, "group", None))
+        self.name = (f"torch backend layer (experts={cfg.num_experts} hidden={cfg.hidden} "
+                     f"topk={cfg.num_topk}, EP rank {getattr(manager, 'rank', '?')})")
+        # The layer's config (placement included) and its creation index on the group: ranks
+        # in different layers (even of equal config) disagree on it.
+        placement = getattr(manager, "placement", None)
+        self._digest = config_digest("torch", cfg.num_experts, cfg.hidden, cfg.num_topk,
+                                     str(cfg.dtype), cfg.quant,
+                                     placement.describe() if placement is not None else None,
+                                     self.faults.next_layer_index())
+        self._timeout_s = getattr(getattr(manager, "ctx", None), "timeout_s", None)
+        self._local_ids: Optional[LocalIdMap] = None  # made on the first receive
+        # Per device, a 1-element int32 one: expanded, the source of the per-expert count scatter.
+        self._ones: dict[torch.device, torch.Tensor] = {}
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -53,56 +79,111 @@ class TorchPrepareFinalize(PrepareFinalize):
         return True
 
     def reset_call_state(self) -> None:
+        if self._handle is not None:  # dispatched, never combined: peers wait in the combine
+            self.faults.mark_broken(f"call {self.faults.seq} was abandoned between its "
+                                    "dispatch and its combine")
         self._handle = None
+
+    def _wait(self, work: "object | None", what: str) -> None:
+        if work is not None:
+            try:
+                work.wait()  # type: ignore[attr-defined]
+            except RuntimeError as e:
+                raise collective_error(self.faults, self.name, what, self._timeout_s, e) from e
+
+    def _local_ids_and_counts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received PHYSICAL ids int64 [num_recv, num_topk] -> (LOCAL ids, -1 elsewhere; int32
+        [num_local_experts] pairs per local expert) in five small kernels, no host sync."""
+        one = self._ones.get(ids.device)
+        if one is None:
+            one = self._ones[ids.device] = torch.ones(1, dtype=torch.int32, device=ids.device)
+        if self._local_ids is None:
+            m = self.manager
+            self._local_ids = LocalIdMap(m.placement, m.rank)
+        local = self._local_ids(ids)
+        # a token's experts are distinct, so pairs per local expert == tokens per expert; slot 0
+        # of the scatter collects the -1 entries
+        counts = torch.zeros(self.manager.placement.num_local + 1, dtype=torch.int32,
+                             device=ids.device)
+        counts.scatter_add_(0, (local + 1).flatten(), one.expand(local.numel()))
+        return local, counts[1:]
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
-        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        f = self.faults
+        f.check(self.name)
         if self._handle is not None:
+            f.mark_broken("prepare called twice without finalize")
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         m = self.manager
+        try:  # raised after the exchange, so that every rank raises alike
+            check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
+            input_error: Optional[Exception] = None
+        except (ValueError, TypeError) as e:
+            input_error = e
+        num_physical = m.placement.num_physical
+        header = torch.empty(m.num_ranks, HEADER_WORDS, dtype=torch.int64,
+                             device=hidden_states.device)
+        f.seq += 1
+        header[:, 1], header[:, 2] = f.seq, self._digest
+        if input_error is None:
+            hit = destination_ranks(topk_ids, m.placement)
+            header[:, 0] = hit.sum(dim=0)
+            ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
+            header[:, 3] = ((ids < -1) | (ids >= num_physical)).any() * STATUS_BAD_EXPERT_IDS
+        else:
+            header[:, 0], header[:, 3] = 0, STATUS_BAD_INPUT
+        try:
+            recv = m.exchange_header(header)
+        except RuntimeError as e:
+            raise collective_error(f, self.name, "split-size exchange", self._timeout_s, e) from e
+        # One host sync for the split lists, the peers' headers and our own status.
+        flat = torch.cat([header[:, 0], header[:1, 3], recv.flatten()]).tolist()
+        r = m.num_ranks
+        send_splits, own_status = flat[:r], flat[r]
+        peers = [flat[r + 1 + i * HEADER_WORDS: r + 1 + (i + 1) * HEADER_WORDS] for i in range(r)]
+        check_peers(f, self.name, m.rank, f.seq, self._digest, peers)
+        if input_error is not None:
+            raise in_step(input_error)
+        if own_status == STATUS_BAD_EXPERT_IDS:
+            raise in_step(ValueError(
+                f"{self.name}: topk_ids hold expert ids outside [-1, {num_physical}) "
+                f"(-1: no expert); route over the layer's {num_physical} (physical) experts"))
+        recv_splits = [peer[0] for peer in peers]
+        num_recv = sum(recv_splits)
         n = hidden_states.shape[0]
-        hit = destination_ranks(topk_ids, m.experts_per_rank, m.num_ranks)
-        send_counts = hit.sum(dim=0)
-        # One host sync for both split lists (the receive sizes must be known to allocate).
-        send_splits, recv_splits = torch.stack([send_counts, m.exchange_counts(send_counts)]).tolist()
         # Rows sent, grouped by destination rank, each token once per rank.
         _, token_index = hit.t().nonzero(as_tuple=True)
 
         x, x_sf = quantize_for_dispatch(hidden_states, quant)
-        payload = {"x": x[token_index], "ids": topk_ids.long()[token_index],
-                   "weights": topk_weights.float()[token_index]}
+        weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
+        payload = [x[token_index], ids[token_index], weights[token_index]]
         if x_sf is not None:
-            payload["x_sf"] = x_sf[token_index]
-        sent = {k: m.all_to_all(v, send_splits, recv_splits) for k, v in payload.items()}
+            payload.append(x_sf[token_index])
+        sent = [m.all_to_all(t, send_splits, recv_splits, num_recv) for t in payload]
 
         s = self.stats
+        rows = token_index.numel()
         s.calls += 1
         s.pairs += topk_ids.numel()
-        s.rows += token_index.numel()
-        s.act_bytes += tensor_bytes(payload["x"])
-        s.sf_bytes += tensor_bytes(payload.get("x_sf"))
-        s.meta_bytes += tensor_bytes(payload["ids"]) + tensor_bytes(payload["weights"])
-        self._handle = _DispatchHandle(n, token_index, send_splits, recv_splits)
+        s.rows += rows
+        s.act_bytes += tensor_bytes(payload[0])
+        s.sf_bytes += tensor_bytes(payload[3]) if x_sf is not None else 0
+        s.meta_bytes += rows * ids.shape[1] * (8 + 4)  # int64 ids + float32 weights
+        self._handle = _DispatchHandle(n, token_index, send_splits, recv_splits, num_recv, topk_ids)
 
         def hook() -> None:
-            for _, work in sent.values():
-                if work is not None:
-                    work.wait()
+            for key, (_, work) in zip(("x", "ids", "weights", "x_sf"), sent):
+                self._wait(work, f"dispatch all-to-all of {key!r}")
 
         def receiver() -> PrepareResult:
-            ids = sent["ids"][0]
-            local = local_expert_ids(ids, m.rank * m.experts_per_rank, m.experts_per_rank)
-            # a token's experts are distinct, so pairs per local expert == tokens per expert
-            valid = local >= 0
-            counts = torch.zeros(m.experts_per_rank, dtype=torch.int32, device=ids.device)
-            counts.scatter_add_(0, local.clamp(min=0).flatten(), valid.flatten().to(torch.int32))
+            local, counts = self._local_ids_and_counts(sent[1][0])
             return PrepareResult(
-                x=sent["x"][0],
-                x_sf=sent["x_sf"][0] if "x_sf" in sent else None,
+                x=sent[0][0],
+                x_sf=sent[3][0] if x_sf is not None else None,
                 expert_tokens_meta=ExpertTokensMeta(counts),
                 topk_ids=local,
-                topk_weights=sent["weights"][0],
+                topk_weights=sent[2][0],
             )
 
         return AsyncResult(hook, receiver)
@@ -112,24 +193,27 @@ class TorchPrepareFinalize(PrepareFinalize):
         h = self._handle
         if h is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
-        if fused_expert_output.shape[0] != sum(h.recv_splits):
+        check_finalize_routing(h.topk_ids, topk_ids, topk_weights)
+        if fused_expert_output.shape[0] != h.num_recv:
             raise ValueError(f"fused_expert_output has {fused_expert_output.shape[0]} rows, "
-                             f"prepare received {sum(h.recv_splits)}")
+                             f"prepare received {h.num_recv}")
         # Combine is the reverse all-to-all: what we received goes back where it came from.
-        recv, work = self.manager.all_to_all(fused_expert_output, h.recv_splits, h.send_splits)
+        recv, work = self.manager.all_to_all(fused_expert_output, h.recv_splits, h.send_splits,
+                                             h.token_index.numel())
         self.stats.combine_bytes += tensor_bytes(fused_expert_output)
 
         def hook() -> None:
-            if work is not None:
-                work.wait()
+            self._wait(work, "combine all-to-all")
 
         def receiver() -> torch.Tensor:
             hidden = fused_expert_output.shape[1]
             acc = torch.zeros(h.num_tokens, hidden, dtype=torch.float32, device=recv.device)
-            acc.index_add_(0, h.token_index, recv.float())
-            combined = acc.to(fused_expert_output.dtype)
+            acc.index_add_(0, h.token_index, recv if recv.dtype is torch.float32 else recv.float())
             self._handle = None
-            return write_output(output, combined)
+            if isinstance(output, RowScatterTarget) or output.dtype is not fused_expert_output.dtype:
+                return write_output(output, acc.to(fused_expert_output.dtype))
+            # copy_ rounds to the output dtype on the way, as .to() would, without a temporary
+            return write_output(output, acc)
 
         return AsyncResult(hook, receiver)
 
@@ -139,7 +223,7 @@ SPEC = BackendSpec(
     prepare_finalize=TorchPrepareFinalize,
     manager=TorchAll2AllManager,
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                              recv_hook=False),
+                              recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     description="reference all_to_all_single over torch.distributed (gloo on CPU, NCCL on GPU)",
 )

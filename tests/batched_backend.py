@@ -49,7 +49,7 @@ class BatchedTorchPrepareFinalize(TorchPrepareFinalize):
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
         sent = super().prepare_async(hidden_states, topk_weights, topk_ids, quant)
         capacity = self.cfg.max_tokens_per_rank * self.num_dispatchers()
-        e_local = self.manager.experts_per_rank
+        e_local = self.manager.placement.num_local
 
         def receiver() -> PrepareResult:
             std = sent.receiver()

@@ -1,6 +1,10 @@
 """Rank functions for the flashinfer_nvlink_two_sided tests: each installs the flashinfer emulation
 (tests/emulation/flashinfer_two_sided.py) in sys.modules for its own duration only, runs on every
-rank of a RankPool, and destroys what it built so the next test starts clean."""
+rank of a RankPool, and destroys what it built so the next test starts clean.
+
+``run_layer`` and ``run_routed`` also run on the REAL flashinfer (tests/gpu/test_flashinfer_gpu.py):
+``flavor=None`` installs nothing, ``device="cuda:0"`` puts the context, weights and tokens there,
+and the emulation's traffic log is then empty. Outputs are returned on the CPU."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +19,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.demo import demo_inputs
 from moe_plugins.experts import TorchExperts
 from moe_plugins.groups import DistContext, cached_dist_context
-from moe_plugins.interface import PrepareFinalize, RowScatterTarget
+from moe_plugins.interface import BatchHint, PrepareFinalize, RowScatterTarget
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.model import MoEConfig, MoEWeights, route
@@ -25,6 +29,21 @@ from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy
 
 BACKEND = "flashinfer_nvlink_two_sided"
+# (id, quant, activation dtype) of the layer tests, emulated and real: the quantized cases in
+# float32, so the reference's own rounding stays inside tolerance_for.
+QUANTS = [
+    ("bf16", QuantSpec(), torch.bfloat16),
+    ("fp8_block128", QuantSpec(QuantScheme.FP8_BLOCK128), torch.float32),
+    ("nvfp4", QuantSpec(QuantScheme.NVFP4), torch.float32),
+    ("fp8_block128-deferred", QuantSpec(QuantScheme.FP8_BLOCK128, defer_input_quant=True),
+     torch.float32),
+    ("nvfp4-deferred", QuantSpec(QuantScheme.NVFP4, defer_input_quant=True), torch.float32),
+]
+
+
+def _library(flavor: Optional[str]) -> contextlib.AbstractContextManager:
+    """The emulated flashinfer of ``flavor``, or (None) whatever flashinfer is installed."""
+    return emu.installed(flavor) if flavor is not None else contextlib.nullcontext()
 
 
 def _traffic(op: str) -> list[dict]:
@@ -39,9 +58,9 @@ def _build(ctx: DistContext, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
 
 @contextlib.contextmanager
 def _backend(layout: ParallelLayout, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
-             options: Any = None) -> Iterator[PrepareFinalize]:
+             options: Any = None, device: str = "cpu") -> Iterator[PrepareFinalize]:
     """The backend built for ``cfg`` (emulation installed by the caller), destroyed on exit."""
-    pf = _build(cached_dist_context(layout), cfg, num_tokens, quant, options)
+    pf = _build(cached_dist_context(layout, device), cfg, num_tokens, quant, options)
     try:
         yield pf
     finally:
@@ -60,10 +79,10 @@ class _Routed:
 
     @classmethod
     def make(cls, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
-             seed: int = 0) -> "_Routed":
-        ctx = cached_dist_context(layout)
-        w = MoEWeights.random(cfg, seed)
-        x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
+             seed: int = 0, device: str = "cpu") -> "_Routed":
+        ctx = cached_dist_context(layout, device)
+        w = MoEWeights.random(cfg, seed).to(ctx.device)
+        x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed).to(ctx.device)
         tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
         return cls(TorchExperts(w.local_experts(layout.ep_size, ctx.rank), quant, cfg.dtype),
                    x, tw, ti, quant)
@@ -76,17 +95,18 @@ class _Routed:
 
 
 def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
-              quant: QuantSpec, flavor: str, seed: int = 0,
-              strategy: Optional[ReductionStrategy] = None) -> dict:
+              quant: QuantSpec, flavor: Optional[str], seed: int = 0,
+              strategy: Optional[ReductionStrategy] = None, device: str = "cpu") -> dict:
     """One forward of a MoE layer (shared expert included) through the backend on the emulated
     flashinfer ``flavor``; reports the output, the API used, what crossed the all-to-all and the
     TP collectives the layer issued."""
-    with emu.installed(flavor):
-        ctx = cached_dist_context(layout)
-        layer = MoELayer(MoEWeights.random(cfg, seed), ctx, get_backend(BACKEND), strategy, quant,
-                         OverlapConfig(overlap=False), max_tokens_per_rank=max(num_tokens, 1))
+    with _library(flavor):
+        ctx = cached_dist_context(layout, device)
+        layer = MoELayer(MoEWeights.random(cfg, seed).to(ctx.device), ctx, get_backend(BACKEND),
+                         strategy, quant, OverlapConfig(overlap=False),
+                         max_tokens_per_rank=max(num_tokens, 1))
         try:
-            out = layer(demo_inputs(cfg, num_tokens, ctx.dp_rank, seed))
+            out = layer(demo_inputs(cfg, num_tokens, ctx.dp_rank, seed).to(ctx.device)).cpu()
             assert layer.pf is not None
             stats = layer.dispatch_stats
             api = layer.pf.manager.api.value  # type: ignore[attr-defined]
@@ -97,21 +117,22 @@ def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num
                     meta_bytes=stats.meta_bytes, combine_bytes=stats.combine_bytes,
                     tp_collectives=[c.kind for c in layer.collectives.records],
                     comm=_traffic("moe_comm"), prepare=_traffic("moe_prepare"),
-                    live_after_destroy=emu.live_allocations())
+                    live_after_destroy=emu.live_allocations() if flavor is not None else None)
 
 
 def run_routed(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, num_tokens: int,
-               quant: QuantSpec, flavor: str, options: Any = None) -> dict:
+               quant: QuantSpec, flavor: Optional[str], options: Any = None,
+               device: str = "cpu") -> dict:
     """prepare -> TorchExperts -> finalize on this rank's tokens; reports what prepare returned,
     the traffic of the prepare alone and the routed output."""
-    with emu.installed(flavor), _backend(layout, cfg, num_tokens, quant, options) as pf:
-        r = _Routed.make(layout, cfg, num_tokens, quant)
+    with _library(flavor), _backend(layout, cfg, num_tokens, quant, options, device) as pf:
+        r = _Routed.make(layout, cfg, num_tokens, quant, device=device)
         prep = pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
         dispatch_comm = _traffic("moe_comm")
         out = pf.finalize(r.experts.apply(prep), r.topk_weights, r.topk_ids, torch.empty_like(r.x))
-        return dict(out=out, x_dtype=prep.x.dtype, x_shape=tuple(prep.x.shape),
+        return dict(out=out.cpu(), x_dtype=prep.x.dtype, x_shape=tuple(prep.x.shape),
                     x_sf=None if prep.x_sf is None else (prep.x_sf.dtype, tuple(prep.x_sf.shape)),
-                    x_sf_swizzled=prep.x_sf_swizzled, topk_ids=prep.topk_ids,
+                    x_sf_swizzled=prep.x_sf_swizzled, topk_ids=prep.topk_ids.cpu(),
                     dispatch_comm=dispatch_comm, prepare=_traffic("moe_prepare"),
                     sf_bytes=pf.stats.sf_bytes, api=pf.manager.api.value)  # type: ignore[attr-defined]
 
@@ -242,6 +263,24 @@ def call_error(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, ca
             raise AssertionError(case)
 
 
+def workspace_refused(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> None:
+    """The library refuses the MNNVL workspace (as cuMemCreate/cuMemImportFromShareableHandle
+    do where FABRIC handles or fd sharing are unavailable): the first dispatch must raise."""
+    quant = QuantSpec()
+
+    def refuse(mapping: Any, config: Any = None) -> Any:
+        raise RuntimeError("CUDA error: CUDA_ERROR_NOT_SUPPORTED (cuMemCreate)")
+
+    with emu.installed("0.7.2.post1"), _backend(layout, cfg, 8, quant) as pf:
+        original = emu.MnnvlMoe.get_moe_workspaces
+        emu.MnnvlMoe.get_moe_workspaces = staticmethod(refuse)
+        try:
+            r = _Routed.make(layout, cfg, 8, quant)
+            pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
+        finally:
+            emu.MnnvlMoe.get_moe_workspaces = original
+
+
 def handle_exchange_comm(rank: int, world: int) -> dict:
     """TorchGroupComm, the CommBackend flashinfer exchanges MNNVL handles through: allgather and
     bcast of Python objects, Split into the whole group, and a real split refused."""
@@ -273,10 +312,13 @@ def run_bounded(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
             if bad < tokens[rank] and bad < 1:
                 continue
             try:
-                pf.prepare(r.x, r.topk_weights, r.topk_ids, quant, max_tokens_across_ranks=bad)
+                pf.set_batch_hint(BatchHint(bad))
+                pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
             except ValueError as e:
                 errors.append(str(e))
-        prep = pf.prepare(r.x, r.topk_weights, r.topk_ids, quant, max_tokens_across_ranks=bound)
+        # a refused call consumed its hint: without a new one the layer's bound applies
+        pf.set_batch_hint(None if bound is None else BatchHint(bound))
+        prep = pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
         out = pf.finalize(r.experts.apply(prep), r.topk_weights, r.topk_ids, torch.empty_like(r.x))
         return dict(out=out, x=r.x, recv_rows=prep.x.shape[0], ids_rows=prep.topk_ids.shape[0],
                     sf_rows=None if prep.x_sf is None else prep.x_sf.shape[0], errors=errors,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from emulation import installed
 from moe_plugins.config import DispatchConfig
 from moe_plugins.demo import demo_inputs
+from moe_plugins.faults import clear_group_faults, group_faults
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
@@ -67,7 +68,9 @@ def built(backend: str, layout: ParallelLayout, cfg: MoEConfig, max_tokens: int 
         try:
             yield pf
         finally:
+            # Probes abandon the same calls on every rank: the group is still in step.
             pf.reset_call_state()
+            clear_group_faults(pf.manager.ctx.ep_group)
             pf.manager.destroy()
 
 
@@ -175,7 +178,11 @@ def prepare_too_many_tokens(rank: int, world: int, backend: str, layout: Paralle
 def finalize_wrong_shape_then_prepare(rank: int, world: int, backend: str, layout: ParallelLayout,
                                       cfg: MoEConfig) -> dict:
     """finalize with an expert output of the wrong shape (must raise ValueError and drop the
-    dispatch handle), then prepare + finalize again (must work)."""
+    dispatch handle); the next prepare must raise naming it (the group is out of step: no host
+    exchange tells this rank that its peers failed alike); once every rank forgets the fault
+    (they all failed the same way), prepare + finalize work again."""
+    from moe_plugins.faults import LayerBrokenError
+
     with built(backend, layout, cfg) as pf:
         x, w, ids = _zeros_call(pf, 2)
         prep = pf.prepare(x, w, ids, QuantSpec())
@@ -186,9 +193,16 @@ def finalize_wrong_shape_then_prepare(rank: int, world: int, backend: str, layou
             error = None
         except ValueError as e:
             error = str(e)
+        try:
+            pf.prepare(x, w, ids, QuantSpec())
+            second_error = None
+        except LayerBrokenError as e:
+            second_error = str(e)
+        clear_group_faults(pf.manager.ctx.ep_group)
+        pf.faults = group_faults(pf.manager.ctx.ep_group)
         prep = pf.prepare(x, w, ids, QuantSpec())
         pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids, out)
-        return dict(error=error, out=out)
+        return dict(error=error, second_error=second_error, out=out)
 
 
 def mask_peer(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
@@ -238,3 +252,34 @@ def build_only(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
                max_tokens: int, options: Optional[dict] = None) -> None:
     with built(backend, layout, cfg, max_tokens=max_tokens, options=options):
         pass
+
+
+def bad_prepare(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+                kind: str) -> tuple[Optional[str], Optional[str]]:
+    """prepare with one of fault_rank_fns.corrupt's bad inputs, on every rank alike (the
+    low-latency kernels have no host exchange: a rank alone raising would leave its peers in
+    the dispatch). Returns (error type, message)."""
+    from fault_rank_fns import corrupt
+
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 2)
+        x, w, ids = corrupt(kind, x, w, ids, cfg.num_experts)
+        try:
+            pf.prepare(x, w, ids, QuantSpec())
+        except (ValueError, TypeError) as e:
+            return type(e).__name__, str(e)
+        return None, None
+
+
+def finalize_other_ids(rank: int, world: int, backend: str, layout: ParallelLayout,
+                       cfg: MoEConfig) -> tuple[Optional[str], Optional[str]]:
+    """prepare, then finalize with a copy of the topk ids (not the ones given to prepare)."""
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 2)
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        try:
+            pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids.clone(),
+                        torch.empty(2, cfg.hidden, dtype=torch.bfloat16))
+        except ValueError as e:
+            return type(e).__name__, str(e)
+        return None, None

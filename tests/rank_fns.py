@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.demo import demo_inputs
+from moe_plugins.faults import clear_group_faults
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
@@ -22,8 +23,10 @@ _COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_ga
 
 
 @contextlib.contextmanager
-def count_dist_calls() -> Iterator[list[tuple[str, int]]]:
-    """Wrap the real torch.distributed collectives; yields [(name, bytes of the first tensor)].
+def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[str, int]]]:
+    """Wrap the real torch.distributed collectives; yields [(name, bytes this rank contributes)]:
+    the input tensor (the second argument of all_gather* and reduce_scatter*, else the first).
+    ``groups``: also gets each call's ``group`` argument (None: the default group), in order.
     Nested calls (a torch wrapper calling another) are counted once, at the outermost."""
     calls: list[tuple[str, int]] = []
     saved = {n: getattr(dist, n) for n in _COUNTED if hasattr(dist, n)}
@@ -32,9 +35,12 @@ def count_dist_calls() -> Iterator[list[tuple[str, int]]]:
     def wrap(name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
-                t = args[1] if name.startswith("all_gather") and len(args) > 1 else args[0]
+                two = name.startswith(("all_gather", "reduce_scatter")) and len(args) > 1
+                t = args[1] if two else args[0]
                 calls.append((name, t.numel() * t.element_size()
                               if isinstance(t, torch.Tensor) else 0))
+                if groups is not None:
+                    groups.append(kwargs.get("group"))
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
@@ -119,18 +125,32 @@ class _FailOnce:
 
 def run_layer_after_failure(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                             strategy: ReductionStrategy, num_tokens: int) -> dict:
-    """First call fails inside the routed path (after dispatch); the second must succeed."""
-    ctx = cached_dist_context(layout)
-    layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend("torch"), strategy, QuantSpec(),
-                     OverlapConfig(overlap=True), max_tokens_per_rank=num_tokens)
+    """First call fails inside the routed path (after dispatch); the second call on the same
+    groups must raise naming that first failure; a layer rebuilt on new groups must work."""
+    from moe_plugins.faults import LayerBrokenError
+    from moe_plugins.groups import make_dist_context
+
+    def build() -> MoELayer:
+        ctx = make_dist_context(layout, fresh_ep_group=True)
+        return MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend("torch"), strategy,
+                        QuantSpec(), OverlapConfig(overlap=True), max_tokens_per_rank=num_tokens)
+
+    layer = build()
     layer.experts = _FailOnce(layer.experts)  # type: ignore[assignment]
-    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, 0)
+    x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), 0)
     try:
         layer(x)
         first_error = None
     except RuntimeError as e:
         first_error = str(e)
-    return dict(first_error=first_error, out=layer(x), handle_after=layer.pf._handle)  # type: ignore[union-attr]
+    try:
+        layer(x)  # the experts would work now; the group is out of step
+        second_error = None
+    except LayerBrokenError as e:
+        second_error = str(e)
+    handle_after = layer.pf._handle  # type: ignore[union-attr]
+    return dict(first_error=first_error, second_error=second_error, out=build()(x),
+                handle_after=handle_after)
 
 
 def expert_counts(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
@@ -144,6 +164,7 @@ def expert_counts(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
     x = demo_inputs(cfg, num_tokens, ctx.dp_rank, 0)
     tw, ti = route(x, MoEWeights.random(cfg, 0).router, cfg.num_topk, cfg.renormalize)
     prep = pf.prepare(x, tw, ti, QuantSpec())
-    pf.reset_call_state()
+    pf.reset_call_state()  # abandoned on every rank alike: still in step
+    clear_group_faults(ctx.ep_group)
     assert prep.expert_tokens_meta is not None and prep.topk_ids is not None
     return dict(counts=prep.expert_tokens_meta.expert_num_tokens, local_ids=prep.topk_ids)

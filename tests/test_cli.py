@@ -19,8 +19,10 @@ def test_list_json_has_the_documented_keys():
     res = _run("list", "--json")
     assert res.returncode == 0, res.stderr
     torch_row = next(r for r in json.loads(res.stdout) if r["name"] == "torch")
-    assert {"name", "usable", "reason", "ep_dp", "dp", "tp", "sp", "quants"} <= set(torch_row)
+    assert {"name", "usable", "reason", "ep_dp", "dp", "tp", "sp", "placements",
+            "quants"} <= set(torch_row)
     assert torch_row["usable"] is True and torch_row["reason"] is None
+    assert torch_row["placements"] is True  # round-robin and EPLB placements
 
 
 @pytest.mark.multirank
@@ -35,8 +37,9 @@ def test_demo_ep_times_tp_uses_row_scatter_with_one_collective():
     assert row["max_abs_err"] < 1e-3
     # 8 tokens per DP group over tp=2: each rank owns 4 rows x topk 2
     assert row["dispatched_pairs"] == [8, 8, 8, 8]
-    assert {"strategy", "max_abs_err", "tp_collectives", "dispatched_pairs", "dispatched_bytes",
-            "ms_per_layer"} <= set(row)
+    assert {"strategy", "ok", "max_abs_err", "tp_collectives", "dispatched_pairs",
+            "dispatched_bytes", "ms_per_layer"} <= set(row)
+    assert all(r["ok"] is True for r in rows.values())
 
 
 def test_demo_rejects_a_layout_that_does_not_split():
@@ -48,3 +51,80 @@ def test_demo_rejects_a_layout_that_does_not_split():
 def test_demo_rejects_dp_without_ep():
     res = _run("demo", "--ranks", "2", "--tp", "1")
     assert res.returncode == 2 and "enable expert parallelism" in res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (("demo", "--tp", "0"), "argument --tp: must be >= 1, got 0"),
+    (("plan", "--tp", "0"), "argument --tp: must be >= 1, got 0"),
+    (("demo", "--tokens", "-5"), "argument --tokens: must be >= 0, got -5"),
+    (("demo", "--iters", "-1"), "argument --iters: must be >= 1, got -1"),
+    (("demo", "--ranks", "x"), "argument --ranks: expected an integer, got 'x'"),
+    (("demo", "--timeout", "0"), "argument --timeout: must be > 0, got 0"),
+    (("plan", "--layers", "0"), "argument --layers: must be >= 1, got 0"),
+    (("demo", "--ranks", "2", "--ep", "--experts", "7"),
+     "--experts 7 is not divisible by the EP size 2"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    res = _run(*args, timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
+    assert res.stdout == ""
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_killed_demo_leaves_no_rank_behind(sig):
+    import signal
+    import time
+
+    proc = subprocess.Popen([str(BIN), "demo", "--ranks", "2", "--ep", "--iters", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        ranks: list[int] = []
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and time.monotonic() < deadline:  # the two rank processes
+            ranks = [p for p in _children(proc.pid)
+                     if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+            time.sleep(0.2)
+        assert len(ranks) == 2, "demo did not start its ranks"
+        time.sleep(1.0)
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks), f"ranks left running after {sig}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.multirank
+def test_demo_without_renormalization_matches_and_rows_say_ok():
+    res = _run("demo", "--ranks", "2", "--ep", "--no-renormalize", "--iters", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert rows and all(r["ok"] is True for r in rows)

@@ -41,13 +41,7 @@ def _scale_sends(comm: list[dict], x_dtype: torch.dtype) -> list[dict]:
 
 
 # ---- the layer, every quant, both APIs ---------------------------------------------------------
-QUANTS = [
-    ("bf16", QuantSpec(), torch.bfloat16),
-    ("fp8_block128", QuantSpec(FP8), torch.float32),
-    ("nvfp4", QuantSpec(NVFP4), torch.float32),
-    ("fp8_block128-deferred", QuantSpec(FP8, defer_input_quant=True), torch.float32),
-    ("nvfp4-deferred", QuantSpec(NVFP4, defer_input_quant=True), torch.float32),
-]
+QUANTS = fi.QUANTS
 
 
 @pytest.mark.multirank
@@ -197,6 +191,17 @@ def test_call_errors(rank_pool, case, exc, text):
     with pytest.raises(RankError) as e:
         rank_pool(2).run(fi.call_error, EP2, _cfg(), case)
     assert e.value.exc_type == exc and text in e.value.message
+
+
+@pytest.mark.multirank
+def test_refused_workspace_says_where_and_why(rank_pool):
+    with pytest.raises(RankError) as e:
+        rank_pool(2).run(fi.workspace_refused, EP2, _cfg())
+    msg = e.value.message
+    assert e.value.exc_type == "RuntimeError"
+    for text in ("MNNVL workspaces on EP rank", "of 2", "gpus_per_node=", "FABRIC",
+                 "CUDA_ERROR_NOT_SUPPORTED (cuMemCreate)", "POSIX file descriptors"):
+        assert text in msg, text
 
 
 @pytest.mark.multirank

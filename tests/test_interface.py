@@ -101,3 +101,63 @@ def test_check_prepare_inputs_topk_dtype(ids_dtype, exc, match):
 def test_check_prepare_inputs_names_both_shapes():
     with pytest.raises(ValueError, match=r"hidden_states \(4, 8\), topk_ids \(8, 2\)"):
         check_prepare_inputs(torch.zeros(4, 8), torch.ones(8, 2), torch.zeros(8, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("field,value", [("hidden", 0), ("hidden", -4), ("num_experts", 0),
+                                         ("hidden", 2.5)])
+def test_dispatch_config_rejects_non_positive_sizes(field, value):
+    from moe_plugins.config import DispatchConfig
+
+    kw = {"num_experts": 8, "hidden": 256, "num_topk": 2, field: value}
+    with pytest.raises(ValueError, match=rf"DispatchConfig.{field} must be a positive int, got {value}"):
+        DispatchConfig(**kw)
+
+
+@pytest.mark.parametrize("args,error,text", [
+    ((torch.zeros(3, 8, dtype=torch.int32), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long)),
+     TypeError, "integer activations would be truncated"),
+    ((torch.zeros(3, 8), torch.ones(3, 3), torch.zeros(3, 3, dtype=torch.long)),
+     ValueError, "built for num_topk=2"),
+    ((torch.zeros(3, 16), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long)),
+     ValueError, "built for hidden=8"),
+])
+def test_prepare_inputs_checked_against_the_layer(args, error, text):
+    from moe_plugins.config import DispatchConfig
+
+    with pytest.raises(error, match=text):
+        check_prepare_inputs(*args, DispatchConfig(num_experts=4, hidden=8, num_topk=2))
+
+
+def _single_rank_layer():
+    from moe_plugins.groups import DistContext
+    from moe_plugins.layer import MoELayer
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.model import MoEConfig, MoEWeights
+    from moe_plugins.registry import get_backend
+
+    cfg = MoEConfig(hidden=16, num_experts=4, num_topk=2, intermediate=8, shared_intermediate=8)
+    ctx = DistContext(ParallelLayout(1, 1, False), 0, object(), None, torch.device("cpu"))
+    return MoELayer(MoEWeights.random(cfg), ctx, get_backend("torch")), cfg
+
+
+def test_layer_called_after_destroy_raises():
+    layer, cfg = _single_rank_layer()
+    layer(torch.zeros(2, cfg.hidden))
+    layer.destroy()
+    with pytest.raises(RuntimeError, match="was destroyed; build a new MoELayer"):
+        layer(torch.zeros(2, cfg.hidden))
+
+
+def test_layer_rejects_integer_or_misshaped_activations_and_then_stays_broken():
+    """A rank-local failure before the first collective: this rank's later calls raise naming
+    it (its peers would be waiting in that call's collectives)."""
+    from moe_plugins.faults import LayerBrokenError
+
+    layer, cfg = _single_rank_layer()
+    with pytest.raises(TypeError, match=r"x must be float \[num_tokens, 16\], got torch.int64"):
+        layer(torch.zeros(2, cfg.hidden, dtype=torch.long))
+    with pytest.raises(LayerBrokenError, match="x must be float"):
+        layer(torch.zeros(2, cfg.hidden))
+    layer2, _ = _single_rank_layer()
+    with pytest.raises(ValueError, match=r"got torch.float32 \(2, 15\)"):
+        layer2(torch.zeros(2, 15))

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
+from moe_plugins.layout import LocalIdMap, ParallelLayout, local_expert_ids, owned_rows, slice_owned
+from moe_plugins.placement import ExpertPlacement
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 3, 5, 8, 9, 17])
@@ -41,6 +42,14 @@ def test_slice_owned_refuses_routing_of_another_batch():
                     torch.zeros(4, 2))
 
 
+def test_slice_owned_owning_every_row_hands_back_the_tensors_and_still_checks():
+    h, ids, w = torch.zeros(4, 16), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2)
+    owned = slice_owned(owned_rows(4, 1, 0), h, ids, w)
+    assert owned.hidden_states is h and owned.topk_ids is ids and owned.topk_weights is w
+    with pytest.raises(ValueError, match=r"topk_weights has 3 tokens .*computed for 4"):
+        slice_owned(owned_rows(4, 1, 0), h, ids, torch.zeros(3, 2))
+
+
 def test_dp_without_ep_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="enable expert parallelism"):
         ParallelLayout(dp=2, tp=1, ep=False)
@@ -52,3 +61,20 @@ def test_dp_without_ep_is_refused_with_the_fix():
 def test_sequence_parallel_rule(layout, sp):
     assert layout.sequence_parallel(backend_supports_sp=True) is sp
     assert layout.sequence_parallel(backend_supports_sp=False) is False
+
+
+@pytest.mark.parametrize("placement,rank", [
+    (ExpertPlacement.linear(16, 4), 0), (ExpertPlacement.linear(16, 4), 1),
+    (ExpertPlacement.linear(16, 4), 3), (ExpertPlacement.linear(16, 16), 3),
+    (ExpertPlacement.eplb(list(range(16)) + [0, 5, 9, 15], 4), 2),  # 5 slots per rank
+], ids=["r0", "r1", "r3", "one_each", "redundant"])
+def test_local_id_map_equals_local_expert_ids(placement, rank):
+    """The one-lookup map gives local_expert_ids' answer for every id, -1 and out-of-range ids
+    included, in int32 and int64."""
+    ids = torch.tensor([[-3, -1, 0, 1], [3, 4, 7, 8], [11, 12, 15, 16], [40, 2, 5, 13],
+                        [17, 19, 20, 10]])
+    lookup = LocalIdMap(placement, rank)
+    for dtype in (torch.int32, torch.int64):
+        got = lookup(ids.to(dtype))
+        assert got.dtype == torch.int64
+        assert torch.equal(got, local_expert_ids(ids.to(dtype), placement, rank))

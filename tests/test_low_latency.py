@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fault_rank_fns
 import ll_rank_fns
 from checks import assert_matches_reference
 from emulation import installed
@@ -237,11 +238,12 @@ def test_too_many_tokens_rejected(rank_pool, backend):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_failed_finalize_resets_the_handle(rank_pool, backend):
+def test_failed_finalize_resets_the_handle_and_breaks_the_group(rank_pool, backend):
     results = rank_pool(2).run(ll_rank_fns.finalize_wrong_shape_then_prepare, backend,
                                ParallelLayout(2, 1, True), _cfg())
     for r in results:
         assert r["error"] is not None and "expected [" in r["error"]
+        assert "out of step" in r["second_error"] and "expected [" in r["second_error"]
         torch.testing.assert_close(r["out"], torch.zeros_like(r["out"]))  # zero expert outputs
 
 
@@ -429,3 +431,24 @@ def test_nixl_cannot_mask_the_local_rank(rank_pool):
     with pytest.raises(RankError) as e:
         rank_pool(2).run(ll_rank_fns.mask_peer, "nixl_ep", ParallelLayout(2, 1, True), _cfg(), 0)
     assert e.value.exc_type == "ValueError" and "cannot mask the local rank" in e.value.message
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", fault_rank_fns.BAD_INPUT_KINDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_prepare_inputs_are_clear_errors(rank_pool, backend, kind):
+    """Out-of-range expert ids included: the kernels do not check them (the emulation, like
+    them, drops such pairs silently), so prepare does (LowLatencyOptions.check_expert_ids)."""
+    results = rank_pool(2).run(ll_rank_fns.bad_prepare, backend, ParallelLayout(2, 1, True),
+                               _cfg(), kind)
+    err_type, text = fault_rank_fns.expected_error(kind, _cfg())
+    for got_type, got in results:
+        assert got_type == err_type and text in got, got
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_finalize_with_other_topk_ids_rejected(rank_pool, backend):
+    for err_type, err in rank_pool(2).run(ll_rank_fns.finalize_other_ids, backend,
+                                          ParallelLayout(2, 1, True), _cfg()):
+        assert err_type == "ValueError" and "not the ones given to prepare" in err

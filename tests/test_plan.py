@@ -16,6 +16,7 @@ import torch
 import plan_rank_fns
 from checks import assert_matches_reference
 from moe_plugins.demo import demo_inputs
+from moe_plugins.faults import HEADER_WORDS
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.link_model import LinkModel
@@ -135,7 +136,8 @@ def _check_given_routing(plan, strategy, results, layout):
         # Received bytes as torch.distributed saw them (each all_to_all_single call's output):
         # first the row-count exchange, last the combine, the dispatch payloads between.
         a2a = [b for n, b in res["calls"] if n == "all_to_all_single"]
-        assert a2a[0] == layout.world_size * 8  # int64 row counts, one per rank
+        # int64 header per rank: row count, call sequence number, layer digest, input status
+        assert a2a[0] == layout.world_size * 8 * HEADER_WORDS
         assert rp.recv_combine_bytes.min == a2a[-1]
         assert rp.recv_dispatch_bytes.is_exact and rp.recv_dispatch_bytes.min == sum(a2a[1:-1])
     # what is sent is received, per category
@@ -294,7 +296,7 @@ def test_strategies_and_recommendation_come_from_strategy_module(layout, shared,
 
 
 def test_routing_rejects_local_or_out_of_range_ids():
-    with pytest.raises(ValueError, match=r"rank 1 hold ids in \[-1, 3\], expected GLOBAL expert ids"):
+    with pytest.raises(ValueError, match=r"rank 1 hold ids in \[-1, 3\], expected PHYSICAL expert ids"):
         Routing.from_topk_ids([torch.tensor([[0, 5]]), torch.tensor([[-1, 3]])], 8)
 
 

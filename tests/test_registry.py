@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from moe_plugins import registry
 from moe_plugins.layout import ParallelLayout
@@ -52,9 +53,17 @@ def test_refusal_reason_says_what_is_missing(spec, layout, quant, expected):
     assert expected in (refusal_reason(spec, layout, quant) or "")
 
 
-def test_auto_selection_serves_every_cpu_layout_with_the_reference_backend():
-    assert select_backend(ParallelLayout(2, 2, True), QuantScheme.FP8_BLOCK128).name in \
-        {n for n, s in registry.registered_backends().items() if s.capabilities.tp}
+@pytest.mark.parametrize("layout", [ParallelLayout(1, 1, False), ParallelLayout(1, 2, False),
+                                    ParallelLayout(2, 1, True), ParallelLayout(2, 2, True),
+                                    ParallelLayout(4, 1, True)], ids=lambda l: l.describe())
+@pytest.mark.parametrize("quant", [QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4])
+def test_auto_selection_serves_every_cpu_layout_with_the_reference_backend(layout, quant):
+    """On CPU every other built-in backend needs CUDA (and a vendor package): auto selection
+    must give exactly the reference backend, for every layout and quant, in both dtypes."""
+    others = {n for n, s in registry.registered_backends().items() if n != "torch"}
+    assert others and all(registry.get_backend(n).needs_cuda for n in others)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert select_backend(layout, quant, dtype=dtype).name == "torch"
 
 
 @pytest.fixture
@@ -77,7 +86,7 @@ def test_third_party_backend_registers_lists_and_is_selectable(third_party_backe
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["example_allgather"] == dict(
         name="example_allgather", usable=True, reason=None, ep_dp=True, dp=True, tp=False,
-        sp=False, quants=["none"], distribution="moe-plugins-example-backend")
+        sp=False, placements=True, quants=["none"], distribution="moe-plugins-example-backend")
     assert select_backend(ParallelLayout(2, 1, True), name="example_allgather").name == "example_allgather"
     # and it really runs: the demo on 2 gloo ranks, checked against the reference
     demo = subprocess.run([str(BIN / "moe-plugins"), "demo", "--ranks", "2", "--ep", "--backend",
@@ -91,7 +100,8 @@ def test_unsupported_layout_lists_the_alternatives(third_party_backend):
         select_backend(ParallelLayout(2, 2, True), name="example_allgather")
     msg = str(e.value)
     assert "example_allgather: no TP inside the EP group (tp=2)" in msg
-    assert "backends that would: ['torch']" in msg or "'torch'" in msg.split("backends that would:")[1]
+    # exactly the usable alternatives, as a list: on CPU that is the reference backend alone
+    assert msg.splitlines()[-1].startswith("backends that would: ['torch']; ")
 
 
 def _usable(name: str, priority: int, **kw: object) -> BackendSpec:

@@ -170,14 +170,19 @@ def test_register_is_idempotent(registered):
     assert vllm_patches.resolve(PATCHES[1].symbol)[2] is wrapper
 
 
+FUNCTION_PATCHES = [p for p in PATCHES[1:] if not p.value]
+
+
 @needs_vllm
-@pytest.mark.parametrize("patch", PATCHES[1:], ids=[p.symbol.split(":")[1] for p in PATCHES[1:]])
+@pytest.mark.parametrize("patch", FUNCTION_PATCHES,
+                         ids=[p.symbol.split(":")[1] for p in FUNCTION_PATCHES])
 def test_wrapped_symbol_has_the_verified_signature(registered, patch):
     vllm_patches.check_signature(patch, _wrapped(patch))
 
 
 @needs_vllm
-@pytest.mark.parametrize("patch", PATCHES[1:], ids=[p.symbol.split(":")[1] for p in PATCHES[1:]])
+@pytest.mark.parametrize("patch", FUNCTION_PATCHES,
+                         ids=[p.symbol.split(":")[1] for p in FUNCTION_PATCHES])
 def test_moved_or_changed_symbol_fails_loudly(registered, patch):
     original = _wrapped(patch)
     changed = replace(patch, expected=patch.expected + ("new_argument",))
@@ -417,8 +422,7 @@ def test_plan_refuses_a_strategy_that_does_not_apply(registered):
 
 @needs_vllm
 @pytest.mark.parametrize("change,match", [
-    (dict(pcp_size=2), "turn off prefill context parallelism and EPLB"),
-    (dict(enable_eplb=True), "turn off prefill context parallelism and EPLB"),
+    (dict(pcp_size=2), "turn off prefill context parallelism"),
     (dict(ep_size=3), "EP size 3 is not dp x tp = 2"),
 ])
 def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
@@ -426,6 +430,17 @@ def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
 
     with _vllm_config(1), pytest.raises(ValueError, match=match):
         layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), **change))
+
+
+@needs_vllm
+def test_plan_serves_eplb(registered):
+    """EPLB (redundant physical experts, rebalanced by vLLM) is served: vLLM's router maps
+    logical to physical ids, which our transports dispatch."""
+    from moe_plugins.vllm_adapter import layer_plan
+
+    with _vllm_config(1):
+        plan = layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), enable_eplb=True))
+    assert plan is not None and plan.spec.name == "torch"
 
 
 @needs_vllm

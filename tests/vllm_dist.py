@@ -7,15 +7,18 @@ our patched communicator hook runs) under the given vLLM config."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
 @contextlib.contextmanager
 def vllm_parallel_state(rank: int, world: int, tp: int, all2all_backend: str,
-                        backend: str = "gloo", **parallel: Any) -> Iterator[Any]:
+                        backend: str = "gloo", additional_config: Optional[dict] = None,
+                        **parallel: Any) -> Iterator[Any]:
     """Inside: vLLM's current config (``ParallelConfig(tensor_parallel_size=tp,
-    enable_expert_parallel=True, all2all_backend=..., **parallel)``) and its model-parallel
-    groups over the ``world`` ranks of the default process group. Yields the VllmConfig;
+    enable_expert_parallel=True, all2all_backend=..., **parallel)``, ``--additional-config``
+    ``additional_config``) and its model-parallel groups over the ``world`` ranks of the default
+    process group; with ``data_parallel_size`` > 1 vLLM counts ``rank`` and ``world`` within
+    the DP rank ``data_parallel_rank`` (its world spans all DP ranks). Yields the VllmConfig;
     destroys vLLM's groups on exit."""
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
@@ -25,7 +28,7 @@ def vllm_parallel_state(rank: int, world: int, tp: int, all2all_backend: str,
 
     config = VllmConfig(parallel_config=ParallelConfig(
         tensor_parallel_size=tp, enable_expert_parallel=True, all2all_backend=all2all_backend,
-        **parallel))
+        **parallel), additional_config=additional_config or {})
     with set_current_vllm_config(config):
         ps.init_distributed_environment(world, rank, local_rank=rank if backend == "gloo" else 0,
                                         backend=backend)

@@ -18,9 +18,15 @@ kernels/nixl_ep_ll.cu):
   column-major (a transposed view); packed per expert, source ranks one after another;
   recv_count int32 [num_local_experts]; src_info int32 [num_local_experts, slots] (source
   token index); layout_range int64 [num_local_experts, rank_bound] = begin << 32 | count;
-- combine sends each valid row back to its source rank and reduces there, in float32,
-  ``sum_k topk_weights[t, k] * row(expert topk_idx[t, k], t)`` over non-negative ids of unmasked
-  ranks, cast to bf16 into ``out``;
+- combine sends each valid row back to its source rank into a slot per (expert, token) and
+  reduces there, in float32, ``sum_k topk_weights[t, k] * slot(topk_idx[t, k], t)`` over
+  non-negative ids of unmasked ranks, cast to bf16 into ``out`` (a token routed twice to one
+  expert gets (w1 + w2) x row; a slot no row reached this call reads as NaN, standing for the
+  stale data the real buffer holds, e.g. when finalize gets other topk ids than dispatch);
+  host checks are against the rank bound at combine time (nixl_ep: ``active_rank_bound``);
+- expert ids >= num_experts are not checked by the kernels (they write outside their
+  buffers); the emulation drops such pairs;
+- buffer size: DeepEP's layout with 4-byte signal words, nixl_ep's with 8-byte ones;
 - ``return_recv_hook``: the call issues the send (counts exchanged, data all-to-all started) and
   returns a hook that receives; until the hook runs, the returned tensors hold poison (NaN, -1)
   so reading them early fails loudly. A hook runs once.
@@ -40,7 +46,8 @@ import torch.distributed as dist
 
 class EventOverlap:
     """deep_ep.utils.EventOverlap / nixl_ep.utils.EventOverlap (same class in both libraries);
-    there are no CUDA streams here, so waiting is a no-op."""
+    there are no CUDA streams here: waiting completes what the event's emulated handle still
+    holds (normal-mode receives), else it is a no-op."""
 
     def __init__(self, event: Optional[object] = None,
                  extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
@@ -49,12 +56,21 @@ class EventOverlap:
 
     def current_stream_wait(self) -> None:
         assert self.event is not None
+        self._wait()
+
+    def _wait(self) -> None:
+        # Emulated events of the normal-mode kernels (emulation._ht_kernels.EventHandle) carry
+        # the receive that the real CUDA event orders; the low-latency ones carry nothing.
+        wait = getattr(self.event, "current_stream_wait", None)
+        if wait is not None:
+            wait()
 
     def __enter__(self) -> Any:
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        pass
+        if self.event is not None:
+            self._wait()
 
 KERNEL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOPK = 11
@@ -70,21 +86,30 @@ def host_assert(cond: bool, what: str) -> None:
         raise RuntimeError(f"Failed: Assertion error {what}")
 
 
-def layout_total_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """``LowLatencyLayout::total_bytes`` (DeepEP csrc/config.hpp)."""
+#: Bytes of one per-expert signal word: DeepEP's receive counts are ``int``
+#: (``LowLatencyLayout``: ``num_experts * sizeof(int)``), nixl_ep's ``uint64_t``
+#: (``EPLayout``: ``num_experts * sizeof(uint64_t)``).
+DEEP_EP_SIGNAL_BYTES, NIXL_EP_SIGNAL_BYTES = 4, 8
+
+
+def layout_total_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int,
+                       signal_bytes: int = DEEP_EP_SIGNAL_BYTES) -> int:
+    """``LowLatencyLayout::total_bytes`` (DeepEP csrc/config.hpp) / ``EPLayout::total_bytes``
+    (nixl_ep csrc/config.hpp): the same layout but for the signal word size."""
     num_scales = hidden // 128
     host_assert(num_scales * 4 <= hidden, "num_scales * sizeof(float) <= hidden")
     dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
     combine_msg = num_scales * 4 + hidden * 2
     send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
     recv = max(num_experts * max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
-    signaling = -(-(num_experts * 4) // 128) * 128
+    signaling = -(-(num_experts * signal_bytes) // 128) * 128
     return 2 * send + 2 * recv + 2 * signaling
 
 
-def size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+def size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int,
+              signal_bytes: int = DEEP_EP_SIGNAL_BYTES) -> int:
     """``get_low_latency_rdma_size_hint``: the layout rounded up to the buffer alignment."""
-    total = layout_total_bytes(max_tokens, hidden, num_ranks, num_experts)
+    total = layout_total_bytes(max_tokens, hidden, num_ranks, num_experts, signal_bytes)
     return ((total + NUM_BUFFER_ALIGNMENT_BYTES) // NUM_BUFFER_ALIGNMENT_BYTES
             * NUM_BUFFER_ALIGNMENT_BYTES)
 
@@ -119,6 +144,12 @@ class EmulatedLowLatencyRuntime:
     nothing is sent to it or received from it.
     """
 
+    signal_bytes = DEEP_EP_SIGNAL_BYTES
+    bound_name = "num_ranks"  # what the library's host checks call the rank bound
+
+    #: the library's ``topk_idx_t`` (DeepEP: int64; nixl_ep as nixl's meson builds it: int32)
+    topk_idx_dtype: torch.dtype = torch.int64
+
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  mask_enabled: bool):
         host_assert(dist.get_world_size(group) == num_ranks,
@@ -129,6 +160,7 @@ class EmulatedLowLatencyRuntime:
         self.mask_enabled = mask_enabled
         self.active = [True] * num_ranks
         self.pending_receives = 0  # issued sends whose receive hook has not run (tests read it)
+        self.rdma_bytes: Optional[torch.Tensor] = None  # uint8 [num_rdma_bytes], on first use
         self.destroyed = False
 
     # -- masks ------------------------------------------------------------------------------
@@ -146,6 +178,25 @@ class EmulatedLowLatencyRuntime:
     def rank_bound(self) -> int:
         """Source ranks in the packed receive layout (DeepEP: all ranks)."""
         return self.num_ranks
+
+    def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                            use_rdma_buffer: bool) -> torch.Tensor:
+        """``Buffer.get_local_buffer_tensor``: the local RDMA buffer from byte ``offset`` as a
+        flat ``dtype`` tensor, or its first ``size`` elements in that shape (a view: writing it
+        writes the buffer). The emulated kernels keep
+        their messages elsewhere; the bytes start as a nonzero pattern, standing for what a
+        dispatch/combine leaves in a real buffer, so a caller's zeroing is observable."""
+        self._check_alive()
+        host_assert(use_rdma_buffer, "emulation: low-latency mode allocates no NVL buffer")
+        if self.rdma_bytes is None:
+            self.rdma_bytes = torch.full((self.num_rdma_bytes,), 0x5A, dtype=torch.uint8)
+        host_assert(0 <= offset <= self.num_rdma_bytes, "offset within the buffer")
+        usable = (self.num_rdma_bytes - offset) // dtype.itemsize * dtype.itemsize
+        tensor = self.rdma_bytes[offset:offset + usable].view(dtype)
+        if size is None:
+            return tensor
+        assert tensor.numel() >= size.numel()
+        return tensor[: size.numel()].view(size)
 
     # -- transport ----------------------------------------------------------------------------
     def _send(self, msgs: torch.Tensor, dest: torch.Tensor
@@ -204,13 +255,14 @@ class EmulatedLowLatencyRuntime:
                     "topk_idx.dim() == 2 and topk_idx.is_contiguous()")
         host_assert(x.size(0) == topk_idx.size(0) and x.size(0) <= max_tokens,
                     "x.size(0) == topk_idx.size(0) and x.size(0) <= num_max_dispatch_tokens_per_rank")
-        host_assert(topk_idx.dtype == torch.int64,
+        host_assert(topk_idx.dtype == self.topk_idx_dtype,
                     "topk_idx.scalar_type() == c10::CppTypeToScalarType<topk_idx_t>::value")
         host_assert(not (async_finish and return_recv_hook), "not(async and return_recv_hook)")
         n, hidden = x.shape
         num_topk = topk_idx.size(1)
         num_experts = num_local_experts * self.num_ranks
-        host_assert(layout_total_bytes(max_tokens, hidden, self.num_ranks, num_experts)
+        host_assert(layout_total_bytes(max_tokens, hidden, self.num_ranks, num_experts,
+                                       self.signal_bytes)
                     <= self.num_rdma_bytes, "layout.total_bytes <= num_rdma_bytes")
         bound = self.rank_bound()
         slots = bound * max_tokens
@@ -223,8 +275,11 @@ class EmulatedLowLatencyRuntime:
         host_assert(num_topk <= MAX_TOPK, "num_topk <= kNumMaxTopK")
         host_assert(hidden in KERNEL_HIDDEN_SIZES, "false and \"Unsupported hidden\"")
 
-        # Send: one message per (token, expert) pair, to unmasked ranks only.
-        tok, k = (topk_idx >= 0).nonzero(as_tuple=True)
+        # Send: one message per (token, expert) pair, to unmasked ranks only. The kernels do not
+        # check expert ids: an id >= num_experts makes them write outside their buffers. That is
+        # undefined, not an error; the emulation drops such a pair (a silently wrong result, as
+        # a user would see), so only the caller's own check can catch it.
+        tok, k = ((topk_idx >= 0) & (topk_idx < num_experts)).nonzero(as_tuple=True)
         experts = topk_idx[tok, k]
         dest = experts // num_local_experts
         keep = torch.tensor([self.active[d] for d in dest.tolist()], dtype=torch.bool)
@@ -294,19 +349,21 @@ class EmulatedLowLatencyRuntime:
                 return_recv_hook: bool, out: Optional[torch.Tensor]):
         """Returns (combined_x, hook or None)."""
         self._check_alive()
-        bound = layout_range.size(1) if layout_range.dim() == 2 else -1
+        # Checked against the rank bound NOW (DeepEP: num_ranks; nixl_ep: active_rank_bound,
+        # which a mask change between dispatch and combine moves), not the dispatch's layout.
+        bound = self.rank_bound()
         host_assert(x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16,
                     "x.dim() == 3 and x.is_contiguous() and x.scalar_type() == torch::kBFloat16")
         host_assert(x.size(0) == num_local_experts, "x.size(0) == num_experts / num_ranks")
         host_assert(x.size(1) == bound * max_tokens,
-                    "x.size(1) == num_ranks * num_max_dispatch_tokens_per_rank")
+                    f"x.size(1) == {self.bound_name} * num_max_dispatch_tokens_per_rank")
         host_assert(x.size(2) % 8 == 0 and x.size(2) % 128 == 0,
                     "x.size(2) % sizeof(int4) == 0 and x.size(2) % 128 == 0")
         host_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(),
                     "topk_idx.dim() == 2 and topk_idx.is_contiguous()")
         host_assert(topk_idx.shape == topk_weights.shape,
                     "topk_idx.size(0) == topk_weights.size(0) and topk_idx.size(1) == topk_weights.size(1)")
-        host_assert(topk_idx.dtype == torch.int64,
+        host_assert(topk_idx.dtype == self.topk_idx_dtype,
                     "topk_idx.scalar_type() == c10::CppTypeToScalarType<topk_idx_t>::value")
         host_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(),
                     "topk_weights.dim() == 2 and topk_weights.is_contiguous()")
@@ -315,16 +372,21 @@ class EmulatedLowLatencyRuntime:
         host_assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32")
         host_assert(src_info.dtype == torch.int32 and src_info.size(0) == x.size(0),
                     "src_info.scalar_type() == torch::kInt32 and x.size(0) == src_info.size(0)")
-        host_assert(layout_range.dtype == torch.int64 and layout_range.size(0) == num_local_experts,
-                    "layout_range.scalar_type() == torch::kInt64")
+        host_assert(src_info.dim() == 2 and src_info.size(1) == bound * max_tokens,
+                    f"src_info.size(1) == {self.bound_name} * num_max_dispatch_tokens_per_rank")
+        host_assert(layout_range.dtype == torch.int64 and layout_range.dim() == 2
+                    and layout_range.size(0) == num_local_experts
+                    and layout_range.size(1) == bound,
+                    "layout_range.size(0) == num_experts_per_rank and layout_range.size(1) == "
+                    f"{self.bound_name}")
         host_assert(not (async_finish and return_recv_hook), "not(async and return_recv_hook)")
         host_assert(not use_logfmt and not zero_copy,
                     "emulation: LogFMT and zero-copy combine are not emulated")
         n, hidden = topk_weights.size(0), x.size(2)
         host_assert(hidden in KERNEL_HIDDEN_SIZES, "false and \"Unsupported hidden\"")
         host_assert(layout_total_bytes(max_tokens, hidden, self.num_ranks,
-                                       num_local_experts * self.num_ranks) <= self.num_rdma_bytes,
-                    "layout.total_bytes <= num_rdma_bytes")
+                                       num_local_experts * self.num_ranks, self.signal_bytes)
+                    <= self.num_rdma_bytes, "layout.total_bytes <= num_rdma_bytes")
         if out is not None:
             host_assert(out.dim() == 2 and out.is_contiguous(), "out->dim() == 2 and out->is_contiguous()")
             host_assert(out.size(0) == n and out.size(1) == hidden,
@@ -356,20 +418,37 @@ class EmulatedLowLatencyRuntime:
         combined.fill_(float("nan"))  # written only by the receive
 
         def recv() -> None:
+            # The receive buffer has one slot per (global expert, token): a row sent back for
+            # (e, t) lands in slot (e, t), so a token routed twice to one expert gets the same
+            # row twice into one slot. The reduction then reads, for each of the token's top-k
+            # entries, the slot of that entry's expert: (w1 + w2) x row for the doubled expert
+            # (DeepEP internode_ll.cu combine: ``rdma_recv_x + (topk_idx * max_tokens + token)``).
             msgs, src = wait()
             alive = torch.tensor([self.active[s] for s in src.tolist()], dtype=torch.bool)
             msgs = msgs[alive]
             hdr = msgs[:, : 4 * _HEADER_INTS].contiguous().view(torch.int32)
             tok, exp = hdr[:, 0].long(), hdr[:, 1].long()
             vals = msgs[:, 4 * _HEADER_INTS:].contiguous().view(torch.bfloat16).float()
-            ids = topk_idx[tok]
+            num_experts = num_local_experts * self.num_ranks
+            slot_keys = exp * n + tok  # duplicates carry the same row: either write wins
+            order = torch.argsort(slot_keys)
+            keys = slot_keys[order]
+            ids = topk_idx.long()
+            wanted = ids.clamp(0, num_experts - 1) * n + torch.arange(n).unsqueeze(1)
+            pos = torch.searchsorted(keys, wanted).clamp(max=max(keys.numel() - 1, 0))
             owner_active = torch.tensor(
-                [[self.active[i // num_local_experts] if i >= 0 else False for i in row]
+                [[0 <= i < num_experts and self.active[i // num_local_experts] for i in row]
                  for row in ids.tolist()], dtype=torch.bool).reshape(ids.shape)
-            weight = ((ids == exp.unsqueeze(1)) & owner_active).float() * topk_weights[tok]
-            acc = torch.zeros(n, hidden, dtype=torch.float32)
-            acc.index_add_(0, tok, vals * weight.sum(dim=1, keepdim=True))
-            combined.copy_(acc.to(combined.dtype))
+            read = owner_active & (ids >= 0)
+            if keys.numel():
+                found = keys[pos] == wanted
+                # A slot nobody wrote this round holds stale data on the real kernel: poison.
+                rows = torch.where(found.unsqueeze(-1), vals[order[pos]],
+                                   torch.tensor(float("nan")))
+            else:
+                rows = torch.full((*ids.shape, hidden), float("nan"))
+            weighted = torch.where(read.unsqueeze(-1), rows * topk_weights.unsqueeze(-1), 0.0)
+            combined.copy_(weighted.sum(dim=1).to(combined.dtype))
 
         hook = self._deferred(recv, return_recv_hook)
         return combined, hook

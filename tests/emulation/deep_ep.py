@@ -1,25 +1,42 @@
-"""Emulation of DeepEP's V1 low-latency Python API: ``deep_ep.Buffer`` at commit 567632d (the
-last before the V2 rewrite), deep_ep/buffer.py, restricted to what low-latency mode uses.
+"""Emulation of DeepEP's V1 Python API: ``deep_ep.Buffer``, ``deep_ep.Config`` and
+``deep_ep.EventOverlap`` at commit 567632d (the last before the V2 rewrite), deep_ep/buffer.py,
+for low-latency mode and intranode normal (high-throughput) mode.
 
 Same constructor signature; like the real one it all-gathers over ``group`` while constructing
 (a collective), reads ``NVSHMEM_QP_DEPTH`` (default 1024) and asserts in
 ``low_latency_dispatch/low_latency_combine`` that the depth is >= 2 * (max tokens + 1).
 ``low_latency_dispatch/low_latency_combine`` return exactly what the real ones return (see
 :mod:`emulation._ll_kernels` for the kernels' observable behaviour). Unlike the real one it
-changes no environment variable. Not emulated: normal (high-throughput) mode, ``comm``
-(mpi4py), LogFMT and zero-copy combine.
+changes no environment variable. ``get_local_buffer_tensor`` returns a view of an emulated
+RDMA byte buffer (see :meth:`EmulatedLowLatencyRuntime.local_buffer_tensor`).
+
+Normal mode (checked against 567632d ``deep_ep/buffer.py`` and ``csrc/deep_ep.cpp``): the same
+signatures and return tuples of ``get_dispatch_config/get_combine_config`` (the same per-rank
+``Config`` table), ``Config.get_nvl_buffer_size_hint/get_rdma_buffer_size_hint``,
+``get_dispatch_layout``, ``dispatch`` (non-cached, cached with ``handle``, ``num_worst_tokens``)
+and ``combine``, ``capture``, ``set_num_sms``; the constructor's size checks; the kernels'
+observable behaviour is in :mod:`emulation._ht_kernels`. Stricter than the real library in one
+place: after a normal-mode call on a buffer that also has low-latency mode, the next
+low-latency call needs ``clean_low_latency_buffer`` first (the real one needs it where normal
+mode wrote the shared RDMA buffer, i.e. internode; SGLang cleans on every switch).
+Not emulated: internode normal mode (more than 8 ranks), ``comm`` (mpi4py), LogFMT and
+zero-copy combine.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from emulation._ht_kernels import (NUM_MAX_NVL_PEERS, Config, EmulatedNormalRuntime,
+                                   EventHandle)
 from emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
 
-__all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+_NUM_BUFFER_ALIGNMENT_BYTES = 128
 
 topk_idx_t = torch.int64
 
@@ -48,6 +65,16 @@ class Buffer:
         self.rank = group.rank()
         self.group = group
         self.group_size = group.size()
+        # Buffer::Buffer's common checks
+        host_assert(num_nvl_bytes % _NUM_BUFFER_ALIGNMENT_BYTES == 0,
+                    "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0")
+        host_assert(num_rdma_bytes % _NUM_BUFFER_ALIGNMENT_BYTES == 0,
+                    "num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0")
+        host_assert(self.group_size < NUM_MAX_NVL_PEERS or self.group_size % NUM_MAX_NVL_PEERS == 0,
+                    "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0")
+        if num_rdma_bytes > 0:
+            host_assert(self.group_size > NUM_MAX_NVL_PEERS or low_latency_mode,
+                        "num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -68,6 +95,9 @@ class Buffer:
             _all_gather_rank(self.rank, self.group_size, group)  # NVSHMEM unique ids
         self.runtime: Optional[EmulatedLowLatencyRuntime] = EmulatedLowLatencyRuntime(
             group, self.rank, self.group_size, num_rdma_bytes, mask_enabled=enable_shrink)
+        self.normal_runtime = EmulatedNormalRuntime(self.runtime, self.rank, self.group_size,
+                                                    num_nvl_bytes)
+        self.low_latency_dirty = False  # set by normal-mode calls (see the module doc)
 
     def destroy(self) -> None:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
@@ -90,6 +120,13 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         self._runtime()
+        self.low_latency_dirty = False
+
+    def _low_latency_runtime(self) -> EmulatedLowLatencyRuntime:
+        runtime = self._runtime()
+        host_assert(not self.low_latency_dirty, "emulation: a normal-mode call used this buffer "
+                    "since the last low-latency one; call clean_low_latency_buffer first")
+        return runtime
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -100,7 +137,7 @@ class Buffer:
                              return_recv_hook: bool = False
                              ) -> Tuple[Any, torch.Tensor, Tuple, EventOverlap, Optional[Callable]]:
         assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
-        runtime = self._runtime()
+        runtime = self._low_latency_runtime()
         host_assert(num_experts % self.group_size == 0, "num_experts % num_ranks == 0")
         num_local_experts = num_experts // self.group_size
         # The first SM checks the QPs: ibgda_get_state()->num_rc_per_pe >= num_local_experts.
@@ -122,11 +159,15 @@ class Buffer:
                             ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable]]:
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
         assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
-        combined, hook = self._runtime().combine(
+        combined, hook = self._low_latency_runtime().combine(
             x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank,
             num_experts // self.group_size, use_logfmt, zero_copy, async_finish,
             return_recv_hook, out)
         return combined, EventOverlap(object() if async_finish else None), hook
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        return self._runtime().local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         self._runtime().update_mask(rank_to_mask, mask)
@@ -138,3 +179,135 @@ class Buffer:
         runtime = self._runtime()
         host_assert(runtime.mask_enabled, "mask_buffer_ptr != nullptr and \"Shrink mode must be enabled\"")
         runtime.active = [True] * runtime.num_ranks
+
+    # -- normal (high-throughput) mode ---------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, 'The SM count must be even'
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        config_map = {
+            2: Config(Buffer.num_sms, 24, 256, 6, 128),
+            4: Config(Buffer.num_sms, 6, 256, 6, 128),
+            8: Config(Buffer.num_sms, 6, 256, 6, 128),
+            16: Config(Buffer.num_sms, 36, 288, 20, 128),
+            24: Config(Buffer.num_sms, 32, 288, 8, 128),
+            32: Config(Buffer.num_sms, 32, 288, 8, 128),
+            48: Config(Buffer.num_sms, 32, 288, 8, 128),
+            64: Config(Buffer.num_sms, 32, 288, 8, 128),
+            96: Config(Buffer.num_sms, 20, 480, 12, 128),
+            128: Config(Buffer.num_sms, 20, 560, 12, 128),
+            144: Config(Buffer.num_sms, 32, 720, 12, 128),
+            160: Config(Buffer.num_sms, 28, 720, 12, 128),
+        }
+        assert num_ranks in config_map, f'Unsupported number of EP ranks: {num_ranks}'
+        return config_map[num_ranks]
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        config_map = {
+            2: Config(Buffer.num_sms, 10, 256, 6, 128),
+            4: Config(Buffer.num_sms, 9, 256, 6, 128),
+            8: Config(Buffer.num_sms, 4, 256, 6, 128),
+            16: Config(Buffer.num_sms, 4, 288, 12, 128),
+            24: Config(Buffer.num_sms, 1, 288, 8, 128),
+            32: Config(Buffer.num_sms, 1, 288, 8, 128),
+            48: Config(Buffer.num_sms, 1, 288, 8, 128),
+            64: Config(Buffer.num_sms, 1, 288, 8, 128),
+            96: Config(Buffer.num_sms, 1, 480, 8, 128),
+            128: Config(Buffer.num_sms, 1, 560, 8, 128),
+            144: Config(Buffer.num_sms, 2, 720, 8, 128),
+            160: Config(Buffer.num_sms, 2, 720, 8, 128),
+        }
+        assert num_ranks in config_map, f'Unsupported number of EP ranks: {num_ranks}'
+        return config_map[num_ranks]
+
+    def _normal(self) -> EmulatedNormalRuntime:
+        self._runtime_alive()
+        if self.low_latency_mode:
+            self.low_latency_dirty = True
+        return self.normal_runtime
+
+    def _runtime_alive(self) -> None:
+        if self.runtime is None:
+            raise AttributeError("'NoneType' object has no attribute 'intranode_dispatch' "
+                                 "(the buffer was destroyed)")
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        self._runtime_alive()
+        per_rank, per_rdma_rank, per_expert, in_rank, event = \
+            self.normal_runtime.get_dispatch_layout(topk_idx, num_experts,
+                                                    getattr(previous_event, 'event', None),
+                                                    async_finish, allocate_on_comm_stream)
+        return per_rank, per_rdma_rank, per_expert, in_rank, EventOverlap(event)
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
+                  Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        runtime = self._normal()
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        prev = getattr(previous_event, 'event', None)
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            rank_prefix_matrix, channel_prefix_matrix, _, recv_src_idx, is_token_in_rank, _ = handle
+            recv_x, recv_x_scales, *_, event = runtime.intranode_dispatch(
+                x, x_scales, None, None, None, is_token_in_rank, None, recv_src_idx.size(0),
+                rank_prefix_matrix, expert_alignment, num_worst_tokens, config, async_finish,
+                allocate_on_comm_stream, prev)
+            return ((recv_x, recv_x_scales) if x_scales is not None else recv_x, None, None, None,
+                    None, EventOverlap(event))
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None \
+            and num_tokens_per_expert is not None
+        (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list,
+         rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+         send_head, event) = runtime.intranode_dispatch(
+            x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+            num_tokens_per_expert, 0, None, expert_alignment, num_worst_tokens, config,
+            async_finish, allocate_on_comm_stream, prev)
+        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                  recv_src_idx, is_token_in_rank, send_head)
+        return ((recv_x, recv_x_scales) if x_scales is not None else recv_x, recv_topk_idx,
+                recv_topk_weights, per_expert_list, handle, EventOverlap(event))
+
+    def combine(self, x: torch.Tensor, handle: Tuple,
+                topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        config = self.get_combine_config(self.group_size) if config is None else config
+        runtime = self._normal()
+        # NOTES (as the real one): the second entry is the sending side's
+        rank_prefix_matrix, _, channel_prefix_matrix, src_idx, _is_recv_token_in_rank, send_head = handle
+        bias_0, bias_1 = None, None
+        if isinstance(bias, torch.Tensor):
+            bias_0 = bias
+        elif isinstance(bias, tuple):
+            assert len(bias) == 2
+            bias_0, bias_1 = bias
+        recv_x, recv_topk_weights, event = runtime.intranode_combine(
+            x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix,
+            send_head, config, getattr(previous_event, 'event', None), async_finish,
+            allocate_on_comm_stream)
+        return recv_x, recv_topk_weights, EventOverlap(event)

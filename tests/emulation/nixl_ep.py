@@ -5,7 +5,8 @@ Same signatures; checked on 2026-11-29 against the released wheel nixl-cu13 1.5.
 (``nixl_ep_cu13/buffer.py``, which the ``nixl`` 1.5.1 wheel re-exports as ``nixl_ep``): the
 parameter lists of ``Buffer.__init__``, ``low_latency_dispatch``, ``low_latency_combine``,
 ``update_memory_buffers``, ``connect_ranks``, ``set_tcp_store_group``, the mask methods and both
-size hints are identical. Lifecycle as upstream: ``Buffer(rank=..., tcp_store_group=...)`` allocates
+size hints are identical (``get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)``,
+which vLLM's ``clean_buffers`` calls, checked against the same wheel on 2026-12-01). Lifecycle as upstream: ``Buffer(rank=..., tcp_store_group=...)`` allocates
 nothing; ``update_memory_buffers(num_ranks, num_experts_per_rank, num_rdma_bytes)`` sizes the
 layout (every other rank starts masked: not connected); ``connect_ranks(remote_ranks)`` exchanges
 agent metadata through the store exactly as upstream (``NIXL_EP/<rank>`` set, peers' keys waited
@@ -29,11 +30,14 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
+from emulation._ll_kernels import (NIXL_EP_SIGNAL_BYTES, EventOverlap, EmulatedLowLatencyRuntime,
+                                   host_assert, size_hint)
 
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
 
-topk_idx_t = torch.int64
+# nixl's meson builds nixl_ep with TOPK_IDX_BITS=32: the real library (built on the H200 from
+# nixl's sources, tests/gpu/README.md) asserts int32 ids, as this emulation does.
+topk_idx_t = torch.int32
 DEFAULT_TIMEOUT_MS = 30_000
 
 
@@ -43,6 +47,11 @@ def _agent_metadata(rank: int) -> bytes:
 
 class _NixlRuntime(EmulatedLowLatencyRuntime):
     """Adds connections and the active-rank bound to the shared emulated kernels."""
+
+    topk_idx_dtype = topk_idx_t
+
+    signal_bytes = NIXL_EP_SIGNAL_BYTES  # EPLayout: num_experts * sizeof(uint64_t)
+    bound_name = "active_rank_bound"
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  num_experts_per_rank: int):
@@ -128,7 +137,8 @@ class Buffer:
     @staticmethod
     def get_low_latency_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                          num_ranks: int, num_experts: int) -> int:
-        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                         NIXL_EP_SIGNAL_BYTES)
 
     @staticmethod
     def get_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -223,6 +233,10 @@ class Buffer:
 
     def combine(self, *args: Any, **kwargs: Any) -> Any:
         return self.low_latency_combine(*args, **kwargs)
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        return self._runtime().local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         self._runtime().update_mask(rank_to_mask, mask)

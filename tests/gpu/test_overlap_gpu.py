@@ -34,8 +34,7 @@ def side_streams():
 
 def _layer(on: bool, max_tokens: int = 1 << 20) -> MoELayer:
     ctx = DistContext(ParallelLayout(1, 1, False), 0, None, None, torch.device("cuda"))
-    w = MoEWeights.random(CFG, seed=3)
-    w = MoEWeights(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in w.__dict__.items()})
+    w = MoEWeights.random(CFG, seed=3).to("cuda")
     return MoELayer(w, ctx, get_backend("torch"), overlap=OverlapConfig(overlap=on,
                                                                         overlap_max_tokens=max_tokens))
 

@@ -22,15 +22,13 @@ from moe_plugins.registry import BackendSpec, Capabilities
 
 
 class AllGatherManager:
-    """The EP group and the expert placement (contiguous blocks of num_experts / num_ranks)."""
+    """The EP group and the expert placement (``cfg.placement``, linear when None)."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.group = ctx.ep_group
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        if cfg.num_experts % self.num_ranks:
-            raise ValueError(f"num_experts={cfg.num_experts} not divisible by {self.num_ranks} ranks")
-        self.experts_per_rank = cfg.num_experts // self.num_ranks
+        self.placement = cfg.placement_for(self.num_ranks)
 
     def gather(self, t: torch.Tensor, rows: int) -> torch.Tensor:
         """t [n, ...] padded to ``rows`` on every rank -> [num_ranks * rows, ...]."""
@@ -73,7 +71,7 @@ class AllGatherPrepareFinalize(PrepareFinalize):
         x = m.gather(hidden_states, rows)
         ids = m.gather(topk_ids.long() + 1, rows) - 1  # padding rows become id -1: no expert
         w = m.gather(topk_weights.float(), rows)
-        local = local_expert_ids(ids, m.rank * m.experts_per_rank, m.experts_per_rank)
+        local = local_expert_ids(ids, m.placement, m.rank)
         self._handle = _Handle(n, rows)
         self.stats.calls += 1
         self.stats.pairs += topk_ids.numel()
@@ -102,7 +100,8 @@ SPEC = BackendSpec(
     name="example_allgather",
     prepare_finalize=AllGatherPrepareFinalize,
     manager=AllGatherManager,
-    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True),
+    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False, row_scatter=True,
+                              placements=True),
     quants=frozenset({QuantScheme.NONE}),
     description="example third-party backend: all-gather dispatch, reduce-scatter combine",
 )

@@ -1,0 +1,129 @@
+"""Transport of ``deepep_auto``: ONE DeepEP V1 ``deep_ep.Buffer`` with both modes.
+
+The buffer is built in low-latency mode with the NVLink bytes of normal mode as well (DeepEP's
+normal-mode hints, :func:`all2all.deepep_ht.normal_mode_bytes`) and RDMA bytes for the larger
+of the two modes (as DeepEP's ``tests/test_intranode.py`` builds its low-latency-compatible
+buffer, and SGLang its ``--deepep-mode auto`` one). Both managers run over it: the
+low-latency one (:class:`DeepEPAutoLLManager`, its capacity ``ll_max_tokens_per_rank``) owns
+it, the normal-mode one borrows it. After a normal-mode call the low-latency buffer is cleaned
+(``clean_low_latency_buffer``) before the next low-latency call: normal mode may have written the
+shared RDMA buffer (internode), and DeepEP's low-latency kernels expect it clean.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from all2all.deepep import DeepEPLLManager, DeepEPLLOptions
+from all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, normal_mode_bytes
+from moe_plugins.config import DispatchConfig
+from moe_plugins.groups import DistContext
+
+__all__ = ["DeepEPAutoOptions", "DeepEPAutoLLManager", "DeepEPAutoManager"]
+# Buffers that ran normal mode since their last low-latency call. Per buffer, not per manager:
+# the layers of a model share one buffer, and any of them may be the next to run low-latency.
+_NEEDS_CLEAN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class DeepEPAutoOptions(DeepEPLLOptions):
+    """``DispatchConfig.backend_options`` of ``deepep_auto``: the low-latency settings
+    (:class:`all2all.deepep.DeepEPLLOptions`) plus
+
+    ll_max_tokens_per_rank: the low-latency buffers' token capacity (rounded up as the kernels
+        need), at most ``DispatchConfig.max_tokens_per_rank``; None: that value (as deepep_ll
+        sizes its buffers; under vLLM the MoE chunk size ``moe.max_num_tokens``). Calls with at
+        most this many tokens on every rank, and every CUDA-graph capture, take the low-latency
+        kernels; larger calls (and, under vLLM, prefill passes) take normal mode. Bigger means
+        more low-latency buffer memory and NVSHMEM QP depth (``2 * (tokens + 1)``).
+    """
+
+    ll_max_tokens_per_rank: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.ll_max_tokens_per_rank is not None and self.ll_max_tokens_per_rank < 1:
+            raise ValueError(f"ll_max_tokens_per_rank must be >= 1, got "
+                             f"{self.ll_max_tokens_per_rank}")
+
+
+class DeepEPAutoLLManager(DeepEPLLManager):
+    """The low-latency side of ``deepep_auto``: its buffer also carries normal mode's bytes."""
+
+    backend_name = "deepep_auto"
+    options_type = DeepEPAutoOptions
+    options: DeepEPAutoOptions
+
+    def _normal_bytes(self) -> tuple[int, int]:
+        return normal_mode_bytes(self.lib, self.num_ranks, self.hidden, self.cfg.dtype)
+
+    def _size_hint(self, max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+        return max(super()._size_hint(max_tokens, hidden, num_ranks, num_experts),
+                   self._normal_bytes()[1])
+
+    def _num_nvl_bytes(self) -> int:
+        return self._normal_bytes()[0]
+
+    def _num_qps_per_rank(self) -> int:
+        # internode normal mode wants a QP per channel (DeepEP's test_internode)
+        return max(self.num_local_experts, int(self.lib.Buffer.num_sms))
+
+
+class DeepEPAutoManager:
+    """Both modes of one layer config over one EP group and one buffer.
+
+    ``ll``: :class:`DeepEPAutoLLManager` (``max_tokens_per_rank`` is the low-latency capacity,
+    the switching threshold); ``ht``: :class:`all2all.deepep_ht.DeepEPHTManager` on the same
+    buffer. ``low_latency_capacity``: the threshold, in tokens per rank."""
+
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig):
+        options = cfg.backend_options if cfg.backend_options is not None else DeepEPAutoOptions()
+        if not isinstance(options, DeepEPAutoOptions):
+            raise TypeError(f"deepep_auto: backend_options must be a DeepEPAutoOptions, got "
+                            f"{type(options).__name__}; pass DispatchConfig(backend_options="
+                            "DeepEPAutoOptions(...))")
+        cap = min(options.ll_max_tokens_per_rank or cfg.max_tokens_per_rank,
+                  cfg.max_tokens_per_rank)
+        self.ll_cfg = dataclasses.replace(cfg, max_tokens_per_rank=cap, backend_options=options)
+        self.ht_cfg = dataclasses.replace(cfg, backend_options=DeepEPHTOptions(
+            allow_mnnvl=options.allow_mnnvl))
+        self.ctx, self.cfg, self.options = ctx, cfg, options
+        self.ll = DeepEPAutoLLManager(ctx, self.ll_cfg)
+        try:
+            self.ht = DeepEPHTManager(ctx, self.ht_cfg, buffer=self.ll.buffer)
+        except BaseException:
+            self.ll.destroy()
+            raise
+        self.group, self.num_ranks, self.rank = self.ll.group, self.ll.num_ranks, self.ll.rank
+        self.num_local_experts = self.ll.num_local_experts
+
+    @property
+    def buffer(self) -> Any:
+        return self.ll.buffer
+
+    @property
+    def low_latency_capacity(self) -> int:
+        return self.ll.max_tokens_per_rank
+
+    def before_low_latency(self) -> None:
+        """Clean the low-latency buffer when normal mode ran since the last low-latency call."""
+        buffer = self.buffer
+        if buffer in _NEEDS_CLEAN:
+            ll = self.ll
+            buffer.clean_low_latency_buffer(ll.max_tokens_per_rank, ll.kernel_hidden,
+                                            ll.num_experts)
+            _NEEDS_CLEAN.discard(buffer)
+
+    def after_normal(self) -> None:
+        """Record that normal mode used the buffer (the next low-latency call cleans it)."""
+        _NEEDS_CLEAN.add(self.buffer)
+
+    def destroy(self) -> None:
+        """Release the buffer (the normal-mode manager borrows it; idempotent)."""
+        self.ht.destroy()
+        self.ll.destroy()
+
+    def describe(self) -> str:
+        return (f"low-latency up to {self.low_latency_capacity} tokens per rank and under "
+                "CUDA-graph capture, normal mode above")

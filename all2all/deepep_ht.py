@@ -1,0 +1,208 @@
+"""Transport of ``deepep_ht``: DeepEP's V1 ``deep_ep.Buffer`` in normal (high-throughput) mode.
+
+Follows DeepEP's V1 line (commit 567632d, the last before the V2 rewrite): the buffer's NVLink
+(and, across nodes, RDMA) bytes come from DeepEP's own hints, the larger of
+``Buffer.get_dispatch_config(R)`` and ``get_combine_config(R)``'s
+``get_nvl_buffer_size_hint / get_rdma_buffer_size_hint(hidden_bytes, R)`` with ``hidden_bytes =
+hidden * max(element size, 2)`` (DeepEP's README ``get_buffer``); a call computes the layout on
+the GPU (``get_dispatch_layout``), then ``dispatch`` / ``combine`` run asynchronously on DeepEP's
+communication stream, ordered by its ``EventOverlap`` events: the layout event feeds the
+dispatch (``previous_event``, tensors allocated on the communication stream), and the caller's
+stream waits for the dispatch and the combine events in the receive hooks.
+
+Normal-mode kernels take 2, 4 or 8 ranks inside a node (DeepEP's ``SWITCH_RANKS``), or
+multiples of 8 across nodes (RDMA + NVLink); 1 rank has no config. ``deep_ep`` is imported when a
+manager is built, never at import time.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from all2all.deepep import DEEPEP_PACKAGE
+from moe_plugins.config import DispatchConfig
+from moe_plugins.groups import DistContext
+from moe_plugins.low_latency import buffer_cache, check_kernel_layer, import_vendor
+from moe_plugins.quant import QuantScheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeepEPHTOptions", "DeepEPHTManager", "NormalModeBytes", "normal_mode_bytes",
+           "check_normal_mode_layer", "HT_QUANTS", "MAX_TOPK", "MAX_LOCAL_EXPERTS", "EP_SIZES"]
+
+#: Quant schemes the normal-mode dispatch moves (fp8 travels with its float block-128 scales).
+HT_QUANTS = frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128})
+#: The dispatch kernel copies top-k entries one per warp lane (EP_DEVICE_ASSERT(num_topk <= 32)).
+MAX_TOPK = 32
+#: notify_dispatch handles one local expert per thread of a 128-thread block.
+MAX_LOCAL_EXPERTS = 128
+#: EP sizes DeepEP has normal-mode configs for (``Buffer.get_dispatch_config``'s table):
+#: 2, 4, 8 inside a node (the intranode kernels' SWITCH_RANKS), multiples of 8 across nodes.
+EP_SIZES = frozenset({2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160})
+_ROW_ALIGN_BYTES = 16  # rows move as int4 vectors
+
+
+@dataclass(frozen=True)
+class DeepEPHTOptions:
+    """``DispatchConfig.backend_options`` of ``deepep_ht``.
+
+    allow_mnnvl: allow multi-node NVLink (DeepEP ``allow_mnnvl``).
+    use_fabric: allocate the NVLink buffer through the fabric API (DeepEP ``use_fabric``).
+    """
+
+    allow_mnnvl: bool = False
+    use_fabric: bool = False
+
+
+class NormalModeBytes(NamedTuple):
+    """Buffer bytes normal mode needs for one layer shape and EP size (DeepEP's hints)."""
+
+    nvl: int
+    rdma: int
+
+
+def normal_mode_bytes(lib: Any, num_ranks: int, hidden: int, dtype: torch.dtype) -> NormalModeBytes:
+    """The larger of the dispatch and combine configs' NVLink and RDMA size hints for rows of
+    ``hidden`` values of ``dtype`` (at least 2 bytes a value: the combine moves bf16)."""
+    hidden_bytes = hidden * max(torch.empty((), dtype=dtype).element_size(), 2)
+    nvl = rdma = 0
+    for config in (lib.Buffer.get_dispatch_config(num_ranks),
+                   lib.Buffer.get_combine_config(num_ranks)):
+        nvl = max(nvl, int(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)))
+        rdma = max(rdma, int(config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)))
+    return NormalModeBytes(nvl, rdma)
+
+
+def check_normal_mode_layer(cfg: DispatchConfig, backend: str) -> None:
+    """Layer checks of the normal-mode kernels that need no process group (raise ValueError)."""
+    check_kernel_layer(cfg, backend, "DeepEP's normal-mode combine reduces bfloat16 only",
+                       MAX_TOPK, HT_QUANTS)
+    if cfg.hidden * 2 % _ROW_ALIGN_BYTES or (cfg.quant.quantized_on_wire
+                                              and cfg.hidden % _ROW_ALIGN_BYTES):
+        raise ValueError(f"{backend}: hidden={cfg.hidden} gives rows that are not a multiple of "
+                         f"{_ROW_ALIGN_BYTES} bytes (DeepEP moves rows as int4 vectors); use a "
+                         "hidden size that is a multiple of 16")
+
+
+def _check_ranks(num_ranks: int, backend: str) -> None:
+    if num_ranks not in EP_SIZES:
+        raise ValueError(f"{backend}: DeepEP's normal mode has configs for EP sizes "
+                         f"{sorted(EP_SIZES)}, the EP group has {num_ranks}; use 'deepep_ll' or "
+                         "'torch' for this EP size")
+
+
+class DeepEPHTManager:
+    """One layer config's view of a normal-mode ``deep_ep.Buffer`` over the EP group.
+
+    Construction order: options and layer checks (no collective), the vendor import (ImportError
+    naming how to get DeepEP), the EP size check, then the buffer: shared by every layer of the
+    same EP group and sizes (collective on creation), or ``buffer`` when the caller owns one that
+    also has normal-mode bytes (``deepep_auto``'s combined buffer; then :meth:`destroy` leaves it).
+
+    Attributes: ``num_ranks``/``rank`` (EP group), ``num_experts``, ``num_local_experts``,
+    ``experts_per_rank`` (same), ``hidden``, ``bytes`` (:class:`NormalModeBytes`), ``buffer``.
+    """
+
+    backend_name = "deepep_ht"
+
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig, buffer: Any = None):
+        self.options = self._options(cfg.backend_options)
+        check_normal_mode_layer(cfg, self.backend_name)
+        self.lib = import_vendor(DEEPEP_PACKAGE, self.backend_name)
+        self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
+        self.ctx, self.cfg = ctx, cfg
+        self.group = ctx.ep_group
+        self.num_ranks = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        _check_ranks(self.num_ranks, self.backend_name)
+        if cfg.num_experts % self.num_ranks:
+            raise ValueError(f"{self.backend_name}: num_experts={cfg.num_experts} is not divisible "
+                             f"by the EP size {self.num_ranks}; pick an EP size that divides it")
+        self.num_experts = cfg.num_experts
+        self.num_local_experts = self.experts_per_rank = cfg.num_experts // self.num_ranks
+        if self.num_local_experts > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"{self.backend_name}: {self.num_local_experts} experts per rank "
+                             f"exceed the normal-mode kernels' {MAX_LOCAL_EXPERTS}; use more EP "
+                             "ranks")
+        self.hidden = cfg.hidden
+        self.bytes = normal_mode_bytes(self.lib, self.num_ranks, cfg.hidden, cfg.dtype)
+        self._key: Optional[tuple] = None
+        if buffer is not None:
+            if buffer.num_nvl_bytes < self.bytes.nvl or buffer.num_rdma_bytes < self.bytes.rdma:
+                raise ValueError(f"{self.backend_name}: the given buffer has {buffer.num_nvl_bytes}"
+                                 f" NVLink / {buffer.num_rdma_bytes} RDMA bytes, normal mode needs "
+                                 f"{self.bytes.nvl} / {self.bytes.rdma}")
+            self.buffer = buffer
+            return
+        key = (self.backend_name, id(self.group), self.rank, self.num_ranks, self.bytes,
+               self.options)
+        self.buffer = buffer_cache().acquire(key, self._create_buffer, lambda b: b.destroy())
+        self._key = key
+
+    def _options(self, given: object) -> DeepEPHTOptions:
+        if given is None:
+            return DeepEPHTOptions()
+        if not isinstance(given, DeepEPHTOptions):
+            raise TypeError(f"{self.backend_name}: backend_options must be a DeepEPHTOptions, got "
+                            f"{type(given).__name__}; pass DispatchConfig(backend_options="
+                            "DeepEPHTOptions(...))")
+        return given
+
+    def _create_buffer(self) -> Any:
+        extra: dict[str, Any] = {}
+        if self.options.allow_mnnvl:
+            extra["allow_mnnvl"] = True
+        if self.options.use_fabric:
+            extra["use_fabric"] = True
+        buffer = self.lib.Buffer(self.group, num_nvl_bytes=self.bytes.nvl,
+                                 num_rdma_bytes=self.bytes.rdma, low_latency_mode=False,
+                                 # internode normal mode: one QP per channel (DeepEP's tests)
+                                 num_qps_per_rank=max(1, int(self.lib.Buffer.num_sms)),
+                                 explicitly_destroy=True, **extra)
+        logger.info("%s: buffer for EP rank %d/%d, %d local experts, hidden %d, %d NVLink bytes, "
+                    "%d RDMA bytes (DeepEP's size hints)", self.backend_name, self.rank,
+                    self.num_ranks, self.num_local_experts, self.hidden, self.bytes.nvl,
+                    self.bytes.rdma)
+        return buffer
+
+    # -- the library calls -----------------------------------------------------------------
+    def layout(self, topk_idx: torch.Tensor) -> tuple[Any, Any, Any, Any, Any]:
+        """topk_idx topk_idx_dtype [num_tokens, num_topk] (GLOBAL ids, -1: none) ->
+        (num_tokens_per_rank int32 [num_ranks], num_tokens_per_rdma_rank or None,
+        num_tokens_per_expert int32 [num_experts], is_token_in_rank bool [num_tokens, num_ranks],
+        event), computed on the communication stream."""
+        return self.buffer.get_dispatch_layout(topk_idx, self.num_experts, async_finish=True)
+
+    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, layout: tuple[Any, Any, Any, Any, Any]):
+        """Send x [num_tokens, hidden] (bf16, or e4m3 with x_sf float32 [num_tokens, hidden // 128])
+        once to every rank holding one of its experts. Blocks the host until the receive counts
+        are known (DeepEP's normal mode). Returns (recv_x, recv_x_sf or None, recv_topk_idx
+        [num_recv_tokens, num_topk] LOCAL ids (-1 elsewhere), recv_topk_weights float32 (0.0
+        elsewhere), per-local-expert counts (list of int), handle, event); the tensors are
+        valid once ``event.current_stream_wait()`` has run."""
+        per_rank, per_rdma_rank, per_expert, in_rank, layout_event = layout
+        recv, recv_ids, recv_weights, counts, handle, event = self.buffer.dispatch(
+            (x, x_sf) if x_sf is not None else x, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            previous_event=layout_event, async_finish=True, allocate_on_comm_stream=True)
+        recv_x, recv_sf = recv if x_sf is not None else (recv, None)
+        return recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event
+
+    def combine(self, x: torch.Tensor, handle: Any) -> tuple[torch.Tensor, Any]:
+        """Send expert outputs x bf16 [num_recv_tokens, hidden] (already router-weighted: the
+        combine sums without weights) back; returns (combined bf16 [num_tokens, hidden], event)."""
+        combined, _, event = self.buffer.combine(x, handle, async_finish=True)
+        return combined, event
+
+    def destroy(self) -> None:
+        """Release this manager's share of the buffer (the last one destroys it); idempotent.
+        A buffer given at construction belongs to the caller and is left alone."""
+        if self._key is not None:
+            key, self._key = self._key, None
+            buffer_cache().release(key)

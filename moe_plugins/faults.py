@@ -1,0 +1,205 @@
+"""Faults of a layer call across ranks: never a wrong answer, never an unbounded wait.
+
+The rule (DESIGN.md, "Faults"). A check that raises on one rank only makes that rank skip the
+collectives its peers make; their next collectives then pair with the wrong ones and return
+results that belong to another batch, with no error. So:
+
+1. What can be validated before the first collective is validated **identically on every
+   rank**: configuration at construction (the same on all ranks), and, where a backend has a
+   host exchange at the start of a call (the ``torch`` backend's split-size all-to-all), the
+   per-rank input checks travel *in* that exchange as a status word, so every rank learns that
+   some rank rejected its inputs and all of them raise at the same point (:func:`check_peers`).
+2. The same exchange carries a per-group **call sequence number** and the **layer-config
+   digest**: a peer that skipped a call, or is in another layer's call, is detected at once on
+   every rank (:class:`OutOfStepError`) instead of pairing the wrong buffers.
+3. A call that fails **mid-way** (after its first collective, or on a backend without a host
+   exchange) leaves this rank's collectives out of step with its peers'. The EP group's
+   :class:`GroupFaults` is then broken: every later call on it raises
+   :class:`LayerBrokenError` naming the first failure, until the layer is rebuilt on new
+   process groups (:func:`moe_plugins.groups.make_dist_context`); reusing the group could pair
+   this rank's next collective with a peer's pending one.
+4. Every collective a backend waits on runs under a bounded process-group timeout
+   (:func:`moe_plugins.groups.default_timeout`); :func:`collective_error` turns the transport's
+   error (timeout, peer gone) into :class:`CollectiveError` naming the layer, the collective
+   and the peers, and breaks the group.
+
+State is per EP process group (all layers on a group share its collective sequence), held by
+:func:`group_faults`; nothing here runs per token, and the per-call cost is an attribute read.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
+           "GroupFaults", "group_faults", "config_digest", "collective_error", "HEADER_WORDS",
+           "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "STATUS_BAD_EXPERT_IDS", "check_peers", "in_step",
+           "is_in_step"]
+
+#: Words a rank sends each peer in a host exchange: (count, sequence number, digest, status).
+HEADER_WORDS = 4
+STATUS_OK, STATUS_BAD_INPUT, STATUS_BAD_EXPERT_IDS = 0, 1, 2
+_STATUS_TEXT = {STATUS_BAD_INPUT: "rejected its inputs",
+                STATUS_BAD_EXPERT_IDS: "got expert ids outside [-1, num_experts)"}
+
+
+class LayerBrokenError(RuntimeError):
+    """A call on this EP group failed mid-way earlier; the group's collectives are out of step."""
+
+
+class OutOfStepError(RuntimeError):
+    """A peer is in another call (sequence number) or another layer (config digest)."""
+
+
+class PeerInputError(ValueError):
+    """Some rank rejected its inputs for this call (its own error says why); no rank ran it."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective did not complete: timed out, or a peer went away."""
+
+
+def config_digest(*parts: object) -> int:
+    """A digest of a layer's configuration, equal on every rank (unlike ``hash``, which is
+    salted per process); 62 bits, so it travels in an int64."""
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 2
+
+
+@dataclass
+class GroupFaults:
+    """Fault state of one EP process group on this rank.
+
+    seq: calls that went through a host exchange on this group (equal on every rank while in
+    step); broken: the first mid-way failure, or None; layers: see :meth:`next_layer_index`."""
+
+    ranks: Sequence[int]
+    rank: int = 0  # this process's global rank
+    seq: int = 0
+    broken: Optional[str] = None
+    layers: int = 0  # backends built on this group so far (every rank builds them in one order)
+    _first: Optional[BaseException] = field(default=None, repr=False)
+
+    def check(self, layer: str) -> None:
+        """Raise :class:`LayerBrokenError` when an earlier call broke this group."""
+        if self.broken is not None:
+            raise LayerBrokenError(
+                f"{layer}: this rank's EP group is out of step with its peers since an earlier "
+                f"call failed mid-way: {self.broken}. Every call on this group raises until the "
+                "layer is rebuilt on new process groups (moe_plugins.groups.make_dist_context; "
+                "under vLLM: restart the engine)") from self._first
+
+    def next_layer_index(self) -> int:
+        """The creation index of a new layer's backend on this group: part of its digest, so
+        that ranks in different layers of equal config are told apart."""
+        self.layers += 1
+        return self.layers
+
+    def mark_broken(self, what: str, exc: Optional[BaseException] = None) -> None:
+        """Record the first mid-way failure (later ones are consequences of it)."""
+        if self.broken is None:
+            self.broken = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
+            self._first = exc
+
+
+_GROUPS: dict[object, GroupFaults] = {}
+
+
+def group_faults(group: object) -> GroupFaults:
+    """The one :class:`GroupFaults` of a process group (``None``: the default group)."""
+    import torch.distributed as dist
+
+    key = group if group is not None else dist.group.WORLD
+    state = _GROUPS.get(key)
+    if state is None:
+        ranks = dist.get_process_group_ranks(key) if dist.is_initialized() else [0]
+        state = _GROUPS[key] = GroupFaults(list(ranks), dist.get_rank() if dist.is_initialized() else 0)
+    return state
+
+
+def clear_group_faults(group: object = None) -> None:
+    """Forget a group's fault state and sequence number, on this rank. Sound only when every
+    rank of the group abandoned exactly the same calls and all of them call this at the same
+    point (tests that probe a prepare alone on every rank do); otherwise rebuild on new groups."""
+    import torch.distributed as dist
+
+    _GROUPS.pop(group if group is not None else dist.group.WORLD, None)
+
+
+_PEER_RE = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|\[[0-9a-fA-F:.]+\]:\d+")
+
+
+_IN_STEP = "_moe_plugins_in_step"
+
+
+def in_step(exc: BaseException) -> BaseException:
+    """Tag ``exc`` as raised at the same point on every rank (after a host exchange told every
+    rank about it): the group's collectives are still in step, the group is not broken."""
+    setattr(exc, _IN_STEP, True)
+    return exc
+
+
+def is_in_step(exc: BaseException) -> bool:
+    return isinstance(exc, PeerInputError) or getattr(exc, _IN_STEP, False)
+
+
+def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Optional[float],
+                     exc: BaseException) -> BaseException:
+    """The error to raise for a collective of ``layer`` that failed with ``exc`` (issue or
+    wait): a transport error (timeout, peer gone) becomes :class:`CollectiveError` naming the
+    layer, the collective, the call and the peers, and the group is marked broken (its
+    collectives are out of step now). Our own fault errors pass through unchanged."""
+    if isinstance(exc, (LayerBrokenError, OutOfStepError, CollectiveError, PeerInputError)):
+        return exc
+    lines = str(exc).strip().splitlines()
+    text = lines[-1] if lines else type(exc).__name__
+    gone = any(s in str(exc) for s in ("reset by peer", "closed by peer", "Connection closed",
+                                       "Broken pipe", "EOF", "Connection refused"))
+    timed_out = "imed out" in str(exc) or "imeout" in str(exc)
+    peer = _PEER_RE.search(str(exc))
+    limit = f" of {timeout_s:g} s" if timeout_s is not None else ""
+    cause = ("a peer went away (its process died or left the group)" if gone else
+             f"no answer within the process-group timeout{limit}" if timed_out
+             else "the transport failed")
+    others = [r for r in faults.ranks if r != faults.rank]
+    who = (f"peer {peer.group(0)} (as the transport names it)" if peer else
+           f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}")
+    faults.mark_broken(f"{what} of call {faults.seq} did not complete", exc)
+    return CollectiveError(
+        f"{layer}: {what} (call {faults.seq}) did not complete on the EP group of ranks "
+        f"{list(faults.ranks)}: {cause}; the peer that did not answer: {who} "
+        f"({type(exc).__name__}: {text}). A rank that raised before this collective, or died, "
+        "reports its own error")
+
+
+def check_peers(faults: GroupFaults, layer: str, rank_in_group: int, seq: int, digest: int,
+                headers: torch.Tensor | list[list[int]]) -> None:
+    """After a host exchange: ``headers`` [num_ranks, HEADER_WORDS] as received from each peer
+    (count, seq, digest, status). Raises on every rank alike when any peer is out of step or
+    flagged its inputs; the rank whose own input was bad raises its own error instead (the
+    caller does that after this returns)."""
+    rows = headers.tolist() if isinstance(headers, torch.Tensor) else headers
+    ranks = list(faults.ranks)
+    off_seq = [(ranks[r], h[1]) for r, h in enumerate(rows) if h[1] != seq]
+    off_layer = [ranks[r] for r, h in enumerate(rows) if h[2] != digest]
+    if off_seq or off_layer:
+        faults.mark_broken(f"peers out of step at call {seq}")
+        parts = []
+        if off_seq:
+            parts.append("in other calls: " + ", ".join(f"rank {r} at call {s}" for r, s in off_seq))
+        if off_layer:
+            parts.append(f"ranks {off_layer} in another layer (layer digest differs)")
+        raise OutOfStepError(
+            f"{layer}: call {seq} of this rank met peers {'; '.join(parts)}. A rank skipped a "
+            "call (an error on that rank before its first collective) or runs layers in another "
+            "order; no result of this call is used. Rebuild the layer on new process groups")
+    flagged = [(ranks[r], h[3]) for r, h in enumerate(rows) if h[3] != STATUS_OK and r != rank_in_group]
+    if flagged and rows[rank_in_group][3] == STATUS_OK:
+        raise PeerInputError(
+            f"{layer}: call {seq} was not run on any rank because "
+            + "; ".join(f"rank {r} {_STATUS_TEXT.get(s, f'reported status {s}')}" for r, s in flagged)
+            + " (that rank's error says why); fix the inputs there and call again")

@@ -1,0 +1,189 @@
+"""Backend ``deepep_auto``: DeepEP V1 low-latency or normal mode, chosen per call.
+
+One layer object holds both modes over one EP group and one buffer (:mod:`all2all.deepep_auto`).
+Per call it takes the **low-latency** kernels when the batch fits their buffers on every rank
+(``max_tokens_per_rank <= low_latency_capacity``) and for every CUDA-graph capture (normal mode
+waits on the host and cannot be captured), **normal mode** otherwise, and under vLLM for prefill
+passes (:class:`moe_plugins.interface.BatchHint`, read from vLLM's forward context by
+:mod:`moe_plugins.vllm_batch_hint`). All EP ranks must take the same mode (the two are different
+collectives), so the choice uses only what is the same on every rank: the engine's hint, or
+without one the largest token count over the EP group (one small all_reduce MAX per call).
+
+One format for the experts: STANDARD. Normal mode is STANDARD already; the low-latency receive
+layout is presented as STANDARD rows without a copy of the activations
+(:func:`moe_plugins.formats.batched_as_standard`: one row per (expert, slot), one routing column,
+weight 1.0, since the low-latency combine applies the router weights). So vLLM builds one kind
+of experts (standard, with ``expert_map``) for both modes.
+
+The threshold is logged once per layer config; ``stats.modes`` counts the calls of each mode.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from all2all.deepep_auto import DeepEPAutoManager
+from moe_plugins.config import DispatchConfig
+from moe_plugins.counters import DispatchStats
+from moe_plugins.formats import batched_as_standard, standard_as_batched
+from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
+                                   PrepareResult, RowScatterTarget, check_prepare_inputs)
+from moe_plugins.quant import QuantSpec
+from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, capturing, deepep_spec
+from prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeepEPAutoPrepareFinalize", "SPEC", "LOW_LATENCY", "NORMAL", "PLANNED_CAPACITY",
+           "planned_wire_format"]
+
+LOW_LATENCY = "low_latency"
+NORMAL = "normal"
+#: The capacity `moe-plugins plan` assumes: the default max_tokens_per_rank of a MoELayer and
+#: vLLM's default MoE chunk (VLLM_MOE_DP_CHUNK_SIZE), which the capacity defaults to.
+PLANNED_CAPACITY = 256
+_LOGGED: set[tuple] = set()
+
+
+def planned_wire_format(max_rows_per_rank: int) -> ActivationFormat:
+    """The wire format `moe-plugins plan` counts for a call (see :data:`PLANNED_CAPACITY`)."""
+    return (ActivationFormat.BATCHED if max_rows_per_rank <= PLANNED_CAPACITY
+            else ActivationFormat.STANDARD)
+
+
+class DeepEPAutoPrepareFinalize(PrepareFinalize):
+    """STANDARD layout in both modes (see the module doc). Normal mode: as
+    :class:`prepare_finalize.deepep_ht.DeepEPHTPrepareFinalize`. Low-latency mode: x
+    [num_local_experts * num_recv_slots, hidden], topk_ids int64 [.., 1] (local expert or -1),
+    topk_weights float32 [.., 1] (1.0 / 0.0); the experts' router-weighted output per row (so
+    the row's own expert output, unweighted) goes back through the low-latency combine."""
+
+    activation_format = ActivationFormat.STANDARD
+
+    def __init__(self, manager: DeepEPAutoManager, cfg: DispatchConfig):
+        if not isinstance(manager, DeepEPAutoManager):
+            raise TypeError(f"DeepEPAutoPrepareFinalize needs a DeepEPAutoManager, got "
+                            f"{type(manager).__name__}")
+        self.manager, self.cfg = manager, cfg
+        self.ll = DeepEPLLPrepareFinalize(manager.ll, manager.ll_cfg)
+        self.ht = DeepEPHTPrepareFinalize(manager.ht, manager.ht_cfg)
+        self._modes: dict[str, int] = {}  # calls per mode
+        self._hint: Optional[BatchHint] = None
+        self._mode: Optional[str] = None
+        key = (manager.num_ranks, cfg.num_experts, cfg.hidden, manager.low_latency_capacity)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("deepep_auto: %s (threshold %d tokens per rank: the low-latency buffer "
+                        "capacity); under vLLM prefill passes take normal mode", manager.describe(),
+                        manager.low_latency_capacity)
+
+    @property
+    def stats(self) -> DispatchStats:  # type: ignore[override]
+        """One count for the layer: both modes' stats summed (the low-latency side computes its
+        own when read), with ``modes`` the calls of each mode."""
+        ll, ht = self.ll.stats, self.ht.stats
+        total = DispatchStats(**{f: getattr(ll, f) + getattr(ht, f)
+                                 for f in DispatchStats.__dataclass_fields__})
+        total.modes = dict(self._modes)
+        return total
+
+    @property
+    def low_latency_capacity(self) -> int:
+        return self.manager.low_latency_capacity
+
+    def num_dispatchers(self) -> int:
+        return self.manager.num_ranks
+
+    def supports_async(self) -> bool:
+        return True
+
+    uses_batch_hint = True
+
+    def set_batch_hint(self, hint: Optional[BatchHint]) -> None:
+        self._hint = hint
+
+    def reset_call_state(self) -> None:
+        self.ll.reset_call_state()
+        self.ht.reset_call_state()
+        self._mode = None
+
+    # -- the choice ----------------------------------------------------------------------------
+    def choose_mode(self, num_tokens: int) -> str:
+        """The mode of a call with ``num_tokens`` rows on this rank: the same on every rank."""
+        cap = self.low_latency_capacity
+        hint, self._hint = self._hint, None  # a hint covers one call
+        if capturing():
+            if num_tokens > cap:
+                raise ValueError(
+                    f"deepep_auto: a CUDA-graph capture of {num_tokens} tokens per rank, but the "
+                    f"low-latency buffers hold {cap} and normal mode cannot be captured; raise "
+                    "DeepEPAutoOptions.ll_max_tokens_per_rank or capture smaller batches")
+            return LOW_LATENCY
+        if hint is not None:
+            if hint.max_tokens_per_rank < num_tokens:
+                raise ValueError(f"deepep_auto: the engine's hint says at most "
+                                 f"{hint.max_tokens_per_rank} tokens per rank, this rank has "
+                                 f"{num_tokens}")
+            largest, prefill = hint.max_tokens_per_rank, bool(hint.prefill)
+        else:
+            largest, prefill = self._largest_over_ranks(num_tokens), False
+        return LOW_LATENCY if largest <= cap and not prefill else NORMAL
+
+    def _largest_over_ranks(self, num_tokens: int) -> int:
+        m = self.manager
+        t = torch.tensor([num_tokens], dtype=torch.int64, device=m.ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m.group)
+        return int(t.item())
+
+    # -- prepare / finalize ----------------------------------------------------------------------
+    def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        """hidden_states bf16 [num_tokens, hidden], topk_* [num_tokens, num_topk] GLOBAL ids.
+        Checks run before the choice's collective, identically on every rank."""
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        if self._mode is not None:
+            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
+        mode = self.choose_mode(hidden_states.shape[0])
+        self._modes[mode] = self._modes.get(mode, 0) + 1
+        if mode == NORMAL:
+            sent = self.ht.prepare_async(hidden_states, topk_weights, topk_ids, quant)
+            self.manager.after_normal()
+            self._mode = mode
+            return sent
+        self.manager.before_low_latency()
+        sent = self.ll.prepare_async(hidden_states, topk_weights, topk_ids, quant)
+        self._mode = mode
+
+        def receiver() -> PrepareResult:
+            prep = sent.receiver()
+            assert isinstance(prep, PrepareResult)
+            return batched_as_standard(prep)
+
+        return AsyncResult(sent.hook, receiver)
+
+    def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
+        """fused_expert_output bf16 [num_recv_rows, hidden]: the rows prepare presented, each
+        the router-weighted sum of this rank's experts (low-latency rows: weight 1.0)."""
+        mode, self._mode = self._mode, None
+        if mode is None:
+            raise RuntimeError("finalize called without a matching prepare on this backend")
+        if mode == NORMAL:
+            return self.ht.finalize_async(fused_expert_output, topk_weights, topk_ids, output)
+        try:
+            batched = standard_as_batched(fused_expert_output, self.manager.num_local_experts)
+        except ValueError:
+            self.ll.reset_call_state()
+            raise
+        return self.ll.finalize_async(batched.contiguous(), topk_weights, topk_ids, output)
+
+
+SPEC = deepep_spec(
+    "deepep_auto", DeepEPAutoPrepareFinalize, DeepEPAutoManager,
+    "DeepEP V1 low-latency for batches that fit its buffers and CUDA graphs, normal mode above "
+    "and for prefill (one buffer); STANDARD format for both",
+    # after deepep_ll (auto-selection keeps its choice), before flashinfer and the reference
+    priority=28, wire_format_for=planned_wire_format)

@@ -1,0 +1,199 @@
+"""Backend ``deepep_ht``: DeepEP's V1 normal (high-throughput) mode, STANDARD format.
+
+Built for prefill: one message per (token, destination rank) with the layout computed on the
+GPU, NVLink inside a node and RDMA + NVLink forwarding across nodes, no token capacity (the
+receive sizes come from the counts, which the host waits for, so normal mode cannot be captured
+in a CUDA graph: ``deepep_auto`` uses the low-latency kernels there).
+
+prepare: fp8 block-128 quantization happens before the dispatch (DeepEP moves the e4m3 rows and
+their float32 scales; ``x_sf is None`` exactly when the activations travel in bf16), then
+``get_dispatch_layout`` and ``dispatch`` are issued; the receive hook makes the current stream
+wait for the dispatch event, so the shared expert launched between them overlaps the transfer.
+The experts get the received rows with LOCAL topk ids (-1 for experts elsewhere, weight 0.0), as
+DeepEP returns them. finalize: the experts' router-weighted rows are combined (DeepEP sums
+without weights); the hook waits for the combine event; the result goes through
+:func:`moe_plugins.interface.write_output` (a plain output, or the row-scatter add).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from all2all.deepep import DEEPEP_PACKAGE
+from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
+from moe_plugins.config import DispatchConfig
+from moe_plugins.counters import DispatchStats, host_count
+from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
+                                   PrepareFinalize, PrepareResult, RowScatterTarget,
+                                   check_prepare_inputs, write_output)
+from moe_plugins.quant import QuantSpec, quantize_for_dispatch
+from moe_plugins.registry import BackendSpec, Capabilities, WireLayout
+
+__all__ = ["DeepEPHTPrepareFinalize", "SPEC", "capturing", "deepep_spec"]
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class _CallState:
+    """What finalize needs from prepare: DeepEP's handle, the tokens given to prepare and the
+    rows received."""
+
+    handle: Any
+    num_tokens: int
+    num_recv: int
+
+
+class DeepEPHTPrepareFinalize(PrepareFinalize):
+    """STANDARD layout: prepare returns x [num_recv_tokens, hidden] (bf16, or e4m3 with x_sf
+    float32 [num_recv_tokens, hidden // 128]), topk_ids int64 [num_recv_tokens, num_topk] LOCAL
+    ids (-1 elsewhere), topk_weights float32 (0.0 where the id is -1), and the received tokens
+    per local expert. Rows are ordered by source rank, then source token order."""
+
+    activation_format = ActivationFormat.STANDARD
+
+    def __init__(self, manager: DeepEPHTManager, cfg: DispatchConfig):
+        if not isinstance(manager, DeepEPHTManager):
+            raise TypeError(f"DeepEPHTPrepareFinalize needs a DeepEPHTManager, got "
+                            f"{type(manager).__name__}")
+        self.manager = manager
+        self.cfg = cfg
+        self.stats = DispatchStats()
+        self._state: Optional[_CallState] = None
+
+    def num_dispatchers(self) -> int:
+        return self.manager.num_ranks
+
+    def supports_async(self) -> bool:
+        return True
+
+    def topk_indices_dtype(self) -> torch.dtype:
+        return self.manager.topk_idx_dtype
+
+    def reset_call_state(self) -> None:
+        self._state = None
+
+    def _check(self, hidden_states: torch.Tensor, quant: QuantSpec) -> None:
+        m = self.manager
+        if quant.scheme not in HT_QUANTS:
+            raise ValueError(f"{m.backend_name}: quant scheme {quant.scheme.value} is not "
+                             f"supported; supported: {sorted(q.value for q in HT_QUANTS)}")
+        if hidden_states.shape[1] != m.hidden:
+            raise ValueError(f"hidden_states has hidden={hidden_states.shape[1]}, the layer was "
+                             f"built for {m.hidden}")
+        if hidden_states.dtype != torch.bfloat16:
+            raise TypeError(f"{m.backend_name}: hidden_states must be bfloat16 (DeepEP's combine "
+                            f"reduces bf16), got {hidden_states.dtype}")
+        if capturing():
+            raise RuntimeError(
+                f"{m.backend_name}: DeepEP's normal mode waits on the host for the receive counts "
+                "and cannot be captured in a CUDA graph; use 'deepep_auto' (low-latency kernels "
+                "under capture) or run eagerly (vLLM: --enforce-eager)")
+
+    def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        """hidden_states bf16 [num_tokens, hidden], topk_weights float [num_tokens, num_topk],
+        topk_ids int32/int64 [num_tokens, num_topk] GLOBAL ids (-1: none). The layout and the
+        dispatch are issued here; the hook orders the current stream after the dispatch."""
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        self._check(hidden_states, quant)
+        if self._state is not None:
+            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
+        m = self.manager
+        ids = topk_ids.to(m.topk_idx_dtype).contiguous()
+        weights = topk_weights.float().contiguous()
+        x, x_sf = quantize_for_dispatch(hidden_states.contiguous(), quant)
+        layout = m.layout(ids)
+        recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event = m.dispatch(
+            x, x_sf, ids, weights, layout)
+        num_recv = recv_x.shape[0]
+        self._state = _CallState(handle, hidden_states.shape[0], num_recv)
+        self._count(topk_ids, layout[3], x, x_sf, num_recv)
+
+        def receiver() -> PrepareResult:
+            meta = ExpertTokensMeta(torch.tensor(counts, dtype=torch.int32, device=recv_x.device))
+            return PrepareResult(x=recv_x, x_sf=recv_sf, expert_tokens_meta=meta,
+                                 topk_ids=recv_ids, topk_weights=recv_weights)
+
+        return AsyncResult(event.current_stream_wait, receiver)
+
+    def _count(self, topk_ids: torch.Tensor, is_token_in_rank: torch.Tensor, x: torch.Tensor,
+               x_sf: Optional[torch.Tensor], num_recv: int) -> None:
+        s, h = self.stats, self.manager.hidden
+        s.calls += 1
+        s.pairs += topk_ids.numel()
+        # What this rank sends is known only on the device (a read would stall the stream);
+        # what it receives, and so sends back in combine, the host knows from the dispatch.
+        rows = host_count(is_token_in_rank.sum())
+        if rows is not None:
+            s.rows += rows
+            s.act_bytes += rows * h * x.element_size()
+            s.sf_bytes += rows * x_sf.shape[1] * x_sf.element_size() if x_sf is not None else 0
+            s.meta_bytes += rows * topk_ids.shape[1] * (8 + 4)  # int64 ids + float32 weights
+        s.combine_bytes += num_recv * h * 2
+
+    def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
+        """fused_expert_output bf16 [num_recv_tokens, hidden]: the router-weighted sum of this
+        rank's experts per received row. ``output``: [num_tokens, hidden] to fill, or a
+        row-scatter target whose owned rows get the combined rows added."""
+        st = self._state
+        if st is None:
+            raise RuntimeError("finalize called without a matching prepare on this backend")
+        m = self.manager
+        try:
+            if tuple(fused_expert_output.shape) != (st.num_recv, m.hidden):
+                raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)},"
+                                 f" expected [{st.num_recv}, {m.hidden}] (the rows prepare received)")
+            if fused_expert_output.dtype != torch.bfloat16:
+                raise TypeError(f"{m.backend_name}: expert outputs must be bfloat16 for DeepEP's "
+                                f"combine, got {fused_expert_output.dtype}")
+            if isinstance(output, RowScatterTarget):
+                if output.rows.num_owned != st.num_tokens:
+                    raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows, "
+                                     f"prepare was given {st.num_tokens} tokens")
+            elif tuple(output.shape) != (st.num_tokens, m.hidden):
+                raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
+                                 f"[{st.num_tokens}, {m.hidden}] (the tokens given to prepare)")
+            combined, event = m.combine(fused_expert_output.contiguous(), st.handle)
+        finally:
+            self._state = None
+
+        return AsyncResult(event.current_stream_wait, lambda: write_output(output, combined))
+
+
+def deepep_spec(name: str, prepare_finalize: type[PrepareFinalize], manager: type,
+                description: str, priority: int, **extra: Any) -> BackendSpec:
+    """The registry entry of a STANDARD-format DeepEP backend (deepep_ht, deepep_auto): the
+    capabilities, quants, EP sizes and dtype both share. sp: vLLM's use_sequence_parallel_moe
+    lists deepep_high_throughput; tp: TP slicing happens before prepare."""
+    return BackendSpec(
+        name=name, prepare_finalize=prepare_finalize, manager=manager,
+        capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
+                                  recv_hook=True, activation_format=ActivationFormat.STANDARD),
+        quants=HT_QUANTS, required=(DEEPEP_PACKAGE,), needs_cuda=True, description=description,
+        priority=priority, ep_sizes=EP_SIZES,
+        dtypes=frozenset({torch.bfloat16}),  # the normal-mode combine reduces bf16 only
+        wire_layout=functools.partial(normal_mode_wire_layout, backend=name), **extra)
+
+
+def normal_mode_wire_layout(cfg: DispatchConfig, backend: str) -> WireLayout:
+    """``BackendSpec.wire_layout``: the normal-mode layer checks (ValueError naming ``backend``),
+    then the row DeepEP's normal mode sends per (token, rank): the layer's hidden, no header,
+    int64 expert ids."""
+    check_normal_mode_layer(cfg, backend)
+    return WireLayout(cfg.hidden)
+
+
+SPEC = deepep_spec(
+    "deepep_ht", DeepEPHTPrepareFinalize, DeepEPHTManager,
+    "DeepEP V1 normal (high-throughput) dispatch/combine: NVLink + RDMA forwarding, layout on "
+    "the GPU, one row per (token, rank); prefill (no CUDA graphs)",
+    # below deepep_ll: auto-selection cannot know the batch sizes; deepep_auto picks per call
+    priority=20)

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Issue 17, run 2: flashinfer_nvlink_two_sided against the real flashinfer-python 0.7.2.post1 on
+# ONE H200 shared by two processes (our backend refuses a single rank). flashinfer JIT-compiles
+# its all-to-all kernels (csrc/trtllm_alltoall*.cu) with the image's nvcc on first use.
+#
+# Carried (git-ignored, made by scripts/gpu/prepare17.sh on the CPU machine):
+#   .gpu17/flashinfer/flashinfer_python-0.7.2.post1-py3-none-any.whl   re-zipped, stripped (below)
+#   .gpu17/flashinfer/*.whl   the wheels `import flashinfer` needs that the image lacks (--deps)
+#
+# Left out of the flashinfer wheel (the MnnvlMoe all-to-all path never loads them):
+#   - flashinfer/data/csrc, data/include, data/cutlass, data/spdlog: every file EXCEPT
+#     the #include closure of csrc/trtllm_alltoall.cu and csrc/trtllm_alltoall_prepare.cu (the
+#     only sources of the JIT module "comm", flashinfer/jit/comm.py:gen_comm_alltoall_module),
+#     resolved over the JIT include path (data/include, data/csrc, data/cutlass/*, data/spdlog,
+#     data/cccl/*); headers outside the wheel (CUDA, tvm_ffi) come from the image / tvm_ffi wheel.
+#     data/cccl stays whole (macro includes). Checked on the CPU machine with pip's nvcc 13.0.88:
+#     both .cu files compile for sm_90 from the stripped tree with flashinfer's JIT flags.
+#   - non-Python kernel sources elsewhere (*.cu, *.cuh, *.c, *.h, *.md under flashinfer/
+#     experimental, moe_ep/kernel_src, fused_moe/backends, gdn_kernels, ...): JIT inputs of other
+#     kernels. Every *.py and *.json stays: `import flashinfer` imports nearly all modules.
+#
+# Modes:  flashinfer.sh --strip WHEEL OUTDIR   (CPU machine; used by prepare17.sh)
+#         flashinfer.sh --deps                 (prints the extra wheels to download)
+#         flashinfer.sh [pytest args...]       (GPU machine, repo root; results in $OUT)
+# Device tool: command "bash scripts/gpu/flashinfer.sh", carry [".gpu17/flashinfer"].
+set -uo pipefail
+
+# import flashinfer.comm.trtllm_alltoall needs tvm_ffi, requests, pynvml, cuda.bindings,
+# tabulate (seen on the CPU machine); the rest are its declared light dependencies.
+# Versions: the newest on the index when prepare17.sh runs, except cuda-python/cuda-bindings held
+# to 13.0.x (the image's driver 580 is CUDA 13.0) and tvm-ffi to flashinfer's <0.2 bound.
+DEPS="apache-tvm-ffi>=0.1.11,<0.2 cuda-python>=13.0,<13.1 cuda-bindings>=13.0,<13.1 cuda-pathfinder
+requests urllib3 idna certifi charset-normalizer nvidia-ml-py tabulate einops click packaging tqdm
+ninja numpy"
+
+if [ "${1:-}" = "--deps" ]; then printf '%s\n' $DEPS; exit 0; fi
+
+if [ "${1:-}" = "--strip" ]; then
+  set -e
+  python3 - "$2" "$3" <<'PY'
+import os, re, sys, zipfile
+whl, outdir = sys.argv[1:3]
+z = zipfile.ZipFile(whl)
+names = set(z.namelist())
+D = "flashinfer/data/"
+search = [D + "include/", D + "csrc/", D + "spdlog/include/"]
+search += sorted({n[: n.index("/include/") + 9] for n in names
+                  if n.startswith((D + "cutlass/", D + "cccl/")) and "/include/" in n})
+search += [D + "cccl/cub/", D + "cccl/thrust/", D + "cccl/libcudacxx/include/"]
+inc = re.compile(rb'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+def resolve(name, here):
+    for base in [here] + search:
+        p = os.path.normpath(base + name)
+        if p in names:
+            return p
+    return None
+
+keep, todo, outside = set(), [D + "csrc/trtllm_alltoall.cu", D + "csrc/trtllm_alltoall_prepare.cu"], set()
+while todo:
+    f = todo.pop()
+    if f in keep:
+        continue
+    keep.add(f)
+    for m in inc.findall(z.read(f)):
+        p = resolve(m.decode(), f.rsplit("/", 1)[0] + "/")
+        if p is None:
+            outside.add(m.decode())
+        elif p not in keep:
+            todo.append(p)
+drop_ext = (".cu", ".cuh", ".c", ".h", ".hpp", ".md", ".cubin")
+os.makedirs(outdir, exist_ok=True)
+out = os.path.join(outdir, os.path.basename(whl))
+kept = 0
+with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as o:
+    for n in sorted(names):
+        if n.startswith(D):
+            # cccl is kept whole: its headers include each other through macros
+            # (#include _CCCL_...), which a textual closure misses (seen: cub/cub.cuh then
+            # mixed the CTK's libcu++ into the vendored one and failed to compile).
+            if n not in keep and not n.endswith(".py") and not n.startswith(D + "cccl/"):
+                continue
+        elif n.startswith("flashinfer/") and n.endswith(drop_ext):
+            continue
+        o.writestr(z.getinfo(n), z.read(n))  # RECORD is stale; installed with --no-deps only
+        kept += 1
+print(f"{out}: {kept} of {len(names)} files; data/ closure {len(keep)} files; "
+      f"headers from outside the wheel: {sorted(outside)}")
+PY
+  exit 0
+fi
+
+# ---------------------------------------------------------------- on the GPU machine
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+stage() { echo "== $(date +%T) $*"; }
+exec > >(tee -a "$OUT/flashinfer_run.log") 2>&1
+
+stage "1/4 install moe-plugins (entry points), before PYTHONPATH holds the carried wheels"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1 \
+  || { tail -20 "$OUT/pip_install.log"; exit 1; }
+
+stage "2/4 install flashinfer 0.7.2.post1 (stripped) and its missing dependencies into /tmp/fisite"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
+  .gpu17/flashinfer/*.whl > "$OUT/fi_pip.log" 2>&1 || { tail -30 "$OUT/fi_pip.log"; exit 1; }
+export PYTHONPATH=/tmp/fisite PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+export PATH=/usr/local/cuda/bin:$PATH CUDA_HOME=/usr/local/cuda
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi -q | grep -iE "fabric|clique|imex" | head -8 || true
+
+stage "3/4 import flashinfer and JIT-build the all-to-all module (build log: fi_jit.log)"
+python3 - > "$OUT/fi_jit.log" 2>&1 <<'PY'
+import time, torch, flashinfer
+print("torch", torch.__version__, "flashinfer", flashinfer.__version__, flashinfer.__file__)
+from flashinfer.comm.trtllm_alltoall import MnnvlMoe, get_comm_alltoall_module  # noqa: F401
+t = time.time()
+get_comm_alltoall_module()
+print(f"comm module built and loaded in {time.time() - t:.1f} s")
+PY
+rc=$?; tail -25 "$OUT/fi_jit.log"
+if [ $rc -ne 0 ]; then
+  find /tmp/fi_ws -name '*.log' -o -name 'build.ninja' 2>/dev/null | head -5
+  cp "$(find /tmp/fi_ws -name build.ninja | head -1)" "$OUT/fi_build.ninja" 2>/dev/null
+  echo "JIT build failed (see fi_jit.log)"; exit 1
+fi
+
+stage "4/4 GPU tests (two processes on cuda:0)"
+if [ $# -eq 0 ]; then set -- tests/gpu/test_flashinfer_gpu.py; fi
+timeout 420 python3 -m pytest -q -p no:cacheprovider -rs -m gpu "$@" 2>&1 | tee "$OUT/pytest_flashinfer.log"

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On the CPU machine: fetch what scripts/gpu/h200.sh carries to the GPU into .gpu/ (git-ignored;
+# about 41 MB): vLLM 0.33.0's Python files, the 46 wheels its MoE modules import there, and
+# DeepEP's V1 source (commit 567632d) from a local clone given as $1.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+mkdir -p .gpu
+if [ ! -f .gpu/vllm_py.tgz ]; then
+  python3 -m pip download -q --no-deps -d .gpu/dl vllm==0.33.0
+  python3 - <<'PY'
+import glob, zipfile
+z = zipfile.ZipFile(glob.glob(".gpu/dl/vllm-0.33.0-*.whl")[0])
+for n in z.namelist():
+    if n.endswith((".py", ".json")):
+        z.extract(n, ".gpu/vsrc")
+PY
+  tar -czf .gpu/vllm_py.tgz -C .gpu/vsrc vllm
+fi
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+  --platform any -d .gpu/whl \
+  annotated-doc==0.0.7 annotated-types==0.8.0 apache-tvm-ffi==0.1.11 cachetools==8.0.2 cbor2==6.3.0 \
+  compressed-tensors==0.17.0 dill==0.4.1 distro==1.9.0 dnspython==2.9.2 email-validator==2.4.0 \
+  fastapi==0.165.0 googleapis-common-protos==1.76.0 httpcore2==2.16.2 httpx2==2.16.2 ijson==3.6.0 \
+  jiter==0.19.0 lark==1.2.2 llguidance==1.7.6 mistral-common==1.13.1 msgspec==0.23.0 openai==3.57.0 \
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2 \
+  opentelemetry-exporter-otlp==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+  opentelemetry-semantic-conventions==0.66b2 opentelemetry-semantic-conventions-ai==0.5.1 \
+  oss-harmony==0.0.11 outlines-core==0.2.14 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 \
+  pydantic==2.14.4 pydantic-core==2.50.5 pydantic-extra-types==2.11.1 python-json-logger==4.2.0 \
+  python-multipart==0.0.34 pyzmq==27.3.0 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.10.0 \
+  truststore==0.10.5 typing-inspection==0.4.5 xgrammar==0.2.8
+if [ ! -f .gpu/deepep-567632d.tgz ]; then
+  git -C "${1:?usage: prepare.sh PATH_TO_A_DEEPEP_CLONE}" archive --format=tar.gz \
+    -o "$PWD/.gpu/deepep-567632d.tgz" 567632d
+fi
+du -sh .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz

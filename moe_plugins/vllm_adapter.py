@@ -312,6 +312,12 @@ class ReceiveQuant:
         return not self.per_act_token_quant and self.block_shape is None and \
             self.quant_dtype in (torch.float8_e4m3fn, torch.int8)
 
+    def input_scale(self, quant_config: Any) -> Optional[torch.Tensor]:
+        """The scale argument for this call's quant config: NVFP4 takes the input global scale
+        (``a1_gscale``, as vLLM's DeepEP HT backend quantizes NVFP4 after its dispatch), the
+        others the static input scale (``a1_scale``; None: dynamic)."""
+        return quant_config.a1_gscale if self.quant_dtype == "nvfp4" else quant_config.a1_scale
+
 
 def receive_quantization(quant_config: Any) -> Optional[ReceiveQuant]:
     """How vLLM's experts with ``quant_config`` get their activations quantized after a
@@ -718,7 +724,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         if recv.spans_rows:
             rows = torch.where(valid.reshape(-1, 1), rows, torch.zeros_like(rows))
         q, q_sf = moe_kernel_quantize_input(
-            rows, quant_config.a1_scale, recv.quant_dtype, recv.per_act_token_quant,
+            rows, recv.input_scale(quant_config), recv.quant_dtype, recv.per_act_token_quant,
             None if recv.block_shape is None else list(recv.block_shape),
             is_scale_swizzled=recv.is_scale_swizzled, mx_alignment=recv.mx_alignment)
         if not self.batched:

@@ -133,11 +133,13 @@ def _vendor(backend: str, flavor: str) -> Iterator[None]:
 
         with flashinfer_two_sided.installed(flavor):
             yield
-    elif backend in ("deepep_ll", "nixl_ep"):
+    elif backend in ("deepep_ll", "nixl_ep", "deepep_ht", "deepep_auto"):
         from emulation import installed
         from ll_rank_fns import vendor_module
 
-        with installed(vendor_module(backend)):
+        # DeepEP's normal mode lives in the same package as its low-latency kernels
+        with installed("deep_ep" if backend in ("deepep_ht", "deepep_auto")
+                       else vendor_module(backend)):
             yield
     else:
         yield
@@ -166,10 +168,12 @@ class _Built:
 
 def run_format(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
                fmt: str, tokens: list[int], layer_max: int = 16,
-               dp_tokens_in_context: bool = False, flavor: str = "0.7.2.post1") -> dict:
+               dp_tokens_in_context: bool = False, flavor: str = "0.7.2.post1",
+               options: Optional[dict] = None) -> dict:
     """vLLM's FusedMoEKernel with our adapter over ``backend`` (built through the registry,
-    the wire quant chosen as the vLLM glue does) and experts asking for ``fmt``; DP rank d holds
-    ``tokens[d]`` tokens. Routed output only (no shared expert), LOCAL or ROW_SCATTER by tp."""
+    the wire quant chosen as the vLLM glue does, ``options`` overriding its backend options'
+    defaults) and experts asking for ``fmt``; DP rank d holds ``tokens[d]`` tokens. Routed
+    output only (no shared expert), LOCAL or ROW_SCATTER by tp."""
     qc = quant_config(fmt)
     wire = quant_scheme_of(qc)
     spec = get_backend(backend)
@@ -178,11 +182,19 @@ def run_format(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
     with _vendor(backend, flavor):
         from ll_rank_fns import make_options
 
-        options = make_options(backend) if backend in ("deepep_ll", "nixl_ep") else None
+        if backend == "deepep_auto":  # its manager holds the options type on its LL side
+            from all2all.deepep_auto import DeepEPAutoOptions
+
+            backend_options: Any = DeepEPAutoOptions(**(options or {}))
+        elif getattr(spec.manager, "options_type", None) is not None:
+            backend_options = make_options(backend, **(options or {}))
+        else:
+            assert options is None, f"{backend} takes no options here"
+            backend_options = None
         pf_backend = spec.build(ctx, DispatchConfig(
             cfg.num_experts, cfg.hidden, cfg.num_topk, layer_max, cfg.dtype,
             QuantSpec(wire if wire in spec.quants else QuantScheme.NONE),
-            backend_options=options))
+            backend_options=backend_options))
         strategy = ReductionStrategy.LOCAL if layout.tp == 1 else \
             ReductionStrategy.GATHER_PLUS_ALLREDUCE
         pf = MoEPluginsPrepareAndFinalize(pf_backend, backend, ctx,
@@ -216,5 +228,7 @@ def run_format(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
             if destroy is not None:
                 destroy()
         seen, = experts.seen
+        modes = getattr(pf_backend.stats, "modes", None)
         return dict(out=out, seen=seen, wire=pf._quant.scheme.value,
-                    after_receive=pf._recv_quant is not None)
+                    after_receive=pf._recv_quant is not None,
+                    modes=None if modes is None else dict(modes))

@@ -673,8 +673,10 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     f"{type(impl).__name__}; use experts that leave the reduction to the "
                     "prepare/finalize (TopKWeightAndReduceDelegate)")
         self._quant, self._recv_quant, self._nvfp4_swizzle = QuantSpec(), None, False
+        if fused_experts.expects_unquantized_inputs:
+            return
         qc = fused_experts.quant_config
-        if fused_experts.expects_unquantized_inputs or qc is None or qc.quant_dtype is None:
+        if qc is None or qc.quant_dtype is None:
             return
         scheme = quant_scheme_of(qc)
         if scheme is not None and scheme in self._quants and scheme is self._wire_scheme:

@@ -12,7 +12,11 @@ per-rank counts, ``moe_comm`` moves rows through per-peer FIFOs in MNNVL symmetr
 :class:`FlashInferAll2AllManager` picks one (``auto`` prefers MnnvlMoe, the API vLLM 0.33 runs)
 and hides it behind one small transport interface, so the backend never branches on the API.
 Workspaces are created on the first dispatch (a collective every rank reaches together) and freed
-by :meth:`FlashInferAll2AllManager.destroy`. flashinfer is imported here, lazily.
+by :meth:`FlashInferAll2AllManager.destroy`. The workspaces do not depend on the token count; the
+receive buffers do: each dispatch gets ``num_ranks * tokens_per_rank`` rows, where
+``tokens_per_rank`` is the call's bound (the most tokens any rank sends in it, as both APIs take
+per call: MnnvlMoe's ``max_token_count_per_rank``, moe_ep's ``dispatch(max_tokens_per_rank=...)``),
+by default the layer's ``max_tokens_per_rank``. flashinfer is imported here, lazily.
 """
 from __future__ import annotations
 
@@ -187,12 +191,13 @@ class TorchGroupComm:
 class Dispatched:
     """What one dispatch delivered to this rank, in the kernels' rank-major receive layout.
 
-    x: [num_ranks * max_tokens_per_rank, *] the dispatched dtype; rows past the received tokens
-        hold unspecified values.
+    x: [num_ranks * tokens_per_rank, *] the dispatched dtype (``tokens_per_rank``: the call's
+        bound, see :meth:`FlashInferAll2AllManager.dispatch`); rows past the received tokens hold
+        unspecified values.
     x_sf: same rows as x, or None when no scales were sent.
-    topk_ids: int32 [num_ranks * max_tokens_per_rank, num_topk], GLOBAL expert ids; ids of other
+    topk_ids: int32 [num_ranks * tokens_per_rank, num_topk], GLOBAL expert ids; ids of other
         ranks' experts and every id of a row that carries no token lie outside this rank's range.
-    topk_weights: float32 [num_ranks * max_tokens_per_rank, num_topk].
+    topk_weights: float32 [num_ranks * tokens_per_rank, num_topk].
     """
 
     x: torch.Tensor
@@ -224,12 +229,13 @@ class _Transport(ABC):
 
     @abstractmethod
     def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
-        """Rows already 16-byte aligned; topk_ids int32, topk_weights float32."""
+                 topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
+        """Rows already 16-byte aligned; topk_ids int32, topk_weights float32; receive
+        ``num_ranks * tokens_per_rank`` rows."""
 
     @abstractmethod
     def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """expert_output [num_ranks * max_tokens_per_rank, *] -> [num_tokens, *] summed per token."""
+        """expert_output [num_ranks * tokens_per_rank, *] -> [num_tokens, *] summed per token."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -309,14 +315,14 @@ class _MnnvlMoeTransport(_Transport):
         return ws
 
     def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
+                 topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
         from flashinfer.comm.trtllm_alltoall import MnnvlMoe
 
         if self._info is not None:
             raise RuntimeError("dispatch called twice without combine (or reset_call_state)")
         m, ws = self.m, self._workspaces()
         info, recv_ids, recv_weights, _ = MnnvlMoe.mnnvl_moe_alltoallv_prepare_without_allgather(
-            topk_ids, topk_weights, None, ws.prepare_workspace, m.max_tokens_per_rank, m.rank,
+            topk_ids, topk_weights, None, ws.prepare_workspace, tokens_per_rank, m.rank,
             m.num_ranks, m.num_experts, m.num_experts, m.num_topk)
         # Releases before flashinfer PR #2048 returned the float32 weights typed as int32.
         if recv_weights.dtype != torch.float32:
@@ -384,10 +390,10 @@ class _MoeEpTransport(_Transport):
         return self._comm
 
     def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
-        # Without max_tokens_per_rank the receive rows stay num_ranks * params.max_tokens_per_rank
-        # (static shapes, as with MnnvlMoe).
-        res = self._communication().dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf)
+                 topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
+        # params.max_tokens_per_rank sized the object; the call's bound sizes its receive rows.
+        res = self._communication().dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf,
+                                             max_tokens_per_rank=tokens_per_rank)
         self._pending = True
         return Dispatched(res.hidden_states, res.hidden_states_scale, res.topk_ids,
                           res.topk_weights)
@@ -482,10 +488,27 @@ class FlashInferAll2AllManager:
                         cfg.max_tokens_per_rank,
                         "swizzled" if options.nvfp4_swizzled_sf else "row-aligned")
 
-    @property
-    def recv_rows(self) -> int:
-        """Rows of every receive buffer: num_ranks * max_tokens_per_rank."""
-        return self.num_ranks * self.max_tokens_per_rank
+    def tokens_per_rank(self, num_tokens: int, max_tokens_across_ranks: Optional[int]) -> int:
+        """The bound a dispatch of ``num_tokens`` local tokens is sized by: the most tokens any
+        rank sends in this call (every rank must give the same value; an engine knows it, e.g.
+        vLLM's DP metadata), at least 1 (the kernels take no empty bound); None: the layer's
+        ``max_tokens_per_rank``. ValueError when the bound is below ``num_tokens`` (this rank's
+        sends would overrun the kernels' index buffers) or above the layer's bound."""
+        if max_tokens_across_ranks is None:
+            return self.max_tokens_per_rank
+        bound = max(1, max_tokens_across_ranks)
+        if not num_tokens <= bound <= self.max_tokens_per_rank:
+            raise ValueError(
+                f"a per-call bound (BatchHint.max_tokens_per_rank) of {max_tokens_across_ranks} "
+                f"for a call of {num_tokens} tokens on a layer built for max_tokens_per_rank="
+                f"{self.max_tokens_per_rank}: the bound must cover this rank's tokens and fit the "
+                "layer; pass the largest token count any EP rank sends in this call"
+            )
+        return bound
+
+    def recv_rows(self, tokens_per_rank: int) -> int:
+        """Rows of a dispatch's receive buffers: num_ranks * tokens_per_rank."""
+        return self.num_ranks * tokens_per_rank
 
     def _live(self) -> _Transport:
         if self._transport is None:
@@ -493,17 +516,20 @@ class FlashInferAll2AllManager:
         return self._transport
 
     def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
+                 topk_weights: torch.Tensor, tokens_per_rank: Optional[int] = None) -> Dispatched:
         """x [num_tokens, *] (model dtype or quantized), x_sf [num_tokens, *] unswizzled or None,
         topk_ids int [num_tokens, num_topk] GLOBAL ids, topk_weights float [num_tokens, num_topk].
-        Scales travel only when ``x_sf is not None``. Collective over the EP group."""
+        Scales travel only when ``x_sf is not None``. ``tokens_per_rank``: this call's bound from
+        :meth:`tokens_per_rank` (None: the layer's); the result has ``num_ranks *
+        tokens_per_rank`` rows. Collective over the EP group."""
         t = self._live()
+        bound = self.max_tokens_per_rank if tokens_per_rank is None else tokens_per_rank
         if topk_ids.dtype is not torch.int32:
             topk_ids = topk_ids.to(torch.int32)
         if topk_weights.dtype is not torch.float32:
             topk_weights = topk_weights.to(torch.float32)
         d = t.dispatch(_pad_row_bytes(x), None if x_sf is None else _pad_row_bytes(x_sf),
-                       topk_ids.contiguous(), topk_weights.contiguous())
+                       topk_ids.contiguous(), topk_weights.contiguous(), bound)
         # Slice the 16-byte row padding off only where there was some (a slice costs host time).
         recv_x = d.x if d.x.shape[1] == x.shape[1] else d.x[:, : x.shape[1]]
         recv_sf = None
@@ -514,7 +540,7 @@ class FlashInferAll2AllManager:
         return Dispatched(recv_x, recv_sf, d.topk_ids, d.topk_weights)
 
     def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """expert_output [num_ranks * max_tokens_per_rank, hidden] (each row: the weighted sum of
+        """expert_output [num_ranks * tokens_per_rank, hidden] (each row: the weighted sum of
         this rank's experts for that row) -> [num_tokens, hidden] summed over ranks, same dtype.
         Collective over the EP group."""
         out = self._live().combine(_pad_row_bytes(expert_output), num_tokens)

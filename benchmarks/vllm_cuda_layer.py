@@ -43,7 +43,7 @@ vllm_stand_ins.install()
 
 import torch.distributed as dist  # noqa: E402
 
-__all__ = ["LayerSpec", "VllmLayers", "vllm_layers", "MaskedBatchedExperts", "dequantize_batched",
+__all__ = ["LayerSpec", "VllmLayers", "vllm_layers", "MaskedBatchedExperts",
            "route_softmax_topk", "IN_TREE", "OURS"]
 
 IN_TREE, OURS = "deepep_low_latency", "moe_plugins_deepep_ll"
@@ -71,22 +71,13 @@ def route_softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, t
     return w / w.sum(dim=-1, keepdim=True), ids
 
 
-def dequantize_batched(x: torch.Tensor, x_sf: Optional[torch.Tensor]) -> torch.Tensor:
-    """x bf16/float8_e4m3fn [num_local_experts, slots, hidden]; x_sf None, float32 block-128
-    scales [..., hidden // 128] or packed UE8M0 int32 [..., hidden // 512] -> bf16 rows."""
-    if x_sf is None:
-        return x
-    from moe_plugins.low_latency import unpack_ue8m0_scales
-
-    scales = unpack_ue8m0_scales(x_sf) if x_sf.dtype == torch.int32 else x_sf.float()
-    return (x.float() * scales.repeat_interleave(128, dim=-1)[..., : x.shape[-1]]).bfloat16()
-
-
 def _experts_base() -> type:
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
         TopKWeightAndReduceDelegate)
+
+    from moe_plugins.low_latency import dequantize_batched
 
     class MaskedBatchedExperts(mk.FusedMoEExpertsModular):
         """Batched-format SwiGLU experts in torch (bf16 bmm), capture-safe: every slot of every
@@ -147,7 +138,9 @@ def _experts_base() -> type:
             if self.record:
                 self.last = (hidden_states.clone(),
                              None if a1q_scale is None else a1q_scale.clone(), counts.clone())
-            x = dequantize_batched(hidden_states, a1q_scale)
+            # bf16 rows as they came; quantized rows dequantized by the one helper, in bf16
+            x = hidden_states if a1q_scale is None else \
+                dequantize_batched(hidden_states, a1q_scale).bfloat16()
             gate_up = torch.bmm(x, w1.transpose(1, 2))
             g, u = gate_up.chunk(2, dim=-1)
             y = torch.bmm(F.silu(g) * u, w2.transpose(1, 2))

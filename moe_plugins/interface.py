@@ -219,7 +219,8 @@ class BatchHint:
     """What an engine knows about the current forward pass, the SAME on every EP rank (a
     backend that picks its transport per call must pick the same one on every rank).
 
-    max_tokens_per_rank: the most rows any EP rank hands prepare in this pass (after TP slicing).
+    max_tokens_per_rank: the most rows any EP rank hands prepare in this pass (after TP slicing;
+        flashinfer two-sided sizes its receive rows by it, ``num_ranks * max_tokens_per_rank``).
     prefill: True when the pass prefills on some rank, False when every rank decodes, None
         when the engine cannot tell.
     """

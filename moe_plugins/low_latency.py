@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
-    "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "LowLatencyManager",
+    "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "dequantize_batched",
+    "LowLatencyManager",
     "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
     "import_vendor", "check_kernel_layer", "assert_expert_ids", "expert_id_error",
 ]
@@ -162,6 +163,17 @@ def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 32, 8, device=packed.device, dtype=torch.int32)
     exps = (packed.unsqueeze(-1) >> shifts) & 0xFF  # [..., hidden // 512, 4]
     return torch.exp2(exps.flatten(-2).float() - 127.0)
+
+
+def dequantize_batched(x: torch.Tensor, x_sf: Optional[torch.Tensor]) -> torch.Tensor:
+    """The values a low-latency dispatch delivered, for experts (and tests) that compute in
+    float: x float8_e4m3fn/bf16 [num_local_experts, slots, hidden]; x_sf None, float32
+    block-128 scales [..., hidden // 128] or packed UE8M0 int32 [..., hidden // 512] ->
+    float32 [num_local_experts, slots, hidden]."""
+    if x_sf is None:
+        return x.float()
+    scales = unpack_ue8m0_scales(x_sf) if x_sf.dtype == torch.int32 else x_sf.float()
+    return x.float() * scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., : x.shape[-1]]
 
 
 def expert_id_error(num_experts: int, backend: str) -> str:

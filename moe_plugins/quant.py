@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -37,12 +38,15 @@ class QuantSpec:
 
     ``defer_input_quant``: activations travel unquantized and the experts quantize them
     (``x_sf is None`` after prepare). ``nvfp4_global_scale`` plays the checkpoint's per-layer
-    input global scale.
+    input global scale. ``nvfp4_swizzled_sf``: whether the experts read nvfp4 scales in the
+    swizzled (128x4 tiled) layout; None leaves it to the backend's own option (an engine that
+    knows its experts, e.g. vLLM's ``is_scale_swizzled``, says it here).
     """
 
     scheme: QuantScheme = QuantScheme.NONE
     defer_input_quant: bool = False
     nvfp4_global_scale: float = 1.0
+    nvfp4_swizzled_sf: Optional[bool] = None
 
     @property
     def quantized_on_wire(self) -> bool:
@@ -166,7 +170,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     exactly like dispatch-side quant, only later, so both give the same numbers."""
     if spec.scheme is QuantScheme.NONE:
         return x.float()
-    wire = QuantSpec(spec.scheme, False, spec.nvfp4_global_scale)
+    wire = QuantSpec(spec.scheme, False, spec.nvfp4_global_scale, spec.nvfp4_swizzled_sf)
     return dequantize(*quantize_for_dispatch(x, wire), wire)
 
 

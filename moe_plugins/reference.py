@@ -5,6 +5,8 @@ a bug in the distributed path cannot be mirrored here.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -15,9 +17,13 @@ __all__ = ["reference_moe", "TOLERANCES", "tolerance_for", "within_tolerance"]
 
 
 def reference_moe(x: torch.Tensor, weights: MoEWeights, quant: QuantSpec = QuantSpec(),
-                  apply_router_weight_on_input: bool = False) -> torch.Tensor:
+                  apply_router_weight_on_input: bool = False,
+                  round_trip: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                  ) -> torch.Tensor:
     """x [num_tokens, hidden] -> MoE output [num_tokens, hidden] float32: shared expert (gated) on
-    x, plus routed experts on x after the dispatch quantization's rounding.
+    x, plus routed experts on x after the dispatch quantization's rounding (``round_trip``, when
+    given, replaces ``quant``'s: x [num_tokens, hidden] -> the float32 values the experts
+    compute on, e.g. an engine's own quantize + dequantize).
 
     apply_router_weight_on_input (top-1 models such as Llama-4): the routed expert runs on
     ``weight * x`` (rounded as dispatched) and its output is added unweighted."""
@@ -26,7 +32,7 @@ def reference_moe(x: torch.Tensor, weights: MoEWeights, quant: QuantSpec = Quant
     if apply_router_weight_on_input and cfg.num_topk != 1:
         raise ValueError(f"apply_router_weight_on_input needs num_topk == 1, got {cfg.num_topk}")
     routed_in = (x * topk_w.to(x.dtype)) if apply_router_weight_on_input else x
-    xr = quantize_dequantize(routed_in, quant)
+    xr = quantize_dequantize(routed_in, quant) if round_trip is None else round_trip(routed_in)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):

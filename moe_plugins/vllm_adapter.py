@@ -80,7 +80,7 @@ from moe_plugins.model_config import ModelSpec, model_spec_from_dict
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.plan import recommend_strategy
-from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
+from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
@@ -275,13 +275,76 @@ def ep_manager() -> MoEPluginsAll2AllManager:
 
 
 def quant_scheme_of(quant_config: Any) -> Optional[QuantScheme]:
-    """Our dispatch quant scheme for vLLM's FusedMoEQuantConfig, or None when we have none."""
+    """Our WIRE quant scheme for vLLM's FusedMoEQuantConfig (what a backend can put on the wire
+    quantized: FP8 block-128, NVFP4), NONE for unquantized activations, or None for every other
+    activation format (those travel in the model dtype and are quantized after the receive,
+    see :func:`receive_quantization`)."""
     if quant_config is None or quant_config.quant_dtype is None:
         return QuantScheme.NONE
     if (quant_config.quant_dtype == torch.float8_e4m3fn and not quant_config.per_act_token_quant
             and list(quant_config.block_shape or []) == [128, 128]):
         return QuantScheme.FP8_BLOCK128
+    if quant_config.quant_dtype == "nvfp4":
+        return QuantScheme.NVFP4
     return None
+
+
+# Activation formats vLLM's moe_kernel_quantize_input produces natively for experts (the others,
+# mxfp4 and mxfp6, it only emulates, or refuses outside XPU).
+_RECEIVE_QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8, "mxfp8", "nvfp4")
+
+
+@dataclass(frozen=True)
+class ReceiveQuant:
+    """The arguments of vLLM's ``moe_kernel_quantize_input`` for activations that crossed the
+    wire unquantized and are quantized after the receive, before the experts (as vLLM's in-tree
+    DeepEP LL ``_do_quant`` does). ``spans_rows``: the scale is computed over many rows (dynamic
+    per-tensor), so rows that carry no token are zeroed first (their contents are unspecified
+    and would otherwise set the scale)."""
+
+    quant_dtype: Any
+    per_act_token_quant: bool
+    block_shape: Optional[tuple[int, ...]]
+    is_scale_swizzled: bool
+    mx_alignment: int
+
+    @property
+    def spans_rows(self) -> bool:
+        return not self.per_act_token_quant and self.block_shape is None and \
+            self.quant_dtype in (torch.float8_e4m3fn, torch.int8)
+
+    def input_scale(self, quant_config: Any) -> Optional[torch.Tensor]:
+        """The scale argument for this call's quant config: NVFP4 takes the input global scale
+        (``a1_gscale``, as vLLM's DeepEP HT backend quantizes NVFP4 after its dispatch), the
+        others the static input scale (``a1_scale``; None: dynamic)."""
+        return quant_config.a1_gscale if self.quant_dtype == "nvfp4" else quant_config.a1_scale
+
+
+def receive_quantization(quant_config: Any) -> Optional[ReceiveQuant]:
+    """How vLLM's experts with ``quant_config`` get their activations quantized after a
+    model-dtype dispatch; None when vLLM has no native quantization for that format."""
+    if quant_config.quant_dtype not in _RECEIVE_QUANT_DTYPES:
+        return None
+    block = quant_config.block_shape
+    return ReceiveQuant(quant_config.quant_dtype, bool(quant_config.per_act_token_quant),
+                        None if block is None else tuple(block),
+                        bool(getattr(quant_config, "is_scale_swizzled", True)),
+                        int(getattr(quant_config, "mx_alignment", 0)))
+
+
+def _nvfp4_global_scale(quant_config: Any) -> float:
+    """The one input global scale an NVFP4 wire uses (vLLM's ``a1_gscale``)."""
+    gs = quant_config.a1_gscale
+    if gs is None:
+        raise ValueError("NVFP4 experts without an input global scale (quant_config.a1_gscale "
+                         "is None); moe-plugins quantizes NVFP4 activations before the "
+                         "all-to-all with it, as vLLM's two-sided flashinfer backend does")
+    flat = gs.detach().float().flatten().cpu()
+    if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+        raise ValueError(f"NVFP4 input global scales differ per expert ({flat.tolist()}); the "
+                         "activations cross the wire before the expert is known, so they need "
+                         "one scale for the layer")
+    return float(flat[0])
 
 
 @dataclass(frozen=True)
@@ -530,6 +593,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._wire_scheme = wire_scheme
         self._quants = quants
         self._quant = QuantSpec()
+        self._recv_quant: Optional[ReceiveQuant] = None
+        self._nvfp4_swizzle = False
         self._first_call_logged = False
         # The TP group the tokens handed to prepare are shared by. Under vLLM's sequence-parallel
         # MoE the model already gave this rank its owned chunk (padded and split as owned_rows
@@ -613,18 +678,70 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     f"combine, but {type(fused_experts).__name__} reduces with "
                     f"{type(impl).__name__}; use experts that leave the reduction to the "
                     "prepare/finalize (TopKWeightAndReduceDelegate)")
+        self._quant, self._recv_quant, self._nvfp4_swizzle = QuantSpec(), None, False
         if fused_experts.expects_unquantized_inputs:
-            self._quant = QuantSpec()
             return
         qc = fused_experts.quant_config
-        if self._wire_scheme is None or self._wire_scheme not in self._quants:
+        if qc is None or qc.quant_dtype is None:
+            return
+        scheme = quant_scheme_of(qc)
+        if scheme is not None and scheme in self._quants and scheme is self._wire_scheme:
+            # The format the transport can put on the wire goes quantized.
+            if scheme is QuantScheme.NVFP4:
+                # As vLLM's two-sided flashinfer backend: quantized before the all-to-all with
+                # the layer's global scale, scales unswizzled on the wire and interleaved
+                # after it when the experts read them swizzled.
+                self._nvfp4_swizzle = bool(getattr(qc, "is_scale_swizzled", True))
+                self._quant = QuantSpec(scheme, nvfp4_global_scale=_nvfp4_global_scale(qc),
+                                        nvfp4_swizzled_sf=self._nvfp4_swizzle)
+            else:
+                self._quant = QuantSpec(scheme)
+            return
+        if self.batched and qc.quant_dtype == "nvfp4":
+            # vLLM's in-tree DeepEP LL: NVFP4 experts on a batched bf16 dispatch quantize their
+            # input themselves (it hands them bf16 rows, no scales).
+            return
+        recv = receive_quantization(qc)
+        if recv is None:
             raise ValueError(
-                f"backend {self.backend_name!r} dispatches {sorted(q.value for q in self._quants)}"
-                f" (moe-plugins' vLLM glue maps none and fp8 block-128); "
-                f"{type(fused_experts).__name__} wants quant_dtype={qc.quant_dtype} "
-                f"block_shape={qc.block_shape}. Name a backend that has it, or use an in-tree "
-                "--all2all-backend for this model")
-        self._quant = QuantSpec(self._wire_scheme)
+                f"{type(fused_experts).__name__} wants activations quantized as "
+                f"quant_dtype={qc.quant_dtype!r} (block_shape={qc.block_shape}, per-token="
+                f"{qc.per_act_token_quant}); backend {self.backend_name!r} puts "
+                f"{sorted(q.value for q in self._quants)} on the wire and vLLM's "
+                "moe_kernel_quantize_input has no native quantization for that format to run "
+                "after the receive. Use experts that take bf16 or one of fp8 (block-128, "
+                "per-token, per-tensor), int8, mxfp8, nvfp4, or an in-tree --all2all-backend")
+        # Every other format goes in the model dtype and is quantized right after the receive.
+        self._recv_quant = recv
+
+    def _quantize_received(self, x: torch.Tensor, x_sf: Optional[torch.Tensor],
+                           valid: torch.Tensor, quant_config: Any
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x [num_recv_tokens, hidden] or batched [num_local_experts, max_recv_tokens, hidden]
+        in the model dtype (x_sf None) -> vLLM's quantized activations and scales for the
+        experts, by vLLM's own ``moe_kernel_quantize_input`` with the layer's quant config (the
+        call's ``quant_config``: static scales live there). ``valid`` bool [rows]: rows that
+        carry a token. Batched: quantized as [-1, hidden] and reshaped, scales by vLLM's
+        ``normalize_batched_scales_shape`` (as vLLM's DeepEP LL ``_do_quant``)."""
+        from vllm.model_executor.layers.fused_moe.utils import (moe_kernel_quantize_input,
+                                                                 normalize_batched_scales_shape)
+
+        recv = self._recv_quant
+        assert recv is not None and x_sf is None
+        rows = x.reshape(-1, x.shape[-1])
+        if recv.spans_rows:
+            rows = torch.where(valid.reshape(-1, 1), rows, torch.zeros_like(rows))
+        q, q_sf = moe_kernel_quantize_input(
+            rows, recv.input_scale(quant_config), recv.quant_dtype, recv.per_act_token_quant,
+            None if recv.block_shape is None else list(recv.block_shape),
+            is_scale_swizzled=recv.is_scale_swizzled, mx_alignment=recv.mx_alignment)
+        if not self.batched:
+            return q, q_sf
+        num_experts = x.shape[0]
+        q = q.view(num_experts, -1, q.shape[-1])
+        if q_sf is not None and recv.quant_dtype != "nvfp4":
+            q_sf = normalize_batched_scales_shape(q_sf, num_experts)
+        return q, q_sf
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_placement(self, expert_map: Optional[torch.Tensor]) -> None:
@@ -698,6 +815,17 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         ids, weights = self._global_ids(prep, topk_ids.dtype, topk_weights.dtype)
         return prep.x, prep.x_sf, meta, ids, weights
 
+    @staticmethod
+    def _valid_rows(prep: PrepareResult) -> torch.Tensor:
+        """bool, one per received row: the row carries a token (STANDARD: some local expert id;
+        BATCHED: within its expert's count)."""
+        if prep.topk_ids is not None:
+            return (prep.topk_ids >= 0).any(dim=1)
+        assert prep.expert_tokens_meta is not None
+        counts = prep.expert_tokens_meta.expert_num_tokens.to(prep.x.device)
+        slots = torch.arange(prep.x.shape[1], device=prep.x.device)
+        return slots[None, :] < counts[:, None]
+
     def _log_first_call(self, num_tokens: int) -> None:
         self._first_call_logged = True
         key = self.backend_name
@@ -737,8 +865,14 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 # combines with unit weights, as vLLM's in-tree batched backends do.
                 topk_weights = torch.ones_like(topk_weights)
         quant = _DEFERRED if defer_input_quant else self._quant
-        if self.backend is None:
-            x, x_sf = quantize_for_dispatch(a1, quant)
+        if self.backend is None:  # no dispatch: quantize the local rows as a receive would
+            if self._recv_quant is not None and not defer_input_quant:
+                every_row = torch.ones(a1.shape[0], dtype=torch.bool, device=a1.device)
+                x, x_sf = self._quantize_received(a1, None, every_row, quant_config)
+            else:
+                x, x_sf = quantize_for_dispatch(a1, quant)
+                if x_sf is not None and quant.scheme is QuantScheme.NVFP4 and self._nvfp4_swizzle:
+                    x_sf = swizzle_nvfp4_sf(x_sf)
             return lambda: (x, x_sf, None, None, None)
 
         # TP_UNIFIED (no backend) takes any expert_map; checked once per expert_map tensor
@@ -756,17 +890,29 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             owns_all = rows.num_owned == rows.num_tokens
         backend = self._backends[slot]
         if self._wants_hint:
-            # per-call backends (deepep_auto) pick their transport from what every rank agrees
-            # on; under SP a1 is already this rank's chunk (vLLM pads the chunks to one size)
+            # per-call backends pick their transport (deepep_auto) or size their receive rows
+            # (flashinfer two-sided, by vLLM's DP metadata as vLLM's in-tree two-sided backend)
+            # from what every rank agrees on; under SP a1 is already this rank's chunk (vLLM
+            # pads the chunks to one size)
             backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
                                               presliced=self._tp != self.ctx.layout.tp))
         sent = backend.prepare_async(x, weights, ids, quant)
         self._calls[slot] = _Call(rows, ids, weights, owns_all)
 
+        recv_quant = None if defer_input_quant else self._recv_quant
+
         def receiver() -> mk.PrepareResultType:
             prep = sent.receiver()
             assert isinstance(prep, PrepareResult)
-            return self._to_vllm(prep, topk_ids, topk_weights)
+            x, x_sf, meta, ids, weights = self._to_vllm(prep, topk_ids, topk_weights)
+            if recv_quant is not None:
+                x, x_sf = self._quantize_received(x, x_sf, self._valid_rows(prep), quant_config)
+            elif (x_sf is not None and quant.scheme is QuantScheme.NVFP4 and self._nvfp4_swizzle
+                  and not prep.x_sf_swizzled):
+                # A backend that returns NVFP4 scales row-aligned: interleave them here, as
+                # vLLM's two-sided backend does after its all-to-all (only when present).
+                x_sf = swizzle_nvfp4_sf(x_sf)
+            return x, x_sf, meta, ids, weights
 
         return (sent.hook, receiver) if sent.hook is not None else receiver
 

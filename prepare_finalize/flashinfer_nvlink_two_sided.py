@@ -25,8 +25,9 @@ import torch
 from all2all.flashinfer import INSTALL_HINT, FlashInferAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
-from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
-                                   RowScatterTarget, check_prepare_inputs, write_output)
+from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
+                                   PrepareResult, RowScatterTarget, check_prepare_inputs,
+                                   write_output)
 from moe_plugins.layout import LocalIdMap, destination_ranks
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
@@ -40,6 +41,7 @@ class _CallState:
     e.g. during CUDA-graph capture)."""
 
     num_tokens: int
+    recv_rows: int
     recv_tokens: Optional[int] = None
 
 
@@ -48,9 +50,11 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
-    """STANDARD layout with fixed receive shapes: prepare returns
-    ``num_recv_tokens = num_ranks * max_tokens_per_rank`` rows (source-rank major); rows that carry
-    no token have topk_ids -1 in every column and unspecified x. topk_ids are LOCAL expert ids,
+    """STANDARD layout: prepare returns ``num_recv_tokens = num_ranks * tokens_per_rank`` rows
+    (source-rank major), ``tokens_per_rank`` being the call's bound
+    (:meth:`set_batch_hint` before the call: the most tokens any rank sends in it, the same on
+    every rank) or, without one, the layer's ``max_tokens_per_rank``; rows that carry no token have topk_ids -1 in every
+    column and unspecified x. topk_ids are LOCAL expert ids,
     -1 where the expert lives on another rank. expert_tokens_meta is None."""
 
     activation_format = ActivationFormat.STANDARD
@@ -63,6 +67,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._state: Optional[_CallState] = None
+        self._hint: Optional[BatchHint] = None
         self._local_id_map = LocalIdMap(manager.placement, manager.rank)
 
     def num_dispatchers(self) -> int:
@@ -99,8 +104,20 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
             s.meta_bytes += rows * m.num_topk * (4 + 4)  # int32 ids + float32 weights
         return host_count((local_ids >= 0).any(dim=1).sum())
 
+    #: the engine's hint bounds the next call's receive rows
+    uses_batch_hint = True
+
+    def set_batch_hint(self, hint: Optional[BatchHint]) -> None:
+        """The next prepare's receive rows follow ``hint.max_tokens_per_rank`` (the same on
+        every EP rank; see the class doc); None: the layer's ``max_tokens_per_rank``. A hint
+        covers one call."""
+        self._hint = hint
+
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        """The receive rows follow the call's hint (see the class doc); the workspaces do not
+        depend on it."""
+        hint, self._hint = self._hint, None  # a hint covers one call
         check_prepare_inputs(hidden_states, topk_weights, topk_ids)
         if self._state is not None:
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
@@ -117,15 +134,17 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
                 f"hidden_states {tuple(hidden_states.shape)} / topk_ids {tuple(topk_ids.shape)} do "
                 f"not match the layer (hidden={cfg.hidden}, num_topk={cfg.num_topk})"
             )
-        state = self._state = _CallState(n)
+        tokens_per_rank = m.tokens_per_rank(n, None if hint is None else hint.max_tokens_per_rank)
+        state = self._state = _CallState(n, m.recv_rows(tokens_per_rank))
 
         def receiver() -> PrepareResult:
             # Unswizzled scales, or (hidden_states, None) when unquantized or deferred.
             x, x_sf = quantize_for_dispatch(hidden_states, quant)
-            d = m.dispatch(x, x_sf, topk_ids, topk_weights)
+            d = m.dispatch(x, x_sf, topk_ids, topk_weights, tokens_per_rank)
             recv_sf, swizzled = d.x_sf, False
-            if recv_sf is not None and quant.scheme is QuantScheme.NVFP4 \
-                    and m.options.nvfp4_swizzled_sf:
+            swizzle = m.options.nvfp4_swizzled_sf if quant.nvfp4_swizzled_sf is None \
+                else quant.nvfp4_swizzled_sf
+            if recv_sf is not None and quant.scheme is QuantScheme.NVFP4 and swizzle:
                 recv_sf, swizzled = swizzle_nvfp4_sf(recv_sf), True
             local = self._local_ids(d.topk_ids)
             state.recv_tokens = self._count_dispatch(topk_ids, x, x_sf, local)
@@ -140,9 +159,9 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         if state is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
         m = self.manager
-        if fused_expert_output.dim() != 2 or fused_expert_output.shape[0] != m.recv_rows:
+        if fused_expert_output.dim() != 2 or fused_expert_output.shape[0] != state.recv_rows:
             raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}, "
-                             f"expected [{m.recv_rows}, hidden] (the rows prepare returned)")
+                             f"expected [{state.recv_rows}, hidden] (the rows prepare returned)")
         # Checked before the combine so that a bad output fails on this rank without leaving the
         # other ranks inside the collective.
         expected = (state.num_tokens, fused_expert_output.shape[1])

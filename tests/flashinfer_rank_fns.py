@@ -19,7 +19,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.demo import demo_inputs
 from moe_plugins.experts import TorchExperts
 from moe_plugins.groups import DistContext, cached_dist_context
-from moe_plugins.interface import PrepareFinalize, RowScatterTarget
+from moe_plugins.interface import BatchHint, PrepareFinalize, RowScatterTarget
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.model import MoEConfig, MoEWeights, route
@@ -296,3 +296,30 @@ def handle_exchange_comm(rank: int, world: int) -> dict:
     except NotImplementedError as e:
         got["refused"] = str(e)
     return got
+
+
+def run_bounded(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                tokens: list[int], layer_max: int, quant: QuantSpec, flavor: str,
+                bound: Optional[int]) -> dict:
+    """prepare (with this call's bound) -> TorchExperts -> finalize on a layer built for
+    ``layer_max`` tokens per rank, rank r holding ``tokens[r]`` tokens. Reports the receive
+    rows, the rows flashinfer's prepare was sized for, the routed output, and the errors of a
+    bound below this rank's tokens and above the layer's."""
+    with emu.installed(flavor), _backend(layout, cfg, layer_max, quant) as pf:
+        r = _Routed.make(layout, cfg, tokens[rank], quant)
+        errors = []
+        for bad in (tokens[rank] - 1, layer_max + 1):
+            if bad < tokens[rank] and bad < 1:
+                continue
+            try:
+                pf.set_batch_hint(BatchHint(bad))
+                pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
+            except ValueError as e:
+                errors.append(str(e))
+        # a refused call consumed its hint: without a new one the layer's bound applies
+        pf.set_batch_hint(None if bound is None else BatchHint(bound))
+        prep = pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
+        out = pf.finalize(r.experts.apply(prep), r.topk_weights, r.topk_ids, torch.empty_like(r.x))
+        return dict(out=out, x=r.x, recv_rows=prep.x.shape[0], ids_rows=prep.topk_ids.shape[0],
+                    sf_rows=None if prep.x_sf is None else prep.x_sf.shape[0], errors=errors,
+                    workspaces=emu.live_allocations())

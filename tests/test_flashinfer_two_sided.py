@@ -354,3 +354,47 @@ def test_plan_equals_the_backends_counters(rank_pool):
         assert (rp.act_bytes.min, rp.sf_bytes.min, rp.meta_bytes.min) == (
             r["act_bytes"], r["sf_bytes"], r["meta_bytes"])
         assert rp.combine_bytes.min == r["combine_bytes"]
+
+
+# ---- receive rows sized per call (issue 11: not ep_size x the layer's max at batch 1) -----------
+BOUND_CASES = [("bf16", QuantSpec()), ("fp8", QuantSpec(FP8)), ("nvfp4", QuantSpec(NVFP4))]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("flavor,api", FLAVORS, ids=[f[0] for f in FLAVORS])
+@pytest.mark.parametrize("name,quant", BOUND_CASES, ids=[c[0] for c in BOUND_CASES])
+@pytest.mark.parametrize("tokens", [[3, 1], [1, 1], [0, 2]], ids=["3-1", "1-1", "0-2"])
+def test_receive_rows_follow_the_call_bound(rank_pool, flavor, api, name, quant, tokens):
+    """A layer built for 64 tokens per rank; a call whose largest rank sends max(tokens):
+    every receive buffer (activations, scales, routing) has ep_size * max(tokens) rows (at least
+    one per rank), not ep_size * 64; the result is the reference's; the workspaces are the
+    same; a bound below a rank's tokens or above the layer's is refused before any collective."""
+    from moe_plugins.demo import demo_inputs
+    from moe_plugins.model import MoEWeights
+    from moe_plugins.reference import reference_moe, tolerance_for
+
+    cfg = _cfg(shared_intermediate=0)
+    bound = max(tokens)
+    results = rank_pool(2).run(fi.run_bounded, EP2, cfg, tokens, 64, quant, flavor, bound)
+    rows = 2 * max(bound, 1)
+    weights = MoEWeights.random(cfg, 0)
+    for rank, r in enumerate(results):
+        assert r["recv_rows"] == r["ids_rows"] == rows
+        assert r["sf_rows"] == (None if not quant.quantized_on_wire else
+                                -(-rows // 128) * 128 * 16 if quant.scheme is NVFP4 else rows)
+        x = demo_inputs(cfg, tokens[rank], rank, 0)
+        assert torch.equal(r["x"], x)
+        ref = reference_moe(x, weights, quant)
+        torch.testing.assert_close(r["out"], ref, atol=tolerance_for(ref, cfg.dtype)[0],
+                                   rtol=1e-5)
+        assert r["workspaces"] == results[0]["workspaces"] > 0
+        if tokens[rank] >= 1:
+            assert any("must cover this rank's tokens" in e for e in r["errors"])
+        assert any("max_tokens_per_rank=64" in e for e in r["errors"])
+
+
+@pytest.mark.multirank
+def test_without_a_bound_the_layer_max_sizes_the_receive(rank_pool):
+    results = rank_pool(2).run(fi.run_bounded, EP2, _cfg(shared_intermediate=0), [3, 1], 64,
+                               QuantSpec(), "0.7.4", None)
+    assert all(r["recv_rows"] == 2 * 64 for r in results)

@@ -448,7 +448,9 @@ def test_plan_serves_eplb(registered):
     (dict(), "none"),
     (dict(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128]), "fp8_block128"),
     (dict(quant_dtype=torch.float8_e4m3fn, per_act_token_quant=True), None),
-    (dict(quant_dtype="nvfp4"), None),
+    (dict(quant_dtype="nvfp4"), "nvfp4"),
+    (dict(quant_dtype=torch.int8, per_act_token_quant=True), None),
+    (dict(quant_dtype="mxfp8"), None),
 ])
 def test_quant_scheme_of_vllm_quant_configs(registered, quant, scheme):
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
@@ -474,7 +476,8 @@ def _adapter(backend=None, wire_scheme=None, **kw):
 
 
 @needs_vllm
-def test_adapter_refuses_experts_wanting_a_quant_the_backend_lacks(registered):
+def test_adapter_refuses_experts_wanting_a_format_nothing_serves(registered):
+    """mxfp4 activations: no backend puts them on the wire and vLLM only emulates them."""
     import vllm_rank_fns
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 
@@ -483,8 +486,8 @@ def test_adapter_refuses_experts_wanting_a_quant_the_backend_lacks(registered):
 
     experts = vllm_rank_fns.TorchExpertsModular(
         vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0),
-        FusedMoEQuantConfig.make(quant_dtype="nvfp4"))
-    with pytest.raises(ValueError, match="wants quant_dtype=nvfp4"):
+        FusedMoEQuantConfig.make(quant_dtype="mxfp4"))
+    with pytest.raises(ValueError, match="quant_dtype='mxfp4'.*no native quantization"):
         _adapter(wire_scheme=None).post_init_setup(experts)
 
 

@@ -23,22 +23,13 @@ from ll_rank_fns import built
 from moe_plugins.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.low_latency import unpack_ue8m0_scales
+from moe_plugins.low_latency import dequantize_batched
 from moe_plugins.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
-from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
+from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm_adapter import MoEPluginsPrepareAndFinalize
 from vllm_rank_fns import TorchBatchedExpertsModular, _moe_config, contiguous_expert_map
-
-
-def dequantize_batched(x: torch.Tensor, x_sf: Optional[torch.Tensor]) -> torch.Tensor:
-    """x float8_e4m3fn/bf16 [num_local_experts, slots, hidden]; x_sf None, float32 [..., hidden //
-    128] or packed UE8M0 int32 [..., hidden // 512] -> float32 [num_local_experts, slots, hidden]."""
-    if x_sf is None:
-        return x.float()
-    scales = unpack_ue8m0_scales(x_sf) if x_sf.dtype == torch.int32 else x_sf.float()
-    return x.float() * scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., : x.shape[-1]]
 
 
 class ScaleRecordingExperts(TorchBatchedExpertsModular):

@@ -10,12 +10,16 @@ them (csrc/trtllm_alltoall.cu, csrc/trtllm_alltoall_prepare.cu):
   ``mnnvl_moe_alltoallv_prepare_without_allgather``, ``mnnvl_moe_alltoallv``,
   ``mnnvl_moe_alltoallv_combine``, with the class-level one-mapping workspace cache);
 - ``flashinfer.comm.mapping.Mapping``, ``flashinfer.comm.mnnvl.MnnvlConfig`` / ``MnnvlMemory``;
-- ``flashinfer.moe_ep`` as documented for 0.7.4+ (docs.flashinfer.ai, "flashinfer.moe_ep:
+- ``flashinfer.moe_ep`` (in 0.7.2.post1 too: ``moe_ep/backends/split/comm/nvlink_two_sided/
+  communication.py``, and documented for 0.7.4+ on docs.flashinfer.ai, "flashinfer.moe_ep:
   Expert-Parallel Communication"): ``BootstrapConfig``, ``MoEEpCommParams``,
   ``MoEEpDispatchResult``, ``NVLinkTwoSidedConfig``, ``NVLinkTwoSidedAlltoAll`` (workspaces cached
   per (ep_rank, ep_size) for the process; ``destroy`` drops the instance's references only).
 
-The kernels' index contract is reproduced exactly: ``moe_prepare`` lists, per destination rank, the
+Sizes follow each call's ``max_token_count_per_rank`` (MnnvlMoe) / ``dispatch(max_tokens_per_rank=)``
+(moe_ep, checked against ``(0, params.max_tokens_per_rank]``): the receive rows of that call are
+``ep_size`` times it, the workspaces do not change. The kernels' index contract is reproduced
+exactly: ``moe_prepare`` lists, per destination rank, the
 tokens with at least one expert there (in an arbitrary order, as the kernel's atomicAdd gives),
 the backward slot ``token * top_k + first matching lane``, sends each token's expert ids with the
 ids of other ranks replaced by ``slot_count``, receives rows grouped by source rank and fills the
@@ -244,6 +248,10 @@ def moe_prepare(experts_ids: torch.Tensor, scales: Optional[torch.Tensor],
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     sc, rc = send_counts.tolist(), recv_counts.tolist()
+    # The receive buffers hold max_token_count_per_rank rows per source rank (the CALL's bound,
+    # which every rank must pass alike): more arriving would overrun them.
+    _check(sum(rc) <= rows, f"{sum(rc)} rows arrive but the receive buffers hold "
+           f"max_token_count_per_rank * ep_size = {rows}: a peer sent with a larger bound")
     sent = torch.cat(tokens)
     dest = torch.repeat_interleave(torch.arange(ep_size, device=dev), send_counts.to(dev))
     ids = experts_ids[sent].clone()
@@ -495,16 +503,16 @@ class NVLinkTwoSidedAlltoAll:
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: Optional[torch.Tensor] = None, *,
                  hidden_states_scale: Optional[torch.Tensor] = None,
-                 runtime_max_tokens_per_rank: Optional[int] = None,
+                 max_tokens_per_rank: Optional[int] = None,
                  eplb_local_stats: Optional[torch.Tensor] = None) -> MoEEpDispatchResult:
         if self._workspace is None or self._prepare_workspace is None:
             raise RuntimeError("NVLinkTwoSidedAlltoAll has been destroyed")
         if self._state is not None:
             raise RuntimeError("dispatch called twice without an intervening combine")
-        tpr = self.params.max_tokens_per_rank if runtime_max_tokens_per_rank is None \
-            else runtime_max_tokens_per_rank
+        tpr = self.params.max_tokens_per_rank if max_tokens_per_rank is None \
+            else max_tokens_per_rank
         if not 0 < tpr <= self.params.max_tokens_per_rank:
-            raise ValueError(f"runtime_max_tokens_per_rank={tpr} must be in "
+            raise ValueError(f"max_tokens_per_rank={tpr} must be in "
                              f"(0, {self.params.max_tokens_per_rank}]")
         topk_ids = topk_ids.to(torch.int32)
         if topk_weights is not None:
@@ -547,7 +555,9 @@ class NVLinkTwoSidedAlltoAll:
             state["recv_cumsum"], state["recv_indices"], state["send_cumsum"],
             state["backward_recv_indices"])
         self._state = None
-        combined = torch.sum(per_slot.view(n, k, -1), dim=1)
+        # 0.7.2.post1 sums through MnnvlMoe's combine, whose reshape names the hidden size (so
+        # a rank without tokens gets [0, hidden]).
+        combined = torch.sum(per_slot.view(n, k, expert_output.shape[1]), dim=1)
         if output is not None:
             output.copy_(combined)
             return output

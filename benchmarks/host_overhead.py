@@ -100,7 +100,7 @@ def _import_vllm(device: str) -> Optional[str]:
     if device == "cuda" and importlib.util.find_spec("vllm_stand_ins") is not None:
         importlib.import_module("vllm_stand_ins").install()
     try:
-        importlib.import_module("moe_plugins.vllm_adapter")
+        importlib.import_module("moe_plugins.vllm.adapter")
         importlib.import_module("vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll")
     except Exception as e:  # ImportError, or vLLM failing at import on this machine
         return f"{type(e).__name__}: {e}"
@@ -135,7 +135,7 @@ def _quant_config(quant: str) -> Any:
 
 def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, experts: Any) -> Any:
     """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank)."""
-    from moe_plugins.vllm_adapter import MoEPluginsPrepareAndFinalize
+    from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
 
     adapter = MoEPluginsPrepareAndFinalize(
         spec.build(ctx, cfg), spec.name, ctx, StrategyChoice(ReductionStrategy.LOCAL, "one rank"),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from moe_plugins.plan import Estimate, LayerPlan
+    from moe_plugins.planner.plan import Estimate, LayerPlan
 
 __all__ = ["main"]
 
@@ -149,9 +149,9 @@ _SHAPE_FLAGS = ("hidden", "experts", "topk", "intermediate", "shared_intermediat
 def _plan_inputs(args: argparse.Namespace) -> tuple:
     """(ModelSpec, layout, QuantSpec, LinkModel) from the flags: an explicit shape flag overrides
     the --model-config value, which overrides demo's default."""
-    from moe_plugins.link_model import LinkModel
+    from moe_plugins.planner.link_model import LinkModel
     from moe_plugins.model import MoEConfig
-    from moe_plugins.model_config import ModelSpec, load_model_config
+    from moe_plugins.planner.model_config import ModelSpec, load_model_config
     from moe_plugins.quant import QuantScheme, QuantSpec
 
     if args.dp is not None:
@@ -264,7 +264,7 @@ def _plan_json(plan: "LayerPlan") -> list[dict]:
 
 
 def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
-    from moe_plugins.plan import Estimate, expected_ranks_hit
+    from moe_plugins.planner.plan import Estimate, expected_ranks_hit
 
     m, lay, w, ln = plan.model.moe, plan.layout, plan.wire, plan.link
     q = plan.quant.scheme.value + (" (deferred)" if plan.quant.defer_input_quant else "")
@@ -353,7 +353,7 @@ def _expert_placement(args: argparse.Namespace, model: Any, layout: Any) -> Any:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from moe_plugins.overlap import OverlapConfig
-    from moe_plugins.plan import plan_layer
+    from moe_plugins.planner.plan import plan_layer
     from moe_plugins.registry import get_backend
     from moe_plugins.strategy import SharedPlacement
 

@@ -5,7 +5,7 @@ Per call it takes the **low-latency** kernels when the batch fits their buffers 
 (``max_tokens_per_rank <= low_latency_capacity``) and for every CUDA-graph capture (normal mode
 waits on the host and cannot be captured), **normal mode** otherwise, and under vLLM for prefill
 passes (:class:`moe_plugins.interface.BatchHint`, read from vLLM's forward context by
-:mod:`moe_plugins.vllm_batch_hint`). All EP ranks must take the same mode (the two are different
+:mod:`moe_plugins.vllm.batch_hint`). All EP ranks must take the same mode (the two are different
 collectives), so the choice uses only what is the same on every rank: the engine's hint, or
 without one the largest token count over the EP group (one small all_reduce MAX per call).
 

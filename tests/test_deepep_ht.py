@@ -280,7 +280,7 @@ def test_wrong_options_type_is_a_type_error(rank_pool, backend):
 def test_plan_equals_measured_normal_mode(rank_pool, quant, layout, strategy):
     """deepep_ht: one row per (token, destination rank); with the routing prepare received,
     the plan's rows and bytes are exactly what the backend counted."""
-    from moe_plugins.plan import Routing, plan_layer
+    from moe_plugins.planner.plan import Routing, plan_layer
 
     cfg = _cfg(hidden=256, intermediate=16, shared_intermediate=32)
     tokens = (5,) * layout.dp
@@ -300,7 +300,7 @@ def test_plan_equals_measured_normal_mode(rank_pool, quant, layout, strategy):
 
 
 def test_plan_counts_deepep_auto_in_the_mode_it_takes():
-    from moe_plugins.plan import plan_layer
+    from moe_plugins.planner.plan import plan_layer
     from prepare_finalize.deepep_auto import PLANNED_CAPACITY
 
     layout, cfg, spec = ParallelLayout(2, 2, True), _cfg(), get_backend("deepep_auto")

@@ -191,7 +191,7 @@ def test_registry_refuses_a_placement_for_a_linear_only_backend():
 
 
 def test_plan_counts_the_redundant_copies_memory():
-    from moe_plugins.plan import plan_layer
+    from moe_plugins.planner.plan import plan_layer
     from moe_plugins.registry import get_backend
 
     cfg = _cfg(torch.float32, 128)

@@ -143,7 +143,7 @@ def test_dbo_check_still_refuses_the_others_with_vllms_error(registered, platfor
 
 @pytest.mark.vllm
 def test_dbo_names_come_from_the_capability(registered):
-    from moe_plugins import vllm_plugin
+    from moe_plugins.vllm import plugin as vllm_plugin
     from moe_plugins.registry import registered_backends
 
     names = vllm_plugin.dbo_backend_names()
@@ -155,8 +155,8 @@ def test_dbo_names_come_from_the_capability(registered):
 
 @pytest.mark.vllm
 def test_dbo_check_patch_fails_loudly_when_vllm_moves_the_list(registered):
-    from moe_plugins import vllm_patches
-    from moe_plugins.vllm_patches import VllmPatchError
+    from moe_plugins.vllm import patches as vllm_patches
+    from moe_plugins.vllm.patches import VllmPatchError
 
     def moved(self):  # the check is gone from the method
         return None
@@ -179,7 +179,7 @@ def test_micro_batches_refuse_a_backend_without_the_capability(registered, platf
     from vllm.config import set_current_vllm_config
 
     from moe_plugins.registry import get_backend
-    from moe_plugins.vllm_adapter import micro_batches
+    from moe_plugins.vllm.adapter import micro_batches
 
     with set_current_vllm_config(_dbo_config("moe_plugins_deepep_ll")):
         assert micro_batches(get_backend("deepep_ll")) == 2
@@ -242,8 +242,8 @@ def test_nixl_is_polled_even_without_the_flag(rank_pool):
 def test_fault_tolerance_sentinel_accepts_our_masking_names(registered):
     from vllm.v1.worker.sentinel import gpu_worker_sentinel as sentinel
 
-    from moe_plugins import vllm_patches
-    from moe_plugins.vllm_patches import VllmPatchError
+    from moe_plugins.vllm import patches as vllm_patches
+    from moe_plugins.vllm.patches import VllmPatchError
 
     names = sentinel.FT_BACKEND_SET  # what the sentinel's check reads at call time
     assert {"deepep_low_latency", "nixl_ep", "moe_plugins_deepep_ll", "moe_plugins_nixl_ep"} <= names

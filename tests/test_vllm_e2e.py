@@ -92,10 +92,10 @@ def _healthy(port: int) -> bool:
 
 @contextlib.contextmanager
 def vllm_server(model: Path, extra: list[str], log_path: Path) -> Iterator[int]:
-    """``python -m moe_plugins.vllm_serve serve`` on 127.0.0.1; yields the port once /health
+    """``python -m moe_plugins.vllm.serve serve`` on 127.0.0.1; yields the port once /health
     answers; the whole process group is stopped afterwards."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "moe_plugins.vllm_serve", "serve", str(model),
+    cmd = [sys.executable, "-m", "moe_plugins.vllm.serve", "serve", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
            "--all2all-backend", "moe_plugins_torch", *extra]

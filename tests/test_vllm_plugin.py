@@ -14,12 +14,12 @@ from typing import Iterator
 import pytest
 import torch
 
-from moe_plugins import vllm_patches, vllm_plugin
+from moe_plugins.vllm import patches as vllm_patches, plugin as vllm_plugin
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.strategy import ReductionStrategy
-from moe_plugins.vllm_patches import (PATCHES, Patch, VllmPatchError,
+from moe_plugins.vllm.patches import (PATCHES, Patch, VllmPatchError,
                                       ids_through_expert_map)
-from moe_plugins.vllm_plugin import (SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version,
+from moe_plugins.vllm.plugin import (SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version,
                                      plugin_settings)
 
 try:
@@ -398,7 +398,7 @@ def test_batched_format_hook_follows_the_plan(registered, batched_backend_regist
 
 @needs_vllm
 def test_plan_picks_strategy_and_backend(registered):
-    from moe_plugins.vllm_adapter import layer_plan
+    from moe_plugins.vllm.adapter import layer_plan
 
     with _vllm_config(2, {"moe_plugins": {"single_collective": False}}):
         plan = layer_plan(_moe_parallel("moe_plugins", 2, 4))
@@ -412,7 +412,7 @@ def test_plan_picks_strategy_and_backend(registered):
 
 @needs_vllm
 def test_plan_refuses_a_strategy_that_does_not_apply(registered):
-    from moe_plugins.vllm_adapter import layer_plan
+    from moe_plugins.vllm.adapter import layer_plan
 
     with _vllm_config(1, {"moe_plugins": {"strategy": "TP_UNIFIED"}}):
         with pytest.raises(ValueError, match="strategy TP_UNIFIED does not apply to layout "
@@ -426,7 +426,7 @@ def test_plan_refuses_a_strategy_that_does_not_apply(registered):
     (dict(ep_size=3), "EP size 3 is not dp x tp = 2"),
 ])
 def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
-    from moe_plugins.vllm_adapter import layer_plan
+    from moe_plugins.vllm.adapter import layer_plan
 
     with _vllm_config(1), pytest.raises(ValueError, match=match):
         layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), **change))
@@ -436,7 +436,7 @@ def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
 def test_plan_serves_eplb(registered):
     """EPLB (redundant physical experts, rebalanced by vLLM) is served: vLLM's router maps
     logical to physical ids, which our transports dispatch."""
-    from moe_plugins.vllm_adapter import layer_plan
+    from moe_plugins.vllm.adapter import layer_plan
 
     with _vllm_config(1):
         plan = layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), enable_eplb=True))
@@ -455,7 +455,7 @@ def test_plan_serves_eplb(registered):
 def test_quant_scheme_of_vllm_quant_configs(registered, quant, scheme):
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 
-    from moe_plugins.vllm_adapter import quant_scheme_of
+    from moe_plugins.vllm.adapter import quant_scheme_of
 
     got = quant_scheme_of(FusedMoEQuantConfig.make(**quant))
     assert (got.value if got is not None else None) == scheme
@@ -465,7 +465,7 @@ def _adapter(backend=None, wire_scheme=None, **kw):
     from moe_plugins.groups import DistContext
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.strategy import StrategyChoice
-    from moe_plugins.vllm_adapter import MoEPluginsPrepareAndFinalize
+    from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
 
     layout = ParallelLayout(2, 1, True)
     ctx = DistContext(layout, 0, None, None, torch.device("cpu"))
@@ -522,7 +522,7 @@ def test_batched_adapter_refuses_experts_that_reduce_themselves(registered):
 
 @needs_vllm
 def test_all2all_manager_does_not_serve_naive_dispatch(registered):
-    from moe_plugins.vllm_adapter import MoEPluginsAll2AllManager
+    from moe_plugins.vllm.adapter import MoEPluginsAll2AllManager
 
     with pytest.raises(NotImplementedError, match="run MoE layers through vLLM's modular kernel"):
         MoEPluginsAll2AllManager.dispatch_router_logits(object(), torch.zeros(1), torch.zeros(1))
@@ -534,7 +534,7 @@ def test_overlap_max_tokens_is_reported_unused_under_vllm(registered, caplog):
     import vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.model import MoEConfig
-    from moe_plugins.vllm_adapter import make_prepare_finalize
+    from moe_plugins.vllm.adapter import make_prepare_finalize
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)
     with _vllm_config(1, {"moe_plugins": {"overlap_max_tokens": 64}}), \

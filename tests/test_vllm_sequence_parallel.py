@@ -4,7 +4,7 @@ process groups, SP decision, modular kernel, runner reductions and model SP step
 
 Held to: the single-process reference MoE (element-wise), the tokens vLLM handed the MoE (the
 owned chunk under SP: never sliced again), and the plan's decoder-layer TP collectives
-(:class:`moe_plugins.plan.RankPlan.decoder_collectives`: kinds and bytes, in order) against the
+(:class:`moe_plugins.planner.plan.RankPlan.decoder_collectives`: kinds and bytes, in order) against the
 torch.distributed calls counted on vLLM's TP group from the attention's reduction to the end
 of the layer.
 """
@@ -18,8 +18,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-
 from moe_plugins.demo import demo_inputs  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
 from moe_plugins.model import MoEConfig, MoEWeights  # noqa: E402
-from moe_plugins.model_config import ModelSpec  # noqa: E402
-from moe_plugins.plan import plan_layer  # noqa: E402
+from moe_plugins.planner.model_config import ModelSpec  # noqa: E402
+from moe_plugins.planner.plan import plan_layer  # noqa: E402
 from moe_plugins.reference import reference_moe, tolerance_for  # noqa: E402
 from moe_plugins.registry import get_backend  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402

@@ -5,7 +5,7 @@ import importlib.metadata
 
 import pytest
 
-from moe_plugins.vllm_serve import _cpu_build_version, cpu_env, cpu_ranks, omp_threads_bind
+from moe_plugins.vllm.serve import _cpu_build_version, cpu_env, cpu_ranks, omp_threads_bind
 
 
 @pytest.mark.parametrize("argv,ranks", [

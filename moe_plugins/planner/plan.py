@@ -6,7 +6,7 @@ quant scheme, :func:`plan_layer` gives per EP rank and per decoder layer: the to
 prepare and the (token, expert) pairs dispatched, the rows on the wire and the bytes sent and
 received in dispatch (activations, ``x_sf`` and routing metadata separately) and combine, the TP
 collectives with their bytes, the shared-expert and routed-expert weight bytes a rank holds, and a
-communication time from :class:`moe_plugins.link_model.LinkModel`. The recommended strategy is
+communication time from :class:`moe_plugins.planner.link_model.LinkModel`. The recommended strategy is
 the one :func:`recommend_strategy` picks from the decoder-layer numbers and a shared-expert memory budget;
 the *default* is the one :func:`moe_plugins.strategy.choose_strategy` picks (what a
 :class:`moe_plugins.layer.MoELayer` uses when it is not told).
@@ -53,9 +53,9 @@ import torch
 from moe_plugins.config import DispatchConfig
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.layout import ParallelLayout, owned_rows
-from moe_plugins.link_model import LinkModel
+from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.model import MoEConfig
-from moe_plugins.model_config import ModelSpec
+from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import FP8_BLOCK, NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, WireLayout, refusal_reason
@@ -418,7 +418,7 @@ def decoder_tp_collectives(strategy: ReductionStrategy, cfg: MoEConfig, num_toke
     ``strategy`` for a DP group of ``num_tokens`` tokens: the attention's reduction, then the
     MoE block's. A reduce_scatter contributes its whole (padded) input, an all_gather the owned
     chunk, an all_reduce the whole tensor. ``sp_attention``: see
-    :data:`moe_plugins.model_config.SP_ATTENTION_REDUCTIONS`."""
+    :data:`moe_plugins.planner.model_config.SP_ATTENTION_REDUCTIONS`."""
     rows = owned_rows(num_tokens, tp, 0)
     row_bytes = cfg.hidden * _itemsize(cfg.dtype)
     out = []

@@ -1,6 +1,6 @@
 """vLLM-facing classes: our all2all manager and the prepare/finalize adapter.
 
-Imported by the hooks of :mod:`moe_plugins.vllm_patches` once vLLM builds a communicator or a
+Imported by the hooks of :mod:`moe_plugins.vllm.patches` once vLLM builds a communicator or a
 MoE layer with one of our ``--all2all-backend`` names (so vLLM's fused-MoE code is loaded by
 then). Everything engine-agnostic stays in :mod:`moe_plugins`; this module translates.
 
@@ -30,12 +30,12 @@ Batched format (backends whose capabilities say BATCHED, e.g. DeepEP low-latency
 vLLM ``[num_local_experts, max_recv_tokens, hidden]`` with per-expert counts, the experts return
 unweighted rows in the same layout, and the backend's combine applies the router weights. vLLM
 picks batched experts only when ``use_batched_activation_format`` is true; the hook in
-:mod:`moe_plugins.vllm_patches` answers it from :func:`layer_plan`, as this module does.
+:mod:`moe_plugins.vllm.patches` answers it from :func:`layer_plan`, as this module does.
 
 Sequence parallelism is a model-level decision vLLM makes from
 ``ParallelConfig.use_sequence_parallel_moe`` before any layer exists; for our names the hook in
-:mod:`moe_plugins.vllm_patches` answers it with :func:`sequence_parallel_moe` (vLLM's rule, the
-backend's SP capability, and :func:`moe_plugins.plan.recommend_strategy` on the engine config),
+:mod:`moe_plugins.vllm.patches` answers it with :func:`sequence_parallel_moe` (vLLM's rule, the
+backend's SP capability, and :func:`moe_plugins.planner.plan.recommend_strategy` on the engine config),
 and each layer then follows what vLLM built (``FusedMoEParallelConfig.is_sequence_parallel``).
 
 Dual-batch overlap (``--enable-dbo``): vLLM runs two micro-batches of one layer on two threads
@@ -76,16 +76,16 @@ from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    check_finalize_result)
 from moe_plugins.layout import OwnedRows, ParallelLayout, owned_rows, slice_owned
-from moe_plugins.model_config import ModelSpec, model_spec_from_dict
+from moe_plugins.planner.model_config import ModelSpec, model_spec_from_dict
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.placement import ExpertPlacement
-from moe_plugins.plan import recommend_strategy
+from moe_plugins.planner.plan import recommend_strategy
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.vllm_batch_hint import batch_hint
-from moe_plugins.vllm_plugin import (PluginSettings, dbo_backend_names, plugin_settings,
+from moe_plugins.vllm.batch_hint import batch_hint
+from moe_plugins.vllm.plugin import (PluginSettings, dbo_backend_names, plugin_settings,
                                      registry_name)
 
 logger = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
     off, or a model without vLLM's SP path), SP_ALLGATHER does not apply. None: the decision
     itself, made from the engine config before any layer exists (what
     ``ParallelConfig.use_sequence_parallel_moe`` answers for our names): a strategy named in
-    ``--additional-config`` if any, else :func:`moe_plugins.plan.recommend_strategy` for
+    ``--additional-config`` if any, else :func:`moe_plugins.planner.plan.recommend_strategy` for
     ``model`` (None: a model whose shape moe-plugins cannot read) at ``num_tokens`` tokens per
     DP group with the settings' shared-expert budget, wherever the layout and the backend's
     capabilities allow SP."""

@@ -136,7 +136,7 @@ def _current_all2all_backend() -> str | None:
 
 
 def _is_ours(name: str | None) -> bool:
-    from moe_plugins.vllm_plugin import is_our_backend
+    from moe_plugins.vllm.plugin import is_our_backend
 
     return is_our_backend(name)
 
@@ -206,7 +206,7 @@ def _install_communicator(patch: Patch, names: list[str]) -> None:
         if self.use_all2all:
             assert name is not None
             _announce(name, type(self).__name__)
-            from moe_plugins.vllm_adapter import MoEPluginsAll2AllManager
+            from moe_plugins.vllm.adapter import MoEPluginsAll2AllManager
 
             self.all2all_manager = MoEPluginsAll2AllManager(
                 self.cpu_group, self.device_group, bound.arguments.get("tcp_store_group"))
@@ -230,7 +230,7 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
         if not _is_ours(name):
             return original(*bound.args, **bound.kwargs)
         _announce(name, "maybe_make_prepare_finalize")
-        from moe_plugins.vllm_adapter import make_prepare_finalize
+        from moe_plugins.vllm.adapter import make_prepare_finalize
 
         made = make_prepare_finalize(a["moe"], a["quant_config"], use_monolithic=a["use_monolithic"],
                                      routing_tables=a["routing_tables"])
@@ -268,7 +268,7 @@ def _install_property(patch: Patch, ours: Callable[[Any], bool]) -> None:
 
 def _install_batched_format(patch: Patch, names: list[str]) -> None:
     def use_batched_activation_format(parallel: Any) -> bool:
-        from moe_plugins.vllm_adapter import layer_plan
+        from moe_plugins.vllm.adapter import layer_plan
 
         plan = layer_plan(parallel)
         return plan is not None and plan.batched
@@ -282,7 +282,7 @@ def _install_batched_dp(patch: Patch, names: list[str]) -> None:
         # backend our name plans for this layout.
         if not (config.enable_expert_parallel and config.data_parallel_size > 1):
             return False
-        from moe_plugins.vllm_adapter import parallel_config_plan
+        from moe_plugins.vllm.adapter import parallel_config_plan
 
         return parallel_config_plan(config).batched
 
@@ -291,7 +291,7 @@ def _install_batched_dp(patch: Patch, names: list[str]) -> None:
 
 def _install_sequence_parallel(patch: Patch, names: list[str]) -> None:
     def use_sequence_parallel_moe(config: Any) -> bool:
-        from moe_plugins.vllm_adapter import sequence_parallel_moe
+        from moe_plugins.vllm.adapter import sequence_parallel_moe
 
         return sequence_parallel_moe(config)
 
@@ -344,7 +344,7 @@ def _precheck_dbo(patch: Patch, original: Any) -> None:
 def _install_dbo_check(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     _precheck_dbo(patch, original)
-    from moe_plugins.vllm_plugin import dbo_backend_names
+    from moe_plugins.vllm.plugin import dbo_backend_names
 
     allowed = [n for n in dbo_backend_names() if n in names]
     code = original.__code__
@@ -377,7 +377,7 @@ def _precheck_name_set(patch: Patch, original: Any) -> None:
 def _install_ft_backends(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     _precheck_name_set(patch, original)
-    from moe_plugins.vllm_plugin import fault_tolerance_backend_names
+    from moe_plugins.vllm.plugin import fault_tolerance_backend_names
 
     extended = _NameSet(original | {n for n in fault_tolerance_backend_names() if n in names})
     extended.__wrapped__ = original

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -30,7 +29,8 @@ from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
-from vllm_rank_fns import TorchBatchedExpertsModular, _moe_config, contiguous_expert_map
+from vllm_rank_fns import (TorchBatchedExpertsModular, _moe_config, _runner_reduce,
+                            contiguous_expert_map)
 
 
 def _split(num_tokens: int) -> list[slice]:
@@ -98,7 +98,7 @@ def run_dbo_kernel(rank: int, world: int, backend_name: str, layout: ParallelLay
 
             fns = [micro_batch(p) for p in _split(num_tokens)]
             routed = run_micro_batches(fns) if dbo else [fn() for fn in fns]
-            outs = [_reduce(kernel, layout, ctx, weights, x[p], r)
+            outs = [_runner_reduce(kernel, r, x[p], weights, layout)
                     for p, r in zip(_split(num_tokens), routed)]
             return dict(out=torch.cat(outs), calls=getattr(pf, "calls", None),
                         dispatches=None if in_tree else pf.stats.calls,  # type: ignore[attr-defined]
@@ -108,22 +108,6 @@ def run_dbo_kernel(rank: int, world: int, backend_name: str, layout: ParallelLay
             for b in (backend, second):
                 b.reset_call_state()
             backend.manager.destroy()  # type: ignore[attr-defined]
-
-
-def _reduce(kernel: Any, layout: ParallelLayout, ctx: Any, weights: MoEWeights,
-            x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-    """vLLM's MoE runner after the kernel: shared expert, and the TP all_reduce the reported
-    ``output_is_reduced()`` asks for."""
-    shared_weights = weights.shared(layout.tp, ctx.tp_rank)
-    shared = shared_weights(x) if shared_weights is not None else torch.zeros_like(x)
-    if kernel.output_is_reduced():
-        if layout.tp > 1:
-            dist.all_reduce(shared, group=ctx.tp_group)
-        return shared + routed
-    out = shared + routed
-    if layout.tp > 1:
-        dist.all_reduce(out, group=ctx.tp_group)
-    return out
 
 
 def interleaved_prepares_on_one_slot(rank: int, world: int, backend_name: str,

@@ -13,14 +13,20 @@ One process, an EP group of one rank (gloo), hidden 7168, topk 8, 32 experts by 
 
 Paths (``path`` in the JSON rows):
 
-- ``raw``: the library calls our backend makes, written directly (DeepEP: hook-mode
-  ``low_latency_dispatch`` + hook, ``low_latency_combine(out=)`` + hook; ``torch``: the same
-  transport on torch.distributed, :func:`multi_gpu._raw_round_trip`).
+- ``raw``: the library calls our backend's blocking ``prepare`` + ``finalize`` make, written
+  directly (DeepEP: ``low_latency_dispatch`` and ``low_latency_combine(out=)`` without a
+  receive hook, one kernel launch each; ``torch``: the same transport on torch.distributed,
+  :func:`multi_gpu._raw_round_trip`).
 - ``ours``: our backend's ``prepare`` + ``finalize``.
-- ``adapter``: our vLLM ``MoEPluginsPrepareAndFinalize`` ``prepare`` + ``finalize`` over the same
-  backend class (what vLLM's modular kernel calls).
-- ``vllm_in_tree``: vLLM's ``DeepEPLLPrepareAndFinalize`` on the same ``deep_ep.Buffer``
-  (there is no in-tree class for the ``torch`` transport).
+- ``raw_hook`` / ``ours_hook`` (DeepEP): hook mode, the send and then the receive in the hook
+  (two launches each call, what an overlapped call makes), raw and through our
+  ``prepare_async`` / ``finalize_async``.
+- ``adapter``: our vLLM ``MoEPluginsPrepareAndFinalize`` over the same backend class, with the
+  plugin's default shared-expert overlap (DeepEP), driven by vLLM's own
+  ``FusedMoEKernelModularImpl._prepare`` / ``._finalize``; the ``torch`` rows call its
+  ``prepare`` / ``finalize``.
+- ``vllm_in_tree``: vLLM's ``DeepEPLLPrepareAndFinalize`` on the same ``deep_ep.Buffer``, driven
+  the same way (there is no in-tree class for the ``torch`` transport).
 
 The experts are identity (the prepared activations, or a fixed expert-output tensor, go
 straight to finalize), so only dispatch/combine and the Python around them are timed.
@@ -42,6 +48,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -59,7 +66,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
 from moe_plugins.registry import get_backend  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice  # noqa: E402
 
-PATHS = ("raw", "ours", "adapter", "vllm_in_tree")
+PATHS = ("raw", "ours", "raw_hook", "ours_hook", "adapter", "vllm_in_tree")
 QUANTS = {"bf16": QuantSpec(), "fp8": QuantSpec(QuantScheme.FP8_BLOCK128)}
 
 
@@ -108,10 +115,12 @@ def _import_vllm(device: str) -> Optional[str]:
 
 
 class _BatchedExperts:
-    """What the adapter's post_init_setup reads of vLLM batched experts (DeepEP LL's peers:
-    the combine applies the router weights; FP8 block-128 activations)."""
+    """What the adapter's post_init_setup and vLLM's ``FusedMoEKernelModularImpl`` around
+    prepare/finalize read of vLLM batched experts (DeepEP LL's peers: the combine applies the
+    router weights; FP8 block-128 activations); no parallel config (one rank)."""
 
     expects_unquantized_inputs = False
+    moe_config = SimpleNamespace(moe_parallel_config=None)
 
     def __init__(self, quant_config: Any):
         self.quant_config = quant_config
@@ -133,13 +142,14 @@ def _quant_config(quant: str) -> Any:
     return FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
 
 
-def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, experts: Any) -> Any:
+def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, experts: Any,
+             overlap: OverlapConfig) -> Any:
     """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank)."""
     from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
 
     adapter = MoEPluginsPrepareAndFinalize(
         spec.build(ctx, cfg), spec.name, ctx, StrategyChoice(ReductionStrategy.LOCAL, "one rank"),
-        OverlapConfig(overlap=False), cfg.num_experts,
+        overlap, cfg.num_experts,
         QuantScheme.NONE if quant == "bf16" else QuantScheme.FP8_BLOCK128, spec.quants)
     adapter.post_init_setup(experts)
     return adapter
@@ -154,9 +164,28 @@ def _inputs(tokens: int, hidden: int, experts: int, topk: int, dev: torch.device
     return x, (w / w.sum(dim=-1, keepdim=True)).float().contiguous(), ids.contiguous()
 
 
+def _modular_kernel_round_trip(pf: Any, experts: Any, x: torch.Tensor, w: torch.Tensor,
+                               ids: torch.Tensor, num_experts: int, expert_out: torch.Tensor,
+                               out: torch.Tensor) -> Callable[[], None]:
+    """A prepare/finalize driven by vLLM's own ``FusedMoEKernelModularImpl._prepare`` and
+    ``._finalize`` (what its modular kernel runs around the experts: the async path with the
+    receive hooks where ``supports_async()``, else prepare/finalize; no dual-batch overlap, no
+    shared expert), so our adapter and vLLM's in-tree class are called as vLLM calls them."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernelModularImpl
+
+    impl = FusedMoEKernelModularImpl(pf, experts)
+    ids = ids.to(pf.topk_indices_dtype() or torch.int32)  # as vLLM's router emits them
+
+    def run() -> None:
+        impl._prepare(x, w, ids, num_experts, None, False)
+        impl._finalize(out, expert_out, x, w, ids, False, None, None)
+
+    return run
+
+
 def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
                  vllm_missing: Optional[str]) -> dict[str, Callable[[], None]]:
-    """The round trips of the four paths for one (tokens, quant) over one deep_ep.Buffer."""
+    """The round trips of the paths for one (tokens, quant) over one deep_ep.Buffer."""
     quant = QUANTS[case.quant]
     spec = get_backend("deepep_ll")
     cfg = DispatchConfig(args.experts, args.hidden, args.topk, max(args.tokens), torch.bfloat16,
@@ -171,36 +200,43 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
                              device=ctx.device)
     out = torch.empty(case.tokens, args.hidden, dtype=torch.bfloat16, device=ctx.device)
 
-    def raw() -> None:
-        _recv, _count, handle, _event, hook = buffer.low_latency_dispatch(
-            x, ids, m.max_tokens_per_rank, m.num_experts, use_fp8=fp8, round_scale=False,
-            use_ue8m0=False, async_finish=False, return_recv_hook=True)
-        hook()
-        _combined, _event, hook = buffer.low_latency_combine(
-            expert_out, ids, w, handle, async_finish=False, zero_copy=False,
-            return_recv_hook=True, out=out)
-        hook()
+    def raw_calls(hook_mode: bool) -> Callable[[], None]:
+        def run() -> None:
+            _recv, _count, handle, _event, hook = buffer.low_latency_dispatch(
+                x, ids, m.max_tokens_per_rank, m.num_experts, use_fp8=fp8, round_scale=False,
+                use_ue8m0=False, async_finish=False, return_recv_hook=hook_mode)
+            if hook_mode:
+                hook()
+            _combined, _event, hook = buffer.low_latency_combine(
+                expert_out, ids, w, handle, async_finish=False, zero_copy=False,
+                return_recv_hook=hook_mode, out=out)
+            if hook_mode:
+                hook()
+        return run
 
     def ours() -> None:
         pf.prepare(x, w, ids, quant)
         pf.finalize(expert_out, w, ids, out)
 
-    paths: dict[str, Callable[[], None]] = {"raw": raw, "ours": ours}
+    def ours_hook() -> None:
+        sent = pf.prepare_async(x, w, ids, quant)
+        sent.hook()
+        sent.receiver()
+        back = pf.finalize_async(expert_out, w, ids, out)
+        back.hook()
+        back.receiver()
+
+    paths: dict[str, Callable[[], None]] = {"raw": raw_calls(False), "ours": ours,
+                                            "raw_hook": raw_calls(True), "ours_hook": ours_hook}
     if vllm_missing is None:
         from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import (
             DeepEPLLPrepareAndFinalize)
-        from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
-            TopKWeightAndReduceDelegate)
 
-        qc = _quant_config(case.quant)
-        delegate = TopKWeightAndReduceDelegate()
-        adapter = _adapter(spec, ctx, cfg, case.quant, _BatchedExperts(qc))
-
-        def via_adapter() -> None:
-            adapter.prepare(x, w, ids, args.experts, None, False, qc)
-            adapter.finalize(out, expert_out, w, ids, False, delegate)
-
-        paths["adapter"] = via_adapter
+        experts = _BatchedExperts(_quant_config(case.quant))
+        # as the plugin builds it by default: shared-expert overlap on (vLLM takes the async path)
+        adapter = _adapter(spec, ctx, cfg, case.quant, experts, OverlapConfig())
+        paths["adapter"] = _modular_kernel_round_trip(adapter, experts, x, w, ids, args.experts,
+                                                      expert_out, out)
         try:
             in_tree = DeepEPLLPrepareAndFinalize(buffer=buffer,
                                                  max_tokens_per_rank=m.max_tokens_per_rank,
@@ -210,12 +246,9 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
             print(f"vllm_in_tree skipped: DeepEPLLPrepareAndFinalize(...) failed: {e}",
                   file=sys.stderr)
             return paths
-
-        def via_in_tree() -> None:
-            in_tree.prepare(x, w, ids, args.experts, None, False, qc)
-            in_tree.finalize(out, expert_out, w, ids, False, delegate)
-
-        paths["vllm_in_tree"] = via_in_tree
+        in_tree.post_init_setup(experts)
+        paths["vllm_in_tree"] = _modular_kernel_round_trip(in_tree, experts, x, w, ids,
+                                                           args.experts, expert_out, out)
     return paths
 
 
@@ -247,7 +280,7 @@ def torch_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
         class _Experts:
             expects_unquantized_inputs = True
 
-        adapter = _adapter(spec, ctx, cfg, "bf16", _Experts())
+        adapter = _adapter(spec, ctx, cfg, "bf16", _Experts(), OverlapConfig(overlap=False))
 
         def via_adapter() -> None:
             prep = adapter.prepare(x, w, ids, args.experts, None, False, qc)
@@ -288,13 +321,18 @@ def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, fl
     return found
 
 
+#: (label, numerator path, denominator path) of the printed ratios
+RATIOS = (("ours/raw", "ours", "raw"), ("hook o/r", "ours_hook", "raw_hook"),
+          ("adapt/vllm", "adapter", "vllm_in_tree"))
+
+
 def print_table(rows: list[Row]) -> None:
     by = {(r.backend, r.mode, r.tokens, r.quant, r.path): r.us for r in rows}
     keys = sorted({(r.backend, r.mode, r.tokens, r.quant) for r in rows},
                   key=lambda k: (k[0], k[1], k[3], k[2]))
     head = (f"{'backend':<10} {'mode':<6} {'tokens':>6} {'quant':<5} "
-            + " ".join(f"{p:>12}" for p in PATHS)
-            + f" {'ours/raw':>9} {'adapt/raw':>9} {'adapt/vllm':>10}")
+            + " ".join(f"{p:>12}" for p in PATHS) + " "
+            + " ".join(f"{label:>10}" for label, _, _ in RATIOS))
     print(head)
     for k in keys:
         us = {p: by.get((*k, p)) for p in PATHS}
@@ -303,11 +341,13 @@ def print_table(rows: list[Row]) -> None:
             return f"{us[a] / us[b]:.3f}" if us[a] and us[b] else "-"
 
         print(f"{k[0]:<10} {k[1]:<6} {k[2]:>6} {k[3]:<5} "
-              + " ".join(f"{us[p]:>12.2f}" if us[p] else f"{'-':>12}" for p in PATHS)
-              + f" {ratio('ours', 'raw'):>9} {ratio('adapter', 'raw'):>9}"
-              f" {ratio('adapter', 'vllm_in_tree'):>10}")
-    print("us per dispatch + combine round trip (median); adapt/vllm: our vLLM adapter over "
-          "vLLM's in-tree class on the same library calls")
+              + " ".join(f"{us[p]:>12.2f}" if us[p] else f"{'-':>12}" for p in PATHS) + " "
+              + " ".join(f"{ratio(a, b):>10}" for _, a, b in RATIOS))
+    print("us per dispatch + combine round trip (median). raw/ours: the blocking library calls "
+          "(one launch each) and our prepare/finalize, which make them; raw_hook/ours_hook: "
+          "hook mode (send, then the receive in the hook) and our prepare_async/finalize_async; "
+          "adapter/vllm_in_tree: our vLLM adapter (shared-expert overlap on, the plugin's "
+          "default) and vLLM's in-tree class, both driven by vLLM's FusedMoEKernelModularImpl")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -22,7 +22,8 @@ from moe_plugins.quant import QuantSpec
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
     "Hook", "AsyncResult", "PrepareFinalize", "capturing", "check_prepare_inputs",
-    "check_finalize_routing", "row_scatter_add", "write_output", "BatchHint",
+    "check_finalize_routing", "check_finalize_result", "row_scatter_add", "write_output",
+    "BatchHint",
 ]
 
 Hook = Callable[[], None]
@@ -264,6 +265,11 @@ class PrepareFinalize(ABC):
         return False
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
+        return None
+
+    def topk_indices_dtype(self) -> Optional[torch.dtype]:
+        """The topk-id dtype the transport takes (None: any int32/int64). An engine whose router
+        emits it (vLLM's asks the prepare/finalize) saves the cast, a kernel per call."""
         return None
 
     def post_init_setup(self, experts: object) -> None:

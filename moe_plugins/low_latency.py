@@ -42,7 +42,8 @@ from moe_plugins.faults import group_faults
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, Hook,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_finalize_routing, check_prepare_inputs, row_scatter_add)
+                                   check_finalize_result, check_finalize_routing,
+                                   check_prepare_inputs, row_scatter_add)
 from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
 
@@ -393,25 +394,28 @@ class LowLatencyManager(ABC):
         """Release a buffer built by :meth:`_create_buffer`."""
 
     # -- the library calls -----------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, use_ue8m0: bool
-                 ) -> tuple[Any, torch.Tensor, Any, Hook]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, use_ue8m0: bool,
+                 recv_hook: bool = True) -> tuple[Any, torch.Tensor, Any, Optional[Hook]]:
         """Issue the send of x bf16 [num_tokens, kernel_hidden] (contiguous) to the experts in
         topk_idx topk_idx_dtype [num_tokens, num_topk]. Returns (recv_x or (recv_x, recv_x_sf),
-        recv_count int32 [num_local_experts], handle, hook); the receive happens in ``hook``."""
+        recv_count int32 [num_local_experts], handle, hook). ``recv_hook``: the receive happens
+        in ``hook`` (hook mode: two kernel launches); False: one launch sends and receives
+        (blocking on the stream, as the library's default) and hook is None."""
         recv, count, handle, _event, hook = self._dispatch_call(
             x, topk_idx, self.max_tokens_per_rank, self.num_experts,
             use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
-            async_finish=False, return_recv_hook=True)
+            async_finish=False, return_recv_hook=recv_hook)
         return recv, count, handle, hook
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                handle: Any, out: torch.Tensor) -> Hook:
+                handle: Any, out: torch.Tensor, recv_hook: bool = True) -> Optional[Hook]:
         """Issue the send of expert outputs x bf16 [num_local_experts, num_recv_slots,
-        kernel_hidden]; ``hook`` receives and reduces them with topk_weights float32
-        [num_tokens, num_topk] into out bf16 [num_tokens, kernel_hidden]."""
+        kernel_hidden]; the receive reduces them with topk_weights float32 [num_tokens,
+        num_topk] into out bf16 [num_tokens, kernel_hidden], in the returned hook
+        (``recv_hook``) or in the same launch (False: returns None)."""
         _combined, _event, hook = self._combine_call(
             x, topk_idx, topk_weights, handle, async_finish=False, zero_copy=False,
-            return_recv_hook=True, out=out)
+            return_recv_hook=recv_hook, out=out)
         return hook
 
     # -- elastic rank masking --------------------------------------------------------------
@@ -596,17 +600,29 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
         """hidden_states bf16 [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
         topk_ids int32/int64 [num_tokens, num_topk] (PHYSICAL ids, -1 for none). The send is
-        issued here; the hook receives; the receiver returns the :class:`PrepareResult`."""
+        issued here (hook mode); the hook receives; the receiver returns the
+        :class:`PrepareResult`."""
+        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, True)
+
+    def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        """:meth:`prepare_async` with nothing to run between its send and its receive: one
+        blocking library call (send and receive in one kernel launch instead of two: a
+        launch's host time less per call, eager)."""
+        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, False).receiver()
+
+    def _dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool) -> AsyncResult:
         if self.faults.broken is not None:  # the common case costs one attribute read
             self.faults.check(self.name)
         try:
-            return self._prepare_async(hidden_states, topk_weights, topk_ids, quant)
+            return self._prepare_async(hidden_states, topk_weights, topk_ids, quant, recv_hook)
         except BaseException as e:  # peers are in (or past) this dispatch: out of step now
             self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise
 
     def _prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+                       topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool) -> AsyncResult:
         check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
         if quant is not self._checked_quant:  # a layer passes the same spec on every call
             self._check_quant(quant)
@@ -629,7 +645,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         if self._check_ids:
             assert_expert_ids(ids, self._num_experts, self._id_error)
         x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
-        recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0)
+        recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0,
+                                                    recv_hook=recv_hook)
         recv_x, recv_sf = recv if use_fp8 else (recv, None)
         expert_shape = recv_x.shape
         if self._padded:
@@ -657,7 +674,20 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         """fused_expert_output bf16 [num_local_experts, num_recv_slots, hidden]: UNWEIGHTED
         expert outputs in prepare's layout; topk_weights/topk_ids: those given to prepare.
         ``output``: [num_tokens, hidden] to fill, or a row-scatter target whose owned rows
-        receive the combined rows (added after the shared-expert join)."""
+        receive the combined rows (added after the shared-expert join). Hook mode."""
+        return self._combine(fused_expert_output, topk_weights, topk_ids, output, True)
+
+    def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        """:meth:`finalize_async` as one blocking library call (send and receive in one kernel
+        launch)."""
+        return check_finalize_result(
+            self, output, self._combine(fused_expert_output, topk_weights, topk_ids, output,
+                                        False).receiver())
+
+    def _combine(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
+                 recv_hook: bool) -> AsyncResult:
         st = self._state
         if st is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
@@ -690,7 +720,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
             x = (self._pad_last(fused_expert_output) if self._padded
                  else fused_expert_output.contiguous())
-            hook = m.combine(x, ids, weights.contiguous(), st.handle, dest)
+            hook = m.combine(x, ids, weights.contiguous(), st.handle, dest, recv_hook)
             self._combine_pairs += topk_ids.numel()
         except BaseException as e:  # peers are in this combine: out of step now
             self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)

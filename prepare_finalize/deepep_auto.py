@@ -101,6 +101,10 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
     def supports_async(self) -> bool:
         return True
 
+    def topk_indices_dtype(self) -> Optional[torch.dtype]:
+        """Both modes take DeepEP's ``topk_idx_t``."""
+        return self.ll.topk_indices_dtype()
+
     uses_batch_hint = True
 
     def set_batch_hint(self, hint: Optional[BatchHint]) -> None:

@@ -76,6 +76,10 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return self.manager.max_tokens_per_rank
 
+    def topk_indices_dtype(self) -> Optional[torch.dtype]:
+        """flashinfer's all-to-all moves int32 ids."""
+        return torch.int32
+
     def reset_call_state(self) -> None:
         self._state = None
         self.manager.reset_call_state()

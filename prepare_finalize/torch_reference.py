@@ -92,6 +92,10 @@ class TorchPrepareFinalize(PrepareFinalize):
     def supports_async(self) -> bool:
         return True
 
+    def topk_indices_dtype(self) -> Optional[torch.dtype]:
+        """The ids travel as int64 (int32 ones are widened per call)."""
+        return torch.int64
+
     def reset_call_state(self) -> None:
         if self._handle is not None:  # dispatched, never combined: peers wait in the combine
             self.faults.mark_broken(f"call {self.faults.seq} was abandoned between its "

@@ -167,6 +167,38 @@ def prepare_with_ids(rank: int, world: int, backend: str, layout: ParallelLayout
         return prep.expert_tokens_meta.expert_num_tokens.tolist()
 
 
+def blocking_and_hooked_round_trips(rank: int, world: int, backend: str, layout: ParallelLayout,
+                                    cfg: MoEConfig) -> dict:
+    """One round trip through the blocking ``prepare``/``finalize`` and one through
+    ``prepare_async``/``finalize_async`` with their hooks, identity experts (the received rows
+    go straight back), same inputs; returns the library launches each made and both outputs."""
+    with built(backend, layout, cfg) as pf:
+        runtime = pf.manager.buffer.runtime
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(3, cfg.hidden, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
+                           for _ in range(3)])
+        w = torch.rand(3, cfg.num_topk, generator=g)
+        w = w / w.sum(dim=1, keepdim=True)
+        start = runtime.launches
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        out_blocking = torch.empty_like(x)
+        pf.finalize(prep.x.clone(), w, ids, out_blocking)
+        blocking = runtime.launches - start
+        start = runtime.launches
+        sent = pf.prepare_async(x, w, ids, QuantSpec())
+        assert sent.hook is not None
+        sent.hook()
+        prep = sent.receiver()
+        out_hooked = torch.empty_like(x)
+        back = pf.finalize_async(prep.x.clone(), w, ids, out_hooked)
+        assert back.hook is not None
+        back.hook()
+        back.receiver()
+        return dict(x=x, blocking=blocking, hooked=runtime.launches - start,
+                    out_blocking=out_blocking, out_hooked=out_hooked)
+
+
 def prepare_too_many_tokens(rank: int, world: int, backend: str, layout: ParallelLayout,
                             cfg: MoEConfig) -> None:
     with built(backend, layout, cfg, max_tokens=4) as pf:

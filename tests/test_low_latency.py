@@ -113,6 +113,21 @@ def test_shared_expert_runs_between_send_and_receive(rank_pool, backend):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_blocking_calls_launch_once_and_match_the_hooked_ones(rank_pool, backend):
+    """prepare/finalize (nothing to overlap) make one library launch each where the hooked
+    calls make two (send, then the receive in the hook), and give the same output: the tokens
+    back (identity experts, weights summing to 1)."""
+    results = rank_pool(2).run(ll_rank_fns.blocking_and_hooked_round_trips, backend,
+                               ParallelLayout(2, 1, True), _cfg())
+    for r in results:
+        assert (r["blocking"], r["hooked"]) == (2, 4)
+        torch.testing.assert_close(r["out_blocking"], r["out_hooked"], atol=0, rtol=0)
+        torch.testing.assert_close(r["out_blocking"].float(), r["x"].float(), atol=2e-2,
+                                   rtol=2e-2)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_rank_is_left_out(rank_pool, backend):
     """Elastic masking: ranks 0-2 mask rank 3; their tokens get no contribution from rank 3's
     experts (as if those experts output zero). nixl_ep's receive layout shrinks to 3 ranks."""

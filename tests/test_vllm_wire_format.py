@@ -39,3 +39,22 @@ def test_packed_ue8m0_scales_reach_vllm_experts_as_in_tree(rank_pool):
         # the whole layer then computes the same (the FP8 numerics against the reference are
         # tests/test_low_latency.py's)
         torch.testing.assert_close(o["routed"], t["routed"], rtol=0, atol=0)
+
+
+def test_fewer_library_launches_than_in_tree_same_output(rank_pool):
+    """Through vLLM's FusedMoEKernel, vLLM's in-tree DeepEP LL class always makes hook-mode
+    calls (send + receive launches: 4 per layer call); nothing runs between our dispatch's send
+    and receive without dual-batch overlap, so our dispatch is one blocking launch, and the
+    combine too when no shared expert overlaps it. The routed output is the same, and both ask
+    vLLM's router for the library's id dtype."""
+    pool = rank_pool(2)
+    theirs = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, True)
+    blocking = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, False)
+    overlapped = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, False, 0, True)
+    for t, b, o in zip(theirs, blocking, overlapped):
+        assert t["async_"] and o["async_"] and not b["async_"]
+        assert (t["launches"], o["launches"], b["launches"]) == (4, 3, 2)
+        # the router emits DeepEP's topk_idx_t for both classes: no cast per call
+        assert t["ids_dtype"] == b["ids_dtype"] == o["ids_dtype"] == torch.int64
+        torch.testing.assert_close(b["routed"], t["routed"], rtol=0, atol=0)
+        torch.testing.assert_close(o["routed"], t["routed"], rtol=0, atol=0)

@@ -72,11 +72,12 @@ def _in_tree_prepare_finalize(buffer: Any, max_tokens: int, world: int
 
 
 def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_tree: bool,
-                     seed: int = 0) -> dict:
+                     seed: int = 0, overlap: bool = False) -> dict:
     """vLLM's FusedMoEKernel with FP8 block-128, UE8M0-asking experts over deepep_ll on the
     emulated DeepEP (EP over ``world`` DP ranks). ``in_tree``: vLLM's DeepEPLLPrepareAndFinalize
-    on our manager's buffer; else our adapter. Returns what the experts received and the routed
-    output."""
+    on our manager's buffer; else our adapter (``overlap``: its shared-expert overlap setting,
+    which makes vLLM take the async path). Returns what the experts received, the routed output
+    and the library's kernel launches during the layer call."""
     layout = ParallelLayout(world, 1, True)
     quant = QuantSpec(QuantScheme.FP8_BLOCK128)
     with installed("deep_ep"), built("deepep_ll", layout, cfg, num_tokens, quant) as backend:
@@ -87,7 +88,7 @@ def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_
         else:
             pf = MoEPluginsPrepareAndFinalize(backend, "deepep_ll", ctx,
                                               StrategyChoice(ReductionStrategy.LOCAL, "test"),
-                                              OverlapConfig(overlap=False), cfg.num_experts,
+                                              OverlapConfig(overlap=overlap), cfg.num_experts,
                                               QuantScheme.FP8_BLOCK128)
         qc = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
         experts = ScaleRecordingExperts(_moe_config(cfg, layout, rank), qc,
@@ -98,6 +99,8 @@ def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_
         local = weights.local_experts(layout.ep_size, rank)
         x = demo_inputs(cfg, num_tokens, rank, seed)
         topk_weights, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+        runtime = backend.manager.buffer.runtime
+        start = runtime.launches
         routed = kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2,
                               topk_weights=topk_weights,
                               # as vLLM's router hands them: the class's index dtype, else int32
@@ -106,7 +109,9 @@ def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_
                               expert_map=contiguous_expert_map(cfg.num_experts, world, rank),
                               apply_router_weight_on_input=False)
         (recv_x, recv_sf, counts), = experts.seen
-        return dict(x=recv_x.view(torch.uint8), x_sf=recv_sf, counts=counts, routed=routed)
+        return dict(x=recv_x.view(torch.uint8), x_sf=recv_sf, counts=counts, routed=routed,
+                    launches=runtime.launches - start, async_=pf.supports_async(),
+                    ids_dtype=pf.topk_indices_dtype())
 
 
 def run_nixl_through_vllm_manager(rank: int, world: int, cfg: MoEConfig, num_tokens: int,

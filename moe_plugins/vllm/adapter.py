@@ -68,7 +68,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceContiguous, TopKWeightAndReduceDelegate)
-from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_hook
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
@@ -627,7 +627,11 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 else mk.FusedMoEActivationFormat.Standard)
 
     def topk_indices_dtype(self) -> Optional[torch.dtype]:
-        return None
+        """Batched backends: the backend's id dtype (DeepEP/NIXL EP: the library's
+        ``topk_idx_t``), so vLLM's router emits it and no cast runs per call, as vLLM's in-tree
+        DeepEP LL class asks. Standard backends: None (the router's default, int32), because
+        the ids also reach vLLM's experts, and some take int32 only (its CPU experts do)."""
+        return self.backend.topk_indices_dtype() if self.batched and self.backend else None
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return None if self.backend is None else self.backend.max_num_tokens_per_rank()
@@ -839,11 +843,22 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: Optional[torch.Tensor],
                       apply_router_weight_on_input: bool, quant_config: Any,
-                      defer_input_quant: bool) -> Any:
+                      defer_input_quant: bool = False) -> Any:
         """a1 [num_tokens, hidden]; topk_* [num_tokens, num_topk] with GLOBAL ids. Returns
         (hook, receiver) or a receiver; the receiver gives vLLM's 5-tuple (x, x_sf,
         expert_tokens_meta, topk_ids, topk_weights) of the received rows (standard: GLOBAL ids;
-        batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights)."""
+        batched: x [num_local_experts, max_recv_tokens, hidden] and no ids/weights).
+
+        vLLM's modular kernel runs nothing between a dispatch's send and its receive hook unless
+        dual-batch overlap is on (then the other micro-batch computes there); without it the
+        dispatch is the backend's blocking ``prepare`` (on the low-latency kernels one launch
+        instead of two, which vLLM's in-tree class always makes) and only a receiver returns."""
+        return self._prepare(a1, topk_weights, topk_ids, expert_map, apply_router_weight_on_input,
+                             quant_config, defer_input_quant, not dbo_enabled())
+
+    def _prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_map: Optional[torch.Tensor], apply_router_weight_on_input: bool,
+                 quant_config: Any, defer_input_quant: bool, blocking: bool) -> Any:
         slot = dbo_current_ubatch_id()  # 0 without dual-batch overlap
         if slot >= self._num_slots:
             self._no_slot(slot)
@@ -896,13 +911,19 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             # pads the chunks to one size)
             backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
                                               presliced=self._tp != self.ctx.layout.tp))
-        sent = backend.prepare_async(x, weights, ids, quant)
+        # registered first: a receive that raises leaves a call the next prepare resets
         self._calls[slot] = _Call(rows, ids, weights, owns_all)
+        if blocking:
+            prepared = backend.prepare(x, weights, ids, quant)
+            hook, received = None, lambda: prepared
+        else:
+            sent = backend.prepare_async(x, weights, ids, quant)
+            hook, received = sent.hook, sent.receiver
 
         recv_quant = None if defer_input_quant else self._recv_quant
 
         def receiver() -> mk.PrepareResultType:
-            prep = sent.receiver()
+            prep = received()
             assert isinstance(prep, PrepareResult)
             x, x_sf, meta, ids, weights = self._to_vllm(prep, topk_ids, topk_weights)
             if recv_quant is not None:
@@ -914,18 +935,15 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 x_sf = swizzle_nvfp4_sf(x_sf)
             return x, x_sf, meta, ids, weights
 
-        return (sent.hook, receiver) if sent.hook is not None else receiver
+        return (hook, receiver) if hook is not None else receiver
 
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int, expert_map: Optional[torch.Tensor],
                 apply_router_weight_on_input: bool, quant_config: Any,
                 defer_input_quant: bool = False) -> mk.PrepareResultType:
-        ret = self.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
-                                 apply_router_weight_on_input, quant_config, defer_input_quant)
-        hook, receiver = ret if isinstance(ret, tuple) else (None, ret)
-        if hook is not None:
-            hook()
-        return receiver()
+        """:meth:`prepare_async` with the receive at once (the backend's blocking dispatch)."""
+        return self._prepare(a1, topk_weights, topk_ids, expert_map, apply_router_weight_on_input,
+                             quant_config, defer_input_quant, True)()
 
     # -- finalize ------------------------------------------------------------------------------
     def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
@@ -934,7 +952,15 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                        weight_and_reduce_impl: mk.TopKWeightAndReduce) -> Any:
         """output [num_tokens, hidden] (written in place); fused_expert_output: the experts'
         output for the received rows (standard: reduced here by ``weight_and_reduce_impl``;
-        batched: [num_local_experts, max_recv_tokens, hidden], weighted by the combine)."""
+        batched: [num_local_experts, max_recv_tokens, hidden], weighted by the combine).
+        Hook mode: vLLM runs the shared expert between this and the hook."""
+        return self._finalize(output, fused_expert_output, topk_weights, topk_ids,
+                              apply_router_weight_on_input, weight_and_reduce_impl, False)
+
+    def _finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  apply_router_weight_on_input: bool,
+                  weight_and_reduce_impl: mk.TopKWeightAndReduce, blocking: bool) -> Any:
         if not self.batched and isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
             weight_and_reduce_impl = TopKWeightAndReduceContiguous()
         if self.backend is None:
@@ -965,35 +991,39 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             rows = call.rows
             owns_all = call.owns_all
             target = output if owns_all else output[rows.as_slice]
-            sent: AsyncResult = backend.finalize_async(expert_out, call.topk_weights,
-                                                       call.topk_ids, target)
+            if blocking:  # the backend's finalize checks that it wrote ``target``
+                backend.finalize(expert_out, call.topk_weights, call.topk_ids, target)
+                backend.reset_call_state()
+                hook, received = None, None
+            else:
+                sent: AsyncResult = backend.finalize_async(expert_out, call.topk_weights,
+                                                           call.topk_ids, target)
+                hook, received = sent.hook, sent.receiver
         except BaseException:
             backend.reset_call_state()
             raise
 
         def receiver() -> None:
-            try:
-                check_finalize_result(backend, target, sent.receiver())
-            finally:
-                backend.reset_call_state()
+            if received is not None:
+                try:
+                    check_finalize_result(backend, target, received())
+                finally:
+                    backend.reset_call_state()
             if self.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE:
                 self._all_gather_rows(output, rows.start, rows.stop, rows.chunk)
             elif not owns_all:
                 output[:rows.start].zero_()
                 output[rows.stop:].zero_()
 
-        return (sent.hook, receiver) if sent.hook is not None else receiver
+        return (hook, receiver) if hook is not None else receiver
 
     def finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  apply_router_weight_on_input: bool,
                  weight_and_reduce_impl: mk.TopKWeightAndReduce) -> None:
-        ret = self.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
-                                  apply_router_weight_on_input, weight_and_reduce_impl)
-        hook, receiver = ret if isinstance(ret, tuple) else (None, ret)
-        if hook is not None:
-            hook()
-        receiver()
+        """:meth:`finalize_async` as the backend's blocking combine."""
+        self._finalize(output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, weight_and_reduce_impl, True)()
 
     def _all_gather_rows(self, output: torch.Tensor, start: int, stop: int, chunk: int) -> None:
         """output [num_tokens, hidden] holds this TP rank's rows [start, stop); fill the rest."""

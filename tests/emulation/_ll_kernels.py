@@ -160,6 +160,11 @@ class EmulatedLowLatencyRuntime:
         self.mask_enabled = mask_enabled
         self.active = [True] * num_ranks
         self.pending_receives = 0  # issued sends whose receive hook has not run (tests read it)
+        # Kernel launches the library would make (tests read it). Upstream (DeepEP 567632d
+        # csrc/deep_ep.cpp, nixl_ep the same): one launch of both phases
+        # (LOW_LATENCY_SEND_PHASE | LOW_LATENCY_RECV_PHASE) without a hook; with
+        # return_recv_hook the call launches the send phase and the hook the receive phase.
+        self.launches = 0
         self.rdma_bytes: Optional[torch.Tensor] = None  # uint8 [num_rdma_bytes], on first use
         self.destroyed = False
 
@@ -222,6 +227,7 @@ class EmulatedLowLatencyRuntime:
         return wait, msgs.shape[1]
 
     def _deferred(self, recv: Callable[[], None], return_recv_hook: bool) -> Optional[Callable[[], None]]:
+        self.launches += 1
         if not return_recv_hook:
             recv()
             return None
@@ -232,6 +238,7 @@ class EmulatedLowLatencyRuntime:
             host_assert(not ran[0], "emulation: a receive hook runs once")
             ran[0] = True
             self.pending_receives -= 1
+            self.launches += 1
             recv()
 
         return hook

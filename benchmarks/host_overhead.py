@@ -309,6 +309,27 @@ def eager_us(paths: dict[str, Callable[[], None]], samples: int, batch: int,
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def write_profile(paths: dict[str, Callable[[], None]], case: Case, path: Path,
+                  round_trips: int = 20) -> None:
+    """Append, per path, torch.profiler's table of the ops of ``round_trips`` round trips
+    (host time per op, and on CUDA the device time): where a path's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with path.open("a") as f:
+        for name, fn in paths.items():
+            with profile(activities=activities) as prof:
+                for _ in range(round_trips):
+                    fn()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            f.write(f"\n### {case.backend} {case.quant} {case.tokens} tokens, path {name}, "
+                    f"{round_trips} round trips\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
 def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, float]:
     from graph_timing import graph_ms
 
@@ -368,6 +389,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--samples", type=int, default=40, help="eager samples per path")
     p.add_argument("--batch", type=int, default=20, help="round trips per eager sample")
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
+    p.add_argument("--profile", type=Path,
+                   help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
     if args.torch_hidden is None:
         args.torch_hidden = 512 if args.device == "cpu" else args.hidden
@@ -408,6 +431,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     paths = builders[backend](ctx, args, case, vllm_missing)
                     for path, us in eager_us(paths, args.samples, args.batch, sync).items():
                         rows.append(Row(backend, path, "eager", tokens, quant, us))
+                    if args.profile:
+                        write_profile(paths, case, args.profile)
                     if args.device == "cuda" and backend == "deepep_ll":
                         for path, us in graph_us(paths, args.replays).items():
                             rows.append(Row(backend, path, "graph", tokens, quant, us))

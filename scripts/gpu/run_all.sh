@@ -2,7 +2,7 @@
 # One device call for the GPU tests and benchmarks of this repo on the lent H200 (each stage is
 # bounded so the whole call ends inside the device tool's 10 minutes; a failing stage does not
 # stop the next). Carry: .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz .gpu/tiny-qwen2-moe
-# .gpu/whl_serve. Stages can be left out: VLLM_LAYER=0 HOST_OVERHEAD=0 HT=0 SERVE=0.
+# .gpu/whl_serve. Stages can be left out: VLLM_LAYER=0 HOST_OVERHEAD=0 HT=0 SERVE=0 (PROFILE=1 adds op tables).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 # the one-rank GPU tests (the two-process DeepEP normal-mode test has its own stage below)
@@ -12,8 +12,10 @@ export PYTHONPATH=/tmp/deepep:/tmp/vsrc:/tmp/site PYTHONUNBUFFERED=1
 bench() { local name=$1 limit=$2; shift 2; echo "== $(date +%T) $name"
   timeout "$limit" python3 "$@" > "$OUT/$name.log" 2>&1 || echo "!! $name failed (rc $?)"
   tail -30 "$OUT/$name.log"; }
-[ "${HOST_OVERHEAD:-1}" = 1 ] && bench host_overhead 170 benchmarks/host_overhead.py --device cuda \
-  --json "$OUT/host_overhead_h200.json"
+# PROFILE=1: also torch.profiler's op tables of every path (where the host time goes)
+[ "${HOST_OVERHEAD:-1}" = 1 ] && bench host_overhead 200 benchmarks/host_overhead.py --device cuda \
+  --json "$OUT/host_overhead_h200.json" \
+  ${PROFILE:+--profile "$OUT/host_overhead_profile_h200.txt"}
 [ "${VLLM_LAYER:-1}" = 1 ] && bench vllm_layer 120 benchmarks/vllm_layer.py --rounds 3 \
   --json "$OUT/vllm_layer_h200.json"
 if [ "${HT:-1}" = 1 ]; then

@@ -36,15 +36,18 @@ class TorchAll2AllManager:
         return recv
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                   num_recv: Optional[int] = None) -> tuple[torch.Tensor, Optional["dist.Work"]]:
+                   num_recv: Optional[int] = None, blocking: bool = False
+                   ) -> tuple[torch.Tensor, Optional["dist.Work"]]:
         """Rows of ``send`` [sum(send_splits), ...] go to each rank in order; returns the receive
-        tensor [sum(recv_splits), ...] (same dtype) and the pending work to wait on.
-        ``num_recv``: sum(recv_splits) when the caller has it already."""
+        tensor [sum(recv_splits), ...] (same dtype) and the pending work to wait on (None when
+        ``blocking``: the call returns once the transfer is done, on NCCL once it is queued on
+        the stream, with no work object or event to keep). ``num_recv``: sum(recv_splits)
+        when the caller has it already."""
         wire = wire_view(send.contiguous())
         rows = sum(recv_splits) if num_recv is None else num_recv
         recv = torch.empty((rows, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
         work = dist.all_to_all_single(recv, wire, recv_splits, send_splits, group=self.group,
-                                      async_op=True)
+                                      async_op=not blocking)
         return recv.view(send.dtype) if recv.dtype != send.dtype else recv, work
 
     def destroy(self) -> None:

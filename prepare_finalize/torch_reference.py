@@ -25,7 +25,8 @@ from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check
                                 collective_error, config_digest, group_faults, in_step)
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_finalize_routing, check_prepare_inputs, write_output)
+                                   check_finalize_result, check_finalize_routing,
+                                   check_prepare_inputs, write_output)
 from moe_plugins.layout import DestinationMap, LocalIdMap
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities
@@ -110,24 +111,38 @@ class TorchPrepareFinalize(PrepareFinalize):
                 raise collective_error(self.faults, self.name, what, self._timeout_s, e) from e
 
     def _local_ids_and_counts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Received PHYSICAL ids int64 [num_recv, num_topk] -> (LOCAL ids, -1 elsewhere; int32
-        [num_local_experts] pairs per local expert) in five small kernels, no host sync."""
+        """Received PHYSICAL ids int64 [num_recv, num_topk], every one in [-1, num_physical)
+        (each sender's status word said so) -> (LOCAL ids, -1 elsewhere; int32
+        [num_local_experts] pairs per local expert) in four small kernels, no host sync."""
         one = self._ones.get(ids.device)
         if one is None:
             one = self._ones[ids.device] = torch.ones(1, dtype=torch.int32, device=ids.device)
         if self._local_ids is None:
             m = self.manager
             self._local_ids = LocalIdMap(m.placement, m.rank)
-        local = self._local_ids(ids)
+        shifted = self._local_ids.shifted(ids)  # local id + 1, 0 elsewhere
         # a token's experts are distinct, so pairs per local expert == tokens per expert; slot 0
-        # of the scatter collects the -1 entries
+        # of the scatter collects the entries held elsewhere
         counts = torch.zeros(self.manager.placement.num_local + 1, dtype=torch.int32,
                              device=ids.device)
-        counts.scatter_add_(0, (local + 1).flatten(), one.expand(local.numel()))
-        return local, counts[1:]
+        counts.scatter_add_(0, shifted.view(-1), one.expand(shifted.numel()))
+        return shifted.sub_(1), counts[1:]
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        """hidden_states [num_tokens, hidden], topk_weights float [num_tokens, num_topk],
+        topk_ids int [num_tokens, num_topk] (PHYSICAL ids, -1: none). The header exchange runs
+        here; the payload all-to-all is issued here and waited for in the hook."""
+        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, False)
+
+    def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        """:meth:`prepare_async` with a blocking payload all-to-all (no pending work object to
+        keep and wait for)."""
+        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, True).receiver()
+
+    def _dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, quant: QuantSpec, blocking: bool) -> AsyncResult:
         f = self.faults
         f.check(self.name)
         if self._handle is not None:
@@ -181,39 +196,56 @@ class TorchPrepareFinalize(PrepareFinalize):
 
         x, x_sf = quantize_for_dispatch(hidden_states, quant)
         weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
-        payload = [x[token_index], ids[token_index], weights[token_index]]
-        if x_sf is not None:
-            payload.append(x_sf[token_index])
-        sent = [m.all_to_all(t, send_splits, recv_splits, num_recv) for t in payload]
+        # One message per row (ids, weights, activations, scales as bytes): one all-to-all
+        # instead of one per tensor (each is a collective's host cost, on NCCL and on gloo).
+        packed, row = _pack_rows(ids, weights, x, x_sf)
+        try:
+            sent, work = m.all_to_all(packed[token_index], send_splits, recv_splits, num_recv,
+                                      blocking)
+        except RuntimeError as e:  # a blocking transfer that timed out, or a peer gone
+            raise collective_error(f, self.name, "dispatch all-to-all", self._timeout_s, e) from e
 
         s = self.stats
         rows = token_index.numel()
+        k = ids.shape[1]
         s.calls += 1
         s.pairs += topk_ids.numel()
         s.rows += rows
-        s.act_bytes += tensor_bytes(payload[0])
-        s.sf_bytes += tensor_bytes(payload[3]) if x_sf is not None else 0
-        s.meta_bytes += rows * ids.shape[1] * (8 + 4)  # int64 ids + float32 weights
+        s.act_bytes += rows * row.x_bytes
+        s.sf_bytes += rows * row.sf_bytes
+        s.meta_bytes += rows * (k * (8 + 4) + row.pad)  # int64 ids + float32 weights
         self._handle = _DispatchHandle(n, token_index, send_splits, recv_splits, num_recv, topk_ids)
 
         def hook() -> None:
-            for key, (_, work) in zip(("x", "ids", "weights", "x_sf"), sent):
-                self._wait(work, f"dispatch all-to-all of {key!r}")
+            self._wait(work, "dispatch all-to-all")
 
         def receiver() -> PrepareResult:
-            local, counts = self._local_ids_and_counts(sent[1][0])
-            return PrepareResult(
-                x=sent[0][0],
-                x_sf=sent[3][0] if x_sf is not None else None,
-                expert_tokens_meta=ExpertTokensMeta(counts),
-                topk_ids=local,
-                topk_weights=sent[2][0],
-            )
+            recv_ids, recv_weights, recv_x, recv_sf = row.unpack(sent, x.dtype,
+                                                                 None if x_sf is None
+                                                                 else x_sf.dtype)
+            local, counts = self._local_ids_and_counts(recv_ids)
+            return PrepareResult(x=recv_x, x_sf=recv_sf,
+                                 expert_tokens_meta=ExpertTokensMeta(counts),
+                                 topk_ids=local, topk_weights=recv_weights)
 
-        return AsyncResult(hook, receiver)
+        return AsyncResult(None if blocking else hook, receiver)
 
     def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
+        """fused_expert_output [num_recv_tokens, hidden]: the weighted sum over this rank's
+        experts of each received row; it goes back to the row's owner, which sums its rows
+        into ``output``."""
+        return self._combine(fused_expert_output, topk_weights, topk_ids, output, False)
+
+    def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        """:meth:`finalize_async` with a blocking all-to-all."""
+        return check_finalize_result(self, output, self._combine(
+            fused_expert_output, topk_weights, topk_ids, output, True).receiver())
+
+    def _combine(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
+                 blocking: bool) -> AsyncResult:
         h = self._handle
         if h is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
@@ -222,8 +254,12 @@ class TorchPrepareFinalize(PrepareFinalize):
             raise ValueError(f"fused_expert_output has {fused_expert_output.shape[0]} rows, "
                              f"prepare received {h.num_recv}")
         # Combine is the reverse all-to-all: what we received goes back where it came from.
-        recv, work = self.manager.all_to_all(fused_expert_output, h.recv_splits, h.send_splits,
-                                             h.token_index.numel())
+        try:
+            recv, work = self.manager.all_to_all(fused_expert_output, h.recv_splits,
+                                                 h.send_splits, h.token_index.numel(), blocking)
+        except RuntimeError as e:
+            raise collective_error(self.faults, self.name, "combine all-to-all", self._timeout_s,
+                                   e) from e
         self.stats.combine_bytes += tensor_bytes(fused_expert_output)
 
         def hook() -> None:
@@ -239,7 +275,53 @@ class TorchPrepareFinalize(PrepareFinalize):
             # copy_ rounds to the output dtype on the way, as .to() would, without a temporary
             return write_output(output, acc)
 
-        return AsyncResult(hook, receiver)
+        return AsyncResult(None if blocking else hook, receiver)
+
+
+@dataclass
+class _RowLayout:
+    """Byte layout of one dispatched row: ids int64 [k], weights float32 [k], the activation
+    row, its scales, zero or more pad bytes (rows are whole int64 words, so every part can be
+    viewed in its own dtype). Widths in bytes."""
+
+    k: int
+    x_cols: int
+    x_bytes: int
+    sf_cols: int
+    sf_bytes: int
+    pad: int
+
+    def unpack(self, rows: torch.Tensor, x_dtype: torch.dtype, sf_dtype: Optional[torch.dtype]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """uint8 [num_rows, row bytes] -> (ids int64 [num_rows, k], weights float32 [num_rows,
+        k] (both views, strided by the row), x [num_rows, x_cols], x_sf [num_rows, sf_cols] or
+        None (both contiguous, as expert GEMMs read them))."""
+        k8, k12 = 8 * self.k, 12 * self.k
+        x_end = k12 + self.x_bytes
+        ids = rows[:, :k8].view(torch.int64)
+        weights = rows[:, k8:k12].view(torch.float32)
+        x = rows[:, k12:x_end].view(x_dtype).contiguous()
+        x_sf = (None if sf_dtype is None
+                else rows[:, x_end:x_end + self.sf_bytes].view(sf_dtype).contiguous())
+        return ids, weights, x, x_sf
+
+
+def _pack_rows(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
+               x_sf: Optional[torch.Tensor]) -> tuple[torch.Tensor, _RowLayout]:
+    """ids int64, weights float32 [num_tokens, k], x [num_tokens, cols], x_sf [num_tokens,
+    sf_cols] or None -> (uint8 [num_tokens, row bytes], the layout): one concatenation."""
+    parts = [ids.contiguous().view(torch.uint8), weights.contiguous().view(torch.uint8),
+             x.contiguous().view(torch.uint8)]
+    if x_sf is not None:
+        parts.append(x_sf.contiguous().view(torch.uint8))
+    width = sum(p.shape[1] for p in parts)
+    pad = -width % 8
+    if pad:
+        parts.append(x.new_zeros((x.shape[0], pad), dtype=torch.uint8))
+    layout = _RowLayout(ids.shape[1], x.shape[1], parts[2].shape[1],
+                        0 if x_sf is None else x_sf.shape[1],
+                        0 if x_sf is None else parts[3].shape[1], pad)
+    return torch.cat(parts, dim=1), layout
 
 
 SPEC = BackendSpec(

@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, PrepareResult,
-                                   RowScatterTarget)
+from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
+                                   PrepareFinalize, PrepareResult, RowScatterTarget)
 from moe_plugins.quant import QuantSpec
 from prepare_finalize.torch_reference import TorchPrepareFinalize
 
@@ -44,6 +44,15 @@ class BatchedTorchPrepareFinalize(TorchPrepareFinalize):
     def reset_call_state(self) -> None:
         super().reset_call_state()
         self._packing = None
+
+    # the synchronous calls go through the (overridden) async ones, hook at once
+    def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        return PrepareFinalize.prepare(self, hidden_states, topk_weights, topk_ids, quant)
+
+    def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        return PrepareFinalize.finalize(self, fused_expert_output, topk_weights, topk_ids, output)
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:

@@ -156,11 +156,12 @@ def test_prepare_x_sf(rank_pool, quant, x_dtype, sf):
         recv = r["x_shape"][0]
         if sf is None:
             assert r["x_sf"] is None
-            # counts, x, ids, weights (dispatch) + x (combine): no scale traffic at all
-            assert r["a2a_calls"] == 4 and r["sf_bytes"] == 0
+            # the header, then one message per row (ids, weights, x): no scale traffic at all
+            assert r["a2a_calls"] == 2 and r["sf_bytes"] == 0
         else:
             assert r["x_sf"] == (sf[0], (recv, sf[1]))
-            assert r["a2a_calls"] == 5 and r["sf_bytes"] > 0
+            # the scales travel in the rows' one message too
+            assert r["a2a_calls"] == 2 and r["sf_bytes"] > 0
 
 
 def test_prepare_rejects_mismatched_token_counts(rank_pool):

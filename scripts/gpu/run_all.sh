@@ -2,7 +2,7 @@
 # One device call for the GPU tests and benchmarks of this repo on the lent H200 (each stage is
 # bounded so the whole call ends inside the device tool's 10 minutes; a failing stage does not
 # stop the next). Carry: .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz .gpu/tiny-qwen2-moe
-# .gpu/whl_serve. Stages can be left out: VLLM_LAYER=0 HOST_OVERHEAD=0 HT=0 SERVE=0 (PROFILE=1 adds op tables).
+# .gpu/whl_serve. Stages can be left out: VLLM_LAYER=0 HOST_OVERHEAD=0 MULTI_GPU=0 HT=0 SERVE=0 (PROFILE=1 adds op tables).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 # the one-rank GPU tests (the two-process DeepEP normal-mode test has its own stage below)
@@ -16,6 +16,8 @@ bench() { local name=$1 limit=$2; shift 2; echo "== $(date +%T) $name"
 [ "${HOST_OVERHEAD:-1}" = 1 ] && bench host_overhead 200 benchmarks/host_overhead.py --device cuda \
   --json "$OUT/host_overhead_h200.json" \
   ${PROFILE:+--profile "$OUT/host_overhead_profile_h200.txt"}
+[ "${MULTI_GPU:-1}" = 1 ] && bench multi_gpu 150 benchmarks/multi_gpu.py --gpus 1 \
+  --out "$OUT/multi_gpu_h200x1.json"
 [ "${VLLM_LAYER:-1}" = 1 ] && bench vllm_layer 120 benchmarks/vllm_layer.py --rounds 3 \
   --json "$OUT/vllm_layer_h200.json"
 if [ "${HT:-1}" = 1 ]; then

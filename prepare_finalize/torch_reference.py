@@ -49,15 +49,27 @@ class _DispatchHandle:
 
 class _HeaderBuffer:
     """One layer's host-exchange buffer on one device, kept across calls: int64 [2, num_ranks,
-    HEADER_WORDS], ``send`` (row r: what this rank sends rank r; the digest column is written
-    once) and ``recv`` (what each peer sent), so one ``tolist`` reads both (the call's one host
-    sync). Reusing it is safe: that read waits for the exchange before the call goes on."""
+    HEADER_WORDS], ``send`` (row r: what this rank sends rank r) and ``recv`` (what each peer
+    sent), so one ``tolist`` reads both (the call's one host sync). Reusing it is safe: that
+    read waits for the exchange before the call goes on.
+
+    ``send`` is written in one gather from ``words`` int64 [num_ranks + 4]: the destination map's
+    row sums (rows to each rank, the -1 row, the count of tokens with bad ids: the status), the
+    call's sequence number and the layer digest (written once)."""
 
     def __init__(self, num_ranks: int, digest: int, device: torch.device):
-        self.both = torch.zeros(2, num_ranks, HEADER_WORDS, dtype=torch.int64, device=device)
+        r = num_ranks
+        self.both = torch.zeros(2, r, HEADER_WORDS, dtype=torch.int64, device=device)
         self.send, self.recv = self.both[0], self.both[1]
-        self.send[:, 2] = digest
-        self.count, self.seq, self.status = self.send[:, 0], self.send[:, 1], self.send[:, 3]
+        self.words = torch.zeros(r + 4, dtype=torch.int64, device=device)
+        self.words[r + 3] = digest
+        self.sums, self.seq, self.status = self.words[: r + 2], self.words[r + 2], self.words[r + 1]
+        # send[i] = (count to rank i, seq, digest, status)
+        self._gather = torch.tensor([[i, r + 2, r + 3, r + 1] for i in range(r)],
+                                    dtype=torch.int64).flatten().to(device)
+
+    def write_send(self) -> None:
+        torch.index_select(self.words, 0, self._gather, out=self.send.view(-1))
 
 
 class TorchPrepareFinalize(PrepareFinalize):
@@ -164,14 +176,14 @@ class TorchPrepareFinalize(PrepareFinalize):
         if input_error is None:
             if self._destinations is None:
                 self._destinations = DestinationMap(m.placement)
-            # [r + 2, n]: the destination ranks, a -1 row, a bad-id row (faults' status word)
+            # [r + 2, n]: the destination ranks, a -1 row, a bad-id row (faults' status word:
+            # the count of tokens with ids outside [-1, num_physical))
             hit = self._destinations(topk_ids)
-            per_row = hit.sum(dim=1)
-            hb.count.copy_(per_row[:r])
-            hb.status.copy_(per_row[r + 1])  # tokens with ids outside [-1, num_physical)
+            torch.sum(hit, dim=1, out=hb.sums)
         else:
-            hb.count.zero_()
+            hb.sums.zero_()
             hb.status.fill_(STATUS_BAD_INPUT)
+        hb.write_send()
         try:
             m.exchange_header(hb.send, hb.recv)
         except RuntimeError as e:
@@ -190,8 +202,9 @@ class TorchPrepareFinalize(PrepareFinalize):
         recv_splits = [peer[0] for peer in peers]
         num_recv = sum(recv_splits)
         n = hidden_states.shape[0]
-        # Rows sent, grouped by destination rank, each token once per rank.
-        _, token_index = hit[:r].nonzero(as_tuple=True)
+        # Rows sent, grouped by destination rank, each token once per rank; their number is
+        # known from the header, so the nonzeros are found without a second host sync.
+        token_index = torch.nonzero_static(hit[:r], size=sum(send_splits))[:, 1]
         ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
 
         x, x_sf = quantize_for_dispatch(hidden_states, quant)
@@ -206,7 +219,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             raise collective_error(f, self.name, "dispatch all-to-all", self._timeout_s, e) from e
 
         s = self.stats
-        rows = token_index.numel()
+        rows = token_index.shape[0]
         k = ids.shape[1]
         s.calls += 1
         s.pairs += topk_ids.numel()

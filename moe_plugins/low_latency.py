@@ -9,8 +9,10 @@ back and reduces it **with the router weights** into ``out``. So the logic lives
 - :class:`LowLatencyManager`: validation of the layer against the kernels' limits, the buffer
   (one per EP group and size, cached, destroyed explicitly), the library calls, rank masking.
   A backend's manager only names its package, its method names and how its buffer is built.
-- :class:`LowLatencyPrepareFinalize`: prepare (dispatch with ``return_recv_hook``) and finalize
-  (combine with ``out=``, row-scatter variant), per-call handle reset in ``finally``.
+- :class:`LowLatencyPrepareFinalize`: prepare (dispatch) and finalize (combine with ``out=``,
+  row-scatter variant), per-call handle reset in ``finally``. The async calls use
+  ``return_recv_hook`` (send now, receive in the hook: two kernel launches); the synchronous
+  ``prepare``/``finalize`` make the blocking call (one launch of both phases).
 
 Hidden-size rule. The kernels are compiled for :data:`KERNEL_HIDDEN_SIZES` only. A layer whose
 hidden size is one of them runs as is. A smaller one runs **padded to the next kernel size**
@@ -641,7 +643,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         use_fp8 = self._fp8
         ue8m0 = use_fp8 and self.use_ue8m0
-        ids = self._ids(topk_ids)
+        ids = topk_ids if topk_ids.dtype is self._idx_dtype else topk_ids.to(self._idx_dtype)
+        ids = ids.contiguous()  # (inline: a call frame less than self._ids per prepare)
         if self._check_ids:
             assert_expert_ids(ids, self._num_experts, self._id_error)
         x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()

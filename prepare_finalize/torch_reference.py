@@ -306,17 +306,23 @@ class _RowLayout:
 
     def unpack(self, rows: torch.Tensor, x_dtype: torch.dtype, sf_dtype: Optional[torch.dtype]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """uint8 [num_rows, row bytes] -> (ids int64 [num_rows, k], weights float32 [num_rows,
-        k] (both views, strided by the row), x [num_rows, x_cols], x_sf [num_rows, sf_cols] or
-        None (both contiguous, as expert GEMMs read them))."""
+        """uint8 [num_rows, row bytes] -> (ids int64 [num_rows, k] (a view, strided by the
+        row: only the local-id lookup reads it), weights float32 [num_rows, k], x [num_rows,
+        x_cols], x_sf [num_rows, sf_cols] or None (row-major copies, as experts read them))."""
         k8, k12 = 8 * self.k, 12 * self.k
         x_end = k12 + self.x_bytes
         ids = rows[:, :k8].view(torch.int64)
-        weights = rows[:, k8:k12].view(torch.float32)
-        x = rows[:, k12:x_end].view(x_dtype).contiguous()
-        x_sf = (None if sf_dtype is None
-                else rows[:, x_end:x_end + self.sf_bytes].view(sf_dtype).contiguous())
+        weights = _dense(rows[:, k8:k12].view(torch.float32))
+        x = _dense(rows[:, k12:x_end].view(x_dtype))
+        x_sf = None if sf_dtype is None else _dense(rows[:, x_end:x_end + self.sf_bytes].view(sf_dtype))
         return ids, weights, x, x_sf
+
+
+def _dense(view: torch.Tensor) -> torch.Tensor:
+    """A copy with row-major strides. Not ``.contiguous()``: a view of one row counts as
+    contiguous whatever its row stride and would be returned as is, and kernels that read the
+    row stride (vLLM's CPU experts check stride(0) == hidden) would get the packed row's."""
+    return view.clone(memory_format=torch.contiguous_format)
 
 
 def _pack_rows(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,

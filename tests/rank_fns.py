@@ -94,8 +94,10 @@ def run_prepare(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, n
     out = torch.empty_like(owned.hidden_states)
     pf.finalize(torch.zeros(prep.x.shape[0], cfg.hidden, dtype=cfg.dtype), owned.topk_weights,
                 owned.topk_ids, out)
-    return dict(x_dtype=prep.x.dtype, x_shape=tuple(prep.x.shape),
+    return dict(x_dtype=prep.x.dtype, x_shape=tuple(prep.x.shape), x_stride=prep.x.stride(),
                 x_sf=None if prep.x_sf is None else (prep.x_sf.dtype, tuple(prep.x_sf.shape)),
+                x_sf_stride=None if prep.x_sf is None else prep.x_sf.stride(),
+                weights_stride=prep.topk_weights.stride(),
                 a2a_calls=sum(1 for n, _ in calls if n == "all_to_all_single"),
                 sf_bytes=pf.stats.sf_bytes)
 

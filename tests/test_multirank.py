@@ -164,6 +164,21 @@ def test_prepare_x_sf(rank_pool, quant, x_dtype, sf):
             assert r["a2a_calls"] == 2 and r["sf_bytes"] > 0
 
 
+@pytest.mark.parametrize("quant", [QuantSpec(), QuantSpec(QuantScheme.FP8_BLOCK128)],
+                         ids=["none", "fp8"])
+def test_prepared_rows_are_row_major_even_for_one_row(rank_pool, quant):
+    """The rows travel packed (ids, weights, x, scales in one message); what prepare hands the
+    experts has row-major strides, one received row included (vLLM's CPU experts read the
+    row stride: a view of the packed row would give theirs the message's)."""
+    cfg = _cfg()
+    for r in rank_pool(1).run(rank_fns.run_prepare, ParallelLayout(1, 1, True), cfg, 1, quant):
+        assert r["x_shape"][0] == 1
+        assert r["x_stride"] == (r["x_shape"][1], 1)
+        assert r["weights_stride"] == (cfg.num_topk, 1)
+        if r["x_sf"] is not None:
+            assert r["x_sf_stride"] == (r["x_sf"][1][1], 1)
+
+
 def test_prepare_rejects_mismatched_token_counts(rank_pool):
     with pytest.raises(RankError) as e:
         rank_pool(2).run(rank_fns.prepare_mismatched, ParallelLayout(2, 1, True), _cfg())

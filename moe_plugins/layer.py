@@ -207,14 +207,23 @@ class MoELayer:
         sp = self.strategy is ReductionStrategy.SP_ALLGATHER
         handle: Optional[SharedExpertHandle] = None
         try:
-            sent = self.pf.prepare_async(owned.hidden_states, owned.topk_weights, owned.topk_ids,
-                                         self.quant)
-            # Send issued, shared expert launched, then the receive hook (DESIGN: hook order).
-            handle = launch_shared(self.shared, owned.hidden_states if sp else x, self.overlap)
-            if sent.hook is not None:
-                sent.hook()
-            prep = sent.receiver()
-            assert isinstance(prep, PrepareResult)
+            if self.shared is None:
+                # nothing to run between the send and the receive: the blocking prepare (on
+                # the low-latency kernels one launch instead of two)
+                prep = self.pf.prepare(owned.hidden_states, owned.topk_weights,
+                                       owned.topk_ids, self.quant)
+                handle = launch_shared(None, x, self.overlap)
+            else:
+                sent = self.pf.prepare_async(owned.hidden_states, owned.topk_weights,
+                                             owned.topk_ids, self.quant)
+                # Send issued, shared expert launched, then the receive hook (DESIGN: hook
+                # order).
+                handle = launch_shared(self.shared, owned.hidden_states if sp else x,
+                                       self.overlap)
+                if sent.hook is not None:
+                    sent.hook()
+                prep = sent.receiver()
+                assert isinstance(prep, PrepareResult)
             expert_out = self.experts.apply(prep)
             if self.strategy is ReductionStrategy.ROW_SCATTER_ALLREDUCE:
                 out = self.pf.finalize(expert_out, owned.topk_weights, owned.topk_ids,

@@ -148,17 +148,37 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
         """hidden_states bf16 [num_tokens, hidden], topk_* [num_tokens, num_topk] GLOBAL ids.
         Checks run before the choice's collective, identically on every rank."""
+        return self._prepare(hidden_states, topk_weights, topk_ids, quant, False)
+
+    def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        """:meth:`prepare_async` through the chosen mode's synchronous prepare (low-latency
+        mode: the blocking library call, one launch instead of two)."""
+        out = self._prepare(hidden_states, topk_weights, topk_ids, quant, True).receiver()
+        assert isinstance(out, PrepareResult)
+        return out
+
+    def _prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, quant: QuantSpec, blocking: bool) -> AsyncResult:
         check_prepare_inputs(hidden_states, topk_weights, topk_ids)
         if self._mode is not None:
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         mode = self.choose_mode(hidden_states.shape[0])
         self._modes[mode] = self._modes.get(mode, 0) + 1
         if mode == NORMAL:
-            sent = self.ht.prepare_async(hidden_states, topk_weights, topk_ids, quant)
+            if blocking:
+                done = self.ht.prepare(hidden_states, topk_weights, topk_ids, quant)
+                sent = AsyncResult(None, lambda: done)
+            else:
+                sent = self.ht.prepare_async(hidden_states, topk_weights, topk_ids, quant)
             self.manager.after_normal()
             self._mode = mode
             return sent
         self.manager.before_low_latency()
+        if blocking:
+            prep = self.ll.prepare(hidden_states, topk_weights, topk_ids, quant)
+            self._mode = mode
+            return AsyncResult(None, lambda: batched_as_standard(prep))
         sent = self.ll.prepare_async(hidden_states, topk_weights, topk_ids, quant)
         self._mode = mode
 
@@ -173,17 +193,29 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
                        topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
         """fused_expert_output bf16 [num_recv_rows, hidden]: the rows prepare presented, each
         the router-weighted sum of this rank's experts (low-latency rows: weight 1.0)."""
+        pf, expert_output = self._finalize_target(fused_expert_output)
+        return pf.finalize_async(expert_output, topk_weights, topk_ids, output)
+
+    def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        """:meth:`finalize_async` through the chosen mode's synchronous finalize."""
+        pf, expert_output = self._finalize_target(fused_expert_output)
+        return pf.finalize(expert_output, topk_weights, topk_ids, output)
+
+    def _finalize_target(self, fused_expert_output: torch.Tensor
+                         ) -> tuple[PrepareFinalize, torch.Tensor]:
+        """The backend of the call in flight's mode and the expert outputs in its layout."""
         mode, self._mode = self._mode, None
         if mode is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
         if mode == NORMAL:
-            return self.ht.finalize_async(fused_expert_output, topk_weights, topk_ids, output)
+            return self.ht, fused_expert_output
         try:
             batched = standard_as_batched(fused_expert_output, self.manager.num_local_experts)
         except ValueError:
             self.ll.reset_call_state()
             raise
-        return self.ll.finalize_async(batched.contiguous(), topk_weights, topk_ids, output)
+        return self.ll, batched.contiguous()
 
 
 SPEC = deepep_spec(

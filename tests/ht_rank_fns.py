@@ -70,13 +70,16 @@ def run_auto_calls(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
             assert layer.pf is not None
             dp = layout.dp_rank(rank)
             x = demo_inputs(cfg, max(t[dp] for t in tokens_per_dp), dp, seed)
-            outs, modes = [], []
+            runtime = layer.pf.manager.buffer.runtime  # type: ignore[attr-defined]
+            outs, modes, launches = [], [], []
             for i, per_dp in enumerate(tokens_per_dp):
                 if hints is not None:
                     layer.pf.set_batch_hint(hints[i])
+                start = runtime.launches
                 outs.append(layer(x[: per_dp[dp]]))
                 modes.append(dict(layer.dispatch_stats.modes))
-            return dict(outs=outs, x=x, modes=modes,
+                launches.append(runtime.launches - start)  # low-latency kernel launches
+            return dict(outs=outs, x=x, modes=modes, ll_launches=launches,
                         capacity=layer.pf.low_latency_capacity,  # type: ignore[attr-defined]
                         ll_dirty=layer.pf.manager.buffer.low_latency_dirty)  # type: ignore[attr-defined]
         finally:

@@ -100,15 +100,17 @@ def run_ll_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cf
                 layer.pf.manager.set_rank_masked(masked_rank)
             masked = layer.pf.manager.masked_ranks() if masked_rank is not None else []
             x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
+            start = runtime.launches
             with count_dist_calls() as calls:
                 out = layer(x)
+            launches = runtime.launches - start
             stats = layer.dispatch_stats
         finally:
             layer.destroy()
     rows = owned_rows(num_tokens, layout.tp, ctx.tp_rank)
     return dict(out=out, strategy=layer.strategy, pairs=stats.pairs, owned=rows.num_owned,
                 sf_bytes=stats.sf_bytes, masked=masked, pending_at_shared=pending_at_shared,
-                pending_after=runtime.pending_receives,
+                pending_after=runtime.pending_receives, launches=launches,
                 tp_collectives=[n for n, _ in calls if n != "all_to_all_single"])
 
 

@@ -152,6 +152,9 @@ def test_auto_switches_at_its_threshold(rank_pool, quant, layout):
         assert r["capacity"] == cap
         assert r["modes"] == [{"low_latency": 1}, {"low_latency": 1, "normal": 1},
                               {"low_latency": 2, "normal": 1}]
+        # the layer has a shared expert: a hooked dispatch (it runs between send and receive,
+        # two launches), then the blocking combine (one); normal mode launches none of them
+        assert r["ll_launches"] == [3, 0, 3]
         ll, normal, again = r["outs"]
         ref = ll.float()
         atol, rtol = tolerance_for(ref, cfg.dtype)

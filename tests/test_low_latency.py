@@ -127,6 +127,19 @@ def test_blocking_calls_launch_once_and_match_the_hooked_ones(rank_pool, backend
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no_shared"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_dispatches_blocking_when_nothing_runs_between(rank_pool, backend, shared):
+    """The layer runner hooks the dispatch only to run the shared expert between its send and
+    receive: with one, 2 + 1 launches (hooked dispatch, blocking combine); without, 1 + 1.
+    Both match the reference."""
+    layout, cfg = ParallelLayout(2, 1, True), _cfg(shared_intermediate=64 if shared else 0)
+    results = rank_pool(2).run(ll_rank_fns.run_ll_layer, backend, layout, cfg, S.LOCAL, 5, BF16)
+    assert [r["launches"] for r in results] == [3 if shared else 2] * 2
+    assert_matches_reference(results, layout, cfg, 5, BF16)
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_rank_is_left_out(rank_pool, backend):
     """Elastic masking: ranks 0-2 mask rank 3; their tokens get no contribution from rank 3's

@@ -643,8 +643,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         use_fp8 = self._fp8
         ue8m0 = use_fp8 and self.use_ue8m0
-        ids = topk_ids if topk_ids.dtype is self._idx_dtype else topk_ids.to(self._idx_dtype)
-        ids = ids.contiguous()  # (inline: a call frame less than self._ids per prepare)
+        ids = self._ids(topk_ids)
         if self._check_ids:
             assert_expert_ids(ids, self._num_experts, self._id_error)
         x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()

@@ -233,9 +233,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             self._wait(work, "dispatch all-to-all")
 
         def receiver() -> PrepareResult:
-            recv_ids, recv_weights, recv_x, recv_sf = row.unpack(sent, x.dtype,
-                                                                 None if x_sf is None
-                                                                 else x_sf.dtype)
+            recv_ids, recv_weights, recv_x, recv_sf = row.unpack(sent)
             local, counts = self._local_ids_and_counts(recv_ids)
             return PrepareResult(x=recv_x, x_sf=recv_sf,
                                  expert_tokens_meta=ExpertTokensMeta(counts),
@@ -294,27 +292,28 @@ class TorchPrepareFinalize(PrepareFinalize):
 @dataclass
 class _RowLayout:
     """Byte layout of one dispatched row: ids int64 [k], weights float32 [k], the activation
-    row, its scales, zero or more pad bytes (rows are whole int64 words, so every part can be
-    viewed in its own dtype). Widths in bytes."""
+    row (``x_dtype``), its scales (``sf_dtype``, None: none), zero or more pad bytes (rows are
+    whole int64 words, so every part can be viewed in its own dtype). Widths in bytes."""
 
     k: int
-    x_cols: int
+    x_dtype: torch.dtype
     x_bytes: int
-    sf_cols: int
+    sf_dtype: Optional[torch.dtype]
     sf_bytes: int
     pad: int
 
-    def unpack(self, rows: torch.Tensor, x_dtype: torch.dtype, sf_dtype: Optional[torch.dtype]
+    def unpack(self, rows: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """uint8 [num_rows, row bytes] -> (ids int64 [num_rows, k] (a view, strided by the
-        row: only the local-id lookup reads it), weights float32 [num_rows, k], x [num_rows,
-        x_cols], x_sf [num_rows, sf_cols] or None (row-major copies, as experts read them))."""
+        row: only the local-id lookup reads it), weights float32 [num_rows, k], x, x_sf or None
+        (row-major copies, as experts read them))."""
         k8, k12 = 8 * self.k, 12 * self.k
         x_end = k12 + self.x_bytes
         ids = rows[:, :k8].view(torch.int64)
         weights = _dense(rows[:, k8:k12].view(torch.float32))
-        x = _dense(rows[:, k12:x_end].view(x_dtype))
-        x_sf = None if sf_dtype is None else _dense(rows[:, x_end:x_end + self.sf_bytes].view(sf_dtype))
+        x = _dense(rows[:, k12:x_end].view(self.x_dtype))
+        x_sf = (None if self.sf_dtype is None
+                else _dense(rows[:, x_end:x_end + self.sf_bytes].view(self.sf_dtype)))
         return ids, weights, x, x_sf
 
 
@@ -337,8 +336,8 @@ def _pack_rows(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
     pad = -width % 8
     if pad:
         parts.append(x.new_zeros((x.shape[0], pad), dtype=torch.uint8))
-    layout = _RowLayout(ids.shape[1], x.shape[1], parts[2].shape[1],
-                        0 if x_sf is None else x_sf.shape[1],
+    layout = _RowLayout(ids.shape[1], x.dtype, parts[2].shape[1],
+                        None if x_sf is None else x_sf.dtype,
                         0 if x_sf is None else parts[3].shape[1], pad)
     return torch.cat(parts, dim=1), layout
 

@@ -5,15 +5,33 @@ num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
 allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink)``
 with ``low_latency_dispatch/low_latency_combine``. ``deep_ep`` is imported when a manager is
 built, never at import time.
+
+The library calls. In 567632d each of ``Buffer.low_latency_dispatch`` / ``low_latency_combine``
+(deep_ep/buffer.py) is one call of the C++ runtime (``Buffer.runtime``, a ``deep_ep_cpp.Buffer``)
+wrapped in Python: an assert on the QP depth, the handle tuple, a tuple of the tensors to record
+and an ``EventOverlap``. None of that is used here (no ``async_finish``; the QP depth is checked
+once, when the layer is built; the handle is the two tensors the combine needs), and on the H200
+it is host time on every eager call. So where ``deep_ep.Buffer``'s two methods have 567632d's
+signatures, the manager calls ``buffer.runtime`` directly, with the arguments that wrapper
+passes, in the order the C++ takes them (csrc/deep_ep.cpp); with any other signature it calls
+the Python methods. ``buffer.runtime`` is read on each call, so a destroyed buffer (runtime
+None) raises AttributeError as the wrapper does.
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from moe_plugins.config import DispatchConfig
+from moe_plugins.groups import DistContext
+from moe_plugins.interface import Hook
 from moe_plugins.low_latency import LowLatencyManager, LowLatencyOptions
 from moe_plugins.registry import RequiredPackage
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
 
@@ -25,6 +43,37 @@ DEEPEP_PACKAGE = RequiredPackage(
 )
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
+
+#: The parameters of deep_ep.Buffer's low-latency methods at 567632d, whose bodies are one runtime
+#: call each with these arguments (see the module doc).
+_WRAPPER_PARAMETERS = {
+    "low_latency_dispatch": (
+        "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+        "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
+        "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"),
+    "low_latency_combine": (
+        "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
+        "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"),
+}
+_WRAPPER_LOGGED: set[type] = set()
+
+
+def runtime_calls_known(buffer: Any) -> bool:
+    """Whether ``buffer`` (a deep_ep.Buffer) has 567632d's low-latency Python methods and a
+    runtime: then its runtime takes the calls those methods make (see the module doc)."""
+    cls = type(buffer)
+    try:
+        known = all(tuple(inspect.signature(getattr(cls, name)).parameters) == params
+                    for name, params in _WRAPPER_PARAMETERS.items())
+    except (AttributeError, TypeError, ValueError):
+        known = False
+    known = known and all(callable(getattr(getattr(buffer, "runtime", None), name, None))
+                          for name in _WRAPPER_PARAMETERS)
+    if not known and cls not in _WRAPPER_LOGGED:
+        _WRAPPER_LOGGED.add(cls)
+        logger.info("deepep_ll: %s.%s's low-latency methods are not those of DeepEP 567632d; "
+                    "calling them instead of its C++ runtime", cls.__module__, cls.__name__)
+    return known
 
 
 @dataclass(frozen=True)
@@ -56,6 +105,43 @@ class DeepEPLLManager(LowLatencyManager):
     clean_mask_method = "low_latency_clean_mask_buffer"
     options: DeepEPLLOptions
 
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig):
+        super().__init__(ctx, cfg)
+        self.direct_runtime = runtime_calls_known(self.buffer)
+        if self.direct_runtime:  # the wrapper's per-call assert, made once on the buffer's depth
+            try:
+                self._check_qp_depth(int(getattr(self.buffer, "nvshmem_qp_depth",
+                                                 _DEFAULT_QP_DEPTH)))
+            except ValueError:
+                self.destroy()
+                raise
+
+    # -- the library calls (the module doc: the runtime, as deep_ep.Buffer's methods call it) --
+    def dispatch(self, x: Any, topk_idx: Any, use_fp8: bool, use_ue8m0: bool, recv_hook: bool
+                 ) -> tuple[Any, Any, Any, Any, Optional[Hook]]:
+        if not self.direct_runtime:
+            return super().dispatch(x, topk_idx, use_fp8, use_ue8m0, recv_hook)
+        # (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+        #  num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async,
+        #  return_recv_hook) -> (recv_x, scales or None, count, src_info, layout_range, event, hook)
+        recv_x, recv_sf, count, src_info, layout_range, _event, hook = \
+            self.buffer.runtime.low_latency_dispatch(
+                x, topk_idx, None, None, self.max_tokens_per_rank, self.num_experts, use_fp8,
+                use_ue8m0, use_ue8m0, False, recv_hook)
+        return recv_x, recv_sf, count, (src_info, layout_range), hook
+
+    def combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, out: Any,
+                recv_hook: bool) -> Optional[Hook]:
+        if not self.direct_runtime:
+            return super().combine(x, topk_idx, topk_weights, handle, out, recv_hook)
+        # (x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+        #  num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async,
+        #  return_recv_hook, out) -> (combined_x, event, hook)
+        _combined, _event, hook = self.buffer.runtime.low_latency_combine(
+            x, topk_idx, topk_weights, handle[0], handle[1], None, self.max_tokens_per_rank,
+            self.num_experts, False, False, False, recv_hook, out)
+        return hook
+
     @classmethod
     def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
                        ) -> Optional[DeepEPLLOptions]:
@@ -64,8 +150,10 @@ class DeepEPLLManager(LowLatencyManager):
         return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None
 
     def _check_limits(self) -> None:
+        self._check_qp_depth(int(os.environ.get("NVSHMEM_QP_DEPTH", _DEFAULT_QP_DEPTH)))
+
+    def _check_qp_depth(self, depth: int) -> None:
         # Buffer.low_latency_dispatch asserts qp_depth >= 2 * (max tokens + 1).
-        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", _DEFAULT_QP_DEPTH))
         need = 2 * (self.max_tokens_per_rank + 1)
         if need > depth:
             raise ValueError(

@@ -58,6 +58,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
 
+from all2all.deepep import DeepEPLLOptions  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.groups import DistContext  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
@@ -188,8 +189,11 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
     """The round trips of the paths for one (tokens, quant) over one deep_ep.Buffer."""
     quant = QUANTS[case.quant]
     spec = get_backend("deepep_ll")
+    # The expert-id check off, as it is by default on CUDA (LowLatencyOptions.check_expert_ids:
+    # on for CPU tensors, where it is a reduction read back): the CPU rows then time the Python
+    # the GPU path runs.
     cfg = DispatchConfig(args.experts, args.hidden, args.topk, max(args.tokens), torch.bfloat16,
-                         quant)
+                         quant, backend_options=DeepEPLLOptions(check_expert_ids=False))
     pf = spec.build(ctx, cfg)
     m = pf.manager
     buffer, fp8 = m.buffer, quant.quantized_on_wire

@@ -43,11 +43,72 @@ def _hook() -> None:
     """The receive hook: nothing to receive."""
 
 
-_EVENT = EventOverlap()
+class _Runtime:
+    """``deep_ep_cpp.Buffer``'s low-latency methods (csrc/deep_ep.cpp 567632d, positional as
+    pybind11 binds them), returning preallocated outputs at once."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self._dispatch_out: dict[tuple, tuple] = {}
+        self._combine_out: dict[tuple, torch.Tensor] = {}
+
+    def destroy(self) -> None:
+        self._dispatch_out.clear()
+        self._combine_out.clear()
+
+    def _dispatch_outputs(self, x: torch.Tensor, max_tokens: int, num_experts: int,
+                          use_fp8: bool, use_ue8m0: bool) -> tuple:
+        key = (x.shape[1], x.device, max_tokens, num_experts, use_fp8, use_ue8m0)
+        found = self._dispatch_out.get(key)
+        if found is None:
+            e_l, hidden = num_experts // self.group_size, x.shape[1]
+            slots = self.group_size * max_tokens
+            dev = x.device
+            count = torch.zeros(e_l, dtype=torch.int32, device=dev)
+            src_info = torch.zeros(e_l, slots, dtype=torch.int32, device=dev)
+            layout_range = torch.zeros(e_l, self.group_size, dtype=torch.int64, device=dev)
+            sf = None
+            if use_fp8:
+                recv = torch.zeros(e_l, slots, hidden, device=dev).to(torch.float8_e4m3fn)
+                if use_ue8m0:
+                    sf = torch.zeros(e_l, hidden // 512, slots, dtype=torch.int32, device=dev)
+                else:
+                    sf = torch.zeros(e_l, hidden // 128, slots, device=dev)
+                sf = sf.transpose(1, 2)  # column-major, as the kernels give
+            else:
+                recv = torch.zeros(e_l, slots, hidden, dtype=torch.bfloat16, device=dev)
+            found = self._dispatch_out[key] = (recv, sf, count, src_info, layout_range)
+        return found
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor],
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             use_fp8: bool, round_scale: bool, use_ue8m0: bool, async_: bool,
+                             return_recv_hook: bool) -> tuple:
+        recv, sf, count, src_info, layout_range = self._dispatch_outputs(
+            x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
+        return recv, sf, count, src_info, layout_range, None, _hook if return_recv_hook else None
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, src_info: torch.Tensor,
+                            layout_range: torch.Tensor,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor],
+                            num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                            use_logfmt: bool, zero_copy: bool, async_: bool,
+                            return_recv_hook: bool, out: Optional[torch.Tensor]) -> tuple:
+        if out is None:
+            key = (topk_idx.shape[0], x.shape[2], x.device)
+            out = self._combine_out.get(key)
+            if out is None:
+                out = self._combine_out[key] = torch.zeros(key[0], key[1], dtype=torch.bfloat16,
+                                                           device=x.device)
+        return out, None, _hook if return_recv_hook else None
 
 
 class Buffer:
-    """deep_ep.Buffer (low-latency mode), returning preallocated outputs at once."""
+    """deep_ep.Buffer (low-latency mode): the Python methods wrap one ``runtime`` call each, as
+    upstream's deep_ep/buffer.py does (so ``raw`` pays what the real wrapper costs)."""
 
     num_sms: int = 20
 
@@ -64,12 +125,13 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self._dispatch_out: dict[tuple, tuple] = {}
-        self._combine_out: dict[tuple, torch.Tensor] = {}
+        self.nvshmem_qp_depth = 1024
+        self.runtime: Optional[_Runtime] = _Runtime(self.group_size)
 
     def destroy(self) -> None:
-        self._dispatch_out.clear()
-        self._combine_out.clear()
+        assert self.runtime is not None
+        self.runtime.destroy()
+        self.runtime = None
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -80,30 +142,6 @@ class Buffer:
                                  num_experts: int) -> None:
         pass
 
-    def _dispatch_outputs(self, x: torch.Tensor, max_tokens: int, num_experts: int,
-                          use_fp8: bool, use_ue8m0: bool) -> tuple:
-        key = (x.shape[1], x.device, max_tokens, num_experts, use_fp8, use_ue8m0)
-        found = self._dispatch_out.get(key)
-        if found is None:
-            e_l, hidden = num_experts // self.group_size, x.shape[1]
-            slots = self.group_size * max_tokens
-            dev = x.device
-            count = torch.zeros(e_l, dtype=torch.int32, device=dev)
-            handle = (torch.zeros(e_l, slots, dtype=torch.int32, device=dev),
-                      torch.zeros(e_l, self.group_size, dtype=torch.int64, device=dev),
-                      max_tokens, hidden, num_experts)
-            if use_fp8:
-                recv = torch.zeros(e_l, slots, hidden, device=dev).to(torch.float8_e4m3fn)
-                if use_ue8m0:
-                    sf = torch.zeros(e_l, hidden // 512, slots, dtype=torch.int32, device=dev)
-                else:
-                    sf = torch.zeros(e_l, hidden // 128, slots, device=dev)
-                recv_x: Any = (recv, sf.transpose(1, 2))  # column-major, as the kernels give
-            else:
-                recv_x = torch.zeros(e_l, slots, hidden, dtype=torch.bfloat16, device=dev)
-            found = self._dispatch_out[key] = (recv_x, count, handle)
-        return found
-
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -112,9 +150,20 @@ class Buffer:
                              use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False
                              ) -> Tuple[Any, torch.Tensor, Tuple, EventOverlap, Optional[Callable]]:
-        recv_x, count, handle = self._dispatch_outputs(
-            x, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
-        return recv_x, count, handle, _EVENT, _hook if return_recv_hook else None
+        assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
+        packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info, \
+            packed_recv_layout_range, event, hook = self.runtime.low_latency_dispatch(  # type: ignore[union-attr]
+                x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                async_finish, return_recv_hook)
+        handle = (packed_recv_src_info, packed_recv_layout_range,
+                  num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+        tensors_to_record = (x, topk_idx, packed_recv_x, packed_recv_x_scales, packed_recv_count,
+                             packed_recv_src_info, packed_recv_layout_range,
+                             cumulative_local_expert_recv_stats)
+        return ((packed_recv_x, packed_recv_x_scales) if use_fp8 else packed_recv_x,
+                packed_recv_count, handle,
+                EventOverlap(event, tensors_to_record if async_finish else None), hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: tuple, use_logfmt: bool = False,
@@ -122,10 +171,11 @@ class Buffer:
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
                             ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable]]:
-        if out is None:
-            key = (topk_idx.shape[0], x.shape[2], x.device)
-            out = self._combine_out.get(key)
-            if out is None:
-                out = self._combine_out[key] = torch.zeros(key[0], key[1], dtype=torch.bfloat16,
-                                                           device=x.device)
-        return out, _EVENT, _hook if return_recv_hook else None
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
+        assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
+        combined_x, event, hook = self.runtime.low_latency_combine(  # type: ignore[union-attr]
+            x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+            num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_finish,
+            return_recv_hook, out)
+        tensors_to_record = (x, topk_idx, topk_weights, src_info, layout_range, combined_x)
+        return combined_x, EventOverlap(event, tensors_to_record if async_finish else None), hook

@@ -44,7 +44,7 @@ from moe_plugins.faults import group_faults
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, Hook,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_finalize_result, check_finalize_routing,
+                                   check_finalize_routing,
                                    check_prepare_inputs, row_scatter_add)
 from moe_plugins.quant import FP8_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
@@ -396,10 +396,11 @@ class LowLatencyManager(ABC):
         """Release a buffer built by :meth:`_create_buffer`."""
 
     # -- the library calls -----------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool, use_ue8m0: bool,
-                 recv_hook: bool = True) -> tuple[Any, torch.Tensor, Any, Optional[Hook]]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, use_ue8m0: bool,
+                 recv_hook: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                           Any, Optional[Hook]]:
         """Issue the send of x bf16 [num_tokens, kernel_hidden] (contiguous) to the experts in
-        topk_idx topk_idx_dtype [num_tokens, num_topk]. Returns (recv_x or (recv_x, recv_x_sf),
+        topk_idx topk_idx_dtype [num_tokens, num_topk]. Returns (recv_x, recv_x_sf or None,
         recv_count int32 [num_local_experts], handle, hook). ``recv_hook``: the receive happens
         in ``hook`` (hook mode: two kernel launches); False: one launch sends and receives
         (blocking on the stream, as the library's default) and hook is None."""
@@ -407,10 +408,12 @@ class LowLatencyManager(ABC):
             x, topk_idx, self.max_tokens_per_rank, self.num_experts,
             use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
             async_finish=False, return_recv_hook=recv_hook)
-        return recv, count, handle, hook
+        if use_fp8:
+            return recv[0], recv[1], count, handle, hook
+        return recv, None, count, handle, hook
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                handle: Any, out: torch.Tensor, recv_hook: bool = True) -> Optional[Hook]:
+                handle: Any, out: torch.Tensor, recv_hook: bool) -> Optional[Hook]:
         """Issue the send of expert outputs x bf16 [num_local_experts, num_recv_slots,
         kernel_hidden]; the receive reduces them with topk_weights float32 [num_tokens,
         num_topk] into out bf16 [num_tokens, kernel_hidden], in the returned hook
@@ -473,20 +476,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@dataclass
-class _CallState:
-    """What finalize needs from prepare: the library's handle, the tokens given to prepare,
-    the shape the expert outputs must have (num_local_experts, num_recv_slots, hidden: the
-    receive shape, with the layer's hidden where it is padded), the routing tensors prepare was
-    given and its ids in the library's dtype (a finalize given those very tensors, as every
-    caller does, reuses them without checking or casting again)."""
+# What finalize needs from prepare, a plain tuple (built on every call: a dataclass's __init__
+# costs ~0.5 us more): (handle: the library's; num_tokens given to prepare; expert_shape: the shape
+# the expert outputs must have, the receive's (num_local_experts, num_recv_slots, hidden) with
+# the layer's hidden where it is padded; topk_ids and topk_weights as given to prepare (finalize
+# must get the same); ids: prepare's in the library's dtype (a finalize given those very tensors,
+# as every caller does, reuses them without checking or casting again)).
+_CallState = tuple
 
-    handle: Any
-    num_tokens: int
-    expert_shape: "torch.Size"
-    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
-    topk_weights: torch.Tensor
-    ids: torch.Tensor
+_BF16, _F32 = torch.bfloat16, torch.float32
 
 
 class LowLatencyPrepareFinalize(PrepareFinalize):
@@ -511,7 +509,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self.manager = manager
         self.cfg = cfg
         self.use_ue8m0 = False
-        self._state: Optional[_CallState] = None
+        self._state: Optional[_CallState] = None  # (see _CallState)
         # No host exchange on these kernels: a call that fails on one rank (before its
         # dispatch, or between dispatch and combine) breaks the group (moe_plugins.faults).
         self.faults = group_faults(manager.ctx.ep_group)
@@ -519,6 +517,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                      f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
         # What every call reads, read once (each attribute chain is host time per call).
         self._hidden = manager.hidden
+        self._row_shape = (manager.hidden,)  # hidden_states.shape[1:]
+        self._topk = cfg.num_topk
         self._padded = manager.padded
         self._idx_dtype = manager.topk_idx_dtype
         self._max_tokens = manager.max_tokens_per_rank
@@ -604,27 +604,72 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         topk_ids int32/int64 [num_tokens, num_topk] (PHYSICAL ids, -1 for none). The send is
         issued here (hook mode); the hook receives; the receiver returns the
         :class:`PrepareResult`."""
-        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, True)
+        recv_x, recv_sf, recv_count, hook = self._send(hidden_states, topk_weights, topk_ids,
+                                                       quant, True)
+        return AsyncResult(hook, lambda: self._received(recv_x, recv_sf, recv_count))
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
         """:meth:`prepare_async` with nothing to run between its send and its receive: one
         blocking library call (send and receive in one kernel launch instead of two: a
         launch's host time less per call, eager)."""
-        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, False).receiver()
+        recv_x, recv_sf, recv_count, _ = self._send(hidden_states, topk_weights, topk_ids, quant,
+                                                    False)
+        return self._received(recv_x, recv_sf, recv_count)
 
-    def _dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool) -> AsyncResult:
+    def _received(self, recv_x: torch.Tensor, recv_sf: Optional[torch.Tensor],
+                  recv_count: torch.Tensor) -> PrepareResult:
+        """A receive as the experts get it: where the hidden size is padded, views of the
+        layer's columns (and of their scales)."""
+        if self._padded:
+            hidden = self._hidden
+            if recv_sf is not None:  # packed UE8M0 scales: int32, one per 512 columns
+                per = FP8_BLOCK * (_UE8M0_PACK if recv_sf.dtype is torch.int32 else 1)
+                recv_sf = recv_sf[..., : -(-hidden // per)]
+            recv_x = recv_x[..., :hidden]
+        return PrepareResult(recv_x, recv_sf, ExpertTokensMeta(recv_count), None, None)
+
+    def _send(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[Hook]]:
+        """Check the call and issue the dispatch: (recv_x, recv_sf or None, recv_count, hook or
+        None). A call that raises here breaks the group: peers are in or past this dispatch."""
         if self.faults.broken is not None:  # the common case costs one attribute read
             self.faults.check(self.name)
         try:
-            return self._prepare_async(hidden_states, topk_weights, topk_ids, quant, recv_hook)
+            h_shape = hidden_states.shape
+            # A layer's common call passes in one test: bf16 [n <= capacity, hidden] tokens,
+            # float32 weights and ids in the library's dtype of shape [n, num_topk], the quant
+            # spec of the last call, no call in flight. Any other call takes the full checks,
+            # which raise every error they raised before, in the same order.
+            if not (h_shape[1:] == self._row_shape and hidden_states.dtype is _BF16
+                    and topk_weights.dtype is _F32 and topk_ids.dtype is self._idx_dtype
+                    and quant is self._checked_quant and self._state is None
+                    and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
+                    and h_shape[0] <= self._max_tokens):
+                self._check_call(hidden_states, topk_weights, topk_ids, quant)
+            n = h_shape[0]
+            use_fp8 = self._fp8
+            ids = self._ids(topk_ids)
+            if self._check_ids:
+                assert_expert_ids(ids, self._num_experts, self._id_error)
+            x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
+            recv_x, recv_sf, recv_count, handle, hook = self.manager.dispatch(
+                x, ids, use_fp8, use_fp8 and self.use_ue8m0, recv_hook)
+            expert_shape = recv_x.shape
+            if self._padded:
+                expert_shape = torch.Size((*expert_shape[:-1], self._hidden))
+            self._state = (handle, n, expert_shape, topk_ids, topk_weights, ids)
+            self._calls += 1
+            self._pairs[use_fp8] += n * self._topk
         except BaseException as e:  # peers are in (or past) this dispatch: out of step now
             self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise
+        return recv_x, recv_sf, recv_count, hook
 
-    def _prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool) -> AsyncResult:
+    def _check_call(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, quant: QuantSpec) -> None:
+        """Every check of a prepare, each raising with the fix; a new quant spec is kept."""
         check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
         if quant is not self._checked_quant:  # a layer passes the same spec on every call
             self._check_quant(quant)
@@ -641,35 +686,6 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                              "DispatchConfig.max_tokens_per_rank")
         if self._state is not None:
             raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
-        use_fp8 = self._fp8
-        ue8m0 = use_fp8 and self.use_ue8m0
-        ids = self._ids(topk_ids)
-        if self._check_ids:
-            assert_expert_ids(ids, self._num_experts, self._id_error)
-        x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
-        recv, recv_count, handle, hook = m.dispatch(x, ids, use_fp8=use_fp8, use_ue8m0=ue8m0,
-                                                    recv_hook=recv_hook)
-        recv_x, recv_sf = recv if use_fp8 else (recv, None)
-        expert_shape = recv_x.shape
-        if self._padded:
-            expert_shape = torch.Size((*expert_shape[:-1], self._hidden))
-        self._state = _CallState(handle, n, expert_shape, topk_ids, topk_weights, ids)
-        self._calls += 1
-        self._pairs[use_fp8] += topk_ids.numel()
-
-        if not self._padded:
-            def receiver() -> PrepareResult:
-                return PrepareResult(recv_x, recv_sf, ExpertTokensMeta(recv_count), None, None)
-        else:
-            def receiver() -> PrepareResult:
-                x_sf = recv_sf
-                if x_sf is not None:
-                    per = FP8_BLOCK * (_UE8M0_PACK if ue8m0 else 1)
-                    x_sf = x_sf[..., : -(-m.hidden // per)]
-                return PrepareResult(recv_x[..., : m.hidden], x_sf, ExpertTokensMeta(recv_count),
-                                     None, None)
-
-        return AsyncResult(hook, receiver)
 
     def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
@@ -677,35 +693,47 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         expert outputs in prepare's layout; topk_weights/topk_ids: those given to prepare.
         ``output``: [num_tokens, hidden] to fill, or a row-scatter target whose owned rows
         receive the combined rows (added after the shared-expert join). Hook mode."""
-        return self._combine(fused_expert_output, topk_weights, topk_ids, output, True)
+        hook, dest = self._combine(fused_expert_output, topk_weights, topk_ids, output, True)
+        return AsyncResult(hook, lambda: self._combined(dest, output))
 
     def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
         """:meth:`finalize_async` as one blocking library call (send and receive in one kernel
-        launch)."""
-        return check_finalize_result(
-            self, output, self._combine(fused_expert_output, topk_weights, topk_ids, output,
-                                        False).receiver())
+        launch). Returns ``output`` (a row-scatter target: its buffer)."""
+        _, dest = self._combine(fused_expert_output, topk_weights, topk_ids, output, False)
+        return output if dest is output else self._combined(dest, output)
+
+    def _combined(self, dest: torch.Tensor, output: torch.Tensor | RowScatterTarget
+                  ) -> torch.Tensor:
+        """After the receive: ``dest`` (the library's output rows) into ``output``."""
+        if dest is output:
+            return output
+        combined = dest[:, : self._hidden] if self._padded else dest
+        if isinstance(output, RowScatterTarget):
+            return row_scatter_add(output, combined)
+        output.copy_(combined)
+        return output
 
     def _combine(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
-                 recv_hook: bool) -> AsyncResult:
+                 recv_hook: bool) -> tuple[Optional[Hook], torch.Tensor]:
+        """Check the call and issue the combine: (hook or None, the tensor the library
+        writes: ``output`` itself where it can)."""
         st = self._state
         if st is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
+        handle, n, expert_shape, prepared_ids, prepared_weights, ids = st
         m = self.manager
         try:
-            if fused_expert_output.shape != st.expert_shape:
+            if fused_expert_output.shape != expert_shape:
                 raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}"
-                                 f", expected {list(st.expert_shape)} (prepare's layout)")
-            if fused_expert_output.dtype is not torch.bfloat16:
+                                 f", expected {list(expert_shape)} (prepare's layout)")
+            if fused_expert_output.dtype is not _BF16:
                 raise TypeError(f"{m.backend_name}: expert outputs must be bfloat16 for the "
                                 f"combine kernel, got {fused_expert_output.dtype}")
-            n = st.num_tokens
-            if topk_ids is st.topk_ids and topk_weights is st.topk_weights:
-                ids = st.ids  # checked (and cast) by prepare
-            else:  # the same routing only (a combine reduces by the dispatch's)
-                check_finalize_routing(st.topk_ids, topk_ids, topk_weights)
+            if topk_ids is not prepared_ids or topk_weights is not prepared_weights:
+                # the same routing only (a combine reduces by the dispatch's)
+                check_finalize_routing(prepared_ids, topk_ids, topk_weights)
                 ids = self._ids(topk_ids)
             if isinstance(output, RowScatterTarget):
                 if output.rows.num_owned != n:
@@ -716,32 +744,20 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                 if output.shape != (n, self._hidden):
                     raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
                                      f"[{n}, {m.hidden}] (the tokens given to prepare)")
-                direct = (not self._padded and output.dtype is torch.bfloat16
+                direct = (not self._padded and output.dtype is _BF16
                           and output.is_contiguous())
                 dest = output if direct else fused_expert_output.new_empty(n, m.kernel_hidden)
-            weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
+            weights = topk_weights if topk_weights.dtype is _F32 else topk_weights.float()
             x = (self._pad_last(fused_expert_output) if self._padded
                  else fused_expert_output.contiguous())
-            hook = m.combine(x, ids, weights.contiguous(), st.handle, dest, recv_hook)
-            self._combine_pairs += topk_ids.numel()
+            hook = m.combine(x, ids, weights.contiguous(), handle, dest, recv_hook)
+            self._combine_pairs += n * self._topk
         except BaseException as e:  # peers are in this combine: out of step now
             self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
             raise
         finally:
             self._state = None
-
-        if dest is output:
-            def receiver() -> torch.Tensor:
-                return output
-        else:
-            def receiver() -> torch.Tensor:
-                combined = dest[:, : m.hidden] if self._padded else dest
-                if isinstance(output, RowScatterTarget):
-                    return row_scatter_add(output, combined)
-                output.copy_(combined)
-                return output
-
-        return AsyncResult(hook, receiver)
+        return hook, dest
 
 
 def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize],

@@ -535,16 +535,15 @@ def _model_spec(vllm_config: Any) -> Optional[ModelSpec]:
         return None
 
 
-@dataclass
-class _Call:
-    """Per-call state between prepare and finalize (one per micro-batch): the owned rows and
-    the routing handed to the backend's prepare (its finalize must get the same); owns_all:
-    this TP rank owns every row (nothing to slice out of, or zero around, the output)."""
+# Per-call state between prepare and finalize (one per micro-batch), a plain tuple (made on
+# every call): (rows: the owned rows, None where the adapter is ``_whole``; topk_ids and
+# topk_weights: the routing handed to the backend's prepare, which its finalize must get;
+# owns_all: this TP rank owns every row, nothing to slice out of, or zero around, the output).
+_Call = tuple
 
-    rows: OwnedRows
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    owns_all: bool
+
+def _nothing() -> None:
+    """The receiver of a finalize that has nothing left to do."""
 
 
 class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
@@ -601,12 +600,16 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # does it), so it owns all of it, as a group of one: nothing is sliced a second time.
         sp = choice.strategy is ReductionStrategy.SP_ALLGATHER
         self._tp, self._tp_rank = (1, 0) if sp else (layout.tp, ctx.tp_rank)
+        # one rank's rows are all the rows, and nothing is gathered after the finalize
+        self._whole = self._tp == 1 and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE
         # micro-batch id -> its backend object and its call in flight
         self._backends: tuple[PrepareFinalize, ...] = (
             () if backend is None else (backend, *micro_batch_backends))
         # read once: only a per-call backend pays for reading vLLM's forward context per call
         self._wants_hint = backend is not None and backend.uses_batch_hint
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, _Call] = {}  # (see _Call)
+        # read once: vLLM asks on every prepare and finalize
+        self._async = overlap.overlap and backend is not None and backend.supports_async()
         # micro-batch ids below this have a backend object (no backend: any id, nothing to call)
         self._num_slots = len(self._backends) if backend is not None else sys.maxsize
 
@@ -647,7 +650,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     def supports_async(self) -> bool:
         # vLLM runs the shared expert between finalize_async and its receive hook.
-        return self.overlap.overlap and self.backend is not None and self.backend.supports_async()
+        return self._async
 
     def supports_dbo(self) -> bool:
         """Micro-batch safe: no dispatch (TP_UNIFIED), or one backend object per micro-batch."""
@@ -807,17 +810,27 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             weights = weights.to(weights_dtype)
         return ids, weights
 
-    def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 quant: QuantSpec, quant_config: Any, defer_input_quant: bool
                  ) -> mk.PrepareResultType:
-        """Our PrepareResult -> vLLM's (x, x_sf, expert_tokens_meta, topk_ids, topk_weights)."""
-        meta = None if prep.expert_tokens_meta is None else mk.ExpertTokensMetadata(
-            expert_num_tokens=prep.expert_tokens_meta.expert_num_tokens,
-            expert_num_tokens_cpu=None)
+        """Our PrepareResult -> vLLM's (x, x_sf, expert_tokens_meta, topk_ids, topk_weights),
+        quantized after the receive where the experts want a format the wire does not carry."""
+        etm = prep.expert_tokens_meta
+        meta = None if etm is None else mk.ExpertTokensMetadata(etm.expert_num_tokens, None)
+        x, x_sf = prep.x, prep.x_sf
         if self.batched:
             # x [num_local_experts, max_recv_tokens, hidden]; the experts keep the caller's ids
-            return prep.x, prep.x_sf, meta, None, None
-        ids, weights = self._global_ids(prep, topk_ids.dtype, topk_weights.dtype)
-        return prep.x, prep.x_sf, meta, ids, weights
+            ids = weights = None
+        else:
+            ids, weights = self._global_ids(prep, topk_ids.dtype, topk_weights.dtype)
+        if self._recv_quant is not None and not defer_input_quant:
+            x, x_sf = self._quantize_received(x, x_sf, self._valid_rows(prep), quant_config)
+        elif (x_sf is not None and quant.scheme is QuantScheme.NVFP4 and self._nvfp4_swizzle
+              and not prep.x_sf_swizzled):
+            # A backend that returns NVFP4 scales row-aligned: interleave them here, as
+            # vLLM's two-sided backend does after its all-to-all (only when present).
+            x_sf = swizzle_nvfp4_sf(x_sf)
+        return x, x_sf, meta, ids, weights
 
     @staticmethod
     def _valid_rows(prep: PrepareResult) -> torch.Tensor:
@@ -893,15 +906,18 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # TP_UNIFIED (no backend) takes any expert_map; checked once per expert_map tensor
         if expert_map is not self._placement_map or self._slot_ids is None:
             self._check_placement(expert_map)
-        rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
         ids = topk_ids if self._g2p is None else self._physical_ids(topk_ids)
         # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
         # slice_owned would check (the three tensors cover the same tokens).
-        if self._tp == 1:
-            x, weights, owns_all = a1, topk_weights, True
+        if self._whole:  # one TP rank, no all_gather after the finalize: no rows to track
+            x, weights, rows, owns_all = a1, topk_weights, None, True
         else:
-            owned = slice_owned(rows, a1, ids, topk_weights)
-            x, ids, weights = owned.hidden_states, owned.topk_ids, owned.topk_weights
+            rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
+            if self._tp == 1:
+                x, weights = a1, topk_weights
+            else:
+                owned = slice_owned(rows, a1, ids, topk_weights)
+                x, ids, weights = owned.hidden_states, owned.topk_ids, owned.topk_weights
             owns_all = rows.num_owned == rows.num_tokens
         backend = self._backends[slot]
         if self._wants_hint:
@@ -912,30 +928,20 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
                                               presliced=self._tp != self.ctx.layout.tp))
         # registered first: a receive that raises leaves a call the next prepare resets
-        self._calls[slot] = _Call(rows, ids, weights, owns_all)
+        self._calls[slot] = (rows, ids, weights, owns_all)
         if blocking:
-            prepared = backend.prepare(x, weights, ids, quant)
-            hook, received = None, lambda: prepared
-        else:
-            sent = backend.prepare_async(x, weights, ids, quant)
-            hook, received = sent.hook, sent.receiver
-
-        recv_quant = None if defer_input_quant else self._recv_quant
+            result = self._to_vllm(backend.prepare(x, weights, ids, quant), topk_ids,
+                                   topk_weights, quant, quant_config, defer_input_quant)
+            return lambda: result
+        sent = backend.prepare_async(x, weights, ids, quant)
 
         def receiver() -> mk.PrepareResultType:
-            prep = received()
+            prep = sent.receiver()
             assert isinstance(prep, PrepareResult)
-            x, x_sf, meta, ids, weights = self._to_vllm(prep, topk_ids, topk_weights)
-            if recv_quant is not None:
-                x, x_sf = self._quantize_received(x, x_sf, self._valid_rows(prep), quant_config)
-            elif (x_sf is not None and quant.scheme is QuantScheme.NVFP4 and self._nvfp4_swizzle
-                  and not prep.x_sf_swizzled):
-                # A backend that returns NVFP4 scales row-aligned: interleave them here, as
-                # vLLM's two-sided backend does after its all-to-all (only when present).
-                x_sf = swizzle_nvfp4_sf(x_sf)
-            return x, x_sf, meta, ids, weights
+            return self._to_vllm(prep, topk_ids, topk_weights, quant, quant_config,
+                                 defer_input_quant)
 
-        return (hook, receiver) if hook is not None else receiver
+        return (sent.hook, receiver) if sent.hook is not None else receiver
 
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int, expert_map: Optional[torch.Tensor],
@@ -974,30 +980,33 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         call = self._calls.pop(slot, None)
         if call is None:
             raise RuntimeError("finalize called without a matching prepare on this layer")
+        rows, ids, weights, owns_all = call
         backend = self._backends[slot]
         # As vLLM's in-tree LL class: receive what the other micro-batch left in flight before
         # this combine's send (no-op without dual-batch overlap).
         dbo_maybe_run_recv_hook()
         try:
             if self.batched:
+                # [num_local_experts, max_recv_tokens, hidden]: never vLLM's output's shape, so
+                # never aliased to it (vLLM aliases its fused output to `output` where the
+                # shapes match)
                 expert_out = fused_expert_output
             else:
                 expert_out = weight_and_reduce_impl.apply(
                     output=None, fused_expert_output=fused_expert_output,
                     topk_weights=topk_weights, topk_ids=topk_ids,
                     apply_router_weight_on_input=apply_router_weight_on_input)
-            if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
-                expert_out = expert_out.clone()  # vLLM may alias the experts' output to `output`
-            rows = call.rows
-            owns_all = call.owns_all
+                if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+                    expert_out = expert_out.clone()
             target = output if owns_all else output[rows.as_slice]
             if blocking:  # the backend's finalize checks that it wrote ``target``
-                backend.finalize(expert_out, call.topk_weights, call.topk_ids, target)
+                backend.finalize(expert_out, weights, ids, target)
                 backend.reset_call_state()
+                if owns_all and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE:
+                    return _nothing
                 hook, received = None, None
             else:
-                sent: AsyncResult = backend.finalize_async(expert_out, call.topk_weights,
-                                                           call.topk_ids, target)
+                sent: AsyncResult = backend.finalize_async(expert_out, weights, ids, target)
                 hook, received = sent.hook, sent.receiver
         except BaseException:
             backend.reset_call_state()

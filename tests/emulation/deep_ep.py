@@ -34,7 +34,7 @@ from emulation._ht_kernels import (NUM_MAX_NVL_PEERS, Config, EmulatedNormalRunt
                                    EventHandle)
 from emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DeepEPRuntime", "EventOverlap", "topk_idx_t"]
 
 _NUM_BUFFER_ALIGNMENT_BYTES = 128
 
@@ -45,6 +45,64 @@ def _all_gather_rank(rank: int, size: int, group: "dist.ProcessGroup") -> None:
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(gathered, torch.tensor([rank]), group=group)
     host_assert([int(t) for t in gathered] == list(range(size)), "emulation: group ranks")
+
+
+
+class DeepEPRuntime(EmulatedLowLatencyRuntime):
+    """``deep_ep_cpp.Buffer``'s low-latency methods, as csrc/deep_ep.cpp (567632d) defines them
+    and pybind11 binds them (positional, no defaults): ``low_latency_dispatch(x, topk_idx,
+    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+    num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async,
+    return_recv_hook)`` -> (packed_recv_x, packed_recv_x_scales or None, packed_recv_count,
+    packed_recv_src_info, packed_recv_layout_range, event or None, hook or None), and
+    ``low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range,
+    combine_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank, num_experts, use_logfmt,
+    zero_copy, async, return_recv_hook, out)`` -> (combined_x, event or None, hook or None).
+    The host asserts the C++ makes before the launch are here; the kernels' behaviour is
+    :class:`EmulatedLowLatencyRuntime`'s."""
+
+    def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
+                 mask_enabled: bool, low_latency_mode: bool, num_qps_per_rank: int):
+        super().__init__(group, rank, num_ranks, num_rdma_bytes, mask_enabled)
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.low_latency_dirty = False  # set by normal-mode calls (see the module doc)
+
+    def _checked_experts(self, num_experts: int) -> int:
+        host_assert(self.low_latency_mode, "low_latency_mode")
+        host_assert(not self.low_latency_dirty, "emulation: a normal-mode call used this buffer "
+                    "since the last low-latency one; call clean_low_latency_buffer first")
+        host_assert(num_experts % self.num_ranks == 0, "num_experts % num_ranks == 0")
+        return num_experts // self.num_ranks
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor],
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             use_fp8: bool, round_scale: bool, use_ue8m0: bool, async_: bool,
+                             return_recv_hook: bool) -> tuple:
+        num_local_experts = self._checked_experts(num_experts)
+        # The first SM checks the QPs: ibgda_get_state()->num_rc_per_pe >= num_local_experts.
+        host_assert(self.num_qps_per_rank >= num_local_experts,
+                    "ibgda_get_state()->num_rc_per_pe >= num_local_experts")
+        recv_x, scales, count, src_info, layout_range, hook = self.dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_local_experts, use_fp8,
+            round_scale, use_ue8m0, async_, return_recv_hook, cumulative_local_expert_recv_stats)
+        return (recv_x, scales, count, src_info, layout_range,
+                EventHandle() if async_ else None, hook)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, src_info: torch.Tensor,
+                            layout_range: torch.Tensor,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor],
+                            num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                            use_logfmt: bool, zero_copy: bool, async_: bool,
+                            return_recv_hook: bool, out: Optional[torch.Tensor]) -> tuple:
+        num_local_experts = self._checked_experts(num_experts)
+        combined, hook = self.combine(
+            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank,
+            num_local_experts, use_logfmt, zero_copy, async_, return_recv_hook, out)
+        return combined, EventHandle() if async_ else None, hook
 
 
 class Buffer:
@@ -93,11 +151,17 @@ class Buffer:
             assert num_qps_per_rank > 0
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
             _all_gather_rank(self.rank, self.group_size, group)  # NVSHMEM unique ids
-        self.runtime: Optional[EmulatedLowLatencyRuntime] = EmulatedLowLatencyRuntime(
-            group, self.rank, self.group_size, num_rdma_bytes, mask_enabled=enable_shrink)
+        self.runtime: Optional[DeepEPRuntime] = DeepEPRuntime(
+            group, self.rank, self.group_size, num_rdma_bytes, enable_shrink, low_latency_mode,
+            num_qps_per_rank)
         self.normal_runtime = EmulatedNormalRuntime(self.runtime, self.rank, self.group_size,
                                                     num_nvl_bytes)
-        self.low_latency_dirty = False  # set by normal-mode calls (see the module doc)
+
+    @property
+    def low_latency_dirty(self) -> bool:
+        """Whether a normal-mode call used this buffer since the last low-latency one (see the
+        module doc; kept on the runtime, whose low-latency calls refuse to run then)."""
+        return self.runtime is not None and self.runtime.low_latency_dirty
 
     def destroy(self) -> None:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
@@ -110,7 +174,7 @@ class Buffer:
                                        num_ranks: int, num_experts: int) -> int:
         return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
-    def _runtime(self) -> EmulatedLowLatencyRuntime:
+    def _runtime(self) -> "DeepEPRuntime":
         if self.runtime is None:
             raise AttributeError("'NoneType' object has no attribute 'low_latency_dispatch' "
                                  "(the buffer was destroyed)")
@@ -119,15 +183,10 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        self._runtime()
-        self.low_latency_dirty = False
+        self._runtime().low_latency_dirty = False
 
-    def _low_latency_runtime(self) -> EmulatedLowLatencyRuntime:
-        runtime = self._runtime()
-        host_assert(not self.low_latency_dirty, "emulation: a normal-mode call used this buffer "
-                    "since the last low-latency one; call clean_low_latency_buffer first")
-        return runtime
-
+    # As upstream's deep_ep/buffer.py: each low-latency method is one call of the C++ runtime
+    # (``self.runtime``, positional as pybind11 binds it) wrapped into the public return tuple.
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -137,19 +196,13 @@ class Buffer:
                              return_recv_hook: bool = False
                              ) -> Tuple[Any, torch.Tensor, Tuple, EventOverlap, Optional[Callable]]:
         assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
-        runtime = self._low_latency_runtime()
-        host_assert(num_experts % self.group_size == 0, "num_experts % num_ranks == 0")
-        num_local_experts = num_experts // self.group_size
-        # The first SM checks the QPs: ibgda_get_state()->num_rc_per_pe >= num_local_experts.
-        host_assert(self.num_qps_per_rank >= num_local_experts,
-                    "ibgda_get_state()->num_rc_per_pe >= num_local_experts")
-        recv_x, scales, count, src_info, layout_range, hook = runtime.dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_local_experts, use_fp8,
-            round_scale, use_ue8m0, async_finish, return_recv_hook,
-            cumulative_local_expert_recv_stats)
+        recv_x, scales, count, src_info, layout_range, event, hook = \
+            self._runtime().low_latency_dispatch(
+                x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                async_finish, return_recv_hook)
         handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
-        event = EventOverlap(object() if async_finish else None)
-        return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
+        return (recv_x, scales) if use_fp8 else recv_x, count, handle, EventOverlap(event), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: tuple, use_logfmt: bool = False,
@@ -159,11 +212,11 @@ class Buffer:
                             ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable]]:
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
         assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
-        combined, hook = self._low_latency_runtime().combine(
-            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank,
-            num_experts // self.group_size, use_logfmt, zero_copy, async_finish,
+        combined, event, hook = self._runtime().low_latency_combine(
+            x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+            num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async_finish,
             return_recv_hook, out)
-        return combined, EventOverlap(object() if async_finish else None), hook
+        return combined, EventOverlap(event), hook
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -231,7 +284,8 @@ class Buffer:
     def _normal(self) -> EmulatedNormalRuntime:
         self._runtime_alive()
         if self.low_latency_mode:
-            self.low_latency_dirty = True
+            assert self.runtime is not None
+            self.runtime.low_latency_dirty = True
         return self.normal_runtime
 
     def _runtime_alive(self) -> None:

@@ -13,10 +13,13 @@ One process, an EP group of one rank (gloo), hidden 7168, topk 8, 32 experts by 
 
 Paths (``path`` in the JSON rows):
 
-- ``raw``: the library calls our backend's blocking ``prepare`` + ``finalize`` make, written
-  directly (DeepEP: ``low_latency_dispatch`` and ``low_latency_combine(out=)`` without a
-  receive hook, one kernel launch each; ``torch``: the same transport on torch.distributed,
-  :func:`multi_gpu._raw_round_trip`).
+- ``raw``: the library's calls for our backend's blocking ``prepare`` + ``finalize``, written
+  directly against its public API (DeepEP: ``deep_ep.Buffer.low_latency_dispatch`` and
+  ``low_latency_combine(out=)`` without a receive hook, one kernel launch each; ``torch``: the
+  same transport on torch.distributed, :func:`multi_gpu._raw_round_trip`).
+- ``runtime`` (DeepEP): the same two calls on ``deep_ep.Buffer.runtime``, the C++ runtime under
+  DeepEP's Python methods, which our manager calls where those methods have 567632d's
+  signatures (all2all/deepep.py): the floor under every path.
 - ``ours``: our backend's ``prepare`` + ``finalize``.
 - ``raw_hook`` / ``ours_hook`` (DeepEP): hook mode, the send and then the receive in the hook
   (two launches each call, what an overlapped call makes), raw and through our
@@ -67,7 +70,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
 from moe_plugins.registry import get_backend  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice  # noqa: E402
 
-PATHS = ("raw", "ours", "raw_hook", "ours_hook", "adapter", "vllm_in_tree")
+PATHS = ("runtime", "raw", "ours", "raw_hook", "ours_hook", "adapter", "vllm_in_tree")
 QUANTS = {"bf16": QuantSpec(), "fp8": QuantSpec(QuantScheme.FP8_BLOCK128)}
 
 
@@ -124,12 +127,14 @@ class _BatchedExperts:
     moe_config = SimpleNamespace(moe_parallel_config=None)
 
     def __init__(self, quant_config: Any):
-        self.quant_config = quant_config
-
-    def finalize_weight_and_reduce_impl(self) -> Any:
         from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
             TopKWeightAndReduceDelegate)
-        return TopKWeightAndReduceDelegate()
+
+        self.quant_config = quant_config
+        self._delegate = TopKWeightAndReduceDelegate  # imported once, as vLLM's experts do
+
+    def finalize_weight_and_reduce_impl(self) -> Any:
+        return self._delegate()
 
     def supports_packed_ue8m0_act_scales(self) -> bool:
         return False
@@ -230,8 +235,21 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
         back.hook()
         back.receiver()
 
+    def runtime_calls() -> None:
+        # deep_ep.Buffer.runtime (the C++ runtime), as our manager calls it where deep_ep.Buffer
+        # has 567632d's signatures (all2all/deepep.py): the floor under every path
+        rt = buffer.runtime
+        _x, _sf, _count, src_info, layout_range, _event, _hook = rt.low_latency_dispatch(
+            x, ids, None, None, m.max_tokens_per_rank, m.num_experts, fp8, False, False, False,
+            False)
+        rt.low_latency_combine(expert_out, ids, w, src_info, layout_range, None,
+                               m.max_tokens_per_rank, m.num_experts, False, False, False, False,
+                               out)
+
     paths: dict[str, Callable[[], None]] = {"raw": raw_calls(False), "ours": ours,
                                             "raw_hook": raw_calls(True), "ours_hook": ours_hook}
+    if getattr(m, "direct_runtime", False):
+        paths["runtime"] = runtime_calls
     if vllm_missing is None:
         from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import (
             DeepEPLLPrepareAndFinalize)
@@ -347,8 +365,8 @@ def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, fl
 
 
 #: (label, numerator path, denominator path) of the printed ratios
-RATIOS = (("ours/raw", "ours", "raw"), ("hook o/r", "ours_hook", "raw_hook"),
-          ("adapt/vllm", "adapter", "vllm_in_tree"))
+RATIOS = (("ours/raw", "ours", "raw"), ("ours/rt", "ours", "runtime"),
+          ("hook o/r", "ours_hook", "raw_hook"), ("adapt/vllm", "adapter", "vllm_in_tree"))
 
 
 def print_table(rows: list[Row]) -> None:
@@ -369,7 +387,8 @@ def print_table(rows: list[Row]) -> None:
               + " ".join(f"{us[p]:>12.2f}" if us[p] else f"{'-':>12}" for p in PATHS) + " "
               + " ".join(f"{ratio(a, b):>10}" for _, a, b in RATIOS))
     print("us per dispatch + combine round trip (median). raw/ours: the blocking library calls "
-          "(one launch each) and our prepare/finalize, which make them; raw_hook/ours_hook: "
+          "(one launch each) and our prepare/finalize, which make them; runtime: those calls "
+          "on DeepEP's C++ runtime, as our manager makes them; raw_hook/ours_hook: "
           "hook mode (send, then the receive in the hook) and our prepare_async/finalize_async; "
           "adapter/vllm_in_tree: our vLLM adapter (shared-expert overlap on, the plugin's "
           "default) and vLLM's in-tree class, both driven by vLLM's FusedMoEKernelModularImpl")

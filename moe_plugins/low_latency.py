@@ -517,7 +517,6 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                      f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
         # What every call reads, read once (each attribute chain is host time per call).
         self._hidden = manager.hidden
-        self._row_shape = (manager.hidden,)  # hidden_states.shape[1:]
         self._topk = cfg.num_topk
         self._padded = manager.padded
         self._idx_dtype = manager.topk_idx_dtype
@@ -604,36 +603,29 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         topk_ids int32/int64 [num_tokens, num_topk] (PHYSICAL ids, -1 for none). The send is
         issued here (hook mode); the hook receives; the receiver returns the
         :class:`PrepareResult`."""
-        recv_x, recv_sf, recv_count, hook = self._send(hidden_states, topk_weights, topk_ids,
-                                                       quant, True)
-        return AsyncResult(hook, lambda: self._received(recv_x, recv_sf, recv_count))
+        recv_x, recv_sf, recv_count, hook = self.dispatch_send(hidden_states, topk_weights,
+                                                               topk_ids, quant, True)
+        return AsyncResult(hook, lambda: PrepareResult(recv_x, recv_sf,
+                                                       ExpertTokensMeta(recv_count), None, None))
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
         """:meth:`prepare_async` with nothing to run between its send and its receive: one
         blocking library call (send and receive in one kernel launch instead of two: a
         launch's host time less per call, eager)."""
-        recv_x, recv_sf, recv_count, _ = self._send(hidden_states, topk_weights, topk_ids, quant,
-                                                    False)
-        return self._received(recv_x, recv_sf, recv_count)
-
-    def _received(self, recv_x: torch.Tensor, recv_sf: Optional[torch.Tensor],
-                  recv_count: torch.Tensor) -> PrepareResult:
-        """A receive as the experts get it: where the hidden size is padded, views of the
-        layer's columns (and of their scales)."""
-        if self._padded:
-            hidden = self._hidden
-            if recv_sf is not None:  # packed UE8M0 scales: int32, one per 512 columns
-                per = FP8_BLOCK * (_UE8M0_PACK if recv_sf.dtype is torch.int32 else 1)
-                recv_sf = recv_sf[..., : -(-hidden // per)]
-            recv_x = recv_x[..., :hidden]
+        recv_x, recv_sf, recv_count, _ = self.dispatch_send(hidden_states, topk_weights,
+                                                            topk_ids, quant, False)
         return PrepareResult(recv_x, recv_sf, ExpertTokensMeta(recv_count), None, None)
 
-    def _send(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool
-              ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[Hook]]:
-        """Check the call and issue the dispatch: (recv_x, recv_sf or None, recv_count, hook or
-        None). A call that raises here breaks the group: peers are in or past this dispatch."""
+    def dispatch_send(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                 Optional[Hook]]:
+        """:meth:`prepare_async`'s halves without the result objects (the vLLM adapter builds
+        vLLM's own from them): checks the call and issues the dispatch. Returns the receive
+        buffers (the class doc's x and x_sf, filled once ``hook`` has run; hook None when not
+        ``recv_hook``: filled already), recv_count int32 [num_local_experts] and the hook. A call
+        that raises here breaks the group: peers are in or past this dispatch."""
         if self.faults.broken is not None:  # the common case costs one attribute read
             self.faults.check(self.name)
         try:
@@ -642,7 +634,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             # float32 weights and ids in the library's dtype of shape [n, num_topk], the quant
             # spec of the last call, no call in flight. Any other call takes the full checks,
             # which raise every error they raised before, in the same order.
-            if not (h_shape[1:] == self._row_shape and hidden_states.dtype is _BF16
+            if not (len(h_shape) == 2 and h_shape[1] == self._hidden
+                    and hidden_states.dtype is _BF16
                     and topk_weights.dtype is _F32 and topk_ids.dtype is self._idx_dtype
                     and quant is self._checked_quant and self._state is None
                     and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
@@ -656,10 +649,13 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
             recv_x, recv_sf, recv_count, handle, hook = self.manager.dispatch(
                 x, ids, use_fp8, use_fp8 and self.use_ue8m0, recv_hook)
-            expert_shape = recv_x.shape
-            if self._padded:
-                expert_shape = torch.Size((*expert_shape[:-1], self._hidden))
-            self._state = (handle, n, expert_shape, topk_ids, topk_weights, ids)
+            if self._padded:  # the experts get views of the layer's columns (and scales)
+                hidden = self._hidden
+                recv_x = recv_x[..., :hidden]
+                if recv_sf is not None:  # packed UE8M0 scales: int32, one per 512 columns
+                    per = FP8_BLOCK * (_UE8M0_PACK if recv_sf.dtype is torch.int32 else 1)
+                    recv_sf = recv_sf[..., : -(-hidden // per)]
+            self._state = (handle, n, recv_x.shape, topk_ids, topk_weights, ids)
             self._calls += 1
             self._pairs[use_fp8] += n * self._topk
         except BaseException as e:  # peers are in (or past) this dispatch: out of step now
@@ -693,19 +689,22 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         expert outputs in prepare's layout; topk_weights/topk_ids: those given to prepare.
         ``output``: [num_tokens, hidden] to fill, or a row-scatter target whose owned rows
         receive the combined rows (added after the shared-expert join). Hook mode."""
-        hook, dest = self._combine(fused_expert_output, topk_weights, topk_ids, output, True)
-        return AsyncResult(hook, lambda: self._combined(dest, output))
+        hook, dest = self.combine_send(fused_expert_output, topk_weights, topk_ids, output, True)
+        if dest is output:  # the library writes the output itself
+            return AsyncResult(hook, lambda: output)
+        return AsyncResult(hook, lambda: self.combine_received(dest, output))
 
     def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
         """:meth:`finalize_async` as one blocking library call (send and receive in one kernel
         launch). Returns ``output`` (a row-scatter target: its buffer)."""
-        _, dest = self._combine(fused_expert_output, topk_weights, topk_ids, output, False)
-        return output if dest is output else self._combined(dest, output)
+        _, dest = self.combine_send(fused_expert_output, topk_weights, topk_ids, output, False)
+        return output if dest is output else self.combine_received(dest, output)
 
-    def _combined(self, dest: torch.Tensor, output: torch.Tensor | RowScatterTarget
-                  ) -> torch.Tensor:
-        """After the receive: ``dest`` (the library's output rows) into ``output``."""
+    def combine_received(self, dest: torch.Tensor, output: torch.Tensor | RowScatterTarget
+                         ) -> torch.Tensor:
+        """After the combine's receive: ``dest`` (what :meth:`combine_send` returned) into
+        ``output``; returns ``output`` (a row-scatter target: its buffer)."""
         if dest is output:
             return output
         combined = dest[:, : self._hidden] if self._padded else dest
@@ -714,11 +713,13 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         output.copy_(combined)
         return output
 
-    def _combine(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
-                 recv_hook: bool) -> tuple[Optional[Hook], torch.Tensor]:
-        """Check the call and issue the combine: (hook or None, the tensor the library
-        writes: ``output`` itself where it can)."""
+    def combine_send(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
+                     recv_hook: bool) -> tuple[Optional[Hook], torch.Tensor]:
+        """:meth:`finalize_async`'s first half without the result object: checks the call and
+        issues the combine. Returns (hook or None, dest: the tensor the library writes,
+        ``output`` itself where it can); after the hook, :meth:`combine_received` writes
+        ``output``. A call that raises here breaks the group."""
         st = self._state
         if st is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")

@@ -75,7 +75,8 @@ from moe_plugins.counters import DispatchStats
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
                                    check_finalize_result)
-from moe_plugins.layout import OwnedRows, ParallelLayout, owned_rows, slice_owned
+from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
+from moe_plugins.low_latency import LowLatencyPrepareFinalize
 from moe_plugins.planner.model_config import ModelSpec, model_spec_from_dict
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.placement import ExpertPlacement
@@ -608,6 +609,10 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # read once: only a per-call backend pays for reading vLLM's forward context per call
         self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}  # (see _Call)
+        # our low-latency backends (every micro-batch's object): the adapter calls their send
+        # and receive halves directly (dispatch_send, combine_send, combine_received)
+        self._low_latency = bool(self._backends) and all(
+            isinstance(b, LowLatencyPrepareFinalize) for b in self._backends)
         # read once: vLLM asks on every prepare and finalize
         self._async = overlap.overlap and backend is not None and backend.supports_async()
         # micro-batch ids below this have a backend object (no backend: any id, nothing to call)
@@ -929,6 +934,13 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                               presliced=self._tp != self.ctx.layout.tp))
         # registered first: a receive that raises leaves a call the next prepare resets
         self._calls[slot] = (rows, ids, weights, owns_all)
+        if self._low_latency and (defer_input_quant or self._recv_quant is None):
+            # our low-latency backends' send, vLLM's result built from the receive buffers
+            # (no PrepareResult in between: host time on every eager call)
+            recv_x, recv_sf, count, hook = backend.dispatch_send(x, weights, ids, quant,
+                                                                 not blocking)
+            result = (recv_x, recv_sf, mk.ExpertTokensMetadata(count, None), None, None)
+            return (hook, lambda: result) if hook is not None else lambda: result
         if blocking:
             result = self._to_vllm(backend.prepare(x, weights, ids, quant), topk_ids,
                                    topk_weights, quant, quant_config, defer_input_quant)
@@ -999,10 +1011,23 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                     expert_out = expert_out.clone()
             target = output if owns_all else output[rows.as_slice]
-            if blocking:  # the backend's finalize checks that it wrote ``target``
+            done = owns_all and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE
+            if self._low_latency:  # their halves, without the result objects in between
+                hook, dest = backend.combine_send(expert_out, weights, ids, target, not blocking)
+                if hook is None:
+                    backend.combine_received(dest, target)
+                    if done:
+                        return _nothing
+                    received = None
+                elif dest is target and done:  # the library writes the output itself
+                    return hook, _nothing
+                else:
+                    def received() -> torch.Tensor:
+                        return backend.combine_received(dest, target)
+            elif blocking:  # the backend's finalize checks that it wrote ``target``
                 backend.finalize(expert_out, weights, ids, target)
                 backend.reset_call_state()
-                if owns_all and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE:
+                if done:
                     return _nothing
                 hook, received = None, None
             else:

@@ -201,6 +201,32 @@ def blocking_and_hooked_round_trips(rank: int, world: int, backend: str, layout:
                     out_blocking=out_blocking, out_hooked=out_hooked)
 
 
+def runtime_and_wrapper_round_trips(rank: int, world: int, layout: ParallelLayout,
+                                    cfg: MoEConfig) -> dict:
+    """deepep_ll: the same blocking and hooked round trips through DeepEP's C++ runtime (the
+    manager's path on 567632d's signatures) and through deep_ep.Buffer's Python methods (its
+    path on any other signatures); returns whether the runtime path was chosen and all outputs."""
+    with built("deepep_ll", layout, cfg) as pf:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(3, cfg.hidden, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
+                           for _ in range(3)])
+        w = torch.rand(3, cfg.num_topk, generator=g)
+        chosen = pf.manager.direct_runtime
+        outs = {}
+        for direct in (True, False):
+            pf.manager.direct_runtime = direct
+            prep = pf.prepare(x, w, ids, QuantSpec())
+            outs[direct, "blocking"] = pf.finalize(prep.x.clone(), w, ids, torch.empty_like(x))
+            sent = pf.prepare_async(x, w, ids, QuantSpec())
+            sent.hook()
+            prep = sent.receiver()
+            back = pf.finalize_async(prep.x.clone(), w, ids, torch.empty_like(x))
+            back.hook()
+            outs[direct, "hooked"] = back.receiver()
+        return dict(chosen=chosen, outs=outs, x=x, w=w)
+
+
 def prepare_too_many_tokens(rank: int, world: int, backend: str, layout: ParallelLayout,
                             cfg: MoEConfig) -> None:
     with built(backend, layout, cfg, max_tokens=4) as pf:

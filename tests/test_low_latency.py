@@ -127,6 +127,53 @@ def test_blocking_calls_launch_once_and_match_the_hooked_ones(rank_pool, backend
 
 
 @pytest.mark.multirank
+def test_runtime_calls_match_the_python_methods(rank_pool):
+    """deepep_ll calls the emulated C++ runtime directly (567632d's signatures, as the real
+    Buffer has them); the same round trips through deep_ep.Buffer's Python methods (the path
+    for other signatures) give bit-equal outputs, and both give the tokens back."""
+    results = rank_pool(2).run(ll_rank_fns.runtime_and_wrapper_round_trips,
+                               ParallelLayout(2, 1, True), _cfg())
+    for r in results:
+        assert r["chosen"] is True
+        for mode in ("blocking", "hooked"):
+            torch.testing.assert_close(r["outs"][True, mode], r["outs"][False, mode], atol=0,
+                                       rtol=0)
+            expected = (r["x"].float() * r["w"].sum(dim=1, keepdim=True)).to(torch.bfloat16)
+            torch.testing.assert_close(r["outs"][True, mode].float(), expected.float(),
+                                       atol=3e-2, rtol=2e-2)
+
+
+def test_runtime_calls_only_on_the_known_signatures(caplog):
+    """Another deep_ep.Buffer (other parameters of its low-latency methods, or no runtime):
+    the manager calls the Python methods, and says so once at INFO."""
+    import logging
+
+    from all2all.deepep import runtime_calls_known
+    from emulation import deep_ep as emulated
+
+    class Renamed(emulated.Buffer):
+        def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,  # type: ignore[override]
+                                 num_experts, use_fp8=True):
+            raise AssertionError("not called")
+
+    class NoRuntime:
+        low_latency_dispatch = emulated.Buffer.low_latency_dispatch
+        low_latency_combine = emulated.Buffer.low_latency_combine
+
+    known = object.__new__(emulated.Buffer)
+    known.runtime = object.__new__(emulated.DeepEPRuntime)
+    assert runtime_calls_known(known)
+    renamed = object.__new__(Renamed)
+    renamed.runtime = known.runtime
+    with caplog.at_level(logging.INFO, logger="all2all.deepep"):
+        assert not runtime_calls_known(renamed)
+        assert not runtime_calls_known(renamed)  # logged once per class
+        assert not runtime_calls_known(NoRuntime())
+    lines = [r.getMessage() for r in caplog.records if r.name == "all2all.deepep"]
+    assert len(lines) == 2 and "Renamed" in lines[0] and "calling them instead" in lines[0]
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "no_shared"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layer_dispatches_blocking_when_nothing_runs_between(rank_pool, backend, shared):

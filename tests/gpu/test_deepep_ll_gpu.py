@@ -71,3 +71,14 @@ def test_whole_layer_replays_in_a_cuda_graph(ctx, weights, quant, num_tokens):
     finally:
         torch.cuda.synchronize()
         layer.destroy()
+
+
+def test_calls_go_to_the_runtime_of_567632d(build):
+    """On DeepEP 567632d the manager recognises deep_ep.Buffer's low-latency signatures and calls
+    its C++ runtime directly (all2all/deepep.py); the tests above then check what those calls
+    deliver against the reference and the raw ``Buffer`` methods."""
+    from all2all.deepep import runtime_calls_known
+
+    pf = build(BF16)
+    assert runtime_calls_known(pf.manager.buffer)
+    assert pf.manager.direct_runtime

@@ -314,15 +314,18 @@ def torch_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
 
 def eager_us(paths: dict[str, Callable[[], None]], samples: int, batch: int,
              sync: Callable[[], None]) -> dict[str, float]:
-    """Median wall time per round trip (us), samples of each path interleaved so that drift of
-    a shared machine hits every path alike."""
+    """Median wall time per round trip (us), samples of each path interleaved (in a rotating
+    order) so that drift of a shared machine hits every path alike."""
     for fn in paths.values():
         for _ in range(max(3, batch)):
             fn()
     sync()
     times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(samples):
-        for name, fn in paths.items():
+    names = list(paths)
+    for i in range(samples):
+        # the order rotates: no path always runs right after another's sync
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = paths[name]
             t0 = time.perf_counter_ns()
             for _ in range(batch):
                 fn()
@@ -409,7 +412,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="hidden size of the torch backend's cases (default: 512 on cpu, where "
                         "gloo's copies of 7168-wide rows would bury the Python in memcpy; "
                         "--hidden on cuda)")
-    p.add_argument("--samples", type=int, default=40, help="eager samples per path")
+    p.add_argument("--samples", type=int, default=120, help="eager samples per path")
     p.add_argument("--batch", type=int, default=20, help="round trips per eager sample")
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
     p.add_argument("--profile", type=Path,

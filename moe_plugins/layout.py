@@ -172,7 +172,8 @@ class LocalIdMap:
         table = self._tables.get(topk_ids.device)
         if table is None:
             table = self._tables[topk_ids.device] = self._cpu_table.to(topk_ids.device)
-        return table[topk_ids.clamp(-1, self.num_experts)]
+        ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()  # take: int64
+        return torch.take(table, ids.clamp(-1, self.num_experts))
 
     def shifted(self, checked_ids: torch.Tensor) -> torch.Tensor:
         """``map(ids) + 1`` (0: held elsewhere or -1) in one gather, for ids already known to
@@ -181,7 +182,7 @@ class LocalIdMap:
         table = self._shifted.get(checked_ids.device)
         if table is None:
             table = self._shifted[checked_ids.device] = (self._cpu_table + 1).to(checked_ids.device)
-        return table[checked_ids]
+        return torch.take(table, checked_ids)
 
 
 def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") -> torch.Tensor:
@@ -217,10 +218,14 @@ class DestinationMap:
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, physical_ids: torch.Tensor) -> torch.Tensor:
+        """physical_ids int [num_tokens, num_topk] -> bool [num_ranks + 2, num_tokens]."""
         table = self._tables.get(physical_ids.device)
         if table is None:
             table = self._tables[physical_ids.device] = self._cpu_table.to(physical_ids.device)
-        dest = table[physical_ids.clamp(-2, self.num_physical)]  # [num_tokens, num_topk]
+        ids = physical_ids if physical_ids.dtype is torch.int64 else physical_ids.long()
+        # a gather by take (int64 ids; negative ones index from the end): a fraction of
+        # advanced indexing's host time
+        dest = torch.take(table, ids.clamp(-2, self.num_physical))  # [num_tokens, num_topk]
         hit = torch.zeros(self.num_ranks + 2, physical_ids.shape[0], dtype=torch.bool,
                           device=physical_ids.device)
         return hit.scatter_(0, dest.t(), True)

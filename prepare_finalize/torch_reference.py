@@ -176,9 +176,10 @@ class TorchPrepareFinalize(PrepareFinalize):
         if input_error is None:
             if self._destinations is None:
                 self._destinations = DestinationMap(m.placement)
+            ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
             # [r + 2, n]: the destination ranks, a -1 row, a bad-id row (faults' status word:
             # the count of tokens with ids outside [-1, num_physical))
-            hit = self._destinations(topk_ids)
+            hit = self._destinations(ids)
             torch.sum(hit, dim=1, out=hb.sums)
         else:
             hb.sums.zero_()
@@ -205,7 +206,6 @@ class TorchPrepareFinalize(PrepareFinalize):
         # Rows sent, grouped by destination rank, each token once per rank; their number is
         # known from the header, so the nonzeros are found without a second host sync.
         token_index = torch.nonzero_static(hit[:r], size=sum(send_splits))[:, 1]
-        ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
 
         x, x_sf = quantize_for_dispatch(hidden_states, quant)
         weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
@@ -213,7 +213,8 @@ class TorchPrepareFinalize(PrepareFinalize):
         # instead of one per tensor (each is a collective's host cost, on NCCL and on gloo).
         packed, row = _pack_rows(ids, weights, x, x_sf)
         try:
-            sent, work = m.all_to_all(packed[token_index], send_splits, recv_splits, num_recv,
+            sent, work = m.all_to_all(torch.index_select(packed, 0, token_index), send_splits,
+                                      recv_splits, num_recv,
                                       blocking)
         except RuntimeError as e:  # a blocking transfer that timed out, or a peer gone
             raise collective_error(f, self.name, "dispatch all-to-all", self._timeout_s, e) from e

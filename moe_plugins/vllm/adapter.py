@@ -798,7 +798,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """vLLM's ids -> the PHYSICAL ids the transports dispatch (same shape and dtype)."""
         if self._g2p is None:
             return topk_ids
-        return self._g2p[topk_ids.long()].to(topk_ids.dtype)
+        return torch.take(self._g2p, topk_ids.long()).to(topk_ids.dtype)
 
     def _global_ids(self, prep: PrepareResult, ids_dtype: torch.dtype, weights_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -807,7 +807,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         assert prep.topk_ids is not None and prep.topk_weights is not None
         assert self._slot_ids is not None
         local = prep.topk_ids
-        ids = self._slot_ids[local]  # -1 indexes the last entry: an id held elsewhere
+        ids = torch.take(self._slot_ids, local if local.dtype is torch.int64 else local.long())
+        # (-1 takes the last entry: an id held elsewhere)
         weights = prep.topk_weights.masked_fill(local < 0, 0)
         if ids.dtype is not ids_dtype:
             ids = ids.to(ids_dtype)

@@ -30,6 +30,10 @@ Paths (``path`` in the JSON rows):
   ``prepare`` / ``finalize``.
 - ``vllm_in_tree``: vLLM's ``DeepEPLLPrepareAndFinalize`` on the same ``deep_ep.Buffer``, driven
   the same way (there is no in-tree class for the ``torch`` transport).
+- ``adapter_shared`` / ``vllm_shared`` (DeepEP): the same two with a shared expert in the call
+  (one that computes nothing), which vLLM runs between the combine's send and its receive.
+  With the plugin's patch of vLLM's modular kernel (installed here as the plugin installs it),
+  ``adapter`` combines blocking (nothing runs between) and ``adapter_shared`` in hook mode.
 
 The experts are identity (the prepared activations, or a fixed expert-output tensor, go
 straight to finalize), so only dispatch/combine and the Python around them are timed.
@@ -70,7 +74,8 @@ from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
 from moe_plugins.registry import get_backend  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice  # noqa: E402
 
-PATHS = ("runtime", "raw", "ours", "raw_hook", "ours_hook", "adapter", "vllm_in_tree")
+PATHS = ("runtime", "raw", "ours", "raw_hook", "ours_hook", "adapter", "vllm_in_tree",
+         "adapter_shared", "vllm_shared")
 QUANTS = {"bf16": QuantSpec(), "fp8": QuantSpec(QuantScheme.FP8_BLOCK128)}
 
 
@@ -170,21 +175,30 @@ def _inputs(tokens: int, hidden: int, experts: int, topk: int, dev: torch.device
     return x, (w / w.sum(dim=-1, keepdim=True)).float().contiguous(), ids.contiguous()
 
 
+def _no_shared_expert(x: torch.Tensor, order: Any) -> None:
+    """A shared expert that computes nothing: vLLM runs it between the combine's send and its
+    receive hook, so the rows with it time the hook-mode combine a shared-expert layer makes."""
+
+
 def _modular_kernel_round_trip(pf: Any, experts: Any, x: torch.Tensor, w: torch.Tensor,
                                ids: torch.Tensor, num_experts: int, expert_out: torch.Tensor,
-                               out: torch.Tensor) -> Callable[[], None]:
+                               out: torch.Tensor, shared: bool = False) -> Callable[[], None]:
     """A prepare/finalize driven by vLLM's own ``FusedMoEKernelModularImpl._prepare`` and
     ``._finalize`` (what its modular kernel runs around the experts: the async path with the
-    receive hooks where ``supports_async()``, else prepare/finalize; no dual-batch overlap, no
-    shared expert), so our adapter and vLLM's in-tree class are called as vLLM calls them."""
+    receive hooks where ``supports_async()``, else prepare/finalize; no dual-batch overlap), with
+    the plugin's patch of it installed (main() installs it, as the plugin does in vLLM: a kernel
+    over our adapter combines blocking when the call has no shared expert), so our adapter and
+    vLLM's in-tree class are called as vLLM calls them. ``shared``: the call has a shared expert
+    (:func:`_no_shared_expert`, run where vLLM runs one)."""
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernelModularImpl
 
     impl = FusedMoEKernelModularImpl(pf, experts)
     ids = ids.to(pf.topk_indices_dtype() or torch.int32)  # as vLLM's router emits them
+    se, se_input = (_no_shared_expert, x) if shared else (None, None)
 
     def run() -> None:
         impl._prepare(x, w, ids, num_experts, None, False)
-        impl._finalize(out, expert_out, x, w, ids, False, None, None)
+        impl._finalize(out, expert_out, x, w, ids, False, se, se_input)
 
     return run
 
@@ -259,6 +273,8 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
         adapter = _adapter(spec, ctx, cfg, case.quant, experts, OverlapConfig())
         paths["adapter"] = _modular_kernel_round_trip(adapter, experts, x, w, ids, args.experts,
                                                       expert_out, out)
+        paths["adapter_shared"] = _modular_kernel_round_trip(adapter, experts, x, w, ids,
+                                                             args.experts, expert_out, out, True)
         try:
             in_tree = DeepEPLLPrepareAndFinalize(buffer=buffer,
                                                  max_tokens_per_rank=m.max_tokens_per_rank,
@@ -271,6 +287,8 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
         in_tree.post_init_setup(experts)
         paths["vllm_in_tree"] = _modular_kernel_round_trip(in_tree, experts, x, w, ids,
                                                            args.experts, expert_out, out)
+        paths["vllm_shared"] = _modular_kernel_round_trip(in_tree, experts, x, w, ids,
+                                                          args.experts, expert_out, out, True)
     return paths
 
 
@@ -369,7 +387,8 @@ def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, fl
 
 #: (label, numerator path, denominator path) of the printed ratios
 RATIOS = (("ours/raw", "ours", "raw"), ("ours/rt", "ours", "runtime"),
-          ("hook o/r", "ours_hook", "raw_hook"), ("adapt/vllm", "adapter", "vllm_in_tree"))
+          ("hook o/r", "ours_hook", "raw_hook"), ("adapt/vllm", "adapter", "vllm_in_tree"),
+          ("shared a/v", "adapter_shared", "vllm_shared"))
 
 
 def print_table(rows: list[Row]) -> None:
@@ -394,7 +413,9 @@ def print_table(rows: list[Row]) -> None:
           "on DeepEP's C++ runtime, as our manager makes them; raw_hook/ours_hook: "
           "hook mode (send, then the receive in the hook) and our prepare_async/finalize_async; "
           "adapter/vllm_in_tree: our vLLM adapter (shared-expert overlap on, the plugin's "
-          "default) and vLLM's in-tree class, both driven by vLLM's FusedMoEKernelModularImpl")
+          "default) and vLLM's in-tree class, both driven by vLLM's FusedMoEKernelModularImpl "
+          "with the plugin's patch (no shared expert: our combine is blocking); *_shared: the "
+          "same with a shared expert in the call (our combine in hook mode)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -435,6 +456,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     vllm_missing = _import_vllm(args.device)
     if vllm_missing:
         print(f"vLLM paths (adapter, vllm_in_tree) skipped: {vllm_missing}", file=sys.stderr)
+    else:  # what the plugin installs in vLLM (the other hooks touch no prepare/finalize call)
+        from moe_plugins.vllm.patches import BLOCKING_FINALIZE, apply_patch
+
+        apply_patch(BLOCKING_FINALIZE)
 
     dev = torch.device(args.device)
     if args.device == "cpu":

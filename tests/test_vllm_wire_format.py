@@ -41,6 +41,25 @@ def test_packed_ue8m0_scales_reach_vllm_experts_as_in_tree(rank_pool):
         torch.testing.assert_close(o["routed"], t["routed"], rtol=0, atol=0)
 
 
+def test_kernel_without_shared_expert_combines_blocking(rank_pool):
+    """With the plugin's patch of vLLM's modular kernel (moe_plugins.vllm.patches), a kernel
+    over our adapter with shared-expert overlap on makes the blocking combine when the call has
+    no shared expert (2 launches per layer, as with overlap off), and keeps the hook-mode
+    combine when it has one: 3 launches, the shared expert run by vLLM after the combine's send
+    (launch 2) with its receive still pending. vLLM's in-tree class is not patched (4). The
+    routed output is the same in every case."""
+    pool = rank_pool(2)
+    theirs = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, True, 0, False, True)
+    alone = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, False, 0, True, True)
+    shared = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, False, 0, True, True, True)
+    for t, a, s in zip(theirs, alone, shared):
+        assert t["async_"] and a["async_"] and s["async_"]
+        assert (t["launches"], a["launches"], s["launches"]) == (4, 2, 3)
+        assert s["shared_saw"] == [(2, 1)]
+        torch.testing.assert_close(a["routed"], t["routed"], rtol=0, atol=0)
+        torch.testing.assert_close(s["routed"], t["routed"], rtol=0, atol=0)
+
+
 def test_fewer_library_launches_than_in_tree_same_output(rank_pool):
     """Through vLLM's FusedMoEKernel, vLLM's in-tree DeepEP LL class always makes hook-mode
     calls (send + receive launches: 4 per layer call); nothing runs between our dispatch's send

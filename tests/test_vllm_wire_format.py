@@ -61,11 +61,11 @@ def test_kernel_without_shared_expert_combines_blocking(rank_pool):
 
 
 def test_fewer_library_launches_than_in_tree_same_output(rank_pool):
-    """Through vLLM's FusedMoEKernel, vLLM's in-tree DeepEP LL class always makes hook-mode
-    calls (send + receive launches: 4 per layer call); nothing runs between our dispatch's send
-    and receive without dual-batch overlap, so our dispatch is one blocking launch, and the
-    combine too when no shared expert overlaps it. The routed output is the same, and both ask
-    vLLM's router for the library's id dtype."""
+    """Through vLLM's FusedMoEKernel (without the plugin's patch of it), vLLM's in-tree DeepEP
+    LL class always makes hook-mode calls (send + receive launches: 4 per layer call); nothing
+    runs between our dispatch's send and receive without dual-batch overlap, so our dispatch is
+    one blocking launch, and the combine too with shared-expert overlap off. The routed output
+    is the same, and both ask vLLM's router for the library's id dtype."""
     pool = rank_pool(2)
     theirs = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, True)
     blocking = pool.run(vllm_ll_rank_fns.run_ue8m0_kernel, CFG, 5, False)

@@ -9,7 +9,7 @@ layer output can be checked against the single-process reference as well.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
@@ -73,18 +73,21 @@ def _in_tree_prepare_finalize(buffer: Any, max_tokens: int, world: int
 
 
 @contextmanager
-def blocking_finalize_patch() -> Iterator[None]:
+def blocking_finalize_patch(on: bool) -> Iterator[None]:
     """The plugin's patch of vLLM's FusedMoEKernelModularImpl (moe_plugins.vllm.patches: kernels
-    over our prepare/finalize combine blocking when no shared expert runs between), installed
-    alone for the block unless the plugin installed it already."""
+    over our prepare/finalize combine blocking when no shared expert runs between) installed
+    (``on``) or not for the block, whatever an earlier test in this rank process left."""
     from moe_plugins.vllm import patches
 
-    installed_here = patches.apply_patch(patches.BLOCKING_FINALIZE)
+    symbol = patches.BLOCKING_FINALIZE
+    was = symbol in patches.applied_symbols()
+    if on != was:
+        (patches.apply_patch if on else patches.revert_patch)(symbol)
     try:
         yield
     finally:
-        if installed_here:
-            patches.revert_patch(patches.BLOCKING_FINALIZE)
+        if on != was:
+            (patches.revert_patch if on else patches.apply_patch)(symbol)
 
 
 class LaunchRecordingSharedExpert:
@@ -108,7 +111,7 @@ def run_ue8m0_kernel(rank: int, world: int, cfg: MoEConfig, num_tokens: int, in_
     patch; ``shared``: a shared expert in the call (:class:`LaunchRecordingSharedExpert`).
     Returns what the experts received, the routed output, the library's kernel launches during
     the layer call and what the shared expert saw."""
-    with blocking_finalize_patch() if patched else nullcontext():
+    with blocking_finalize_patch(patched):
         return _ue8m0_kernel(rank, world, cfg, num_tokens, in_tree, seed, overlap, shared)
 
 

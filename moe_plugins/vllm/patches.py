@@ -577,15 +577,7 @@ def apply_all(names: Iterable[str]) -> list[str]:
     names = list(names)
     pending = [p for p in PATCHES if p.symbol not in _APPLIED and p.applies()]
     for p in pending:  # check first, patch second
-        if p.install is _install_names:
-            _field_owner(p)
-            continue
-        original = resolve(p.symbol)[2]
-        original = original.fget if isinstance(original, property) else original
-        if p.precheck is not None:
-            p.precheck(p, original)
-        else:
-            check_signature(p, original)
+        _check(p)
     try:
         for p in pending:
             p.install(p, names)
@@ -602,13 +594,23 @@ def apply_patch(symbol: str) -> bool:
     patch = next(p for p in PATCHES if p.symbol == symbol)
     if symbol in _APPLIED:
         return False
-    original = resolve(symbol)[2]
+    _check(patch)
+    patch.install(patch, list(_our_names()))
+    return True
+
+
+def _check(patch: Patch) -> None:
+    """One patch's check of the original it rebinds (raises VllmPatchError), made before
+    anything is rebound."""
+    if patch.install is _install_names:
+        _field_owner(patch)
+        return
+    original = resolve(patch.symbol)[2]
+    original = original.fget if isinstance(original, property) else original
     if patch.precheck is not None:
         patch.precheck(patch, original)
     else:
         check_signature(patch, original)
-    patch.install(patch, list(_our_names()))
-    return True
 
 
 def revert_patch(symbol: str) -> None:

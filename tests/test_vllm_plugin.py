@@ -196,6 +196,23 @@ def test_moved_or_changed_symbol_fails_loudly(registered, patch):
 
 
 @needs_vllm
+def test_changed_modular_finalize_fails_loudly(registered, monkeypatch):
+    """The blocking-combine hook replaces vLLM's FusedMoEKernelModularImpl._finalize per kernel:
+    a _finalize with other parameters is refused before anything is patched, naming it."""
+    patch = next(p for p in PATCHES if p.symbol == vllm_patches.BLOCKING_FINALIZE)
+    owner, _, _ = vllm_patches.resolve(patch.symbol)
+
+    def _finalize(self, output, fused_out, hidden_states, topk_weights, topk_ids,
+                  apply_router_weight_on_input, shared_experts):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(owner, "_finalize", _finalize)
+    with pytest.raises(VllmPatchError, match=r"vLLM changed .*_finalize: parameters .*the patch "
+                                             r"needs an update"):
+        vllm_patches._check(patch)
+
+
+@needs_vllm
 def test_names_field_change_fails_loudly(registered):
     names_patch = PATCHES[0]
     changed = replace(names_patch, expected=("allgather_reducescatter", "no_such_backend"))

@@ -20,7 +20,7 @@ from moe_plugins.overlap import SharedExpertHandle, join
 from moe_plugins.quant import QuantSpec
 
 __all__ = [
-    "ActivationFormat", "ExpertTokensMeta", "PrepareResult", "RowScatterTarget",
+    "ActivationFormat", "ExpertTokensMeta", "LazyExpertTokensMeta", "PrepareResult", "RowScatterTarget",
     "Hook", "AsyncResult", "PrepareFinalize", "capturing", "check_prepare_inputs",
     "check_finalize_routing", "check_finalize_result", "row_scatter_add", "write_output",
     "BatchHint",
@@ -46,6 +46,25 @@ class ExpertTokensMeta:
     """expert_num_tokens: int32 [num_local_experts], received tokens per local expert."""
 
     expert_num_tokens: torch.Tensor
+
+
+class LazyExpertTokensMeta(ExpertTokensMeta):
+    """:class:`ExpertTokensMeta` whose counts are made on first read, by ``make(source)``:
+    for STANDARD backends whose counts cost kernels that the experts may never read (vLLM's
+    and our STANDARD experts route by the ids). Read once, the counts are kept."""
+
+    __slots__ = ("_make", "_source", "_counts")
+
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor], source: torch.Tensor):
+        self._make, self._source = make, source
+        self._counts: Optional[torch.Tensor] = None
+
+    @property  # type: ignore[override]
+    def expert_num_tokens(self) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = self._make(self._source)
+            self._source = None  # type: ignore[assignment]
+        return self._counts
 
 
 @dataclass(slots=True)

@@ -169,11 +169,13 @@ class LocalIdMap:
         self._shifted: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        table = self._tables.get(topk_ids.device)
-        if table is None:
-            table = self._tables[topk_ids.device] = self._cpu_table.to(topk_ids.device)
         ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()  # take: int64
-        return torch.take(table, ids.clamp(-1, self.num_experts))
+        return torch.take(self._table(ids.device), ids.clamp(-1, self.num_experts))
+
+    def checked(self, checked_ids: torch.Tensor) -> torch.Tensor:
+        """``map(ids)`` in one gather (no clamp), for int64 ids already known to lie in
+        [-1, num_physical) (the sender checked them)."""
+        return torch.take(self._table(checked_ids.device), checked_ids)
 
     def shifted(self, checked_ids: torch.Tensor) -> torch.Tensor:
         """``map(ids) + 1`` (0: held elsewhere or -1) in one gather, for ids already known to
@@ -183,6 +185,12 @@ class LocalIdMap:
         if table is None:
             table = self._shifted[checked_ids.device] = (self._cpu_table + 1).to(checked_ids.device)
         return torch.take(table, checked_ids)
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = self._cpu_table.to(device)
+        return table
 
 
 def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") -> torch.Tensor:
@@ -200,15 +208,16 @@ def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") 
 
 class DestinationMap:
     """:func:`destination_ranks` with the out-of-range check folded in, as one lookup, for
-    backends that route on every call: ``map(ids)`` -> bool [num_ranks + 2, num_tokens], rank
-    major (the rows a dispatch sends, grouped by destination, are then the nonzeros of a
+    backends that route on every call: ``map(ids)`` -> int64 0/1 [num_ranks + 2, num_tokens],
+    rank major (the rows a dispatch sends, grouped by destination, are then the nonzeros of a
     contiguous prefix); rows [0, num_ranks) are ``destination_ranks(ids, placement).t()``, row
     num_ranks marks tokens with a -1 entry (no expert: dropped), row num_ranks + 1 tokens with
     an id outside [-1, num_physical). Four kernels (clamp, gather, zeros, scatter) instead of
-    seven plus a separate range check. The table int64 [num_physical + 3] is made per device on
-    first use: entry p < num_physical holds p's rank, entries num_physical and num_physical + 1
-    (where an id clamped to -2 indexes from the end) the bad row, the last (-1) the no-expert
-    row."""
+    seven plus a separate range check. int64, not bool: its row sums (the header's counts)
+    then need no dtype conversion (a kernel more on CUDA, for bool). The table int64
+    [num_physical + 3] is made per device on first use: entry p < num_physical holds p's rank,
+    entries num_physical and num_physical + 1 (where an id clamped to -2 indexes from the end)
+    the bad row, the last (-1) the no-expert row."""
 
     def __init__(self, placement: "ExpertPlacement"):
         self.num_physical, self.num_ranks = placement.num_physical, placement.num_ranks
@@ -218,7 +227,7 @@ class DestinationMap:
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, physical_ids: torch.Tensor) -> torch.Tensor:
-        """physical_ids int [num_tokens, num_topk] -> bool [num_ranks + 2, num_tokens]."""
+        """physical_ids int [num_tokens, num_topk] -> int64 0/1 [num_ranks + 2, num_tokens]."""
         table = self._tables.get(physical_ids.device)
         if table is None:
             table = self._tables[physical_ids.device] = self._cpu_table.to(physical_ids.device)
@@ -226,6 +235,6 @@ class DestinationMap:
         # a gather by take (int64 ids; negative ones index from the end): a fraction of
         # advanced indexing's host time
         dest = torch.take(table, ids.clamp(-2, self.num_physical))  # [num_tokens, num_topk]
-        hit = torch.zeros(self.num_ranks + 2, physical_ids.shape[0], dtype=torch.bool,
+        hit = torch.zeros(self.num_ranks + 2, physical_ids.shape[0], dtype=torch.int64,
                           device=physical_ids.device)
-        return hit.scatter_(0, dest.t(), True)
+        return hit.scatter_(0, dest.t(), 1)

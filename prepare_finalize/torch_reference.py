@@ -23,7 +23,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check_peers,
                                 collective_error, config_digest, group_faults, in_step)
-from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
+from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_finalize_result, check_finalize_routing,
                                    check_prepare_inputs, write_output)
@@ -98,6 +98,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         self._headers: dict[torch.device, _HeaderBuffer] = {}
         # Per device, a 1-element int32 one: expanded, the source of the per-expert count scatter.
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self._layouts: dict[tuple, _RowLayout] = {}  # row layouts by (k, dtypes, widths)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -122,39 +123,47 @@ class TorchPrepareFinalize(PrepareFinalize):
             except RuntimeError as e:
                 raise collective_error(self.faults, self.name, what, self._timeout_s, e) from e
 
-    def _local_ids_and_counts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _counts(self, recv_ids: torch.Tensor) -> torch.Tensor:
         """Received PHYSICAL ids int64 [num_recv, num_topk], every one in [-1, num_physical)
-        (each sender's status word said so) -> (LOCAL ids, -1 elsewhere; int32
-        [num_local_experts] pairs per local expert) in four small kernels, no host sync."""
-        one = self._ones.get(ids.device)
+        (each sender's status word said so) -> int32 [num_local_experts], pairs per local
+        expert, in three small kernels, no host sync."""
+        assert self._local_ids is not None
+        one = self._ones.get(recv_ids.device)
         if one is None:
-            one = self._ones[ids.device] = torch.ones(1, dtype=torch.int32, device=ids.device)
-        if self._local_ids is None:
-            m = self.manager
-            self._local_ids = LocalIdMap(m.placement, m.rank)
-        shifted = self._local_ids.shifted(ids)  # local id + 1, 0 elsewhere
+            one = self._ones[recv_ids.device] = torch.ones(1, dtype=torch.int32,
+                                                           device=recv_ids.device)
+        shifted = self._local_ids.shifted(recv_ids)  # local id + 1, 0 elsewhere
         # a token's experts are distinct, so pairs per local expert == tokens per expert; slot 0
         # of the scatter collects the entries held elsewhere
         counts = torch.zeros(self.manager.placement.num_local + 1, dtype=torch.int32,
-                             device=ids.device)
+                             device=shifted.device)
         counts.scatter_add_(0, shifted.view(-1), one.expand(shifted.numel()))
-        return shifted.sub_(1), counts[1:]
+        return counts[1:]
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
         """hidden_states [num_tokens, hidden], topk_weights float [num_tokens, num_topk],
         topk_ids int [num_tokens, num_topk] (PHYSICAL ids, -1: none). The header exchange runs
         here; the payload all-to-all is issued here and waited for in the hook."""
-        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, False)
+        sent, work, row = self._dispatch(hidden_states, topk_weights, topk_ids, quant, False)
+
+        def hook() -> None:
+            self._wait(work, "dispatch all-to-all")
+
+        return AsyncResult(hook, lambda: self._received(sent, row))
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
         """:meth:`prepare_async` with a blocking payload all-to-all (no pending work object to
-        keep and wait for)."""
-        return self._dispatch(hidden_states, topk_weights, topk_ids, quant, True).receiver()
+        keep and wait for, no hook or receiver to build)."""
+        sent, _, row = self._dispatch(hidden_states, topk_weights, topk_ids, quant, True)
+        return self._received(sent, row)
 
     def _dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, quant: QuantSpec, blocking: bool) -> AsyncResult:
+                  topk_ids: torch.Tensor, quant: QuantSpec, blocking: bool
+                  ) -> tuple[torch.Tensor, "object | None", "_RowLayout"]:
+        """The header exchange and the payload all-to-all (issued) -> (the receive buffer uint8
+        [num_recv, row bytes], its pending work or None, the row layout)."""
         f = self.faults
         f.check(self.name)
         if self._handle is not None:
@@ -202,62 +211,88 @@ class TorchPrepareFinalize(PrepareFinalize):
                 f"{num_physical} (physical) experts"))
         recv_splits = [peer[0] for peer in peers]
         num_recv = sum(recv_splits)
-        n = hidden_states.shape[0]
+        num_sent = sum(send_splits)
         # Rows sent, grouped by destination rank, each token once per rank; their number is
         # known from the header, so the nonzeros are found without a second host sync.
-        token_index = torch.nonzero_static(hit[:r], size=sum(send_splits))[:, 1]
+        token_index = torch.nonzero_static(hit[:r], size=num_sent)[:, 1]
 
         x, x_sf = quantize_for_dispatch(hidden_states, quant)
         weights = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
         # One message per row (ids, weights, activations, scales as bytes): one all-to-all
         # instead of one per tensor (each is a collective's host cost, on NCCL and on gloo).
-        packed, row = _pack_rows(ids, weights, x, x_sf)
+        packed, row = self._pack_rows(ids, weights, x, x_sf)
         try:
             sent, work = m.all_to_all(torch.index_select(packed, 0, token_index), send_splits,
-                                      recv_splits, num_recv,
-                                      blocking)
+                                      recv_splits, num_recv, blocking)
         except RuntimeError as e:  # a blocking transfer that timed out, or a peer gone
             raise collective_error(f, self.name, "dispatch all-to-all", self._timeout_s, e) from e
 
         s = self.stats
-        rows = token_index.shape[0]
-        k = ids.shape[1]
         s.calls += 1
         s.pairs += topk_ids.numel()
-        s.rows += rows
-        s.act_bytes += rows * row.x_bytes
-        s.sf_bytes += rows * row.sf_bytes
-        s.meta_bytes += rows * (k * (8 + 4) + row.pad)  # int64 ids + float32 weights
-        self._handle = _DispatchHandle(n, token_index, send_splits, recv_splits, num_recv, topk_ids)
+        s.rows += num_sent
+        s.act_bytes += num_sent * row.x_bytes
+        s.sf_bytes += num_sent * row.sf_bytes
+        s.meta_bytes += num_sent * row.meta_bytes
+        self._handle = _DispatchHandle(hidden_states.shape[0], token_index, send_splits,
+                                       recv_splits, num_recv, topk_ids)
+        return sent, work, row
 
-        def hook() -> None:
-            self._wait(work, "dispatch all-to-all")
+    def _received(self, sent: torch.Tensor, row: "_RowLayout") -> PrepareResult:
+        """The received rows -> the experts' input: LOCAL ids (-1 elsewhere) in one gather; the
+        per-expert counts are made when first read (STANDARD experts rarely read them)."""
+        recv_ids, recv_weights, recv_x, recv_sf = row.unpack(sent)
+        if self._local_ids is None:
+            m = self.manager
+            self._local_ids = LocalIdMap(m.placement, m.rank)
+        return PrepareResult(x=recv_x, x_sf=recv_sf,
+                             expert_tokens_meta=LazyExpertTokensMeta(self._counts, recv_ids),
+                             topk_ids=self._local_ids.checked(recv_ids),
+                             topk_weights=recv_weights)
 
-        def receiver() -> PrepareResult:
-            recv_ids, recv_weights, recv_x, recv_sf = row.unpack(sent)
-            local, counts = self._local_ids_and_counts(recv_ids)
-            return PrepareResult(x=recv_x, x_sf=recv_sf,
-                                 expert_tokens_meta=ExpertTokensMeta(counts),
-                                 topk_ids=local, topk_weights=recv_weights)
-
-        return AsyncResult(None if blocking else hook, receiver)
+    def _pack_rows(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
+                   x_sf: Optional[torch.Tensor]) -> tuple[torch.Tensor, "_RowLayout"]:
+        """ids int64, weights float32 [num_tokens, k], x [num_tokens, cols], x_sf [num_tokens,
+        sf_cols] or None -> (uint8 [num_tokens, row bytes], the layout): one concatenation.
+        The layout is made once per (k, dtypes, widths) and kept."""
+        parts = [ids.contiguous().view(torch.uint8), weights.contiguous().view(torch.uint8),
+                 x.contiguous().view(torch.uint8)]
+        if x_sf is not None:
+            parts.append(x_sf.contiguous().view(torch.uint8))
+        key = (ids.shape[1], x.dtype, parts[2].shape[1],
+               None if x_sf is None else x_sf.dtype, 0 if x_sf is None else parts[3].shape[1])
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _RowLayout.of(*key)
+        if layout.pad:
+            parts.append(x.new_zeros((x.shape[0], layout.pad), dtype=torch.uint8))
+        return torch.cat(parts, dim=1), layout
 
     def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> AsyncResult:
         """fused_expert_output [num_recv_tokens, hidden]: the weighted sum over this rank's
         experts of each received row; it goes back to the row's owner, which sums its rows
         into ``output``."""
-        return self._combine(fused_expert_output, topk_weights, topk_ids, output, False)
+        recv, work, h = self._combine(fused_expert_output, topk_weights, topk_ids, False)
+
+        def hook() -> None:
+            self._wait(work, "combine all-to-all")
+
+        return AsyncResult(hook, lambda: self._combined(recv, h, fused_expert_output.dtype,
+                                                        output))
 
     def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
         """:meth:`finalize_async` with a blocking all-to-all."""
-        return check_finalize_result(self, output, self._combine(
-            fused_expert_output, topk_weights, topk_ids, output, True).receiver())
+        recv, _, h = self._combine(fused_expert_output, topk_weights, topk_ids, True)
+        return check_finalize_result(self, output, self._combined(
+            recv, h, fused_expert_output.dtype, output))
 
     def _combine(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
-                 blocking: bool) -> AsyncResult:
+                 topk_ids: torch.Tensor, blocking: bool
+                 ) -> tuple[torch.Tensor, "object | None", _DispatchHandle]:
+        """The reverse all-to-all (issued): what we received goes back where it came from ->
+        (the returned rows [num_sent_rows, hidden], the pending work or None, the handle)."""
         h = self._handle
         if h is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
@@ -265,7 +300,6 @@ class TorchPrepareFinalize(PrepareFinalize):
         if fused_expert_output.shape[0] != h.num_recv:
             raise ValueError(f"fused_expert_output has {fused_expert_output.shape[0]} rows, "
                              f"prepare received {h.num_recv}")
-        # Combine is the reverse all-to-all: what we received goes back where it came from.
         try:
             recv, work = self.manager.all_to_all(fused_expert_output, h.recv_splits,
                                                  h.send_splits, h.token_index.numel(), blocking)
@@ -273,24 +307,21 @@ class TorchPrepareFinalize(PrepareFinalize):
             raise collective_error(self.faults, self.name, "combine all-to-all", self._timeout_s,
                                    e) from e
         self.stats.combine_bytes += tensor_bytes(fused_expert_output)
+        return recv, work, h
 
-        def hook() -> None:
-            self._wait(work, "combine all-to-all")
-
-        def receiver() -> torch.Tensor:
-            hidden = fused_expert_output.shape[1]
-            acc = torch.zeros(h.num_tokens, hidden, dtype=torch.float32, device=recv.device)
-            acc.index_add_(0, h.token_index, recv if recv.dtype is torch.float32 else recv.float())
-            self._handle = None
-            if isinstance(output, RowScatterTarget) or output.dtype is not fused_expert_output.dtype:
-                return write_output(output, acc.to(fused_expert_output.dtype))
-            # copy_ rounds to the output dtype on the way, as .to() would, without a temporary
-            return write_output(output, acc)
-
-        return AsyncResult(None if blocking else hook, receiver)
+    def _combined(self, recv: torch.Tensor, h: _DispatchHandle, dtype: torch.dtype,
+                  output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        """The returned rows summed per token (float32) into ``output``."""
+        acc = torch.zeros(h.num_tokens, recv.shape[1], dtype=torch.float32, device=recv.device)
+        acc.index_add_(0, h.token_index, recv if recv.dtype is torch.float32 else recv.float())
+        self._handle = None
+        if isinstance(output, RowScatterTarget) or output.dtype is not dtype:
+            return write_output(output, acc.to(dtype))
+        # copy_ rounds to the output dtype on the way, as .to() would, without a temporary
+        return write_output(output, acc)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _RowLayout:
     """Byte layout of one dispatched row: ids int64 [k], weights float32 [k], the activation
     row (``x_dtype``), its scales (``sf_dtype``, None: none), zero or more pad bytes (rows are
@@ -302,6 +333,16 @@ class _RowLayout:
     sf_dtype: Optional[torch.dtype]
     sf_bytes: int
     pad: int
+
+    @classmethod
+    def of(cls, k: int, x_dtype: torch.dtype, x_bytes: int, sf_dtype: Optional[torch.dtype],
+           sf_bytes: int) -> "_RowLayout":
+        return cls(k, x_dtype, x_bytes, sf_dtype, sf_bytes, -(12 * k + x_bytes + sf_bytes) % 8)
+
+    @property
+    def meta_bytes(self) -> int:
+        """int64 ids + float32 weights + pad, per row."""
+        return self.k * (8 + 4) + self.pad
 
     def unpack(self, rows: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -323,24 +364,6 @@ def _dense(view: torch.Tensor) -> torch.Tensor:
     contiguous whatever its row stride and would be returned as is, and kernels that read the
     row stride (vLLM's CPU experts check stride(0) == hidden) would get the packed row's."""
     return view.clone(memory_format=torch.contiguous_format)
-
-
-def _pack_rows(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
-               x_sf: Optional[torch.Tensor]) -> tuple[torch.Tensor, _RowLayout]:
-    """ids int64, weights float32 [num_tokens, k], x [num_tokens, cols], x_sf [num_tokens,
-    sf_cols] or None -> (uint8 [num_tokens, row bytes], the layout): one concatenation."""
-    parts = [ids.contiguous().view(torch.uint8), weights.contiguous().view(torch.uint8),
-             x.contiguous().view(torch.uint8)]
-    if x_sf is not None:
-        parts.append(x_sf.contiguous().view(torch.uint8))
-    width = sum(p.shape[1] for p in parts)
-    pad = -width % 8
-    if pad:
-        parts.append(x.new_zeros((x.shape[0], pad), dtype=torch.uint8))
-    layout = _RowLayout(ids.shape[1], x.dtype, parts[2].shape[1],
-                        None if x_sf is None else x_sf.dtype,
-                        0 if x_sf is None else parts[3].shape[1], pad)
-    return torch.cat(parts, dim=1), layout
 
 
 SPEC = BackendSpec(

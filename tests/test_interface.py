@@ -161,3 +161,21 @@ def test_layer_rejects_integer_or_misshaped_activations_and_then_stays_broken():
     layer2, _ = _single_rank_layer()
     with pytest.raises(ValueError, match=r"got torch.float32 \(2, 15\)"):
         layer2(torch.zeros(2, 15))
+
+
+def test_lazy_expert_tokens_meta_makes_the_counts_once_on_first_read():
+    """The counts of a LazyExpertTokensMeta are made by its function on the first read, once,
+    and not at all while nobody reads them."""
+    from moe_plugins.interface import ExpertTokensMeta, LazyExpertTokensMeta
+
+    made: list[torch.Tensor] = []
+
+    def make(source: torch.Tensor) -> torch.Tensor:
+        made.append(source)
+        return source * 2
+
+    source = torch.tensor([1, 0, 3], dtype=torch.int32)
+    meta = LazyExpertTokensMeta(make, source)
+    assert isinstance(meta, ExpertTokensMeta) and made == []
+    assert meta.expert_num_tokens.tolist() == [2, 0, 6]
+    assert meta.expert_num_tokens is meta.expert_num_tokens and len(made) == 1

@@ -79,8 +79,9 @@ def test_local_id_map_equals_local_expert_ids(placement, rank):
         got = lookup(ids.to(dtype))
         assert got.dtype == torch.int64
         assert torch.equal(got, local_expert_ids(ids.to(dtype), placement, rank))
-    # the unclamped lookup, for ids in [-1, num_physical): the same, plus one
+    # the unclamped lookups, for ids in [-1, num_physical): the same, and the same plus one
     checked = ids.clamp(-1, placement.num_physical - 1)
+    assert torch.equal(lookup.checked(checked), local_expert_ids(checked, placement, rank))
     assert torch.equal(lookup.shifted(checked), local_expert_ids(checked, placement, rank) + 1)
 
 
@@ -98,7 +99,9 @@ def test_destination_map_equals_destination_ranks_and_flags_bad_ids(placement):
     r = placement.num_ranks
     for dtype in (torch.int32, torch.int64):
         hit = DestinationMap(placement)(ids.to(dtype))
-        assert hit.shape == (r + 2, ids.shape[0]) and hit.dtype == torch.bool
+        assert hit.shape == (r + 2, ids.shape[0]) and hit.dtype == torch.int64
+        assert set(hit.flatten().tolist()) <= {0, 1}  # 0/1 flags, so row sums are counts
+        hit = hit.bool()
         assert torch.equal(hit[:r], destination_ranks(ids.to(dtype), placement).t())
         assert hit[r].tolist() == [bool((row == -1).any()) for row in ids]
         assert hit[r + 1].tolist() == [bool(((row < -1) | (row >= p)).any()) for row in ids]

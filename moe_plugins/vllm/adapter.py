@@ -73,8 +73,8 @@ from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_may
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize, PrepareResult,
-                                   check_finalize_result)
+from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
+                                   PrepareFinalize, PrepareResult, check_finalize_result)
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
 from moe_plugins.low_latency import LowLatencyPrepareFinalize
 from moe_plugins.planner.model_config import ModelSpec, model_spec_from_dict
@@ -543,6 +543,20 @@ def _model_spec(vllm_config: Any) -> Optional[ModelSpec]:
 _Call = tuple
 
 
+class _LazyTokensMetadata(mk.ExpertTokensMetadata):
+    """vLLM's ExpertTokensMetadata over a backend's :class:`LazyExpertTokensMeta`: the counts
+    are made when vLLM's experts read them (its STANDARD experts route by the ids and do not)."""
+
+    def __init__(self, meta: LazyExpertTokensMeta):
+        self._meta = meta
+        self.expert_num_tokens_cpu = None
+        self.psum_recv_per_rank = None
+
+    @property  # type: ignore[override]
+    def expert_num_tokens(self) -> torch.Tensor:
+        return self._meta.expert_num_tokens
+
+
 def _nothing() -> None:
     """The receiver of a finalize that has nothing left to do."""
 
@@ -822,7 +836,12 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """Our PrepareResult -> vLLM's (x, x_sf, expert_tokens_meta, topk_ids, topk_weights),
         quantized after the receive where the experts want a format the wire does not carry."""
         etm = prep.expert_tokens_meta
-        meta = None if etm is None else mk.ExpertTokensMetadata(etm.expert_num_tokens, None)
+        if etm is None:
+            meta = None
+        elif isinstance(etm, LazyExpertTokensMeta):
+            meta = _LazyTokensMetadata(etm)
+        else:
+            meta = mk.ExpertTokensMetadata(etm.expert_num_tokens, None)
         x, x_sf = prep.x, prep.x_sf
         if self.batched:
             # x [num_local_experts, max_recv_tokens, hidden]; the experts keep the caller's ids

@@ -641,9 +641,11 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                     and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
                     and h_shape[0] <= self._max_tokens):
                 self._check_call(hidden_states, topk_weights, topk_ids, quant)
+                ids = self._ids(topk_ids)
+            else:  # the ids are in the library's dtype already
+                ids = topk_ids.contiguous()
             n = h_shape[0]
             use_fp8 = self._fp8
-            ids = self._ids(topk_ids)
             if self._check_ids:
                 assert_expert_ids(ids, self._num_experts, self._id_error)
             x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()

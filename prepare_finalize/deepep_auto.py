@@ -105,6 +105,21 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         """Both modes take DeepEP's ``topk_idx_t``."""
         return self.ll.topk_indices_dtype()
 
+    def post_init_setup(self, experts: object) -> None:
+        """Not forwarded to the low-latency half: both modes hand the experts FP8 scales as
+        float32 [.., hidden // 128], the only format normal mode's dispatch has, so experts that
+        could read the low-latency kernel's packed UE8M0 scales still get float32 ones (one
+        layer never shows its experts two scale formats). Said once at INFO."""
+        asks = getattr(experts, "supports_packed_ue8m0_act_scales", None)
+        if asks is None or not asks() or not self.cfg.quant.quantized_on_wire:
+            return
+        key = ("packed_ue8m0", type(experts).__name__)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("deepep_auto: %s can read packed UE8M0 scales, but normal mode "
+                        "dispatches float32 ones: both modes hand it float32 scales",
+                        type(experts).__name__)
+
     uses_batch_hint = True
 
     def set_batch_hint(self, hint: Optional[BatchHint]) -> None:

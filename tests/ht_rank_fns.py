@@ -86,6 +86,58 @@ def run_auto_calls(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
             layer.destroy()
 
 
+def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayout,
+                                     cfg: MoEConfig, capacity: int) -> dict:
+    """deepep_auto (FP8) paired with experts that ask for packed UE8M0 scales: the scale dtype
+    and shape each mode's prepare hands them (one call of ``capacity`` tokens: low-latency
+    mode; one of ``capacity + 1``: normal mode), and the INFO lines logged."""
+    import logging
+
+    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.faults import clear_group_faults
+    from moe_plugins.quant import QuantScheme
+
+    class PackedScaleExperts:
+        def supports_packed_ue8m0_act_scales(self) -> bool:
+            return True
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("prepare_finalize.deepep_auto")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    quant = QuantSpec(QuantScheme.FP8_BLOCK128)
+    try:
+        with installed("deep_ep"):
+            ctx = cached_dist_context(layout)
+            pf = get_backend("deepep_auto").build(ctx, DispatchConfig(
+                cfg.num_experts, cfg.hidden, cfg.num_topk, 4 * capacity, cfg.dtype, quant,
+                backend_options=DeepEPAutoOptions(ll_max_tokens_per_rank=capacity)))
+            try:
+                pf.post_init_setup(PackedScaleExperts())
+                w = MoEWeights.random(cfg, 0)
+                scales = {}
+                for n in (capacity, capacity + 1):
+                    x = demo_inputs(cfg, n, ctx.dp_rank, 0)
+                    tw, ti = route(x, w.router, cfg.num_topk, cfg.renormalize)
+                    prep = pf.prepare(x, tw, ti, quant)
+                    pf.reset_call_state()  # abandoned alike on every rank
+                    clear_group_faults(ctx.ep_group)
+                    assert prep.x_sf is not None
+                    scales[n] = (str(prep.x_sf.dtype), prep.x_sf.shape[-1])
+                return dict(scales=scales, modes=dict(pf.stats.modes), logs=records)
+            finally:
+                pf.manager.destroy()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def forget_faults(rank: int, world: int, layout: ParallelLayout) -> None:
     """After a call that every rank refused alike: forget the cached EP group's fault state."""
     from moe_plugins.faults import clear_group_faults

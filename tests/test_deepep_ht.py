@@ -176,6 +176,20 @@ def test_auto_takes_one_mode_on_every_rank(rank_pool):
 
 
 @pytest.mark.multirank
+def test_auto_hands_float32_scales_in_both_modes_to_packed_scale_experts(rank_pool):
+    """post_init_setup with experts that could read packed UE8M0 scales is not forwarded to
+    the low-latency half: both modes hand them float32 [.., hidden // 128] scales (normal mode
+    has no other format), and the INFO line says so."""
+    layout, cfg, cap = ParallelLayout(2, 1, True), _cfg(), 4
+    results = rank_pool(2).run(ht_rank_fns.auto_scales_after_packed_experts, layout, cfg, cap)
+    for r in results:
+        assert r["modes"] == {"low_latency": 1, "normal": 1}
+        assert r["scales"] == {cap: ("torch.float32", cfg.hidden // 128),
+                               cap + 1: ("torch.float32", cfg.hidden // 128)}
+    assert any("both modes hand it float32 scales" in m for r in results for m in r["logs"])
+
+
+@pytest.mark.multirank
 def test_auto_prefill_hint_takes_normal_mode(rank_pool):
     """The engine's hint (vLLM: its forward context) decides without a collective: a prefill pass
     takes normal mode even when it fits; a decode pass of the same size takes low-latency."""

@@ -166,7 +166,6 @@ class LocalIdMap:
         ids = torch.cat([torch.arange(self.num_experts + 1), torch.tensor([-1])])
         self._cpu_table = local_expert_ids(ids, placement, rank)
         self._tables: dict[torch.device, torch.Tensor] = {}
-        self._shifted: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, topk_ids: torch.Tensor) -> torch.Tensor:
         ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()  # take: int64
@@ -176,15 +175,6 @@ class LocalIdMap:
         """``map(ids)`` in one gather (no clamp), for int64 ids already known to lie in
         [-1, num_physical) (the sender checked them)."""
         return torch.take(self._table(checked_ids.device), checked_ids)
-
-    def shifted(self, checked_ids: torch.Tensor) -> torch.Tensor:
-        """``map(ids) + 1`` (0: held elsewhere or -1) in one gather, for ids already known to
-        lie in [-1, num_physical) (the sender checked them): what a per-expert count scatter
-        indexes by (slot 0 collects the rest)."""
-        table = self._shifted.get(checked_ids.device)
-        if table is None:
-            table = self._shifted[checked_ids.device] = (self._cpu_table + 1).to(checked_ids.device)
-        return torch.take(table, checked_ids)
 
     def _table(self, device: torch.device) -> torch.Tensor:
         table = self._tables.get(device)

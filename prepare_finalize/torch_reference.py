@@ -123,21 +123,20 @@ class TorchPrepareFinalize(PrepareFinalize):
             except RuntimeError as e:
                 raise collective_error(self.faults, self.name, what, self._timeout_s, e) from e
 
-    def _counts(self, recv_ids: torch.Tensor) -> torch.Tensor:
-        """Received PHYSICAL ids int64 [num_recv, num_topk], every one in [-1, num_physical)
-        (each sender's status word said so) -> int32 [num_local_experts], pairs per local
-        expert, in three small kernels, no host sync."""
-        assert self._local_ids is not None
-        one = self._ones.get(recv_ids.device)
+    def _counts(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """LOCAL ids int64 [num_recv, num_topk] (-1: held elsewhere), as prepare returned them
+        -> int32 [num_local_experts], pairs per local expert, in three small kernels, no host
+        sync."""
+        one = self._ones.get(local_ids.device)
         if one is None:
-            one = self._ones[recv_ids.device] = torch.ones(1, dtype=torch.int32,
-                                                           device=recv_ids.device)
-        shifted = self._local_ids.shifted(recv_ids)  # local id + 1, 0 elsewhere
+            one = self._ones[local_ids.device] = torch.ones(1, dtype=torch.int32,
+                                                            device=local_ids.device)
+        shifted = local_ids.view(-1) + 1  # 0: held elsewhere
         # a token's experts are distinct, so pairs per local expert == tokens per expert; slot 0
         # of the scatter collects the entries held elsewhere
         counts = torch.zeros(self.manager.placement.num_local + 1, dtype=torch.int32,
                              device=shifted.device)
-        counts.scatter_add_(0, shifted.view(-1), one.expand(shifted.numel()))
+        counts.scatter_add_(0, shifted, one.expand(shifted.numel()))
         return counts[1:]
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
@@ -245,10 +244,12 @@ class TorchPrepareFinalize(PrepareFinalize):
         if self._local_ids is None:
             m = self.manager
             self._local_ids = LocalIdMap(m.placement, m.rank)
+        local = self._local_ids.checked(recv_ids)
+        # counted from the local ids (which the result holds anyway), not the received rows:
+        # the receive buffer is freed here, not kept for a read that may never come
         return PrepareResult(x=recv_x, x_sf=recv_sf,
-                             expert_tokens_meta=LazyExpertTokensMeta(self._counts, recv_ids),
-                             topk_ids=self._local_ids.checked(recv_ids),
-                             topk_weights=recv_weights)
+                             expert_tokens_meta=LazyExpertTokensMeta(self._counts, local),
+                             topk_ids=local, topk_weights=recv_weights)
 
     def _pack_rows(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
                    x_sf: Optional[torch.Tensor]) -> tuple[torch.Tensor, "_RowLayout"]:

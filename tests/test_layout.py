@@ -79,10 +79,9 @@ def test_local_id_map_equals_local_expert_ids(placement, rank):
         got = lookup(ids.to(dtype))
         assert got.dtype == torch.int64
         assert torch.equal(got, local_expert_ids(ids.to(dtype), placement, rank))
-    # the unclamped lookups, for ids in [-1, num_physical): the same, and the same plus one
+    # the unclamped lookup, for ids in [-1, num_physical): the same
     checked = ids.clamp(-1, placement.num_physical - 1)
     assert torch.equal(lookup.checked(checked), local_expert_ids(checked, placement, rank))
-    assert torch.equal(lookup.shifted(checked), local_expert_ids(checked, placement, rank) + 1)
 
 
 @pytest.mark.parametrize("placement", [

@@ -187,9 +187,20 @@ def test_prepare_rejects_mismatched_token_counts(rank_pool):
 
 
 def test_expert_token_counts_match_received_rows(rank_pool):
-    cfg = _cfg(num_topk=4)
-    for r in rank_pool(2).run(rank_fns.expert_counts, ParallelLayout(2, 1, True), cfg, 9):
+    """The per-expert counts (made when read) equal the received rows' local ids and, computed
+    here from every DP rank's routing, the tokens routed to each of the rank's experts."""
+    from moe_plugins.demo import demo_inputs
+    from moe_plugins.model import MoEWeights, route
+
+    cfg, n = _cfg(num_topk=4), 9
+    router = MoEWeights.random(cfg, 0).router
+    routed = torch.cat([route(demo_inputs(cfg, n, dp, 0), router, cfg.num_topk,
+                              cfg.renormalize)[1] for dp in range(2)])  # [2 * n, num_topk]
+    per_rank = cfg.num_experts // 2
+    results = rank_pool(2).run(rank_fns.expert_counts, ParallelLayout(2, 1, True), cfg, n)
+    for rank, r in enumerate(results):
         ids = r["local_ids"]
-        expected = [int((ids == e).any(dim=1).sum()) for e in range(cfg.num_experts // 2)]
+        expected = [int((ids == e).any(dim=1).sum()) for e in range(per_rank)]
         assert r["counts"].dtype == torch.int32 and r["counts"].tolist() == expected
+        assert expected == [int((routed == rank * per_rank + e).sum()) for e in range(per_rank)]
         assert sum(expected) > 0

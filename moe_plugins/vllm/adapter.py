@@ -823,7 +823,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         local = prep.topk_ids
         ids = torch.take(self._slot_ids, local if local.dtype is torch.int64 else local.long())
         # (-1 takes the last entry: an id held elsewhere)
-        weights = prep.topk_weights.masked_fill(local < 0, 0)
+        # where, not masked_fill: the same mask without masked_fill's copy of the weights first
+        weights = torch.where(local < 0, 0.0, prep.topk_weights)
         if ids.dtype is not ids_dtype:
             ids = ids.to(ids_dtype)
         if weights.dtype is not weights_dtype:

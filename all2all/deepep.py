@@ -98,8 +98,8 @@ class DeepEPLLManager(LowLatencyManager):
     backend_name = "deepep_ll"
     required = DEEPEP_PACKAGE
     options_type = DeepEPLLOptions
-    dispatch_method = "low_latency_dispatch"
-    combine_method = "low_latency_combine"
+    dispatch_methods = ("low_latency_dispatch",)
+    combine_methods = ("low_latency_combine",)
     update_mask_method = "low_latency_update_mask_buffer"
     query_mask_method = "low_latency_query_mask_buffer"
     clean_mask_method = "low_latency_clean_mask_buffer"

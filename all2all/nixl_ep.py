@@ -4,8 +4,9 @@ Follows the nixl_ep Python API of ai-dynamo/nixl v1.4.0 (examples/device/ep/nixl
 ``Buffer(disable_ll_nvlink, explicitly_destroy, rank, low_latency_mode, group, comm,
 tcp_store_group, timeout_ms)``, ``update_memory_buffers(num_ranks, num_experts_per_rank,
 num_rdma_bytes)``, ``connect_ranks(remote_ranks)``, ``dispatch/combine`` (the names every nixl
-release since v1.0.0 has; v1.1+ also calls them ``low_latency_*``), ``update_mask_buffer`` /
-``query_mask_buffer``. ``nixl_ep`` is imported when a manager is built, never at import time.
+release since v1.0.0 has; v1.1+ also calls them ``low_latency_*``, and its ``dispatch/combine``
+forward there: the manager calls ``low_latency_*`` where the buffer has them), ``update_mask_buffer``
+/ ``query_mask_buffer``. ``nixl_ep`` is imported when a manager is built, never at import time.
 """
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ class NixlEPManager(LowLatencyManager):
     backend_name = "nixl_ep"
     required = NIXL_PACKAGE
     options_type = NixlEPOptions
-    dispatch_method = "dispatch"
-    combine_method = "combine"
+    # v1.1+ names them low_latency_*; its dispatch/combine forward there through *args/**kwargs
+    dispatch_methods = ("low_latency_dispatch", "dispatch")
+    combine_methods = ("low_latency_combine", "combine")
     update_mask_method = "update_mask_buffer"
     query_mask_method = "query_mask_buffer"
     clean_mask_method = "clean_mask_buffer"

@@ -13,9 +13,11 @@ vLLM's in-tree classes, make) are printed as a reference line.
 
 Each iteration records CUDA events around dispatch and combine; the GPU time between events
 includes any gap the host leaves, so host overhead of our classes shows up there. A second
-figure is host wall time per iteration (synchronized at the end of the timed loop). Last, one
-round trip of each is captured in a CUDA graph and replayed (as vLLM's decode does), which
-takes the host out. Example:
+figure is host wall time per iteration (synchronized at the end of the timed loop). The paths
+run in ``--rounds`` rounds, in an order that rotates per round; each figure is the median over
+the rounds (a path timed first on a cold GPU, or always after the same other, read slower).
+Last, one round trip of each is captured in a CUDA graph and replayed (as vLLM's decode does),
+which takes the host out. Example:
 
     python benchmarks/deepep_ll_latency.py --tokens 64 --hidden 7168 --topk 8 --experts 32
     python benchmarks/deepep_ll_latency.py --backend nixl_ep --tokens 64
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of every path, in a rotating order (median over rounds)")
     p.add_argument("--bf16", action="store_true", help="bf16 dispatch (default: FP8 block-128)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
@@ -163,13 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         pf.finalize(expert_out, topk_w, topk_ids, out)
 
     ours_name = f"{args.backend} (ours)"
-    rows = {
-        "raw, hook mode": _time_pairs(raw_dispatch(True), raw_combine(True), args.iters,
-                                      args.warmup),
-        ours_name: _time_pairs(ours_dispatch, ours_combine, args.iters, args.warmup),
-        "raw, no hook": _time_pairs(raw_dispatch(False), raw_combine(False), args.iters,
-                                    args.warmup),
-    }
+    paths = {"raw, hook mode": (raw_dispatch(True), raw_combine(True)),
+             ours_name: (ours_dispatch, ours_combine),
+             "raw, no hook": (raw_dispatch(False), raw_combine(False))}
+    # Rounds of every path, the order rotating per round (no path always runs first, on a
+    # colder GPU, or right after another): per figure, the median over the rounds.
+    runs: dict[str, list[dict]] = {name: [] for name in paths}
+    names = list(paths)
+    for i in range(args.rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            runs[name].append(_time_pairs(*paths[name], args.iters, args.warmup))
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            for name, rs in runs.items()}
     graph = {
         "raw, hook mode": _graph_us(lambda: raw_combine(True)(raw_dispatch(True)()), args.iters),
         ours_name: _graph_us(lambda: ours_combine(ours_dispatch()), args.iters),
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.backend} vs raw {libs[0].__name__}.Buffer, 1 rank, {args.tokens} tokens, "
           f"hidden {args.hidden}, topk {args.topk}, "
           f"{args.experts} experts, {'bf16' if args.bf16 else 'fp8'} dispatch, "
-          f"{args.iters} iterations (mean of CUDA-event intervals, us)")
+          f"{args.rounds} rounds of {args.iters} iterations (median over rounds of the mean "
+          f"CUDA-event intervals, us)")
     print(f"{'path':<20} {'dispatch':>10} {'combine':>10} {'total':>10} {'host/iter':>10}")
     for name, r in rows.items():
         print(f"{name:<20} {r['dispatch_us']:>10.2f} {r['combine_us']:>10.2f} "
@@ -201,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(dict(
             config=dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                         experts=args.experts, fp8=not args.bf16, iters=args.iters,
+                        rounds=args.rounds,
                         device=torch.cuda.get_device_name(), backend=args.backend,
                         library=getattr(libs[0], "__file__", "?")),
             results=rows, graph_round_trip_us=graph, overhead_ratio=ratio,

@@ -200,6 +200,16 @@ def assert_expert_ids(ids: torch.Tensor, num_experts: int, msg: str) -> None:
     torch._assert_async(ids.clamp(-1, num_experts - 1).eq_(ids).all(), msg)
 
 
+def first_method(obj: Any, names: tuple[str, ...]) -> Callable[..., Any]:
+    """The bound method of ``obj`` named by the first of ``names`` it has (AttributeError
+    naming them all when it has none)."""
+    for name in names:
+        method = getattr(obj, name, None)
+        if method is not None:
+            return method
+    raise AttributeError(f"{type(obj).__name__} has none of the methods {', '.join(names)}")
+
+
 def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
     """Import a backend's vendor package; ImportError naming the install step when missing."""
     try:
@@ -274,8 +284,10 @@ class LowLatencyManager(ABC):
     backend_name: ClassVar[str]
     required: ClassVar[RequiredPackage]
     options_type: ClassVar[type[LowLatencyOptions]]
-    dispatch_method: ClassVar[str]  # e.g. "low_latency_dispatch"
-    combine_method: ClassVar[str]
+    #: The buffer's dispatch / combine method names, preferred first: the first the buffer has
+    #: is bound (a release's alias that forwards to another name costs a frame per call).
+    dispatch_methods: ClassVar[tuple[str, ...]]  # e.g. ("low_latency_dispatch",)
+    combine_methods: ClassVar[tuple[str, ...]]
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
     query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
     clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
@@ -309,8 +321,8 @@ class LowLatencyManager(ABC):
         self.buffer = _BUFFERS.acquire(key, self._create_logged, self._destroy_buffer)
         self._key: Optional[tuple] = key
         # Bound once: a getattr by name per call is host time on every dispatch and combine.
-        self._dispatch_call = getattr(self.buffer, self.dispatch_method)
-        self._combine_call = getattr(self.buffer, self.combine_method)
+        self._dispatch_call = first_method(self.buffer, self.dispatch_methods)
+        self._combine_call = first_method(self.buffer, self.combine_methods)
         if self.padded and key not in _PADDING_LOGGED:
             _PADDING_LOGGED.add(key)
             logger.info("%s: hidden %d is not a kernel size; activations are zero-padded to %d "

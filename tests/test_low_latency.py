@@ -527,3 +527,25 @@ def test_finalize_with_other_topk_ids_rejected(rank_pool, backend):
     for err_type, err in rank_pool(2).run(ll_rank_fns.finalize_other_ids, backend,
                                           ParallelLayout(2, 1, True), _cfg()):
         assert err_type == "ValueError" and "not the ones given to prepare" in err
+
+
+def test_the_first_method_the_buffer_has_is_bound():
+    """A manager binds the first of its method names the buffer has: nixl_ep v1.1+'s
+    low_latency_* (its dispatch/combine forward there), v1.0's dispatch/combine; none is an
+    AttributeError naming them."""
+    from all2all.nixl_ep import NixlEPManager
+    from moe_plugins.low_latency import first_method
+
+    class V10:
+        def dispatch(self) -> str:
+            return "dispatch"
+
+    class V11(V10):
+        def low_latency_dispatch(self) -> str:
+            return "low_latency_dispatch"
+
+    names = NixlEPManager.dispatch_methods
+    assert first_method(V11(), names)() == "low_latency_dispatch"
+    assert first_method(V10(), names)() == "dispatch"
+    with pytest.raises(AttributeError, match="low_latency_dispatch, dispatch"):
+        first_method(object(), names)

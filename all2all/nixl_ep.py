@@ -5,8 +5,9 @@ Follows the nixl_ep Python API of ai-dynamo/nixl v1.4.0 (examples/device/ep/nixl
 tcp_store_group, timeout_ms)``, ``update_memory_buffers(num_ranks, num_experts_per_rank,
 num_rdma_bytes)``, ``connect_ranks(remote_ranks)``, ``dispatch/combine`` (the names every nixl
 release since v1.0.0 has; v1.1+ also calls them ``low_latency_*``, and its ``dispatch/combine``
-forward there: the manager calls ``low_latency_*`` where the buffer has them), ``update_mask_buffer``
-/ ``query_mask_buffer``. ``nixl_ep`` is imported when a manager is built, never at import time.
+forward there: the manager calls ``low_latency_*`` where the buffer has them),
+``update_mask_buffer`` / ``query_mask_buffer``. ``nixl_ep`` is imported when a manager is built,
+never at import time.
 """
 from __future__ import annotations
 

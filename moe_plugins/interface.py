@@ -20,10 +20,10 @@ from moe_plugins.overlap import SharedExpertHandle, join
 from moe_plugins.quant import QuantSpec
 
 __all__ = [
-    "ActivationFormat", "ExpertTokensMeta", "LazyExpertTokensMeta", "PrepareResult", "RowScatterTarget",
-    "Hook", "AsyncResult", "PrepareFinalize", "capturing", "check_prepare_inputs",
-    "check_finalize_routing", "check_finalize_result", "row_scatter_add", "write_output",
-    "BatchHint",
+    "ActivationFormat", "ExpertTokensMeta", "LazyExpertTokensMeta", "PrepareResult",
+    "RowScatterTarget", "Hook", "AsyncResult", "PrepareFinalize", "capturing",
+    "check_prepare_inputs", "check_finalize_routing", "check_finalize_result", "row_scatter_add",
+    "write_output", "BatchHint",
 ]
 
 Hook = Callable[[], None]

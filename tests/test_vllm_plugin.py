@@ -559,3 +559,25 @@ def test_overlap_max_tokens_is_reported_unused_under_vllm(registered, caplog):
             pytest.raises(AssertionError, match="expert parallel group is not initialized"):
         make_prepare_finalize(moe, None)
     assert "overlap_max_tokens is not used under vLLM" in caplog.text
+
+
+@needs_vllm
+def test_lazy_counts_reach_vllm_as_its_metadata_made_on_first_read():
+    """A backend's lazy counts reach vLLM as a vLLM ExpertTokensMetadata whose
+    expert_num_tokens is made on its first read, once (no host copy: expert_num_tokens_cpu is
+    None)."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+
+    from moe_plugins.interface import LazyExpertTokensMeta
+    from moe_plugins.vllm.adapter import _LazyTokensMetadata
+
+    made: list[int] = []
+
+    def make(local_ids: torch.Tensor) -> torch.Tensor:
+        made.append(1)
+        return torch.bincount(local_ids[local_ids >= 0], minlength=3).to(torch.int32)
+
+    meta = _LazyTokensMetadata(LazyExpertTokensMeta(make, torch.tensor([[0, -1], [2, 0]])))
+    assert isinstance(meta, mk.ExpertTokensMetadata) and made == []
+    assert meta.expert_num_tokens.tolist() == [2, 0, 1] and meta.expert_num_tokens_cpu is None
+    assert meta.expert_num_tokens.tolist() == [2, 0, 1] and made == [1]

@@ -169,18 +169,23 @@ class LocalIdMap:
 
     def __call__(self, topk_ids: torch.Tensor) -> torch.Tensor:
         ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()  # take: int64
-        return torch.take(self._table(ids.device), ids.clamp(-1, self.num_experts))
+        table = _on_device(self._tables, self._cpu_table, ids.device)
+        return torch.take(table, ids.clamp(-1, self.num_experts))
 
     def checked(self, checked_ids: torch.Tensor) -> torch.Tensor:
         """``map(ids)`` in one gather (no clamp), for int64 ids already known to lie in
         [-1, num_physical) (the sender checked them)."""
-        return torch.take(self._table(checked_ids.device), checked_ids)
+        return torch.take(_on_device(self._tables, self._cpu_table, checked_ids.device),
+                          checked_ids)
 
-    def _table(self, device: torch.device) -> torch.Tensor:
-        table = self._tables.get(device)
-        if table is None:
-            table = self._tables[device] = self._cpu_table.to(device)
-        return table
+
+def _on_device(tables: dict[torch.device, torch.Tensor], cpu_table: torch.Tensor,
+               device: torch.device) -> torch.Tensor:
+    """``cpu_table`` on ``device``, copied there on first use and kept in ``tables``."""
+    table = tables.get(device)
+    if table is None:
+        table = tables[device] = cpu_table.to(device)
+    return table
 
 
 def destination_ranks(physical_ids: torch.Tensor, placement: "ExpertPlacement") -> torch.Tensor:
@@ -218,9 +223,7 @@ class DestinationMap:
 
     def __call__(self, physical_ids: torch.Tensor) -> torch.Tensor:
         """physical_ids int [num_tokens, num_topk] -> int64 0/1 [num_ranks + 2, num_tokens]."""
-        table = self._tables.get(physical_ids.device)
-        if table is None:
-            table = self._tables[physical_ids.device] = self._cpu_table.to(physical_ids.device)
+        table = _on_device(self._tables, self._cpu_table, physical_ids.device)
         ids = physical_ids if physical_ids.dtype is torch.int64 else physical_ids.long()
         # a gather by take (int64 ids; negative ones index from the end): a fraction of
         # advanced indexing's host time

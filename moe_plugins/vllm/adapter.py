@@ -821,8 +821,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         assert prep.topk_ids is not None and prep.topk_weights is not None
         assert self._slot_ids is not None
         local = prep.topk_ids
-        ids = torch.take(self._slot_ids, local if local.dtype is torch.int64 else local.long())
         # (-1 takes the last entry: an id held elsewhere)
+        ids = torch.take(self._slot_ids, local if local.dtype is torch.int64 else local.long())
         # where, not masked_fill: the same mask without masked_fill's copy of the weights first
         weights = torch.where(local < 0, 0.0, prep.topk_weights)
         if ids.dtype is not ids_dtype:

@@ -12,10 +12,11 @@ wrapped in Python: an assert on the QP depth, the handle tuple, a tuple of the t
 and an ``EventOverlap``. None of that is used here (no ``async_finish``; the QP depth is checked
 once, when the layer is built; the handle is the two tensors the combine needs), and on the H200
 it is host time on every eager call. So where ``deep_ep.Buffer``'s two methods have 567632d's
-signatures, the manager calls ``buffer.runtime`` directly, with the arguments that wrapper
-passes, in the order the C++ takes them (csrc/deep_ep.cpp); with any other signature it calls
-the Python methods. ``buffer.runtime`` is read on each call, so a destroyed buffer (runtime
-None) raises AttributeError as the wrapper does.
+signatures, the manager hands the prepare/finalize that runtime's two methods
+(:class:`moe_plugins.low_latency.RuntimeCalls`), which it calls with the arguments that wrapper
+passes, in the order the C++ takes them (csrc/deep_ep.cpp), and leaves the C++ host asserts to
+check what they check; with any other signature the calls go through the Python methods.
+``buffer.runtime`` is read on each call, so a destroyed buffer (runtime None) raises.
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ from typing import Any, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import Hook
-from moe_plugins.low_latency import LowLatencyManager, LowLatencyOptions
+from moe_plugins.low_latency import LowLatencyManager, LowLatencyOptions, RuntimeCalls
 from moe_plugins.registry import RequiredPackage
 
 logger = logging.getLogger(__name__)
@@ -107,40 +107,17 @@ class DeepEPLLManager(LowLatencyManager):
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         super().__init__(ctx, cfg)
-        self.direct_runtime = runtime_calls_known(self.buffer)
-        if self.direct_runtime:  # the wrapper's per-call assert, made once on the buffer's depth
+        if runtime_calls_known(self.buffer):
+            # the wrapper's per-call assert, made once on the buffer's depth
             try:
                 self._check_qp_depth(int(getattr(self.buffer, "nvshmem_qp_depth",
                                                  _DEFAULT_QP_DEPTH)))
             except ValueError:
                 self.destroy()
                 raise
-
-    # -- the library calls (the module doc: the runtime, as deep_ep.Buffer's methods call it) --
-    def dispatch(self, x: Any, topk_idx: Any, use_fp8: bool, use_ue8m0: bool, recv_hook: bool
-                 ) -> tuple[Any, Any, Any, Any, Optional[Hook]]:
-        if not self.direct_runtime:
-            return super().dispatch(x, topk_idx, use_fp8, use_ue8m0, recv_hook)
-        # (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-        #  num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async,
-        #  return_recv_hook) -> (recv_x, scales or None, count, src_info, layout_range, event, hook)
-        recv_x, recv_sf, count, src_info, layout_range, _event, hook = \
-            self.buffer.runtime.low_latency_dispatch(
-                x, topk_idx, None, None, self.max_tokens_per_rank, self.num_experts, use_fp8,
-                use_ue8m0, use_ue8m0, False, recv_hook)
-        return recv_x, recv_sf, count, (src_info, layout_range), hook
-
-    def combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, out: Any,
-                recv_hook: bool) -> Optional[Hook]:
-        if not self.direct_runtime:
-            return super().combine(x, topk_idx, topk_weights, handle, out, recv_hook)
-        # (x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
-        #  num_max_dispatch_tokens_per_rank, num_experts, use_logfmt, zero_copy, async,
-        #  return_recv_hook, out) -> (combined_x, event, hook)
-        _combined, _event, hook = self.buffer.runtime.low_latency_combine(
-            x, topk_idx, topk_weights, handle[0], handle[1], None, self.max_tokens_per_rank,
-            self.num_experts, False, False, False, recv_hook, out)
-        return hook
+            runtime = type(self.buffer.runtime)
+            self.runtime_calls = RuntimeCalls(runtime.low_latency_dispatch,
+                                              runtime.low_latency_combine)
 
     @classmethod
     def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False

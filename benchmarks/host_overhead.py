@@ -262,7 +262,7 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
 
     paths: dict[str, Callable[[], None]] = {"raw": raw_calls(False), "ours": ours,
                                             "raw_hook": raw_calls(True), "ours_hook": ours_hook}
-    if getattr(m, "direct_runtime", False):
+    if m.runtime_calls is not None:
         paths["runtime"] = runtime_calls
     if vllm_missing is None:
         from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import (

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "dequantize_batched",
-    "LowLatencyManager",
+    "LowLatencyManager", "RuntimeCalls",
     "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
     "import_vendor", "check_kernel_layer", "assert_expert_ids", "expert_id_error",
 ]
@@ -221,6 +221,34 @@ def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
         ) from e
 
 
+@dataclass(frozen=True)
+class RuntimeCalls:
+    """A library's C++ runtime methods that take the low-latency calls directly, bypassing its
+    Python wrapper (:mod:`all2all.deepep`'s module doc says why), with the positional
+    signatures of DeepEP 567632d's ``deep_ep_cpp.Buffer`` (csrc/deep_ep.cpp). Both are unbound,
+    called with ``buffer.runtime`` read on each call (a destroyed buffer has none, and the call
+    raises):
+
+    - ``dispatch(runtime, x, topk_idx, cumulative_local_expert_recv_stats,
+      dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+      round_scale, use_ue8m0, async, return_recv_hook)`` -> (recv_x, recv_x_scales or None,
+      recv_count, src_info, layout_range, event, hook);
+    - ``combine(runtime, x, topk_idx, topk_weights, src_info, layout_range,
+      combine_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank, num_experts, use_logfmt,
+      zero_copy, async, return_recv_hook, out)`` -> (combined_x, event, hook).
+
+    Their first statements are host asserts (``EP_HOST_ASSERT``, a RuntimeError through
+    pybind11) that nothing has been launched or changed before: x bfloat16, 2-D (dispatch) or
+    3-D (combine) and contiguous; topk_idx 2-D, contiguous, in ``topk_idx_t``; the dispatch's
+    tokens within ``num_max_dispatch_tokens_per_rank``; topk_weights float32, 2-D and
+    contiguous. :class:`LowLatencyPrepareFinalize` leaves exactly those checks to them: where
+    one refuses a call, it names the fault (or copies a non-contiguous input) and calls again.
+    """
+
+    dispatch: Callable[..., tuple]
+    combine: Callable[..., tuple]
+
+
 class _BufferCache:
     """Library buffers shared by the managers of one EP group and size (a model's MoE layers all
     share one), reference-counted; the last :meth:`release` destroys the buffer."""
@@ -293,6 +321,9 @@ class LowLatencyManager(ABC):
     clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
     #: The library masks peers by itself (a timed-out peer), so an engine should always poll.
     masks_by_itself: ClassVar[bool] = False
+    #: The runtime calls a prepare/finalize makes itself instead of :meth:`dispatch` /
+    #: :meth:`combine` (set by a manager whose library's runtime has them; None: those methods).
+    runtime_calls: Optional[RuntimeCalls] = None
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.options = self._options(cfg.backend_options)
@@ -492,8 +523,9 @@ def _synchronize(device: torch.device) -> None:
 # costs ~0.5 us more): (handle: the library's; num_tokens given to prepare; expert_shape: the shape
 # the expert outputs must have, the receive's (num_local_experts, num_recv_slots, hidden) with
 # the layer's hidden where it is padded; topk_ids and topk_weights as given to prepare (finalize
-# must get the same); ids: prepare's in the library's dtype (a finalize given those very tensors,
-# as every caller does, reuses them without checking or casting again)).
+# must get the same); ids and weights: prepare's in the library's dtypes, int64 and float32 (a
+# finalize given those very tensors, as every caller does, reuses them without checking or
+# casting again)).
 _CallState = tuple
 
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -537,6 +569,10 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self._check_ids = manager.ctx.device.type != "cuda" if check is None else check
         self._num_experts = manager.num_experts
         self._id_error = expert_id_error(manager.num_experts, manager.backend_name)
+        #: The library runtime's calls this object makes itself (None: the manager's dispatch /
+        #: combine); with them, the runtime's host asserts check what they check (RuntimeCalls).
+        self.runtime_calls: Optional[RuntimeCalls] = manager.runtime_calls
+        self._buffer = manager.buffer
         self._checked_quant: Optional[QuantSpec] = None  # the last quant spec prepare accepted
         self._fp8 = False  # and whether it puts FP8 on the wire
         self._calls = 0
@@ -642,40 +678,75 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             self.faults.check(self.name)
         try:
             h_shape = hidden_states.shape
-            # A layer's common call passes in one test: bf16 [n <= capacity, hidden] tokens,
-            # float32 weights and ids in the library's dtype of shape [n, num_topk], the quant
-            # spec of the last call, no call in flight. Any other call takes the full checks,
-            # which raise every error they raised before, in the same order.
+            rt = self.runtime_calls
+            # A layer's common call passes in one test: [n, hidden] tokens, float32 weights and
+            # ids in the library's dtype of shape [n, num_topk], the quant spec of the last call,
+            # no call in flight; and bf16 contiguous tokens within the capacity, contiguous ids,
+            # which the runtime's asserts check where it is called directly (RuntimeCalls). Any
+            # other call takes the full checks, which raise every error they raised before, in
+            # the same order.
             if not (len(h_shape) == 2 and h_shape[1] == self._hidden
-                    and hidden_states.dtype is _BF16
                     and topk_weights.dtype is _F32 and topk_ids.dtype is self._idx_dtype
                     and quant is self._checked_quant and self._state is None
                     and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
-                    and h_shape[0] <= self._max_tokens):
+                    and (rt is not None or hidden_states.dtype is _BF16
+                         and h_shape[0] <= self._max_tokens)):
                 self._check_call(hidden_states, topk_weights, topk_ids, quant)
                 ids = self._ids(topk_ids)
-            else:  # the ids are in the library's dtype already
-                ids = topk_ids.contiguous()
+                x = hidden_states.contiguous()
+                weights = topk_weights if topk_weights.dtype is _F32 else topk_weights.float()
+            elif rt is None:
+                ids, x, weights = topk_ids.contiguous(), hidden_states.contiguous(), topk_weights
+            else:  # the runtime's asserts check the rest
+                ids, x, weights = topk_ids, hidden_states, topk_weights
             n = h_shape[0]
             use_fp8 = self._fp8
+            use_ue8m0 = use_fp8 and self.use_ue8m0
             if self._check_ids:
                 assert_expert_ids(ids, self._num_experts, self._id_error)
-            x = self._pad_last(hidden_states) if self._padded else hidden_states.contiguous()
-            recv_x, recv_sf, recv_count, handle, hook = self.manager.dispatch(
-                x, ids, use_fp8, use_fp8 and self.use_ue8m0, recv_hook)
+            if self._padded:
+                x = self._pad_last(x)
+            if rt is None:
+                recv_x, recv_sf, recv_count, handle, hook = self.manager.dispatch(
+                    x, ids, use_fp8, use_ue8m0, recv_hook)
+            else:
+                try:
+                    recv_x, recv_sf, recv_count, src_info, layout_range, _, hook = rt.dispatch(
+                        self._buffer.runtime, x, ids, None, None, self._max_tokens,
+                        self._num_experts, use_fp8, use_ue8m0, use_ue8m0, False, recv_hook)
+                except RuntimeError as refused:
+                    x, ids = self._refused_dispatch(hidden_states, topk_weights, topk_ids,
+                                                    quant, x, ids, refused)
+                    recv_x, recv_sf, recv_count, src_info, layout_range, _, hook = rt.dispatch(
+                        self._buffer.runtime, x, ids, None, None, self._max_tokens,
+                        self._num_experts, use_fp8, use_ue8m0, use_ue8m0, False, recv_hook)
+                handle = (src_info, layout_range)
             if self._padded:  # the experts get views of the layer's columns (and scales)
                 hidden = self._hidden
                 recv_x = recv_x[..., :hidden]
                 if recv_sf is not None:  # packed UE8M0 scales: int32, one per 512 columns
                     per = FP8_BLOCK * (_UE8M0_PACK if recv_sf.dtype is torch.int32 else 1)
                     recv_sf = recv_sf[..., : -(-hidden // per)]
-            self._state = (handle, n, recv_x.shape, topk_ids, topk_weights, ids)
+            self._state = (handle, n, recv_x.shape, topk_ids, topk_weights, ids, weights)
             self._calls += 1
             self._pairs[use_fp8] += n * self._topk
         except BaseException as e:  # peers are in (or past) this dispatch: out of step now
             self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise
         return recv_x, recv_sf, recv_count, hook
+
+    def _refused_dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, quant: QuantSpec, x: torch.Tensor,
+                          ids: torch.Tensor, error: RuntimeError
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The runtime's dispatch raised ``error`` on (x, ids). Where its asserts refused the
+        call (nothing launched, RuntimeCalls), a wrong input raises its error with the fix and
+        non-contiguous inputs come back as contiguous copies, to be dispatched; otherwise the
+        runtime's error propagates."""
+        self._check_call(hidden_states, topk_weights, topk_ids, quant)
+        if x.is_contiguous() and ids.is_contiguous():
+            raise error
+        return x.contiguous(), ids.contiguous()
 
     def _check_call(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, quant: QuantSpec) -> None:
@@ -737,19 +808,23 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         st = self._state
         if st is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
-        handle, n, expert_shape, prepared_ids, prepared_weights, ids = st
+        handle, n, expert_shape, prepared_ids, prepared_weights, ids, weights = st
         m = self.manager
+        rt = self.runtime_calls
         try:
             if fused_expert_output.shape != expert_shape:
                 raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}"
                                  f", expected {list(expert_shape)} (prepare's layout)")
-            if fused_expert_output.dtype is not _BF16:
-                raise TypeError(f"{m.backend_name}: expert outputs must be bfloat16 for the "
-                                f"combine kernel, got {fused_expert_output.dtype}")
+            # bf16 and contiguous expert outputs, contiguous float32 weights: the runtime's
+            # asserts check them where it is called directly (RuntimeCalls)
+            if rt is None and fused_expert_output.dtype is not _BF16:
+                raise self._expert_dtype_error(fused_expert_output)
             if topk_ids is not prepared_ids or topk_weights is not prepared_weights:
                 # the same routing only (a combine reduces by the dispatch's)
                 check_finalize_routing(prepared_ids, topk_ids, topk_weights)
                 ids = self._ids(topk_ids)
+                weights = (topk_weights if topk_weights.dtype is _F32
+                           else topk_weights.float())
             if isinstance(output, RowScatterTarget):
                 if output.rows.num_owned != n:
                     raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows, "
@@ -762,10 +837,20 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                 direct = (not self._padded and output.dtype is _BF16
                           and output.is_contiguous())
                 dest = output if direct else fused_expert_output.new_empty(n, m.kernel_hidden)
-            weights = topk_weights if topk_weights.dtype is _F32 else topk_weights.float()
-            x = (self._pad_last(fused_expert_output) if self._padded
-                 else fused_expert_output.contiguous())
-            hook = m.combine(x, ids, weights.contiguous(), handle, dest, recv_hook)
+            x = self._pad_last(fused_expert_output) if self._padded else fused_expert_output
+            if rt is None:
+                hook = m.combine(x.contiguous(), ids, weights.contiguous(), handle, dest,
+                                 recv_hook)
+            else:
+                try:
+                    _, _, hook = rt.combine(
+                        self._buffer.runtime, x, ids, weights, handle[0], handle[1], None,
+                        self._max_tokens, self._num_experts, False, False, False, recv_hook, dest)
+                except RuntimeError as refused:
+                    x, weights = self._refused_combine(x, weights, refused)
+                    _, _, hook = rt.combine(
+                        self._buffer.runtime, x, ids, weights, handle[0], handle[1], None,
+                        self._max_tokens, self._num_experts, False, False, False, recv_hook, dest)
             self._combine_pairs += n * self._topk
         except BaseException as e:  # peers are in this combine: out of step now
             self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
@@ -773,6 +858,20 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         finally:
             self._state = None
         return hook, dest
+
+    def _refused_combine(self, x: torch.Tensor, weights: torch.Tensor, error: RuntimeError
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The runtime's combine raised ``error`` on (x, weights): as
+        :meth:`_refused_dispatch`, for the expert outputs' dtype and the inputs' layout."""
+        if x.dtype is not _BF16:
+            raise self._expert_dtype_error(x) from error
+        if x.is_contiguous() and weights.is_contiguous():
+            raise error
+        return x.contiguous(), weights.contiguous()
+
+    def _expert_dtype_error(self, fused_expert_output: torch.Tensor) -> TypeError:
+        return TypeError(f"{self.manager.backend_name}: expert outputs must be bfloat16 for the "
+                         f"combine kernel, got {fused_expert_output.dtype}")
 
 
 def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize],

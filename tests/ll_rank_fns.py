@@ -201,6 +201,103 @@ def blocking_and_hooked_round_trips(rank: int, world: int, backend: str, layout:
                     out_blocking=out_blocking, out_hooked=out_hooked)
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t`` in a non-contiguous tensor (the first two dims swapped in
+    memory)."""
+    out = t.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not out.is_contiguous() and torch.equal(out, t)
+    return out
+
+
+def strided_round_trips(rank: int, world: int, backend: str, layout: ParallelLayout,
+                        cfg: MoEConfig) -> dict:
+    """The same round trip, blocking and hooked, once with contiguous inputs and once with
+    non-contiguous tokens, weights, ids and expert outputs (the same values); returns both
+    outputs and the library launches each made (deepep_ll leaves the layout to the runtime's
+    asserts, which refuse such inputs before launching: the call is made again on copies)."""
+    with built(backend, layout, cfg) as pf:
+        runtime = pf.manager.buffer.runtime
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(4, cfg.hidden, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
+                           for _ in range(4)])
+        w = torch.rand(4, cfg.num_topk, generator=g)
+        outs, launches = {}, {}
+        for strided in (False, True):
+            args = (_strided(x), _strided(w), _strided(ids)) if strided else (x, w, ids)
+            start = runtime.launches
+            prep = pf.prepare(*args, QuantSpec())
+            expert_out = prep.x.nan_to_num()  # the slots nothing was received in hold NaN
+            expert_out = _strided(expert_out) if strided else expert_out
+            outs[strided, "blocking"] = pf.finalize(expert_out, args[1], args[2],
+                                                    torch.empty_like(x))
+            sent = pf.prepare_async(*args, QuantSpec())
+            sent.hook()
+            prep = sent.receiver()
+            expert_out = prep.x.nan_to_num()  # the slots nothing was received in hold NaN
+            expert_out = _strided(expert_out) if strided else expert_out
+            back = pf.finalize_async(expert_out, args[1], args[2], torch.empty_like(x))
+            back.hook()
+            outs[strided, "hooked"] = back.receiver()
+            launches[strided] = runtime.launches - start
+        return dict(outs=outs, launches=launches, direct=pf.runtime_calls is not None)
+
+
+def runtime_failures(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> dict:
+    """deepep_ll: the emulated runtime's dispatch, then its combine, fail with valid inputs (a
+    RuntimeError, as a CUDA error reaches Python through pybind11), on every rank alike. Each
+    error must reach the caller as it is, after one runtime call: an error of the runtime that
+    is not one of its input asserts is never answered by calling again."""
+    from moe_plugins.low_latency import RuntimeCalls
+
+    with built("deepep_ll", layout, cfg) as pf:
+        calls = pf.runtime_calls
+        assert calls is not None
+        made = {"dispatch": 0, "combine": 0}
+
+        def failing(name: str) -> Any:
+            def call(*args: Any) -> tuple:
+                made[name] += 1
+                raise RuntimeError(f"emulated {name} failure")
+            return call
+
+        x, w, ids = _zeros_call(pf, 2)
+        errors = {}
+        pf.runtime_calls = RuntimeCalls(failing("dispatch"), calls.combine)
+        try:
+            pf.prepare(x, w, ids, QuantSpec())
+        except RuntimeError as e:
+            errors["dispatch"] = str(e)
+        clear_group_faults(pf.manager.ctx.ep_group)
+        pf.faults = group_faults(pf.manager.ctx.ep_group)
+        pf.runtime_calls = RuntimeCalls(calls.dispatch, failing("combine"))
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        try:
+            pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids,
+                        torch.empty_like(x))
+        except RuntimeError as e:
+            errors["combine"] = str(e)
+        broken = pf.faults.broken is not None
+        # the real combine must still run on every rank: the peers' dispatch is in flight
+        clear_group_faults(pf.manager.ctx.ep_group)
+        pf.faults = group_faults(pf.manager.ctx.ep_group)
+        pf.runtime_calls = calls
+        return dict(errors=errors, made=made, broken=broken)
+
+
+def float32_expert_outputs(rank: int, world: int, backend: str, layout: ParallelLayout,
+                           cfg: MoEConfig) -> tuple[Optional[str], Optional[str]]:
+    """finalize with float32 expert outputs (every rank alike): (error type, message)."""
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 2)
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        try:
+            pf.finalize(torch.zeros(prep.x.shape), w, ids, torch.empty_like(x))
+        except TypeError as e:
+            return type(e).__name__, str(e)
+        return None, None
+
+
 def runtime_and_wrapper_round_trips(rank: int, world: int, layout: ParallelLayout,
                                     cfg: MoEConfig) -> dict:
     """deepep_ll: the same blocking and hooked round trips through DeepEP's C++ runtime (the
@@ -212,10 +309,11 @@ def runtime_and_wrapper_round_trips(rank: int, world: int, layout: ParallelLayou
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
                            for _ in range(3)])
         w = torch.rand(3, cfg.num_topk, generator=g)
-        chosen = pf.manager.direct_runtime
+        chosen = pf.runtime_calls is not None
+        calls = pf.runtime_calls
         outs = {}
         for direct in (True, False):
-            pf.manager.direct_runtime = direct
+            pf.runtime_calls = calls if direct else None
             prep = pf.prepare(x, w, ids, QuantSpec())
             outs[direct, "blocking"] = pf.finalize(prep.x.clone(), w, ids, torch.empty_like(x))
             sent = pf.prepare_async(x, w, ids, QuantSpec())

@@ -143,6 +143,42 @@ def test_runtime_calls_match_the_python_methods(rank_pool):
                                        atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs_give_the_contiguous_result(rank_pool, backend):
+    """Tokens, weights, ids and expert outputs that are not contiguous (same values) give the
+    contiguous call's output bit for bit, blocking and hooked, with the same library launches:
+    deepep_ll leaves their layout to the runtime's asserts, which refuse them before launching
+    (RuntimeCalls), and calls again on copies; nixl_ep copies them first."""
+    for r in rank_pool(2).run(ll_rank_fns.strided_round_trips, backend,
+                              ParallelLayout(2, 1, True), _cfg()):
+        assert r["direct"] is (backend == "deepep_ll")
+        assert r["launches"][True] == r["launches"][False] == 6
+        for mode in ("blocking", "hooked"):
+            torch.testing.assert_close(r["outs"][True, mode], r["outs"][False, mode], atol=0,
+                                       rtol=0)
+
+
+@pytest.mark.multirank
+def test_a_runtime_failure_reaches_the_caller_unchanged(rank_pool):
+    """A RuntimeError of DeepEP's runtime on valid inputs (not an input assert) is raised as it
+    is, after one call, and breaks the group; it is never retried."""
+    for r in rank_pool(2).run(ll_rank_fns.runtime_failures, ParallelLayout(2, 1, True), _cfg()):
+        assert r["errors"] == {"dispatch": "emulated dispatch failure",
+                               "combine": "emulated combine failure"}
+        assert r["made"] == {"dispatch": 1, "combine": 1} and r["broken"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_expert_outputs_rejected(rank_pool, backend):
+    for err_type, err in rank_pool(2).run(ll_rank_fns.float32_expert_outputs, backend,
+                                          ParallelLayout(2, 1, True), _cfg()):
+        assert err_type == "TypeError"
+        assert err == f"{backend}: expert outputs must be bfloat16 for the combine kernel, got " \
+                      "torch.float32"
+
+
 def test_runtime_calls_only_on_the_known_signatures(caplog):
     """Another deep_ep.Buffer (other parameters of its low-latency methods, or no runtime):
     the manager calls the Python methods, and says so once at INFO."""

@@ -81,4 +81,4 @@ def test_calls_go_to_the_runtime_of_567632d(build):
 
     pf = build(BF16)
     assert runtime_calls_known(pf.manager.buffer)
-    assert pf.manager.direct_runtime
+    assert pf.manager.runtime_calls is not None and pf.runtime_calls is pf.manager.runtime_calls

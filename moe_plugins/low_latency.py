@@ -576,8 +576,10 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self._checked_quant: Optional[QuantSpec] = None  # the last quant spec prepare accepted
         self._fp8 = False  # and whether it puts FP8 on the wire
         self._calls = 0
-        self._pairs = [0, 0]  # dispatched (token, expert) pairs: [bf16, fp8] on the wire
-        self._combine_pairs = 0
+        self._tokens = [0, 0]  # tokens dispatched: [bf16, fp8] on the wire (pairs: x num_topk)
+        # tokens dispatched whose combine never ran (abandoned or raised): what the combine
+        # brought back is the rest, so a combine counts nothing itself
+        self._uncombined = 0
 
     @property
     def stats(self) -> DispatchStats:  # type: ignore[override]
@@ -585,13 +587,14 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         entries included: counting them exactly would need a sync), each with a 16-byte header;
         combine bytes are the rows combine brings back to this rank's pairs (what this rank
         sends is only known on the device; summed over ranks the two are equal)."""
-        kh = self.manager.kernel_hidden
-        bf16, fp8 = self._pairs
+        kh, k = self.manager.kernel_hidden, self._topk
+        bf16, fp8 = self._tokens[0] * k, self._tokens[1] * k
         pairs = bf16 + fp8
+        in_flight = 0 if self._state is None else self._state[1]
         return DispatchStats(calls=self._calls, pairs=pairs, rows=pairs,
                              act_bytes=(2 * bf16 + fp8) * kh, sf_bytes=fp8 * (kh // FP8_BLOCK) * 4,
                              meta_bytes=pairs * _MSG_HEADER_BYTES,
-                             combine_bytes=self._combine_pairs * kh * 2)
+                             combine_bytes=(pairs - (self._uncombined + in_flight) * k) * kh * 2)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -624,6 +627,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
     def reset_call_state(self) -> None:
         if self._state is not None:  # dispatched, never combined: peers wait in the combine
             self.faults.mark_broken("a call was abandoned between its dispatch and its combine")
+            self._uncombined += self._state[1]
         self._state = None
 
     # -- padding of the hidden dimension (see the module doc) ------------------------------
@@ -729,7 +733,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                     recv_sf = recv_sf[..., : -(-hidden // per)]
             self._state = (handle, n, recv_x.shape, topk_ids, topk_weights, ids, weights)
             self._calls += 1
-            self._pairs[use_fp8] += n * self._topk
+            self._tokens[use_fp8] += n
         except BaseException as e:  # peers are in (or past) this dispatch: out of step now
             self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise
@@ -809,7 +813,6 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         if st is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
         handle, n, expert_shape, prepared_ids, prepared_weights, ids, weights = st
-        m = self.manager
         rt = self.runtime_calls
         try:
             if fused_expert_output.shape != expert_shape:
@@ -829,18 +832,19 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                 if output.rows.num_owned != n:
                     raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows, "
                                      f"prepare was given {n} tokens")
-                dest = fused_expert_output.new_empty(n, m.kernel_hidden)
+                dest = fused_expert_output.new_empty(n, self.manager.kernel_hidden)
             else:
                 if output.shape != (n, self._hidden):
                     raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
-                                     f"[{n}, {m.hidden}] (the tokens given to prepare)")
+                                     f"[{n}, {self._hidden}] (the tokens given to prepare)")
                 direct = (not self._padded and output.dtype is _BF16
                           and output.is_contiguous())
-                dest = output if direct else fused_expert_output.new_empty(n, m.kernel_hidden)
+                dest = (output if direct
+                        else fused_expert_output.new_empty(n, self.manager.kernel_hidden))
             x = self._pad_last(fused_expert_output) if self._padded else fused_expert_output
             if rt is None:
-                hook = m.combine(x.contiguous(), ids, weights.contiguous(), handle, dest,
-                                 recv_hook)
+                hook = self.manager.combine(x.contiguous(), ids, weights.contiguous(), handle,
+                                            dest, recv_hook)
             else:
                 try:
                     _, _, hook = rt.combine(
@@ -851,8 +855,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                     _, _, hook = rt.combine(
                         self._buffer.runtime, x, ids, weights, handle[0], handle[1], None,
                         self._max_tokens, self._num_experts, False, False, False, recv_hook, dest)
-            self._combine_pairs += n * self._topk
         except BaseException as e:  # peers are in this combine: out of step now
+            self._uncombined += n
             self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
             raise
         finally:

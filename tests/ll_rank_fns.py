@@ -23,7 +23,7 @@ from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
 from moe_plugins.low_latency import LowLatencyPrepareFinalize
 from moe_plugins.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
-from moe_plugins.quant import QuantSpec
+from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy
 from rank_fns import count_dist_calls
@@ -241,6 +241,29 @@ def strided_round_trips(rank: int, world: int, backend: str, layout: ParallelLay
             outs[strided, "hooked"] = back.receiver()
             launches[strided] = runtime.launches - start
         return dict(outs=outs, launches=launches, direct=pf.runtime_calls is not None)
+
+
+def stats_after_calls(rank: int, world: int, backend: str, layout: ParallelLayout,
+                      cfg: MoEConfig) -> dict:
+    """The backend's stats after a bf16 round trip, an FP8 one, an FP8 dispatch whose call is
+    then abandoned (reset_call_state, on every rank alike) and a bf16 dispatch still waiting
+    for its combine; 3 tokens each."""
+    with built(backend, layout, cfg) as pf:
+        x, w, ids = _zeros_call(pf, 3)
+        fp8 = QuantSpec(QuantScheme.FP8_BLOCK128)
+        out = torch.empty_like(x)
+        for quant in (QuantSpec(), fp8):
+            prep = pf.prepare(x, w, ids, quant)
+            pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids, out)
+        pf.prepare(x, w, ids, fp8)
+        pf.reset_call_state()
+        clear_group_faults(pf.manager.ctx.ep_group)
+        pf.faults = group_faults(pf.manager.ctx.ep_group)
+        prep = pf.prepare(x, w, ids, QuantSpec())
+        in_flight = dataclasses.asdict(pf.stats)
+        pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids, out)
+        return dict(in_flight=in_flight, done=dataclasses.asdict(pf.stats),
+                    kernel_hidden=pf.manager.kernel_hidden)
 
 
 def runtime_failures(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> dict:

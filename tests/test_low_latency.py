@@ -160,6 +160,23 @@ def test_non_contiguous_inputs_give_the_contiguous_result(rank_pool, backend):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stats_count_pairs_and_the_combines_that_ran(rank_pool, backend):
+    """Every dispatch counts its (token, expert) pairs (bf16 rows 2 bytes a column, FP8 one
+    plus a float32 scale per 128 columns, a 16-byte header each); the combine bytes are those
+    of the dispatches whose combine ran: not an abandoned call's, not one still in flight."""
+    cfg = _cfg()
+    for r in rank_pool(2).run(ll_rank_fns.stats_after_calls, backend, ParallelLayout(2, 1, True),
+                              cfg):
+        kh, pairs = r["kernel_hidden"], 3 * cfg.num_topk  # pairs per call
+        for got, calls, combined in ((r["in_flight"], 4, 2), (r["done"], 4, 3)):
+            assert got == dict(calls=calls, pairs=4 * pairs, rows=4 * pairs,
+                               act_bytes=(2 * 2 + 2) * pairs * kh,
+                               sf_bytes=2 * pairs * kh // 128 * 4, meta_bytes=4 * pairs * 16,
+                               combine_bytes=combined * pairs * kh * 2), got
+
+
+@pytest.mark.multirank
 def test_a_runtime_failure_reaches_the_caller_unchanged(rank_pool):
     """A RuntimeError of DeepEP's runtime on valid inputs (not an input assert) is raised as it
     is, after one call, and breaks the group; it is never retried."""

@@ -20,7 +20,6 @@ check what they check; with any other signature the calls go through the Python 
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ from typing import Any, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.low_latency import LowLatencyManager, LowLatencyOptions, RuntimeCalls
+from moe_plugins.low_latency import (LowLatencyManager, LowLatencyOptions, RuntimeCalls,
+                                     wrappers_match)
 from moe_plugins.registry import RequiredPackage
 
 logger = logging.getLogger(__name__)
@@ -55,25 +55,13 @@ _WRAPPER_PARAMETERS = {
         "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
         "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"),
 }
-_WRAPPER_LOGGED: set[type] = set()
 
 
 def runtime_calls_known(buffer: Any) -> bool:
     """Whether ``buffer`` (a deep_ep.Buffer) has 567632d's low-latency Python methods and a
     runtime: then its runtime takes the calls those methods make (see the module doc)."""
-    cls = type(buffer)
-    try:
-        known = all(tuple(inspect.signature(getattr(cls, name)).parameters) == params
-                    for name, params in _WRAPPER_PARAMETERS.items())
-    except (AttributeError, TypeError, ValueError):
-        known = False
-    known = known and all(callable(getattr(getattr(buffer, "runtime", None), name, None))
-                          for name in _WRAPPER_PARAMETERS)
-    if not known and cls not in _WRAPPER_LOGGED:
-        _WRAPPER_LOGGED.add(cls)
-        logger.info("deepep_ll: %s.%s's low-latency methods are not those of DeepEP 567632d; "
-                    "calling them instead of its C++ runtime", cls.__module__, cls.__name__)
-    return known
+    return wrappers_match(buffer, _WRAPPER_PARAMETERS, tuple(_WRAPPER_PARAMETERS), "deepep_ll",
+                          "DeepEP 567632d")
 
 
 @dataclass(frozen=True)

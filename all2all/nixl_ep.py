@@ -8,15 +8,25 @@ release since v1.0.0 has; v1.1+ also calls them ``low_latency_*``, and its ``dis
 forward there: the manager calls ``low_latency_*`` where the buffer has them),
 ``update_mask_buffer`` / ``query_mask_buffer``. ``nixl_ep`` is imported when a manager is built,
 never at import time.
+
+The library calls. In v1.4.0 and 1.5.1 (``nixl_ep/buffer.py``) ``low_latency_dispatch`` /
+``low_latency_combine`` are each one call of the C++ runtime (``Buffer.runtime``, a
+``nixl_ep_cpp.Buffer``: ``dispatch`` / ``combine``, csrc/nixl_ep.cpp) wrapped in Python: the
+handle tuple, a tuple of tensors to record, an ``EventOverlap``; as DeepEP's
+(:mod:`all2all.deepep`), none of it is used here. Where the two methods have those releases'
+parameters, the prepare/finalize call the runtime directly (:class:`RuntimeCalls`): its dispatch
+takes DeepEP's positional arguments, its combine the same without ``num_experts``. Its host
+asserts come first, before anything is launched or changed, as DeepEP's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.low_latency import LowLatencyManager, LowLatencyOptions
+from moe_plugins.low_latency import (LowLatencyManager, LowLatencyOptions, RuntimeCalls,
+                                     wrappers_match)
 from moe_plugins.registry import RequiredPackage
 
 __all__ = ["NixlEPOptions", "NixlEPManager", "NIXL_PACKAGE"]
@@ -30,6 +40,40 @@ _NO_STORE = (
     "the process group was initialized with: DispatchConfig(backend_options=NixlEPOptions("
     "tcp_store_group=torch.distributed.PrefixStore('nixl_ep', store)))"
 )
+
+#: The parameters of nixl_ep.Buffer's low-latency methods in v1.4.0 and 1.5.1, whose bodies are
+#: one runtime call each (see the module doc).
+_WRAPPER_PARAMETERS = {
+    "low_latency_dispatch": (
+        "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+        "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
+        "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"),
+    "low_latency_combine": (
+        "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
+        "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"),
+}
+_RUNTIME_METHODS = ("dispatch", "combine")
+
+
+def runtime_calls(buffer: Any) -> Optional[RuntimeCalls]:
+    """The calls of ``buffer.runtime`` (a nixl_ep_cpp.Buffer) the prepare/finalize can make
+    directly: None unless ``buffer``'s low-latency methods are those of v1.4.0 / 1.5.1."""
+    if not wrappers_match(buffer, _WRAPPER_PARAMETERS, _RUNTIME_METHODS, "nixl_ep",
+                          "nixl_ep v1.4.0 / 1.5.1"):
+        return None
+    runtime = type(buffer.runtime)
+    return RuntimeCalls(runtime.dispatch, _without_num_experts(runtime.combine))
+
+
+def _without_num_experts(combine: Callable[..., tuple]) -> Callable[..., tuple]:
+    """nixl_ep's runtime combine under RuntimeCalls' positional signature, which has DeepEP's
+    ``num_experts`` (nixl's combine reads the expert layout from ``layout_range``)."""
+    def call(runtime: Any, x: Any, topk_idx: Any, topk_weights: Any, src_info: Any,
+             layout_range: Any, wait_stats: Any, max_tokens: int, num_experts: int,
+             use_logfmt: bool, zero_copy: bool, async_: bool, recv_hook: bool, out: Any) -> tuple:
+        return combine(runtime, x, topk_idx, topk_weights, src_info, layout_range, wait_stats,
+                       max_tokens, use_logfmt, zero_copy, async_, recv_hook, out)
+    return call
 
 
 @dataclass(frozen=True)
@@ -78,6 +122,7 @@ class NixlEPManager(LowLatencyManager):
         if opts is None or (isinstance(opts, NixlEPOptions) and opts.tcp_store_group is None):
             raise ValueError(_NO_STORE)
         super().__init__(ctx, cfg)
+        self.runtime_calls = runtime_calls(self.buffer)
 
     def _layout_ranks_multiple(self) -> int:
         # The receive layout spans the active rank bound (highest unmasked rank + 1), which

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "dequantize_batched",
-    "LowLatencyManager", "RuntimeCalls",
+    "LowLatencyManager", "RuntimeCalls", "wrappers_match",
     "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
     "import_vendor", "check_kernel_layer", "assert_expert_ids", "expert_id_error",
 ]
@@ -247,6 +248,30 @@ class RuntimeCalls:
 
     dispatch: Callable[..., tuple]
     combine: Callable[..., tuple]
+
+
+_WRAPPERS_LOGGED: set[type] = set()
+
+
+def wrappers_match(buffer: Any, wrappers: dict[str, tuple[str, ...]],
+                   runtime_methods: tuple[str, ...], backend: str, release: str) -> bool:
+    """Whether ``buffer``'s Python methods ``wrappers`` (name -> its parameters, ``self``
+    first) have exactly those parameters, those of ``release``, whose bodies are known to be one
+    call each of ``buffer.runtime``'s ``runtime_methods``: then the runtime can take the calls
+    directly (:class:`RuntimeCalls`). Otherwise INFO once per buffer class."""
+    cls = type(buffer)
+    try:
+        known = all(tuple(inspect.signature(getattr(cls, name)).parameters) == params
+                    for name, params in wrappers.items())
+    except (AttributeError, TypeError, ValueError):
+        known = False
+    known = known and all(callable(getattr(getattr(buffer, "runtime", None), name, None))
+                          for name in runtime_methods)
+    if not known and cls not in _WRAPPERS_LOGGED:
+        _WRAPPERS_LOGGED.add(cls)
+        logger.info("%s: %s.%s's low-latency methods are not those of %s; calling them instead "
+                    "of its C++ runtime", backend, cls.__module__, cls.__name__, release)
+    return known
 
 
 class _BufferCache:

@@ -266,14 +266,15 @@ def stats_after_calls(rank: int, world: int, backend: str, layout: ParallelLayou
                     kernel_hidden=pf.manager.kernel_hidden)
 
 
-def runtime_failures(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> dict:
-    """deepep_ll: the emulated runtime's dispatch, then its combine, fail with valid inputs (a
+def runtime_failures(rank: int, world: int, backend: str, layout: ParallelLayout,
+                     cfg: MoEConfig) -> dict:
+    """The emulated runtime's dispatch, then its combine, fail with valid inputs (a
     RuntimeError, as a CUDA error reaches Python through pybind11), on every rank alike. Each
     error must reach the caller as it is, after one runtime call: an error of the runtime that
     is not one of its input asserts is never answered by calling again."""
     from moe_plugins.low_latency import RuntimeCalls
 
-    with built("deepep_ll", layout, cfg) as pf:
+    with built(backend, layout, cfg) as pf:
         calls = pf.runtime_calls
         assert calls is not None
         made = {"dispatch": 0, "combine": 0}
@@ -321,12 +322,13 @@ def float32_expert_outputs(rank: int, world: int, backend: str, layout: Parallel
         return None, None
 
 
-def runtime_and_wrapper_round_trips(rank: int, world: int, layout: ParallelLayout,
+def runtime_and_wrapper_round_trips(rank: int, world: int, backend: str, layout: ParallelLayout,
                                     cfg: MoEConfig) -> dict:
-    """deepep_ll: the same blocking and hooked round trips through DeepEP's C++ runtime (the
-    manager's path on 567632d's signatures) and through deep_ep.Buffer's Python methods (its
-    path on any other signatures); returns whether the runtime path was chosen and all outputs."""
-    with built("deepep_ll", layout, cfg) as pf:
+    """The same blocking and hooked round trips through the library's C++ runtime (the path on
+    the known releases' signatures, RuntimeCalls) and through its buffer's Python methods (the
+    path on any other signatures); returns whether the runtime path was chosen and all
+    outputs."""
+    with built(backend, layout, cfg) as pf:
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(3, cfg.hidden, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]

@@ -127,11 +127,13 @@ def test_blocking_calls_launch_once_and_match_the_hooked_ones(rank_pool, backend
 
 
 @pytest.mark.multirank
-def test_runtime_calls_match_the_python_methods(rank_pool):
-    """deepep_ll calls the emulated C++ runtime directly (567632d's signatures, as the real
-    Buffer has them); the same round trips through deep_ep.Buffer's Python methods (the path
-    for other signatures) give bit-equal outputs, and both give the tokens back."""
-    results = rank_pool(2).run(ll_rank_fns.runtime_and_wrapper_round_trips,
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runtime_calls_match_the_python_methods(rank_pool, backend):
+    """Both backends call the emulated C++ runtime directly (DeepEP 567632d's and nixl_ep
+    1.5.1's signatures, as the real buffers have them); the same round trips through the
+    buffer's Python methods (the path for other signatures) give bit-equal outputs, and both
+    give the tokens back."""
+    results = rank_pool(2).run(ll_rank_fns.runtime_and_wrapper_round_trips, backend,
                                ParallelLayout(2, 1, True), _cfg())
     for r in results:
         assert r["chosen"] is True
@@ -148,11 +150,11 @@ def test_runtime_calls_match_the_python_methods(rank_pool):
 def test_non_contiguous_inputs_give_the_contiguous_result(rank_pool, backend):
     """Tokens, weights, ids and expert outputs that are not contiguous (same values) give the
     contiguous call's output bit for bit, blocking and hooked, with the same library launches:
-    deepep_ll leaves their layout to the runtime's asserts, which refuse them before launching
-    (RuntimeCalls), and calls again on copies; nixl_ep copies them first."""
+    the prepare/finalize leave their layout to the runtime's asserts, which refuse them before
+    launching (RuntimeCalls), and call again on copies."""
     for r in rank_pool(2).run(ll_rank_fns.strided_round_trips, backend,
                               ParallelLayout(2, 1, True), _cfg()):
-        assert r["direct"] is (backend == "deepep_ll")
+        assert r["direct"]
         assert r["launches"][True] == r["launches"][False] == 6
         for mode in ("blocking", "hooked"):
             torch.testing.assert_close(r["outs"][True, mode], r["outs"][False, mode], atol=0,
@@ -177,10 +179,12 @@ def test_stats_count_pairs_and_the_combines_that_ran(rank_pool, backend):
 
 
 @pytest.mark.multirank
-def test_a_runtime_failure_reaches_the_caller_unchanged(rank_pool):
-    """A RuntimeError of DeepEP's runtime on valid inputs (not an input assert) is raised as it
-    is, after one call, and breaks the group; it is never retried."""
-    for r in rank_pool(2).run(ll_rank_fns.runtime_failures, ParallelLayout(2, 1, True), _cfg()):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_runtime_failure_reaches_the_caller_unchanged(rank_pool, backend):
+    """A RuntimeError of the library's runtime on valid inputs (not an input assert) is raised
+    as it is, after one call, and breaks the group; it is never retried."""
+    for r in rank_pool(2).run(ll_rank_fns.runtime_failures, backend, ParallelLayout(2, 1, True),
+                              _cfg()):
         assert r["errors"] == {"dispatch": "emulated dispatch failure",
                                "combine": "emulated combine failure"}
         assert r["made"] == {"dispatch": 1, "combine": 1} and r["broken"]
@@ -218,12 +222,36 @@ def test_runtime_calls_only_on_the_known_signatures(caplog):
     assert runtime_calls_known(known)
     renamed = object.__new__(Renamed)
     renamed.runtime = known.runtime
-    with caplog.at_level(logging.INFO, logger="all2all.deepep"):
+    with caplog.at_level(logging.INFO, logger="moe_plugins.low_latency"):
         assert not runtime_calls_known(renamed)
         assert not runtime_calls_known(renamed)  # logged once per class
         assert not runtime_calls_known(NoRuntime())
-    lines = [r.getMessage() for r in caplog.records if r.name == "all2all.deepep"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_plugins.low_latency"]
     assert len(lines) == 2 and "Renamed" in lines[0] and "calling them instead" in lines[0]
+    assert lines[0].startswith("deepep_ll: ") and "DeepEP 567632d" in lines[0]
+
+
+def test_nixl_runtime_calls_only_on_the_known_signatures():
+    """nixl_ep: the runtime's calls on v1.4.0 / 1.5.1's low-latency methods (the emulation
+    has them), the combine's under DeepEP's positional signature; None for v1.0's buffer
+    (dispatch / combine only)."""
+    from all2all.nixl_ep import runtime_calls
+    from emulation import nixl_ep as emulated
+
+    class V10:
+        runtime = object.__new__(emulated._NixlRuntime)
+
+        def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                     use_fp8=True):
+            raise AssertionError("not called")
+
+        combine = dispatch
+
+    known = object.__new__(emulated.Buffer)
+    known.runtime = V10.runtime
+    calls = runtime_calls(known)
+    assert calls is not None and calls.dispatch is emulated._NixlRuntime.dispatch
+    assert runtime_calls(V10()) is None
 
 
 @pytest.mark.multirank

@@ -247,7 +247,7 @@ class EmulatedLowLatencyRuntime:
         host_assert(not self.destroyed, "emulation: the buffer was destroyed")
 
     # -- dispatch -------------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
+    def run_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
                  num_local_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                  async_finish: bool, return_recv_hook: bool,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
@@ -350,10 +350,10 @@ class EmulatedLowLatencyRuntime:
         return recv_x, scales, count, src_info, layout_range, hook
 
     # -- combine --------------------------------------------------------------------------------
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                src_info: torch.Tensor, layout_range: torch.Tensor, max_tokens: int,
-                num_local_experts: int, use_logfmt: bool, zero_copy: bool, async_finish: bool,
-                return_recv_hook: bool, out: Optional[torch.Tensor]):
+    def run_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    src_info: torch.Tensor, layout_range: torch.Tensor, max_tokens: int,
+                    num_local_experts: int, use_logfmt: bool, zero_copy: bool,
+                    async_finish: bool, return_recv_hook: bool, out: Optional[torch.Tensor]):
         """Returns (combined_x, hook or None)."""
         self._check_alive()
         # Checked against the rank bound NOW (DeepEP: num_ranks; nixl_ep: active_rank_bound,

@@ -85,7 +85,7 @@ class DeepEPRuntime(EmulatedLowLatencyRuntime):
         # The first SM checks the QPs: ibgda_get_state()->num_rc_per_pe >= num_local_experts.
         host_assert(self.num_qps_per_rank >= num_local_experts,
                     "ibgda_get_state()->num_rc_per_pe >= num_local_experts")
-        recv_x, scales, count, src_info, layout_range, hook = self.dispatch(
+        recv_x, scales, count, src_info, layout_range, hook = self.run_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_local_experts, use_fp8,
             round_scale, use_ue8m0, async_, return_recv_hook, cumulative_local_expert_recv_stats)
         return (recv_x, scales, count, src_info, layout_range,
@@ -99,7 +99,7 @@ class DeepEPRuntime(EmulatedLowLatencyRuntime):
                             use_logfmt: bool, zero_copy: bool, async_: bool,
                             return_recv_hook: bool, out: Optional[torch.Tensor]) -> tuple:
         num_local_experts = self._checked_experts(num_experts)
-        combined, hook = self.combine(
+        combined, hook = self.run_combine(
             x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank,
             num_local_experts, use_logfmt, zero_copy, async_, return_recv_hook, out)
         return combined, EventHandle() if async_ else None, hook

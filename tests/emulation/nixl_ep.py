@@ -63,6 +63,35 @@ class _NixlRuntime(EmulatedLowLatencyRuntime):
     def rank_bound(self) -> int:
         return max(r for r in range(self.num_ranks) if self.active[r]) + 1
 
+    # nixl_ep_cpp.Buffer's dispatch / combine as csrc/nixl_ep.cpp (nixl 1.5.1) defines them and
+    # pybind11 binds them (positional, no defaults). Upstream's combine takes no num_experts;
+    # its dispatch's num_experts (optional) sizes the rank bound, which the emulation takes from
+    # the active ranks (rank_bound).
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor],
+                 dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
+                 num_max_dispatch_tokens_per_rank: int, num_experts: Optional[int],
+                 use_fp8: bool, round_scale: bool, use_ue8m0: bool, async_: bool,
+                 return_recv_hook: bool) -> tuple:
+        """-> (packed_recv_x, packed_recv_x_scales or None, packed_recv_count,
+        packed_recv_src_info, packed_recv_layout_range, event or None, hook or None)."""
+        recv_x, scales, count, src_info, layout_range, hook = self.run_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, self.num_experts_per_rank, use_fp8,
+            round_scale, use_ue8m0, async_, return_recv_hook, cumulative_local_expert_recv_stats)
+        return (recv_x, scales, count, src_info, layout_range, object() if async_ else None,
+                hook)
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                src_info: torch.Tensor, layout_range: torch.Tensor,
+                combine_wait_recv_cost_stats: Optional[torch.Tensor],
+                num_max_dispatch_tokens_per_rank: int, use_logfmt: bool, zero_copy: bool,
+                async_: bool, return_recv_hook: bool, out: Optional[torch.Tensor]) -> tuple:
+        """-> (combined_x, event or None, hook or None)."""
+        combined, hook = self.run_combine(
+            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank,
+            self.num_experts_per_rank, use_logfmt, zero_copy, async_, return_recv_hook, out)
+        return combined, object() if async_ else None, hook
+
     def get_local_metadata(self) -> bytes:
         return _agent_metadata(self.rank)
 
@@ -205,14 +234,13 @@ class Buffer:
                              use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False
                              ) -> Tuple[Any, torch.Tensor, Tuple, EventOverlap, Optional[Callable]]:
-        runtime = self._runtime()
-        recv_x, scales, count, src_info, layout_range, hook = runtime.dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, runtime.num_experts_per_rank, use_fp8,
-            round_scale, use_ue8m0, async_finish, return_recv_hook,
-            cumulative_local_expert_recv_stats)
+        # as upstream's wrapper: one runtime call, the handle, an EventOverlap
+        recv_x, scales, count, src_info, layout_range, event, hook = self._runtime().dispatch(
+            x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+            num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+            async_finish, return_recv_hook)
         handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1))
-        event = EventOverlap(object() if async_finish else None)
-        return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
+        return (recv_x, scales) if use_fp8 else recv_x, count, handle, EventOverlap(event), hook
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
         return self.low_latency_dispatch(*args, **kwargs)
@@ -224,12 +252,11 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
                             ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable]]:
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden = handle
-        runtime = self._runtime()
-        combined, hook = runtime.combine(
-            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank,
-            runtime.num_experts_per_rank, use_logfmt, zero_copy, async_finish, return_recv_hook,
-            out)
-        return combined, EventOverlap(object() if async_finish else None), hook
+        combined, event, hook = self._runtime().combine(
+            x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats,
+            num_max_dispatch_tokens_per_rank, use_logfmt, zero_copy, async_finish,
+            return_recv_hook, out)
+        return combined, EventOverlap(event), hook
 
     def combine(self, *args: Any, **kwargs: Any) -> Any:
         return self.low_latency_combine(*args, **kwargs)

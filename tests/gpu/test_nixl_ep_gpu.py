@@ -56,6 +56,21 @@ def test_connect_published_and_removed_the_agent_metadata(build, store):
         pf.manager.destroy()
 
 
+def test_calls_go_to_the_runtime_of_1_5_1(build):
+    """On nixl_ep 1.5.1 the manager recognises nixl_ep.Buffer's low-latency signatures and the
+    prepare/finalize call its C++ runtime directly (all2all/nixl_ep.py); the shared tests in
+    this file then check what those calls deliver against the reference and the raw ``Buffer``
+    methods."""
+    from all2all.nixl_ep import runtime_calls
+
+    pf = build(BF16)
+    try:
+        assert runtime_calls(pf.manager.buffer) is not None
+        assert pf.runtime_calls is pf.manager.runtime_calls is not None
+    finally:
+        pf.manager.destroy()
+
+
 def test_library_limits_beyond_deepeps(one_buffer):
     """nixl main since c345fe3ea (2026-08-12, "support Kimi-K3") dispatches top-16 and hidden
     3584, where DeepEP stops at top-11 and has no 3584 kernels; moe_plugins.low_latency still

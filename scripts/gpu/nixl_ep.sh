@@ -102,7 +102,7 @@ export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-warn}
 python3 - <<'PY' 2>&1 | tee "$OUT/nixl_import.log" || true
 import torch, nixl_ep
 print("nixl_ep", nixl_ep.__file__, "topk_idx_t", getattr(nixl_ep, "topk_idx_t", None),
-      "sm90", nixl_ep.nixl_ep_cpp.is_sm90_compiled())
+      "sm90", nixl_ep._nixl_ep_cpp.is_sm90_compiled())
 PY
 python3 -c "import nixl_ep" || fail "4 import nixl_ep"
 

@@ -18,8 +18,8 @@ Paths (``path`` in the JSON rows):
   ``low_latency_combine(out=)`` without a receive hook, one kernel launch each; ``torch``: the
   same transport on torch.distributed, :func:`multi_gpu._raw_round_trip`).
 - ``runtime`` (DeepEP): the same two calls on ``deep_ep.Buffer.runtime``, the C++ runtime under
-  DeepEP's Python methods, which our manager calls where those methods have 567632d's
-  signatures (all2all/deepep.py): the floor under every path.
+  DeepEP's Python methods, which our prepare/finalize call where those methods have 567632d's
+  signatures (``moe_plugins.low_latency.RuntimeCalls``): the floor under every path.
 - ``ours``: our backend's ``prepare`` + ``finalize``.
 - ``raw_hook`` / ``ours_hook`` (DeepEP): hook mode, the send and then the receive in the hook
   (two launches each call, what an overlapped call makes), raw and through our
@@ -250,8 +250,8 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
         back.receiver()
 
     def runtime_calls() -> None:
-        # deep_ep.Buffer.runtime (the C++ runtime), as our manager calls it where deep_ep.Buffer
-        # has 567632d's signatures (all2all/deepep.py): the floor under every path
+        # deep_ep.Buffer.runtime (the C++ runtime), as our prepare/finalize call it where
+        # deep_ep.Buffer has 567632d's signatures (RuntimeCalls): the floor under every path
         rt = buffer.runtime
         _x, _sf, _count, src_info, layout_range, _event, _hook = rt.low_latency_dispatch(
             x, ids, None, None, m.max_tokens_per_rank, m.num_experts, fp8, False, False, False,
@@ -421,7 +421,7 @@ def print_table(rows: list[Row]) -> None:
               + " ".join(f"{ratio(a, b, base):>10}" for _, a, b, base in RATIOS))
     print("us per dispatch + combine round trip (median). raw/ours: the blocking library calls "
           "(one launch each) and our prepare/finalize, which make them; runtime: those calls "
-          "on DeepEP's C++ runtime, as our manager makes them; raw_hook/ours_hook: "
+          "on DeepEP's C++ runtime, as our prepare/finalize make them; raw_hook/ours_hook: "
           "hook mode (send, then the receive in the hook) and our prepare_async/finalize_async; "
           "adapter/vllm_in_tree: our vLLM adapter (shared-expert overlap on, the plugin's "
           "default) and vLLM's in-tree class, both driven by vLLM's FusedMoEKernelModularImpl "

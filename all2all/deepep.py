@@ -44,23 +44,11 @@ DEEPEP_PACKAGE = RequiredPackage(
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
 
-#: The parameters of deep_ep.Buffer's low-latency methods at 567632d, whose bodies are one runtime
-#: call each with these arguments (see the module doc).
-_WRAPPER_PARAMETERS = {
-    "low_latency_dispatch": (
-        "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
-        "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
-        "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"),
-    "low_latency_combine": (
-        "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
-        "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"),
-}
-
 
 def runtime_calls_known(buffer: Any) -> bool:
     """Whether ``buffer`` (a deep_ep.Buffer) has 567632d's low-latency Python methods and a
     runtime: then its runtime takes the calls those methods make (see the module doc)."""
-    return wrappers_match(buffer, _WRAPPER_PARAMETERS, tuple(_WRAPPER_PARAMETERS), "deepep_ll",
+    return wrappers_match(buffer, ("low_latency_dispatch", "low_latency_combine"), "deepep_ll",
                           "DeepEP 567632d")
 
 

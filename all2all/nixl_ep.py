@@ -41,25 +41,13 @@ _NO_STORE = (
     "tcp_store_group=torch.distributed.PrefixStore('nixl_ep', store)))"
 )
 
-#: The parameters of nixl_ep.Buffer's low-latency methods in v1.4.0 and 1.5.1, whose bodies are
-#: one runtime call each (see the module doc).
-_WRAPPER_PARAMETERS = {
-    "low_latency_dispatch": (
-        "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
-        "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
-        "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"),
-    "low_latency_combine": (
-        "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
-        "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"),
-}
 _RUNTIME_METHODS = ("dispatch", "combine")
 
 
 def runtime_calls(buffer: Any) -> Optional[RuntimeCalls]:
     """The calls of ``buffer.runtime`` (a nixl_ep_cpp.Buffer) the prepare/finalize can make
     directly: None unless ``buffer``'s low-latency methods are those of v1.4.0 / 1.5.1."""
-    if not wrappers_match(buffer, _WRAPPER_PARAMETERS, _RUNTIME_METHODS, "nixl_ep",
-                          "nixl_ep v1.4.0 / 1.5.1"):
+    if not wrappers_match(buffer, _RUNTIME_METHODS, "nixl_ep", "nixl_ep v1.4.0 / 1.5.1"):
         return None
     runtime = type(buffer.runtime)
     return RuntimeCalls(runtime.dispatch, _without_num_experts(runtime.combine))

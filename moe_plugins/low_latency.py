@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "KERNEL_HIDDEN_SIZES", "MAX_TOPK", "LowLatencyOptions", "round_up_hidden_size",
     "kernel_hidden_size", "token_capacity", "unpack_ue8m0_scales", "dequantize_batched",
-    "LowLatencyManager", "RuntimeCalls", "wrappers_match",
+    "LowLatencyManager", "RuntimeCalls", "WRAPPER_PARAMETERS", "wrappers_match",
     "LowLatencyPrepareFinalize", "low_latency_spec", "destroy_all_buffers", "buffer_cache",
     "import_vendor", "check_kernel_layer", "assert_expert_ids", "expert_id_error",
 ]
@@ -250,19 +250,31 @@ class RuntimeCalls:
     combine: Callable[..., tuple]
 
 
+#: The parameters of the low-latency Python methods of DeepEP 567632d's ``deep_ep.Buffer`` and
+#: of nixl_ep v1.4.0 / 1.5.1's ``nixl_ep.Buffer`` (nixl_ep forked DeepEP's; ``self`` first),
+#: whose bodies are one runtime call each (all2all/deepep.py, all2all/nixl_ep.py).
+WRAPPER_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "low_latency_dispatch": (
+        "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+        "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
+        "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"),
+    "low_latency_combine": (
+        "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
+        "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"),
+}
 _WRAPPERS_LOGGED: set[type] = set()
 
 
-def wrappers_match(buffer: Any, wrappers: dict[str, tuple[str, ...]],
-                   runtime_methods: tuple[str, ...], backend: str, release: str) -> bool:
-    """Whether ``buffer``'s Python methods ``wrappers`` (name -> its parameters, ``self``
-    first) have exactly those parameters, those of ``release``, whose bodies are known to be one
-    call each of ``buffer.runtime``'s ``runtime_methods``: then the runtime can take the calls
-    directly (:class:`RuntimeCalls`). Otherwise INFO once per buffer class."""
+def wrappers_match(buffer: Any, runtime_methods: tuple[str, ...], backend: str,
+                   release: str) -> bool:
+    """Whether ``buffer``'s low-latency Python methods have :data:`WRAPPER_PARAMETERS`, those
+    of ``release``, whose bodies are known to be one call each of ``buffer.runtime``'s
+    ``runtime_methods``: then the runtime can take the calls directly (:class:`RuntimeCalls`).
+    Otherwise INFO once per buffer class."""
     cls = type(buffer)
     try:
         known = all(tuple(inspect.signature(getattr(cls, name)).parameters) == params
-                    for name, params in wrappers.items())
+                    for name, params in WRAPPER_PARAMETERS.items())
     except (AttributeError, TypeError, ValueError):
         known = False
     known = known and all(callable(getattr(getattr(buffer, "runtime", None), name, None))

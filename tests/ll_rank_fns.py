@@ -157,6 +157,17 @@ def _zeros_call(pf: LowLatencyPrepareFinalize, n: int, ids_dtype: torch.dtype = 
             (torch.arange(n * k) % pf.cfg.num_experts).view(n, k).to(ids_dtype))
 
 
+def _random_call(cfg: MoEConfig, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+    """n random tokens bf16 [n, hidden], weights float32 [n, num_topk] (not normalized) and
+    distinct expert ids int64 [n, num_topk] per token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, cfg.hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
+                       for _ in range(n)])
+    return x, torch.rand(n, cfg.num_topk, generator=g), ids
+
+
 def prepare_with_ids(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
                      ids_dtype: torch.dtype) -> list[int]:
     """prepare + finalize with topk ids of ``ids_dtype``; returns the receive counts."""
@@ -176,11 +187,7 @@ def blocking_and_hooked_round_trips(rank: int, world: int, backend: str, layout:
     go straight back), same inputs; returns the library launches each made and both outputs."""
     with built(backend, layout, cfg) as pf:
         runtime = pf.manager.buffer.runtime
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(3, cfg.hidden, generator=g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
-                           for _ in range(3)])
-        w = torch.rand(3, cfg.num_topk, generator=g)
+        x, w, ids = _random_call(cfg, rank, 3)
         w = w / w.sum(dim=1, keepdim=True)
         start = runtime.launches
         prep = pf.prepare(x, w, ids, QuantSpec())
@@ -217,11 +224,7 @@ def strided_round_trips(rank: int, world: int, backend: str, layout: ParallelLay
     asserts, which refuse such inputs before launching: the call is made again on copies)."""
     with built(backend, layout, cfg) as pf:
         runtime = pf.manager.buffer.runtime
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(4, cfg.hidden, generator=g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
-                           for _ in range(4)])
-        w = torch.rand(4, cfg.num_topk, generator=g)
+        x, w, ids = _random_call(cfg, rank, 4)
         outs, launches = {}, {}
         for strided in (False, True):
             args = (_strided(x), _strided(w), _strided(ids)) if strided else (x, w, ids)
@@ -329,11 +332,7 @@ def runtime_and_wrapper_round_trips(rank: int, world: int, backend: str, layout:
     path on any other signatures); returns whether the runtime path was chosen and all
     outputs."""
     with built(backend, layout, cfg) as pf:
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(3, cfg.hidden, generator=g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_topk]
-                           for _ in range(3)])
-        w = torch.rand(3, cfg.num_topk, generator=g)
+        x, w, ids = _random_call(cfg, rank, 3)
         chosen = pf.runtime_calls is not None
         calls = pf.runtime_calls
         outs = {}

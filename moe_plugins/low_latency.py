@@ -12,7 +12,9 @@ back and reduces it **with the router weights** into ``out``. So the logic lives
 - :class:`LowLatencyPrepareFinalize`: prepare (dispatch) and finalize (combine with ``out=``,
   row-scatter variant), per-call handle reset in ``finally``. The async calls use
   ``return_recv_hook`` (send now, receive in the hook: two kernel launches); the synchronous
-  ``prepare``/``finalize`` make the blocking call (one launch of both phases).
+  ``prepare``/``finalize`` make the blocking call (one launch of both phases). Where the
+  library's release is known (:class:`RuntimeCalls`), they call its C++ runtime themselves,
+  without its Python wrapper, and leave to the runtime's host asserts what those check.
 
 Hidden-size rule. The kernels are compiled for :data:`KERNEL_HIDDEN_SIZES` only. A layer whose
 hidden size is one of them runs as is. A smaller one runs **padded to the next kernel size**

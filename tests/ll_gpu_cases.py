@@ -180,6 +180,48 @@ def test_hook_mode_defers_the_receive(build, weights, quant):
         pf.manager.destroy()
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous tensor (the first two dims swapped in memory)."""
+    out = t.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not out.is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("quant", [BF16, FP8], ids=["bf16", "fp8"])
+def test_non_contiguous_inputs_give_the_contiguous_result(build, weights, quant):
+    """Non-contiguous tokens, weights, ids and expert outputs: on the real library the runtime's
+    host asserts refuse them before launching, and the prepare/finalize call again on copies
+    (RuntimeCalls); the output equals the contiguous call's bit for bit, blocking and hooked."""
+    pf = build(quant)
+    try:
+        assert pf.runtime_calls is not None
+        x, tw, ti = _inputs(weights, 16, seed=3)
+        args = (x.to(DEV), tw.to(DEV), ti.to(DEV).to(pf.manager.topk_idx_dtype))
+        experts = _experts(weights, quant)
+        outs = {}
+        for strided in (False, True):
+            call = tuple(map(_strided, args)) if strided else args
+            prep = pf.prepare(*call, quant)
+            expert_out = experts.apply(prep)
+            out = torch.empty(16, CFG.hidden, dtype=CFG.dtype, device=DEV)
+            pf.finalize(_strided(expert_out) if strided else expert_out, call[1], call[2], out)
+            sent = pf.prepare_async(*call, quant)
+            sent.hook()
+            expert_out = experts.apply(sent.receiver())
+            hooked = torch.empty_like(out)
+            back = pf.finalize_async(_strided(expert_out) if strided else expert_out, call[1],
+                                     call[2], hooked)
+            back.hook()
+            back.receiver()
+            outs[strided] = (out, hooked)
+        for a, b in zip(outs[False], outs[True]):
+            assert torch.equal(a, b)
+        _close(outs[True][0], reference_moe(x, _routed_only(weights), quant))
+    finally:
+        pf.reset_call_state()
+        pf.manager.destroy()
+
+
 def _row_order(rows: torch.Tensor) -> torch.Tensor:
     probe = torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(1),
                         dtype=torch.float64)

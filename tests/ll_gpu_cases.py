@@ -41,7 +41,7 @@ __all__ = [
     "test_prepare_finalize_matches_reference", "test_hook_mode_defers_the_receive",
     "test_prepare_hands_over_what_the_raw_buffer_receives",
     "test_row_scatter_finalize_adds_into_owned_rows", "test_packed_ue8m0_scales",
-    "test_unsupported_hidden_is_padded",
+    "test_unsupported_hidden_is_padded", "test_non_contiguous_inputs_give_the_contiguous_result",
 ]
 
 CFG = MoEConfig(hidden=7168, num_experts=32, num_topk=8, intermediate=128,

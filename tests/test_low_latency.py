@@ -231,6 +231,15 @@ def test_runtime_calls_only_on_the_known_signatures(caplog):
     assert lines[0].startswith("deepep_ll: ") and "DeepEP 567632d" in lines[0]
 
 
+def test_every_shared_gpu_case_is_exported():
+    """tests/gpu/test_<backend>_gpu.py take the shared GPU cases by ``import *``: a case left
+    out of ll_gpu_cases.__all__ would never run on the GPU, for either backend."""
+    import ll_gpu_cases
+
+    cases = {n for n in dir(ll_gpu_cases) if n.startswith("test_")}
+    assert cases and cases <= set(ll_gpu_cases.__all__), cases - set(ll_gpu_cases.__all__)
+
+
 def test_nixl_runtime_calls_only_on_the_known_signatures():
     """nixl_ep: the runtime's calls on v1.4.0 / 1.5.1's low-latency methods (the emulation
     has them), the combine's under DeepEP's positional signature; None for v1.0's buffer

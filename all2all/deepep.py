@@ -13,14 +13,13 @@ and an ``EventOverlap``. None of that is used here (no ``async_finish``; the QP 
 once, when the layer is built; the handle is the two tensors the combine needs), and on the H200
 it is host time on every eager call. So where ``deep_ep.Buffer``'s two methods have 567632d's
 signatures, the manager hands the prepare/finalize that runtime's two methods
-(:class:`moe_plugins.low_latency.RuntimeCalls`), which it calls with the arguments that wrapper
-passes, in the order the C++ takes them (csrc/deep_ep.cpp), and leaves the C++ host asserts to
-check what they check; with any other signature the calls go through the Python methods.
+(:class:`moe_plugins.low_latency.RuntimeCalls`); they call them with the arguments that wrapper
+passes, in the order the C++ takes them (csrc/deep_ep.cpp), and leave to the C++ host asserts
+what those check. With any other signature the calls go through the Python methods.
 ``buffer.runtime`` is read on each call, so a destroyed buffer (runtime None) raises.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,8 +29,6 @@ from moe_plugins.groups import DistContext
 from moe_plugins.low_latency import (LowLatencyManager, LowLatencyOptions, RuntimeCalls,
                                      wrappers_match)
 from moe_plugins.registry import RequiredPackage
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
 

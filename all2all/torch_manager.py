@@ -13,9 +13,23 @@ from moe_plugins.quant import wire_view
 __all__ = ["TorchAll2AllManager"]
 
 
+def _options(async_op: bool) -> "dist.AllToAllOptions":
+    opts = dist.AllToAllOptions()
+    if hasattr(opts, "asyncOp"):  # torch >= 2.7; what dist.all_to_all_single sets
+        opts.asyncOp = async_op
+    return opts
+
+
 class TorchAll2AllManager:
     """One per layer config and EP group. ``placement`` (from the config, linear by default)
-    says where the physical experts are; the ids dispatched are physical."""
+    says where the physical experts are; the ids dispatched are physical.
+
+    The all-to-alls call the process group's own ``alltoall_base``, as
+    ``dist.all_to_all_single`` does after its argument checks. Those checks cannot fail here
+    (this rank is in the group, the tensors are plain, same-dtype, never complex), and on a busy
+    host they cost about as much as a kernel launch, three times a round trip. Under
+    ``torch.compile`` tracing the public function is called instead (Dynamo maps it to a
+    functional collective)."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.ctx = ctx
@@ -23,6 +37,23 @@ class TorchAll2AllManager:
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.placement = cfg.placement_for(self.num_ranks)
+        self._pg = self.group if self.group is not None else dist.group.WORLD
+        self._blocking_opts, self._async_opts = _options(False), _options(True)
+
+    def _all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor,
+                           recv_splits: Optional[list[int]], send_splits: Optional[list[int]],
+                           blocking: bool) -> Optional["dist.Work"]:
+        """``dist.all_to_all_single(recv, send, recv_splits, send_splits, group, not blocking)``
+        (None splits: equal ones)."""
+        if torch.compiler.is_compiling():
+            return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group,
+                                          async_op=not blocking)
+        work = self._pg.alltoall_base(recv, send, recv_splits or [], send_splits or [],
+                                      self._blocking_opts if blocking else self._async_opts)
+        if blocking:
+            work.wait()
+            return None
+        return work
 
     def exchange_header(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None
                         ) -> torch.Tensor:
@@ -32,7 +63,7 @@ class TorchAll2AllManager:
         given: a caller that keeps one buffer for both saves an allocation per call)."""
         if recv is None:
             recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        self._all_to_all_single(recv, send, None, None, True)
         return recv
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
@@ -46,8 +77,7 @@ class TorchAll2AllManager:
         wire = wire_view(send.contiguous())
         rows = sum(recv_splits) if num_recv is None else num_recv
         recv = torch.empty((rows, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
-        work = dist.all_to_all_single(recv, wire, recv_splits, send_splits, group=self.group,
-                                      async_op=not blocking)
+        work = self._all_to_all_single(recv, wire, recv_splits, send_splits, blocking)
         return recv.view(send.dtype) if recv.dtype != send.dtype else recv, work
 
     def destroy(self) -> None:

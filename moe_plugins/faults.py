@@ -192,6 +192,11 @@ def check_peers(faults: GroupFaults, layer: str, rank_in_group: int, seq: int, d
     flagged its inputs; the rank whose own input was bad raises its own error instead (the
     caller does that after this returns)."""
     rows = headers.tolist() if isinstance(headers, torch.Tensor) else headers
+    for h in rows:  # the common case in one pass: every peer in step, every status OK
+        if h[1] != seq or h[2] != digest or h[3] != STATUS_OK:
+            break
+    else:
+        return
     ranks = list(faults.ranks)
     off_seq = [(ranks[r], h[1]) for r, h in enumerate(rows) if h[1] != seq]
     off_layer = [ranks[r] for r, h in enumerate(rows) if h[2] != digest]

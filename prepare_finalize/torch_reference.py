@@ -48,28 +48,36 @@ class _DispatchHandle:
 
 
 class _HeaderBuffer:
-    """One layer's host-exchange buffer on one device, kept across calls: int64 [2, num_ranks,
-    HEADER_WORDS], ``send`` (row r: what this rank sends rank r) and ``recv`` (what each peer
-    sent), so one ``tolist`` reads both (the call's one host sync). Reusing it is safe: that
-    read waits for the exchange before the call goes on.
+    """One layer's host-exchange buffer on one device, kept across calls: int64
+    [2 * num_ranks + 2, HEADER_WORDS], so one ``tolist`` reads it all (the call's one host
+    sync). Rows [0, r): ``send`` (row i: what this rank sends rank i: count, seq, digest,
+    status); rows r, r + 1: scratch; rows [r + 2, 2r + 2): ``recv`` (what each peer sent).
+    Reusing it is safe: that read waits for the exchange before the call goes on.
 
-    ``send`` is written in one gather from ``words`` int64 [num_ranks + 4]: the destination map's
-    row sums (rows to each rank, the -1 row, the count of tokens with bad ids: the status), the
-    call's sequence number and the layer digest (written once)."""
+    ``send`` is written in two kernels, with no separate write of the sequence number:
+    :meth:`write_counts` sums the destination map's rows into column 0 of rows [0, r + 2): the
+    rows to each rank, then the -1 row (into the scratch row r) and the count of tokens with bad
+    ids (into row r + 1: the status); :meth:`write_words` then writes columns 1-3 of every send
+    row as ``base + seq * (1, 0, 0)``, where ``base`` is a stride-0 view of the three words
+    (0, digest, status) that end scratch row r and start row r + 1."""
 
     def __init__(self, num_ranks: int, digest: int, device: torch.device):
         r = num_ranks
-        self.both = torch.zeros(2, r, HEADER_WORDS, dtype=torch.int64, device=device)
-        self.send, self.recv = self.both[0], self.both[1]
-        self.words = torch.zeros(r + 4, dtype=torch.int64, device=device)
-        self.words[r + 3] = digest
-        self.sums, self.seq, self.status = self.words[: r + 2], self.words[r + 2], self.words[r + 1]
-        # send[i] = (count to rank i, seq, digest, status)
-        self._gather = torch.tensor([[i, r + 2, r + 3, r + 1] for i in range(r)],
-                                    dtype=torch.int64).flatten().to(device)
+        self.buffer = torch.zeros(2 * r + 2, HEADER_WORDS, dtype=torch.int64, device=device)
+        self.send, self.recv = self.buffer[:r], self.buffer[r + 2:]
+        self.buffer[r, 3] = digest
+        self.counts = self.buffer[:r + 2, 0]  # strided: column 0
+        self.status = self.buffer[r + 1, 0]
+        self._words = self.send[:, 1:]  # strided: columns 1-3
+        self._base = self.buffer.view(-1).as_strided((r, 3), (0, 1), HEADER_WORDS * r + 2)
+        self._seq_unit = torch.tensor([1, 0, 0], dtype=torch.int64, device=device).expand(r, 3)
 
-    def write_send(self) -> None:
-        torch.index_select(self.words, 0, self._gather, out=self.send.view(-1))
+    def write_counts(self, hit: torch.Tensor) -> None:
+        """hit: the destination map's int64 0/1 [r + 2, num_tokens]."""
+        torch.sum(hit, dim=1, out=self.counts)
+
+    def write_words(self, seq: int) -> None:
+        torch.add(self._base, self._seq_unit, alpha=seq, out=self._words)
 
 
 class TorchPrepareFinalize(PrepareFinalize):
@@ -180,7 +188,6 @@ class TorchPrepareFinalize(PrepareFinalize):
             hb = self._headers[hidden_states.device] = _HeaderBuffer(r, self._digest,
                                                                      hidden_states.device)
         f.seq += 1
-        hb.seq.fill_(f.seq)
         if input_error is None:
             if self._destinations is None:
                 self._destinations = DestinationMap(m.placement)
@@ -188,16 +195,17 @@ class TorchPrepareFinalize(PrepareFinalize):
             # [r + 2, n]: the destination ranks, a -1 row, a bad-id row (faults' status word:
             # the count of tokens with ids outside [-1, num_physical))
             hit = self._destinations(ids)
-            torch.sum(hit, dim=1, out=hb.sums)
+            hb.write_counts(hit)
         else:
-            hb.sums.zero_()
+            hb.counts.zero_()
             hb.status.fill_(STATUS_BAD_INPUT)
-        hb.write_send()
+        hb.write_words(f.seq)
         try:
             m.exchange_header(hb.send, hb.recv)
         except RuntimeError as e:
             raise collective_error(f, self.name, "split-size exchange", self._timeout_s, e) from e
-        sent_header, peers = hb.both.tolist()  # the one host sync of the call
+        header = hb.buffer.tolist()  # the one host sync of the call
+        sent_header, peers = header[:r], header[r + 2:]
         send_splits = [row[0] for row in sent_header]
         check_peers(f, self.name, m.rank, f.seq, self._digest, peers)
         if input_error is not None:

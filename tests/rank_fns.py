@@ -27,20 +27,28 @@ def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[
     """Wrap the real torch.distributed collectives; yields [(name, bytes this rank contributes)]:
     the input tensor (the second argument of all_gather* and reduce_scatter*, else the first).
     ``groups``: also gets each call's ``group`` argument (None: the default group), in order.
-    Nested calls (a torch wrapper calling another) are counted once, at the outermost."""
+    Nested calls (a torch wrapper calling another) are counted once, at the outermost.
+    ``ProcessGroup.alltoall_base``, which the torch backend's manager calls directly (the method
+    under ``dist.all_to_all_single``), counts as ``all_to_all_single``, its group the process
+    group it is called on."""
     calls: list[tuple[str, int]] = []
     saved = {n: getattr(dist, n) for n in _COUNTED if hasattr(dist, n)}
+    # the class's own entry (pybind's method descriptor), restored as it was: what attribute
+    # access returns is the bare function, which would no longer bind the group
+    saved_pg = dist.ProcessGroup.__dict__["alltoall_base"]
     depth = [0]
 
-    def wrap(name: str, fn: Any) -> Any:
+    def wrap(name: str, fn: Any, method: bool = False) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
-                two = name.startswith(("all_gather", "reduce_scatter")) and len(args) > 1
-                t = args[1] if two else args[0]
+                # a method's first argument is its process group
+                group, tensors = (args[0], args[1:]) if method else (kwargs.get("group"), args)
+                two = name.startswith(("all_gather", "reduce_scatter")) and len(tensors) > 1
+                t = tensors[1] if two else tensors[0]
                 calls.append((name, t.numel() * t.element_size()
                               if isinstance(t, torch.Tensor) else 0))
                 if groups is not None:
-                    groups.append(kwargs.get("group"))
+                    groups.append(group)
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
@@ -50,11 +58,48 @@ def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[
 
     for n, fn in saved.items():
         setattr(dist, n, wrap(n, fn))
+    dist.ProcessGroup.alltoall_base = wrap("all_to_all_single", dist.ProcessGroup.alltoall_base,
+                                           method=True)
     try:
         yield calls
     finally:
         for n, fn in saved.items():
             setattr(dist, n, fn)
+        dist.ProcessGroup.alltoall_base = saved_pg
+
+
+def run_compiling_and_eager(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                            num_tokens: int) -> dict:
+    """One forward of a torch-backend layer eager, one with ``torch.compiler.is_compiling``
+    reporting a trace (the manager then calls the public ``dist.all_to_all_single``, which
+    Dynamo maps): the outputs, and which entry point each all-to-all went through."""
+    ctx = cached_dist_context(layout)
+    layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend("torch"), None, QuantSpec(),
+                     OverlapConfig(), max_tokens_per_rank=max(num_tokens, 1))
+    x = demo_inputs(cfg, num_tokens, ctx.dp_rank, 0)
+    public = dist.all_to_all_single
+    entries: list[str] = []
+
+    def via_public(*args: Any, **kwargs: Any) -> Any:
+        entries.append("dist.all_to_all_single")
+        return public(*args, **kwargs)
+
+    result = {}
+    for mode in ("eager", "compiling"):
+        entries.clear()
+        saved_flag = torch.compiler.is_compiling
+        dist.all_to_all_single = via_public
+        if mode == "compiling":
+            torch.compiler.is_compiling = lambda: True
+        try:
+            with count_dist_calls() as calls:
+                out = layer(x)
+        finally:
+            dist.all_to_all_single = public
+            torch.compiler.is_compiling = saved_flag
+        result[mode] = dict(out=out, public=len(entries),
+                            a2a=sum(1 for n, _ in calls if n == "all_to_all_single"))
+    return result
 
 
 def run_layer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,

@@ -204,3 +204,15 @@ def test_expert_token_counts_match_received_rows(rank_pool):
         assert r["counts"].dtype == torch.int32 and r["counts"].tolist() == expected
         assert expected == [int((routed == rank * per_rank + e).sum()) for e in range(per_rank)]
         assert sum(expected) > 0
+
+
+def test_manager_calls_the_process_group_and_the_public_function_under_a_trace(rank_pool):
+    """The torch backend's all-to-alls go to the process group's own method eager (no
+    ``dist.all_to_all_single`` wrapper), and to the public function while torch.compile traces;
+    both give the same result bit for bit, with the same three all-to-alls per forward."""
+    layout = ParallelLayout(2, 1, True)
+    results = rank_pool(2).run(rank_fns.run_compiling_and_eager, layout, _cfg(), 5)
+    for r in results:
+        assert r["eager"]["a2a"] == r["compiling"]["a2a"] == 3  # header, dispatch, combine
+        assert r["eager"]["public"] == 0 and r["compiling"]["public"] == 3
+        assert torch.equal(r["eager"]["out"], r["compiling"]["out"])

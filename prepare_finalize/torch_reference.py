@@ -342,11 +342,15 @@ class _RowLayout:
     sf_dtype: Optional[torch.dtype]
     sf_bytes: int
     pad: int
+    splits: tuple[int, ...]  # the parts' widths: ids, weights, x[, x_sf][, pad]
 
     @classmethod
     def of(cls, k: int, x_dtype: torch.dtype, x_bytes: int, sf_dtype: Optional[torch.dtype],
            sf_bytes: int) -> "_RowLayout":
-        return cls(k, x_dtype, x_bytes, sf_dtype, sf_bytes, -(12 * k + x_bytes + sf_bytes) % 8)
+        pad = -(12 * k + x_bytes + sf_bytes) % 8
+        splits = (8 * k, 4 * k, x_bytes) + ((sf_bytes,) if sf_dtype is not None else ()) \
+            + ((pad,) if pad else ())
+        return cls(k, x_dtype, x_bytes, sf_dtype, sf_bytes, pad, splits)
 
     @property
     def meta_bytes(self) -> int:
@@ -358,14 +362,10 @@ class _RowLayout:
         """uint8 [num_rows, row bytes] -> (ids int64 [num_rows, k] (a view, strided by the
         row: only the local-id lookup reads it), weights float32 [num_rows, k], x, x_sf or None
         (row-major copies, as experts read them))."""
-        k8, k12 = 8 * self.k, 12 * self.k
-        x_end = k12 + self.x_bytes
-        ids = rows[:, :k8].view(torch.int64)
-        weights = _dense(rows[:, k8:k12].view(torch.float32))
-        x = _dense(rows[:, k12:x_end].view(self.x_dtype))
-        x_sf = (None if self.sf_dtype is None
-                else _dense(rows[:, x_end:x_end + self.sf_bytes].view(self.sf_dtype)))
-        return ids, weights, x, x_sf
+        parts = rows.split_with_sizes(self.splits, dim=1)  # the column views, in one call
+        x_sf = None if self.sf_dtype is None else _dense(parts[3].view(self.sf_dtype))
+        return (parts[0].view(torch.int64), _dense(parts[1].view(torch.float32)),
+                _dense(parts[2].view(self.x_dtype)), x_sf)
 
 
 def _dense(view: torch.Tensor) -> torch.Tensor:

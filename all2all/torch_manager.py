@@ -51,7 +51,10 @@ class TorchAll2AllManager:
         work = self._pg.alltoall_base(recv, send, recv_splits or [], send_splits or [],
                                       self._blocking_opts if blocking else self._async_opts)
         if blocking:
-            work.wait()
+            # NCCL returns no work for a blocking call (it ran on the current stream), as
+            # dist.all_to_all_single expects of backends that sync in C++
+            if work is not None:
+                work.wait()
             return None
         return work
 

@@ -111,13 +111,16 @@ def _install_deep_ep(device: str) -> None:
         importlib.import_module("deep_ep")
 
 
-def _import_vllm(device: str) -> Optional[str]:
-    """Import what the adapter and vLLM's in-tree class need; None, or why not."""
+def _import_vllm(device: str, in_tree: bool) -> Optional[str]:
+    """Import what the adapter (and, with ``in_tree``, vLLM's in-tree DeepEP LL class, which
+    imports deep_ep) need; None, or why not."""
     if device == "cuda" and importlib.util.find_spec("vllm_stand_ins") is not None:
         importlib.import_module("vllm_stand_ins").install()
     try:
         importlib.import_module("moe_plugins.vllm.adapter")
-        importlib.import_module("vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll")
+        if in_tree:
+            importlib.import_module(
+                "vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll")
     except Exception as e:  # ImportError, or vLLM failing at import on this machine
         return f"{type(e).__name__}: {e}"
     return None
@@ -461,12 +464,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda needs a CUDA GPU", file=sys.stderr)
         return 2
-    try:
-        _install_deep_ep(args.device)
-    except ImportError as e:
-        print(f"needs DeepEP's V1 line built from source ({e})", file=sys.stderr)
-        return 2
-    vllm_missing = _import_vllm(args.device)
+    deepep = "deepep_ll" in args.backends  # a torch-only run needs no DeepEP
+    if deepep:
+        try:
+            _install_deep_ep(args.device)
+        except ImportError as e:
+            print(f"needs DeepEP's V1 line built from source ({e})", file=sys.stderr)
+            return 2
+    vllm_missing = _import_vllm(args.device, deepep)
     if vllm_missing:
         print(f"vLLM paths (adapter, vllm_in_tree) skipped: {vllm_missing}", file=sys.stderr)
     else:  # what the plugin installs in vLLM (the other hooks touch no prepare/finalize call)

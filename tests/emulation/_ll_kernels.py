@@ -248,9 +248,9 @@ class EmulatedLowLatencyRuntime:
 
     # -- dispatch -------------------------------------------------------------------------------
     def run_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
-                 num_local_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                 async_finish: bool, return_recv_hook: bool,
-                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
+                     num_local_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+                     async_finish: bool, return_recv_hook: bool,
+                     cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
         """Returns (packed_recv_x, packed_recv_x_scales or None, packed_recv_count,
         packed_recv_src_info, packed_recv_layout_range, hook or None)."""
         self._check_alive()

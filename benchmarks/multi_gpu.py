@@ -5,7 +5,7 @@
 1. numerics: every layout of N ranks (EP over dp x tp, tp in {1, 2} where it divides; dp == 1
    layouts too), every applicable strategy, bf16 and FP8 block-128 dispatch, tokens 1/5/16 per DP
    group, every registered backend that is usable on this machine; each rank's output is compared
-   element-wise with the single-process reference (moe_plugins.reference).
+   element-wise with the single-process reference (moe_plugins.runner.reference).
 2. latency: dispatch + combine of the reference backend at 1/8/32/128/256 tokens per rank
    (hidden 7168, topk 8, 256 experts), through our prepare/finalize classes and through the same
    transport written directly against torch.distributed, in the same process; prints our
@@ -35,14 +35,14 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 from moe_plugins.config import DispatchConfig  # noqa: E402
-from moe_plugins.demo import demo_inputs  # noqa: E402
+from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.groups import cached_dist_context  # noqa: E402
-from moe_plugins.layer import MoELayer  # noqa: E402
+from moe_plugins.runner.layer import MoELayer  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
 from moe_plugins.overlap import OverlapConfig  # noqa: E402
 from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
-from moe_plugins.reference import reference_moe, within_tolerance  # noqa: E402
+from moe_plugins.runner.reference import reference_moe, within_tolerance  # noqa: E402
 from moe_plugins.registry import get_backend, refusal_reason, registered_backends  # noqa: E402
 from moe_plugins.strategy import applicable_strategies  # noqa: E402
 from prepare_finalize.torch_reference import TorchPrepareFinalize  # noqa: E402

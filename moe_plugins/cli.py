@@ -104,9 +104,9 @@ def layout_from_args(args: argparse.Namespace):
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from moe_plugins.demo import demo_preflight, run_demo
-    from moe_plugins.launch import RankPool
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.demo import demo_preflight, run_demo
+    from moe_plugins.runner.launch import RankPool
+    from moe_plugins.runner.model import MoEConfig
     from moe_plugins.quant import QuantScheme, QuantSpec
 
     layout = layout_from_args(args)
@@ -150,7 +150,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple:
     """(ModelSpec, layout, QuantSpec, LinkModel) from the flags: an explicit shape flag overrides
     the --model-config value, which overrides demo's default."""
     from moe_plugins.planner.link_model import LinkModel
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.model import MoEConfig
     from moe_plugins.planner.model_config import ModelSpec, load_model_config
     from moe_plugins.quant import QuantScheme, QuantSpec
 
@@ -453,7 +453,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done (demo: every strategy matched the reference), 1 a demo mismatch or
     a rank failed, 2 bad arguments or configuration (one line on stderr, never a traceback)."""
-    from moe_plugins.launch import RankError
+    from moe_plugins.runner.launch import RankError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

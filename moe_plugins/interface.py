@@ -2,7 +2,7 @@
 
 A prepare/finalize moves the owned tokens of a rank to the ranks that hold their experts
 (``prepare``) and brings the expert outputs back (``finalize``). The experts in between are a
-separate object (:mod:`moe_plugins.experts`).
+separate object (:mod:`moe_plugins.runner.experts`).
 """
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ from typing import Optional, Union
 
 import torch
 
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.quant import QuantSpec
-from moe_plugins.reference import reference_moe, tolerance_for
+from moe_plugins.runner.reference import reference_moe, tolerance_for
 
 
 def assert_matches_reference(results: list[dict], layout: ParallelLayout, cfg: MoEConfig,
@@ -17,7 +17,7 @@ def assert_matches_reference(results: list[dict], layout: ParallelLayout, cfg: M
                              seed: int = 0, weights: Optional[MoEWeights] = None,
                              ranks: Optional[list[int]] = None, key: str = "out") -> None:
     """results[rank][key] [num_tokens, hidden] (cfg.dtype) equals reference_moe on that rank's
-    DP-group inputs (moe_plugins.demo.demo_inputs) within moe_plugins.reference.tolerance_for.
+    DP-group inputs (moe_plugins.runner.demo.demo_inputs) within moe_plugins.runner.reference.tolerance_for.
     ``num_tokens``: one count for every DP group, or one per DP group."""
     weights = weights or MoEWeights.random(cfg, seed)
     for rank in ranks if ranks is not None else range(len(results)):

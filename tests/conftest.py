@@ -11,7 +11,7 @@ import pytest
 # of the parent (children inherit sys.path through multiprocessing's spawn preparation).
 sys.path.insert(0, str(Path(__file__).parent))
 
-from moe_plugins.launch import RankPool  # noqa: E402
+from moe_plugins.runner.launch import RankPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import make_dist_context
-from moe_plugins.layer import MoELayer
+from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import get_backend
@@ -140,7 +140,7 @@ def ranks_in_different_layers(rank: int, world: int, layout: ParallelLayout, cfg
 def expert_ids_minus_one(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                          tokens: int) -> dict:
     """The torch backend with some expert ids -1 (no expert): prepare, the experts, finalize."""
-    from moe_plugins.experts import TorchExperts
+    from moe_plugins.runner.experts import TorchExperts
     from moe_plugins.groups import cached_dist_context
 
     ctx = cached_dist_context(layout)

@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from emulation import flashinfer_two_sided as emu
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
-from moe_plugins.experts import TorchExperts
+from moe_plugins.runner.demo import demo_inputs
+from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.groups import DistContext, cached_dist_context
 from moe_plugins.interface import BatchHint, PrepareFinalize, RowScatterTarget
-from moe_plugins.layer import MoELayer
+from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig, SharedExpertHandle
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend

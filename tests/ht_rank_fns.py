@@ -12,12 +12,12 @@ import torch
 
 from emulation import installed
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.interface import BatchHint
-from moe_plugins.layer import MoELayer
+from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import get_backend
@@ -199,8 +199,8 @@ def measure_deepep_layer(rank: int, world: int, *args: Any, **kwargs: Any) -> di
 
 
 def demo_rank(rank: int, world: int, *args: Any) -> dict:
-    """The CPU demo's rank function (:func:`moe_plugins.demo._demo_rank`) on the emulation."""
-    from moe_plugins.demo import _demo_rank
+    """The CPU demo's rank function (:func:`moe_plugins.runner.demo._demo_rank`) on the emulation."""
+    from moe_plugins.runner.demo import _demo_rank
 
     with installed("deep_ep"):
         return _demo_rank(rank, world, *args)

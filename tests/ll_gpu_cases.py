@@ -23,17 +23,17 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
-from moe_plugins.experts import TorchExperts
+from moe_plugins.runner.demo import demo_inputs
+from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import clear_group_faults
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import RowScatterTarget
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.low_latency import destroy_all_buffers, unpack_ue8m0_scales
-from moe_plugins.model import ExpertWeights, MoEConfig, MoEWeights, SharedWeights, route
+from moe_plugins.runner.model import ExpertWeights, MoEConfig, MoEWeights, SharedWeights, route
 from moe_plugins.overlap import OverlapConfig, clear_side_streams, launch_shared
 from moe_plugins.quant import QuantScheme, QuantSpec
-from moe_plugins.reference import reference_moe, tolerance_for
+from moe_plugins.runner.reference import reference_moe, tolerance_for
 
 __all__ = [
     "free_port", "one_rank_context", "backend_factory", "CFG", "MAX_TOKENS", "BF16", "FP8", "DEV",

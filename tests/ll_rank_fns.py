@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from emulation import installed
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.faults import clear_group_faults, group_faults
 from moe_plugins.groups import cached_dist_context
-from moe_plugins.layer import MoELayer
+from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
 from moe_plugins.low_latency import LowLatencyPrepareFinalize
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend

@@ -7,12 +7,12 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.faults import clear_group_faults
 from moe_plugins.groups import cached_dist_context
-from moe_plugins.layer import MoELayer
+from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import get_backend
@@ -125,7 +125,7 @@ def run_prepare(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, n
     """prepare + finalize alone on the owned slice; reports what prepare returned and sent."""
     from moe_plugins.config import DispatchConfig
     from moe_plugins.layout import slice_owned
-    from moe_plugins.model import route
+    from moe_plugins.runner.model import route
 
     ctx = cached_dist_context(layout)
     w = MoEWeights.random(cfg, seed)
@@ -204,7 +204,7 @@ def expert_counts(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                   num_tokens: int) -> dict:
     """prepare's per-local-expert counts next to the received local topk ids."""
     from moe_plugins.config import DispatchConfig
-    from moe_plugins.model import route
+    from moe_plugins.runner.model import route
 
     ctx = cached_dist_context(layout)
     pf = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk))

@@ -9,11 +9,11 @@ import torch
 import ht_rank_fns
 from checks import assert_matches_reference
 from moe_plugins.interface import ActivationFormat, BatchHint
-from moe_plugins.launch import RankError
+from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig
+from moe_plugins.runner.model import MoEConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
-from moe_plugins.reference import tolerance_for
+from moe_plugins.runner.reference import tolerance_for
 from moe_plugins.registry import get_backend, refusal_reason, select_backend
 from moe_plugins.strategy import ReductionStrategy as S
 

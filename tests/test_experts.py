@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from moe_plugins.experts import TorchExperts
+from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.interface import ExpertTokensMeta, PrepareResult
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
-from moe_plugins.reference import reference_moe, tolerance_for
+from moe_plugins.runner.reference import reference_moe, tolerance_for
 
 CFG = MoEConfig(hidden=256, num_experts=4, num_topk=2, intermediate=32, shared_intermediate=0)
 SLOTS = 8

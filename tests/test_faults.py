@@ -11,9 +11,9 @@ import torch
 
 import fault_rank_fns as frf
 from checks import assert_matches_reference
-from moe_plugins.launch import RankDiedError, RankError, RankPool
+from moe_plugins.runner.launch import RankDiedError, RankError, RankPool
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.runner.model import MoEConfig, MoEWeights
 
 pytestmark = pytest.mark.multirank
 

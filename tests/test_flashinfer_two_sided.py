@@ -13,9 +13,9 @@ from emulation import flashinfer_two_sided as emu
 from moe_plugins.cli import main as cli_main
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.launch import RankError
+from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig
+from moe_plugins.runner.model import MoEConfig
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import (BACKEND_EP_DP_TP_SUPPORT, BACKEND_SUPPORTED_QUANTS,
                                   BackendSelectionError, get_backend, select_backend)
@@ -332,9 +332,9 @@ def test_plan_equals_the_backends_counters(rank_pool):
     """`moe-plugins plan` for this backend, given the routing of the owned rows (computed here
     from the same inputs), states exactly what its DispatchStats counted: rows once per
     destination rank, nvfp4 rows and scales, int32 ids + float32 weights per row."""
-    from moe_plugins.demo import demo_inputs
+    from moe_plugins.runner.demo import demo_inputs
     from moe_plugins.layout import owned_rows
-    from moe_plugins.model import MoEWeights, route
+    from moe_plugins.runner.model import MoEWeights, route
     from moe_plugins.planner.plan import Routing, plan_layer
 
     layout, cfg, n, quant = ParallelLayout(2, 2, True), _cfg(), 7, QuantSpec(NVFP4)
@@ -369,9 +369,9 @@ def test_receive_rows_follow_the_call_bound(rank_pool, flavor, api, name, quant,
     every receive buffer (activations, scales, routing) has ep_size * max(tokens) rows (at least
     one per rank), not ep_size * 64; the result is the reference's; the workspaces are the
     same; a bound below a rank's tokens or above the layer's is refused before any collective."""
-    from moe_plugins.demo import demo_inputs
-    from moe_plugins.model import MoEWeights
-    from moe_plugins.reference import reference_moe, tolerance_for
+    from moe_plugins.runner.demo import demo_inputs
+    from moe_plugins.runner.model import MoEWeights
+    from moe_plugins.runner.reference import reference_moe, tolerance_for
 
     cfg = _cfg(shared_intermediate=0)
     bound = max(tokens)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from emulation import installed
-from moe_plugins.launch import RankError
+from moe_plugins.runner.launch import RankError
 
 pytestmark = pytest.mark.multirank
 

@@ -20,11 +20,11 @@ from moe_plugins.cli import main as cli_main
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import ActivationFormat
-from moe_plugins.launch import RankError
+from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.low_latency import (KERNEL_HIDDEN_SIZES, MAX_TOPK, round_up_hidden_size,
                                      token_capacity, unpack_ue8m0_scales)
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.quant import QuantScheme, QuantSpec, dequantize_fp8_block128, quantize_fp8_block128
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy as S

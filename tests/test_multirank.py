@@ -6,9 +6,9 @@ import torch
 
 import rank_fns
 from checks import assert_matches_reference
-from moe_plugins.launch import RankError
+from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig
+from moe_plugins.runner.model import MoEConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.strategy import ReductionStrategy as S
 
@@ -189,8 +189,8 @@ def test_prepare_rejects_mismatched_token_counts(rank_pool):
 def test_expert_token_counts_match_received_rows(rank_pool):
     """The per-expert counts (made when read) equal the received rows' local ids and, computed
     here from every DP rank's routing, the tokens routed to each of the rank's experts."""
-    from moe_plugins.demo import demo_inputs
-    from moe_plugins.model import MoEWeights, route
+    from moe_plugins.runner.demo import demo_inputs
+    from moe_plugins.runner.model import MoEWeights, route
 
     cfg, n = _cfg(num_topk=4), 9
     router = MoEWeights.random(cfg, 0).router

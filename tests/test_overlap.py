@@ -8,13 +8,13 @@ import torch
 
 import rank_fns
 from moe_plugins import overlap
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import DistContext
-from moe_plugins.layer import MoELayer
+from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.overlap import OverlapConfig
-from moe_plugins.reference import reference_moe, tolerance_for
+from moe_plugins.runner.reference import reference_moe, tolerance_for
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 
@@ -115,12 +115,12 @@ def test_failure_in_routed_path_breaks_the_group_until_rebuilt(rank_pool, layout
 
 
 def test_layer_config_logged_once_at_info_with_strategy_and_overlap_reason(caplog, monkeypatch):
-    from moe_plugins import layer as layer_mod
+    from moe_plugins.runner import layer as layer_mod
 
     monkeypatch.setattr(layer_mod, "_LOGGED", set())
-    with caplog.at_level(logging.INFO, logger="moe_plugins.layer"):
+    with caplog.at_level(logging.INFO, logger="moe_plugins.runner.layer"):
         _single_rank_layer(True)
         _single_rank_layer(True)
-    lines = [r.getMessage() for r in caplog.records if r.name == "moe_plugins.layer"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_plugins.runner.layer"]
     assert len(lines) == 1
     assert "strategy=LOCAL" in lines[0] and "overlap=off (no CUDA device" in lines[0]

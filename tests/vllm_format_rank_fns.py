@@ -22,10 +22,10 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 
 from moe_plugins.config import DispatchConfig
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import (QuantScheme, QuantSpec, dequantize_nvfp4, unswizzle_nvfp4_sf)
 from moe_plugins.registry import get_backend

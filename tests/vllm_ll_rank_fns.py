@@ -21,11 +21,11 @@ from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 
 from emulation import installed
 from ll_rank_fns import built
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.low_latency import dequantize_batched
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
@@ -168,7 +168,7 @@ def run_nixl_through_vllm_manager(rank: int, world: int, cfg: MoEConfig, num_tok
     from vllm.distributed.utils import StatelessProcessGroup
 
     from moe_plugins.config import DispatchConfig
-    from moe_plugins.experts import TorchExperts
+    from moe_plugins.runner.experts import TorchExperts
     from moe_plugins.registry import get_backend
     from moe_plugins.vllm.adapter import MoEPluginsAll2AllManager
 

@@ -21,10 +21,10 @@ from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMo
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOP)
 
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import get_backend

@@ -31,9 +31,9 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
                                                          FusedMoEQuantConfig, RoutingMethodType)
 
-from moe_plugins.demo import demo_inputs
+from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights, route
+from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from rank_fns import count_dist_calls
 from vllm_dist import vllm_parallel_state
 from vllm_rank_fns import TorchExpertsModular, contiguous_expert_map

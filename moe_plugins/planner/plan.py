@@ -9,7 +9,7 @@ collectives with their bytes, the shared-expert and routed-expert weight bytes a
 communication time from :class:`moe_plugins.planner.link_model.LinkModel`. The recommended strategy is
 the one :func:`recommend_strategy` picks from the decoder-layer numbers and a shared-expert memory budget;
 the *default* is the one :func:`moe_plugins.strategy.choose_strategy` picks (what a
-:class:`moe_plugins.layer.MoELayer` uses when it is not told).
+:class:`moe_plugins.runner.layer.MoELayer` uses when it is not told).
 
 Counted per decoder layer, not per MoE block (DESIGN.md): every TP rank also runs the attention's
 reduction. Without SP it is one all_reduce of [num_tokens, hidden]; under SP (SP_ALLGATHER) the
@@ -54,7 +54,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.planner.link_model import LinkModel
-from moe_plugins.model import MoEConfig
+from moe_plugins.runner.model import MoEConfig
 from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import FP8_BLOCK, NVFP4_BLOCK, QuantScheme, QuantSpec

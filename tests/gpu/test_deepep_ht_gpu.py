@@ -75,13 +75,13 @@ def _rank_main(rank: int, port: int, backend: str, out: "mp.Queue[Any]") -> None
 
         from all2all.deepep_auto import DeepEPAutoOptions
         from moe_plugins.config import DispatchConfig
-        from moe_plugins.demo import demo_inputs
-        from moe_plugins.experts import TorchExperts
+        from moe_plugins.runner.demo import demo_inputs
+        from moe_plugins.runner.experts import TorchExperts
         from moe_plugins.groups import DistContext
         from moe_plugins.layout import ParallelLayout
-        from moe_plugins.model import ExpertWeights, MoEConfig, MoEWeights, route
+        from moe_plugins.runner.model import ExpertWeights, MoEConfig, MoEWeights, route
         from moe_plugins.quant import QuantScheme, QuantSpec
-        from moe_plugins.reference import reference_moe, tolerance_for
+        from moe_plugins.runner.reference import reference_moe, tolerance_for
         from moe_plugins.registry import get_backend
 
         at("init: cuda:0 and a gloo group of 2")

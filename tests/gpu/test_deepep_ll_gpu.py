@@ -19,10 +19,10 @@ deep_ep = pytest.importorskip("deep_ep", reason="needs DeepEP's V1 line built fr
 from ll_gpu_cases import *  # noqa: E402,F401,F403  (the shared tests and fixtures)
 from ll_gpu_cases import (BF16, CFG, DEV, FP8, MAX_TOKENS, _close, backend_factory,  # noqa: E402
                           free_port, one_rank_context)
-from moe_plugins.demo import demo_inputs  # noqa: E402
-from moe_plugins.layer import MoELayer  # noqa: E402
+from moe_plugins.runner.demo import demo_inputs  # noqa: E402
+from moe_plugins.runner.layer import MoELayer  # noqa: E402
 from moe_plugins.overlap import OverlapConfig  # noqa: E402
-from moe_plugins.reference import reference_moe  # noqa: E402
+from moe_plugins.runner.reference import reference_moe  # noqa: E402
 from prepare_finalize.deepep_ll import SPEC  # noqa: E402
 
 pytestmark = pytest.mark.gpu

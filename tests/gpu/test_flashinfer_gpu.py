@@ -27,7 +27,7 @@ import flashinfer_rank_fns as fi  # noqa: E402
 from all2all.flashinfer import FlashInferTwoSidedOptions, TwoSidedApi, _available_apis  # noqa: E402
 from checks import assert_matches_reference  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.model import MoEConfig  # noqa: E402
+from moe_plugins.runner.model import MoEConfig  # noqa: E402
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]

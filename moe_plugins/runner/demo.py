@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.groups import cached_dist_context
-from moe_plugins.launch import RankPool
-from moe_plugins.layer import MoELayer
+from moe_plugins.runner.launch import RankPool
+from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.model import MoEConfig, MoEWeights
+from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
-from moe_plugins.reference import reference_moe, within_tolerance
+from moe_plugins.runner.reference import reference_moe, within_tolerance
 from moe_plugins.registry import get_backend, select_backend
 from moe_plugins.strategy import ReductionStrategy, applicable_strategies, choose_strategy
 

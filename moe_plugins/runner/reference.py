@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from moe_plugins.model import MoEWeights, route
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.quant import QuantSpec, quantize_dequantize
 
 __all__ = ["reference_moe", "TOLERANCES", "tolerance_for", "within_tolerance"]

@@ -10,12 +10,12 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
-from moe_plugins.experts import TorchExperts
+from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import group_faults, is_in_step
 from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
-from moe_plugins.model import MoEWeights, route
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.overlap import (OverlapConfig, SharedExpertHandle, join, launch_shared,
                                  overlap_off_reason)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_plugins.interface import PrepareResult
-from moe_plugins.model import ExpertWeights
+from moe_plugins.runner.model import ExpertWeights
 from moe_plugins.quant import (NVFP4_BLOCK, QuantScheme, QuantSpec, dequantize,
                                quantize_dequantize, unswizzle_nvfp4_sf)
 

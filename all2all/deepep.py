@@ -13,7 +13,7 @@ and an ``EventOverlap``. None of that is used here (no ``async_finish``; the QP 
 once, when the layer is built; the handle is the two tensors the combine needs), and on the H200
 it is host time on every eager call. So where ``deep_ep.Buffer``'s two methods have 567632d's
 signatures, the manager hands the prepare/finalize that runtime's two methods
-(:class:`moe_plugins.low_latency.RuntimeCalls`); they call them with the arguments that wrapper
+(:class:`moe_plugins.lowlat.vendor.RuntimeCalls`); they call them with the arguments that wrapper
 passes, in the order the C++ takes them (csrc/deep_ep.cpp), and leave to the C++ host asserts
 what those check. With any other signature the calls go through the Python methods.
 ``buffer.runtime`` is read on each call, so a destroyed buffer (runtime None) raises.
@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.low_latency import (LowLatencyManager, LowLatencyOptions, RuntimeCalls,
-                                     wrappers_match)
+from moe_plugins.lowlat.manager import LowLatencyManager, LowLatencyOptions
+from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
 from moe_plugins.registry import RequiredPackage
 
 __all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from all2all.deepep import DEEPEP_PACKAGE
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.low_latency import buffer_cache, check_kernel_layer, import_vendor
+from moe_plugins.lowlat.vendor import buffer_cache, import_vendor
+from moe_plugins.lowlat.limits import check_kernel_layer
 from moe_plugins.quant import QuantScheme
 
 logger = logging.getLogger(__name__)

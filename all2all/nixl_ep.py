@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.low_latency import (LowLatencyManager, LowLatencyOptions, RuntimeCalls,
-                                     wrappers_match)
+from moe_plugins.lowlat.manager import LowLatencyManager, LowLatencyOptions
+from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
 from moe_plugins.registry import RequiredPackage
 
 __all__ = ["NixlEPOptions", "NixlEPManager", "NIXL_PACKAGE"]

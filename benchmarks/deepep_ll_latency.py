@@ -44,7 +44,7 @@ from graph_timing import graph_ms  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.groups import DistContext  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.low_latency import destroy_all_buffers  # noqa: E402
+from moe_plugins.lowlat.vendor import destroy_all_buffers  # noqa: E402
 from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
 from moe_plugins.registry import get_backend  # noqa: E402
 

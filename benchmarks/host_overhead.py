@@ -19,7 +19,7 @@ Paths (``path`` in the JSON rows):
   same transport on torch.distributed, :func:`multi_gpu._raw_round_trip`).
 - ``runtime`` (DeepEP): the same two calls on ``deep_ep.Buffer.runtime``, the C++ runtime under
   DeepEP's Python methods, which our prepare/finalize call where those methods have 567632d's
-  signatures (``moe_plugins.low_latency.RuntimeCalls``): the floor under every path.
+  signatures (``moe_plugins.lowlat.vendor.RuntimeCalls``): the floor under every path.
 - ``ours``: our backend's ``prepare`` + ``finalize``.
 - ``raw_hook`` / ``ours_hook`` (DeepEP): hook mode, the send and then the receive in the hook
   (two launches each call, what an overlapped call makes), raw and through our
@@ -515,7 +515,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for case, paths in profiled:
             write_profile(paths, case, args.profile)
     finally:
-        from moe_plugins.low_latency import destroy_all_buffers
+        from moe_plugins.lowlat.vendor import destroy_all_buffers
 
         destroy_all_buffers()
         dist.destroy_process_group()

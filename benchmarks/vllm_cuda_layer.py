@@ -77,7 +77,7 @@ def _experts_base() -> type:
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
         TopKWeightAndReduceDelegate)
 
-    from moe_plugins.low_latency import dequantize_batched
+    from moe_plugins.lowlat.limits import dequantize_batched
 
     class MaskedBatchedExperts(mk.FusedMoEExpertsModular):
         """Batched-format SwiGLU experts in torch (bf16 bmm), capture-safe: every slot of every
@@ -312,7 +312,7 @@ def vllm_layers(spec: LayerSpec, dbo: bool = False) -> Iterator[VllmLayers]:
     from vllm.distributed import parallel_state as ps
     from vllm.plugins import load_general_plugins
 
-    from moe_plugins.low_latency import destroy_all_buffers
+    from moe_plugins.lowlat.vendor import destroy_all_buffers
 
     load_general_plugins()
     torch.cuda.set_device(0)

@@ -2,13 +2,13 @@
 ``low_latency_combine`` with ``return_recv_hook``).
 
 Everything but the transport is the shared low-latency logic of
-:mod:`moe_plugins.low_latency`; the buffer and the library calls are in
+:mod:`moe_plugins.lowlat`; the buffer and the library calls are in
 :mod:`all2all.deepep`.
 """
 from __future__ import annotations
 
 from all2all.deepep import DeepEPLLManager
-from moe_plugins.low_latency import LowLatencyPrepareFinalize, low_latency_spec
+from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize, low_latency_spec
 
 __all__ = ["DeepEPLLPrepareFinalize", "SPEC"]
 

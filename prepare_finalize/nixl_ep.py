@@ -2,13 +2,13 @@
 with ``return_recv_hook``), elastic rank masking.
 
 Everything but the transport is the shared low-latency logic of
-:mod:`moe_plugins.low_latency`; the buffer lifecycle (store, memory, connections) and the
+:mod:`moe_plugins.lowlat`; the buffer lifecycle (store, memory, connections) and the
 library calls are in :mod:`all2all.nixl_ep`.
 """
 from __future__ import annotations
 
 from all2all.nixl_ep import NixlEPManager
-from moe_plugins.low_latency import LowLatencyPrepareFinalize, low_latency_spec
+from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize, low_latency_spec
 
 __all__ = ["NixlEPPrepareFinalize", "SPEC"]
 

@@ -20,7 +20,7 @@ from moe_plugins.faults import clear_group_faults, group_faults
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
-from moe_plugins.low_latency import LowLatencyPrepareFinalize
+from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
 from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
@@ -275,7 +275,7 @@ def runtime_failures(rank: int, world: int, backend: str, layout: ParallelLayout
     RuntimeError, as a CUDA error reaches Python through pybind11), on every rank alike. Each
     error must reach the caller as it is, after one runtime call: an error of the runtime that
     is not one of its input asserts is never answered by calling again."""
-    from moe_plugins.low_latency import RuntimeCalls
+    from moe_plugins.lowlat.vendor import RuntimeCalls
 
     with built(backend, layout, cfg) as pf:
         calls = pf.runtime_calls

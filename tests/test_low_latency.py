@@ -22,8 +22,8 @@ from moe_plugins.groups import DistContext
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.low_latency import (KERNEL_HIDDEN_SIZES, MAX_TOPK, round_up_hidden_size,
-                                     token_capacity, unpack_ue8m0_scales)
+from moe_plugins.lowlat.limits import (KERNEL_HIDDEN_SIZES, MAX_TOPK, round_up_hidden_size,
+                                       token_capacity, unpack_ue8m0_scales)
 from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.quant import QuantScheme, QuantSpec, dequantize_fp8_block128, quantize_fp8_block128
 from moe_plugins.registry import get_backend
@@ -222,11 +222,11 @@ def test_runtime_calls_only_on_the_known_signatures(caplog):
     assert runtime_calls_known(known)
     renamed = object.__new__(Renamed)
     renamed.runtime = known.runtime
-    with caplog.at_level(logging.INFO, logger="moe_plugins.low_latency"):
+    with caplog.at_level(logging.INFO, logger="moe_plugins.lowlat.vendor"):
         assert not runtime_calls_known(renamed)
         assert not runtime_calls_known(renamed)  # logged once per class
         assert not runtime_calls_known(NoRuntime())
-    lines = [r.getMessage() for r in caplog.records if r.name == "moe_plugins.low_latency"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_plugins.lowlat.vendor"]
     assert len(lines) == 2 and "Renamed" in lines[0] and "calling them instead" in lines[0]
     assert lines[0].startswith("deepep_ll: ") and "DeepEP 567632d" in lines[0]
 
@@ -624,7 +624,7 @@ def test_the_first_method_the_buffer_has_is_bound():
     low_latency_* (its dispatch/combine forward there), v1.0's dispatch/combine; none is an
     AttributeError naming them."""
     from all2all.nixl_ep import NixlEPManager
-    from moe_plugins.low_latency import first_method
+    from moe_plugins.lowlat.vendor import first_method
 
     class V10:
         def dispatch(self) -> str:

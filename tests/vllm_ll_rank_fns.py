@@ -24,7 +24,7 @@ from ll_rank_fns import built
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.low_latency import dequantize_batched
+from moe_plugins.lowlat.limits import dequantize_batched
 from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec

@@ -76,7 +76,7 @@ from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, check_finalize_result)
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
-from moe_plugins.low_latency import LowLatencyPrepareFinalize
+from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
 from moe_plugins.planner.model_config import ModelSpec, model_spec_from_dict
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.placement import ExpertPlacement

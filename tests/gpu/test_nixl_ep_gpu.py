@@ -73,7 +73,7 @@ def test_calls_go_to_the_runtime_of_1_5_1(build):
 
 def test_library_limits_beyond_deepeps(one_buffer):
     """nixl main since c345fe3ea (2026-08-12, "support Kimi-K3") dispatches top-16 and hidden
-    3584, where DeepEP stops at top-11 and has no 3584 kernels; moe_plugins.low_latency still
+    3584, where DeepEP stops at top-11 and has no 3584 kernels; moe_plugins.lowlat still
     applies DeepEP's limits (MAX_TOPK, KERNEL_HIDDEN_SIZES) to both. The raw Buffer of the
     1.5.1 build is asked for both here (last in the file: a kernel fault would poison the
     context); a pass means our shared limits are stricter than nixl_ep needs."""

@@ -1,0 +1,288 @@
+"""The low-latency manager: the layer checked against the kernels' limits, and the library buffer
+(one per EP group and size, cached, destroyed explicitly) with its rank mask.
+
+A backend's manager (:mod:`all2all.deepep`, :mod:`all2all.nixl_ep`) only names its package and
+method names and says how its buffer is built and sized.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.config import DispatchConfig
+from moe_plugins.groups import DistContext
+from moe_plugins.interface import (Hook)
+from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
+                                       kernel_hidden_size, token_capacity)
+from moe_plugins.lowlat.vendor import RuntimeCalls, _BUFFERS, first_method, import_vendor
+from moe_plugins.registry import RequiredPackage, WireLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LowLatencyOptions", "LowLatencyManager"]
+
+
+@dataclass(frozen=True)
+class LowLatencyOptions:
+    """Settings both low-latency backends share (each backend's options class extends this).
+
+    allow_nvlink: let the kernels move data over NVLink between GPUs of one node (default on;
+        DeepEP ``allow_nvlink_for_low_latency_mode``, NIXL EP ``not disable_ll_nvlink``).
+        DeepEP warns that NVLink is "somehow incompatible with the hook-based overlapping": for
+        an NVLink peer the *send* half of a hook-mode dispatch/combine copies the rows itself
+        with SM stores into the peer's memory (for an RDMA peer it only posts the writes), so
+        less of the transfer is left for the shared expert to overlap with. NVLink wins by
+        default: it changes no result on NVLink-connected GPUs (DeepEP warns PCIe peers may hit
+        memory-ordering errors), it is the only transport on a node without RDMA NICs (a single
+        H200), and hook mode stays on either way (the shared expert is still launched between
+        the send and the receive). Turn it off on RDMA-equipped nodes to keep the whole
+        transfer inside the hook window.
+    pad_hidden: pad an unsupported hidden size up to the next kernel size (see module doc);
+        False makes it a ValueError at construction.
+    check_expert_ids: check in prepare that every expert id is in [-1, num_experts) (the
+        kernels do not: an id out of range makes them write outside their buffers). No host
+        sync. None (the default): on for CPU tensors (a ValueError at once), off on CUDA,
+        where it costs four small kernels per call: on the H200 they added ~7 us to a
+        deepep_ll round trip under CUDA-graph replay (1.26x the raw library at 8 tokens, where
+        vLLM's in-tree class checks nothing) and more eager (benchmarks/README.md). True turns
+        it on on CUDA too: a device-side assert, shown at the next sync and, as every CUDA
+        device assert, ending the process's CUDA context. Routers (vLLM's, ours) only produce
+        ids in range; turn it on when debugging one that may not.
+    """
+
+    allow_nvlink: bool = True
+    pad_hidden: bool = True
+    check_expert_ids: Optional[bool] = None
+
+
+_PADDING_LOGGED: set[tuple] = set()
+
+
+class LowLatencyManager(ABC):
+    """Buffer, kernel limits and library calls of one low-latency backend for one layer config.
+
+    Subclasses set the class attributes (package, options type, the library's method names)
+    and implement :meth:`_size_hint`, :meth:`_create_buffer` and :meth:`_destroy_buffer`
+    (plus :meth:`_check_limits` / :meth:`_check_can_mask` for library-specific limits).
+    Construction order: options and layer checks (no collective), the vendor import (ImportError
+    naming the extra), the EP group's sizes, then the shared buffer (collective on creation).
+
+    Attributes after construction: ``num_ranks``/``rank`` (EP group), ``num_experts``,
+    ``num_local_experts``, ``hidden`` (the layer's), ``kernel_hidden`` (what the kernels run),
+    ``max_tokens_per_rank`` (the token capacity every rank passes to dispatch), ``buffer``.
+    """
+
+    backend_name: ClassVar[str]
+    required: ClassVar[RequiredPackage]
+    options_type: ClassVar[type[LowLatencyOptions]]
+    #: The buffer's dispatch / combine method names, preferred first: the first the buffer has
+    #: is bound (a release's alias that forwards to another name costs a frame per call).
+    dispatch_methods: ClassVar[tuple[str, ...]]  # e.g. ("low_latency_dispatch",)
+    combine_methods: ClassVar[tuple[str, ...]]
+    update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
+    query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
+    clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
+    #: The library masks peers by itself (a timed-out peer), so an engine should always poll.
+    masks_by_itself: ClassVar[bool] = False
+    #: The runtime calls a prepare/finalize makes itself instead of :meth:`dispatch` /
+    #: :meth:`combine` (set by a manager whose library's runtime has them; None: those methods).
+    runtime_calls: Optional[RuntimeCalls] = None
+
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig):
+        self.options = self._options(cfg.backend_options)
+        self.kernel_hidden = self.wire_layout(cfg).hidden
+        self.lib = import_vendor(self.required, self.backend_name)
+        self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
+        self.ctx, self.cfg = ctx, cfg
+        self.group = ctx.ep_group
+        self.num_ranks = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        # The kernels place physical expert p on rank p // num_local_experts: the placement's
+        # physical ids are what they dispatch.
+        self.placement = cfg.placement_for(self.num_ranks)
+        self.num_experts = self.placement.num_physical
+        self.num_local_experts = self.placement.num_local
+        self.hidden = cfg.hidden
+        self.max_tokens_per_rank = token_capacity(cfg.max_tokens_per_rank,
+                                                  self._layout_ranks_multiple())
+        self._check_limits()
+        # Plain option values (switches) separate buffers; objects such as a store do not.
+        switches = tuple((f.name, v) for f in dataclasses.fields(self.options)
+                         if isinstance(v := getattr(self.options, f.name), (bool, int, str))
+                         and f.name != "pad_hidden")
+        key = (self.backend_name, id(self.group), self.rank, self.num_ranks, self.kernel_hidden,
+               self.max_tokens_per_rank, self.num_experts, switches)
+        self.buffer = _BUFFERS.acquire(key, self._create_logged, self._destroy_buffer)
+        self._key: Optional[tuple] = key
+        # Bound once: a getattr by name per call is host time on every dispatch and combine.
+        self._dispatch_call = first_method(self.buffer, self.dispatch_methods)
+        self._combine_call = first_method(self.buffer, self.combine_methods)
+        if self.padded and key not in _PADDING_LOGGED:
+            _PADDING_LOGGED.add(key)
+            logger.info("%s: hidden %d is not a kernel size; activations are zero-padded to %d "
+                        "inside prepare/finalize (build the layer with hidden=%d to avoid the "
+                        "copies)", self.backend_name, self.hidden, self.kernel_hidden,
+                        self.kernel_hidden)
+
+    def _create_logged(self) -> Any:
+        buffer = self._create_buffer()
+        logger.info("%s: buffer for EP rank %d/%d, %d local experts, kernel hidden %d, %d tokens "
+                    "per rank, %d RDMA bytes, NVLink %s", self.backend_name, self.rank,
+                    self.num_ranks, self.num_local_experts, self.kernel_hidden,
+                    self.max_tokens_per_rank, self.num_rdma_bytes,
+                    "on" if self.options.allow_nvlink else "off")
+        return buffer
+
+    @classmethod
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
+                       ) -> Optional[LowLatencyOptions]:
+        """The ``backend_options`` an engine (the vLLM glue) builds this backend with when the
+        user gave none; ``tcp_store``: a torch.distributed Store shared by the EP group, for
+        libraries that exchange connection metadata through one; ``fault_tolerance``: the
+        engine will poll the rank mask (:meth:`masked_ranks`), so the buffer must have one.
+        None: the defaults."""
+        return None
+
+    # -- configuration ---------------------------------------------------------------------
+    @classmethod
+    def wire_layout(cls, cfg: DispatchConfig) -> WireLayout:
+        """Check the layer against the kernels' limits (the errors building a manager raises,
+        without a process group) and return what one dispatched message carries: the kernel
+        hidden size and the 16-byte header (``BackendSpec.wire_layout``, read by the plan)."""
+        options = cls._options(cfg.backend_options)
+        cls._check_layer(cfg)
+        return WireLayout(kernel_hidden_size(cfg.hidden, options.pad_hidden, cls.backend_name),
+                          MSG_HEADER_BYTES)
+
+    @classmethod
+    def _options(cls, given: object) -> LowLatencyOptions:
+        if given is None:
+            return cls.options_type()
+        if not isinstance(given, cls.options_type):
+            raise TypeError(
+                f"{cls.backend_name}: backend_options must be a {cls.options_type.__name__}, got "
+                f"{type(given).__name__}; pass DispatchConfig(backend_options="
+                f"{cls.options_type.__name__}(...))"
+            )
+        return given
+
+    @classmethod
+    def _check_layer(cls, cfg: DispatchConfig) -> None:
+        check_kernel_layer(cfg, cls.backend_name, "the low-latency kernels move bfloat16 "
+                           "activations", MAX_TOPK, LL_QUANTS)
+
+    def _check_limits(self) -> None:
+        """Library-specific limits on the computed sizes (raise ValueError with the fix)."""
+
+    def _layout_ranks_multiple(self) -> int:
+        """What the rank count of the receive layout is always a multiple of (for the token
+        capacity rounding): the EP size where the layout always spans every rank."""
+        return self.num_ranks
+
+    @property
+    def padded(self) -> bool:
+        return self.kernel_hidden != self.hidden
+
+    @property
+    def num_rdma_bytes(self) -> int:
+        """The library's size hint for this layer's (tokens, kernel hidden, ranks, experts)."""
+        return self._size_hint(self.max_tokens_per_rank, self.kernel_hidden, self.num_ranks,
+                               self.num_experts)
+
+    @abstractmethod
+    def _size_hint(self, max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+        """The library's RDMA buffer size hint, in bytes."""
+
+    @abstractmethod
+    def _create_buffer(self) -> Any:
+        """Build the library buffer for this manager's sizes (collective over the EP group)."""
+
+    @abstractmethod
+    def _destroy_buffer(self, buffer: Any) -> None:
+        """Release a buffer built by :meth:`_create_buffer`."""
+
+    # -- the library calls -----------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, use_ue8m0: bool,
+                 recv_hook: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                           Any, Optional[Hook]]:
+        """Issue the send of x bf16 [num_tokens, kernel_hidden] (contiguous) to the experts in
+        topk_idx topk_idx_dtype [num_tokens, num_topk]. Returns (recv_x, recv_x_sf or None,
+        recv_count int32 [num_local_experts], handle, hook). ``recv_hook``: the receive happens
+        in ``hook`` (hook mode: two kernel launches); False: one launch sends and receives
+        (blocking on the stream, as the library's default) and hook is None."""
+        recv, count, handle, _event, hook = self._dispatch_call(
+            x, topk_idx, self.max_tokens_per_rank, self.num_experts,
+            use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
+            async_finish=False, return_recv_hook=recv_hook)
+        if use_fp8:
+            return recv[0], recv[1], count, handle, hook
+        return recv, None, count, handle, hook
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: Any, out: torch.Tensor, recv_hook: bool) -> Optional[Hook]:
+        """Issue the send of expert outputs x bf16 [num_local_experts, num_recv_slots,
+        kernel_hidden]; the receive reduces them with topk_weights float32 [num_tokens,
+        num_topk] into out bf16 [num_tokens, kernel_hidden], in the returned hook
+        (``recv_hook``) or in the same launch (False: returns None)."""
+        _combined, _event, hook = self._combine_call(
+            x, topk_idx, topk_weights, handle, async_finish=False, zero_copy=False,
+            return_recv_hook=recv_hook, out=out)
+        return hook
+
+    # -- elastic rank masking --------------------------------------------------------------
+    def set_rank_masked(self, rank: int, masked: bool = True) -> None:
+        """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``; combine
+        then leaves out the experts of masked ranks (their topk weights count as zero)."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        self._check_can_mask(rank)
+        getattr(self.buffer, self.update_mask_method)(rank, masked)
+
+    def masked_ranks(self) -> list[int]:
+        """EP ranks currently masked in the library's mask buffer."""
+        self._check_can_mask(None)
+        status = torch.zeros(self._mask_len(), dtype=torch.int32, device=self.ctx.device)
+        getattr(self.buffer, self.query_mask_method)(status)
+        return [r for r, m in enumerate(status.tolist()) if m]
+
+    def can_mask(self) -> bool:
+        """Whether this buffer has a rank mask at all (what :meth:`masked_ranks` needs)."""
+        try:
+            self._check_can_mask(None)
+        except ValueError:
+            return False
+        return True
+
+    def clean_buffers(self) -> None:
+        """After a fault (vLLM's ``clean_buffers``, rank-local): zero this rank's RDMA buffer,
+        which a dispatch/combine that hit a dead or timed-out peer may have left partly written,
+        then reset the mask so every rank the buffer reaches takes part again."""
+        self._check_can_mask(None)
+        self.buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).zero_()
+        _synchronize(self.ctx.device)
+        getattr(self.buffer, self.clean_mask_method)()
+        _synchronize(self.ctx.device)
+
+    def _check_can_mask(self, rank: Optional[int]) -> None:
+        """Raise ValueError when this buffer cannot mask ``rank`` (None: cannot mask at all)."""
+
+    def _mask_len(self) -> int:
+        return self.num_ranks
+
+    def destroy(self) -> None:
+        """Release this manager's share of the buffer (the last one destroys it); idempotent."""
+        if self._key is not None:
+            key, self._key = self._key, None
+            _BUFFERS.release(key)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (the buffer is written by kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -117,7 +117,7 @@ def _import_vllm(device: str, in_tree: bool) -> Optional[str]:
     if device == "cuda" and importlib.util.find_spec("vllm_stand_ins") is not None:
         importlib.import_module("vllm_stand_ins").install()
     try:
-        importlib.import_module("moe_plugins.vllm.adapter")
+        importlib.import_module("moe_plugins.vllm.prepare_finalize")
         if in_tree:
             importlib.import_module(
                 "vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll")
@@ -159,7 +159,7 @@ def _quant_config(quant: str) -> Any:
 def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, experts: Any,
              overlap: OverlapConfig) -> Any:
     """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank)."""
-    from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+    from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 
     adapter = MoEPluginsPrepareAndFinalize(
         spec.build(ctx, cfg), spec.name, ctx, StrategyChoice(ReductionStrategy.LOCAL, "one rank"),

@@ -26,7 +26,7 @@ done
 pip install --no-deps -e .
 .venv/bin/python - <<'EOF'
 import importlib.metadata as m
-from moe_plugins.vllm.plugin import check_vllm_version
+from moe_plugins.vllm.version import check_vllm_version
 dist, version = check_vllm_version()
 plugins = [e.name for e in m.entry_points(group="vllm.general_plugins")]
 assert "moe_plugins" in plugins, plugins

@@ -211,11 +211,11 @@ def vllm_group_bounded(rank: int, world: int, timeout_s: float) -> dict:
     import datetime
 
     from moe_plugins.groups import TIMEOUT_ENV
-    from moe_plugins.vllm.adapter import _bound_vllm_timeout
+    from moe_plugins.vllm.manager import bound_vllm_timeout
 
     os.environ[TIMEOUT_ENV] = f"{timeout_s:g}"
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(minutes=10))
-    bound = _bound_vllm_timeout(group)
+    bound = bound_vllm_timeout(group)
     if rank == 1:
         return dict(bound=bound, error=None)
     return dict(bound=bound, error=_error(lambda: dist.all_reduce(torch.ones(2), group=group)))

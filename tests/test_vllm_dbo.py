@@ -143,10 +143,10 @@ def test_dbo_check_still_refuses_the_others_with_vllms_error(registered, platfor
 
 @pytest.mark.vllm
 def test_dbo_names_come_from_the_capability(registered):
-    from moe_plugins.vllm import plugin as vllm_plugin
+    from moe_plugins.vllm import names as vllm_names
     from moe_plugins.registry import registered_backends
 
-    names = vllm_plugin.dbo_backend_names()
+    names = vllm_names.dbo_backend_names()
     assert names == sorted("moe_plugins_" + n for n, s in registered_backends().items()
                            if s.capabilities.micro_batch)
     assert {"moe_plugins_deepep_ll", "moe_plugins_nixl_ep"} <= set(names)
@@ -179,7 +179,7 @@ def test_micro_batches_refuse_a_backend_without_the_capability(registered, platf
     from vllm.config import set_current_vllm_config
 
     from moe_plugins.registry import get_backend
-    from moe_plugins.vllm.adapter import micro_batches
+    from moe_plugins.vllm.factory import micro_batches
 
     with set_current_vllm_config(_dbo_config("moe_plugins_deepep_ll")):
         assert micro_batches(get_backend("deepep_ll")) == 2

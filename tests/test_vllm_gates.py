@@ -165,7 +165,7 @@ def test_the_engine_decision_is_recommend_strategys(registered, qwen2_moe_dir):
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.planner.model_config import model_spec_from_dict
     from moe_plugins.planner.plan import recommend_strategy
-    from moe_plugins.vllm.adapter import parallel_config_plan
+    from moe_plugins.vllm.layer_plan import parallel_config_plan
     from vllm.config import set_current_vllm_config
 
     config = _engine(qwen2_moe_dir, "moe_plugins_torch", {"shared_expert_budget_gb": 1e-4})
@@ -185,8 +185,8 @@ def test_layers_follow_what_vllm_built(registered):
     vLLM's SP path, such as Qwen2-MoE) gets the TP-sharded strategy; contradictions are errors."""
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.strategy import ReductionStrategy as S
-    from moe_plugins.vllm.adapter import plan_layer
-    from moe_plugins.vllm.plugin import plugin_settings
+    from moe_plugins.vllm.layer_plan import plan_layer
+    from moe_plugins.vllm.settings import plugin_settings
 
     layout = ParallelLayout(2, 2, True)
     defaults = plugin_settings(None)

@@ -14,13 +14,16 @@ from typing import Iterator
 import pytest
 import torch
 
-from moe_plugins.vllm import patches as vllm_patches, plugin as vllm_plugin
+from moe_plugins.vllm import names as vllm_names
+from moe_plugins.vllm import patches as vllm_patches
+from moe_plugins.vllm import plugin as vllm_plugin
+from moe_plugins.vllm import version as vllm_version
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.strategy import ReductionStrategy
 from moe_plugins.vllm.patches import (PATCHES, Patch, VllmPatchError,
                                       ids_through_expert_map)
-from moe_plugins.vllm.plugin import (SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version,
-                                     plugin_settings)
+from moe_plugins.vllm.version import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version
+from moe_plugins.vllm.settings import plugin_settings
 
 try:
     import vllm  # noqa: F401
@@ -68,7 +71,7 @@ def test_supported_range_matches_the_vllm_extra():
 
 
 def test_register_refuses_unsupported_vllm_and_patches_nothing(monkeypatch):
-    monkeypatch.setattr(vllm_plugin, "installed_vllm", lambda: ("vllm", "0.35.1"))
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", "0.35.1"))
     monkeypatch.setattr(vllm_plugin, "_registered", False)
     before = vllm_patches.applied_symbols()
     with pytest.raises(UnsupportedVllmError, match="found vllm 0.35.1"):
@@ -165,7 +168,7 @@ def test_register_is_idempotent(registered):
     before = {s: len(u) for s, u in vllm_patches._APPLIED.items()}
     wrapper = vllm_patches.resolve(PATCHES[1].symbol)[2]
     vllm_plugin.register()
-    vllm_patches.apply_all(vllm_plugin.our_backend_names())
+    vllm_patches.apply_all(vllm_names.our_backend_names())
     assert {s: len(u) for s, u in vllm_patches._APPLIED.items()} == before
     assert vllm_patches.resolve(PATCHES[1].symbol)[2] is wrapper
 
@@ -245,7 +248,7 @@ def test_apply_all_checks_every_signature_before_patching(registered, monkeypatc
 # -- backend names in vLLM's config and CLI ---------------------------------------------------------
 @needs_vllm
 def test_our_names_are_prefixed_and_never_shadow_in_tree_names(registered):
-    names = vllm_plugin.our_backend_names()
+    names = vllm_names.our_backend_names()
     assert names["moe_plugins"] == "auto" and names["moe_plugins_torch"] == "torch"
     assert all(n == "moe_plugins" or n.startswith("moe_plugins_") for n in names)
     assert not set(names) & set(IN_TREE)
@@ -379,7 +382,7 @@ def batched_backend_registered(monkeypatch):
         quants=frozenset({QuantScheme.NONE}))
     specs = {**registry.registered_backends(), "batched_test": spec}
     monkeypatch.setattr(registry, "_registry", lambda: specs)
-    monkeypatch.setattr(vllm_plugin, "_names", {})
+    monkeypatch.setattr(vllm_names, "_names", {})
 
 
 def _vllm_config(tp: int = 1, additional: dict | None = None):
@@ -415,7 +418,7 @@ def test_batched_format_hook_follows_the_plan(registered, batched_backend_regist
 
 @needs_vllm
 def test_plan_picks_strategy_and_backend(registered):
-    from moe_plugins.vllm.adapter import layer_plan
+    from moe_plugins.vllm.layer_plan import layer_plan
 
     with _vllm_config(2, {"moe_plugins": {"single_collective": False}}):
         plan = layer_plan(_moe_parallel("moe_plugins", 2, 4))
@@ -429,7 +432,7 @@ def test_plan_picks_strategy_and_backend(registered):
 
 @needs_vllm
 def test_plan_refuses_a_strategy_that_does_not_apply(registered):
-    from moe_plugins.vllm.adapter import layer_plan
+    from moe_plugins.vllm.layer_plan import layer_plan
 
     with _vllm_config(1, {"moe_plugins": {"strategy": "TP_UNIFIED"}}):
         with pytest.raises(ValueError, match="strategy TP_UNIFIED does not apply to layout "
@@ -443,7 +446,7 @@ def test_plan_refuses_a_strategy_that_does_not_apply(registered):
     (dict(ep_size=3), "EP size 3 is not dp x tp = 2"),
 ])
 def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
-    from moe_plugins.vllm.adapter import layer_plan
+    from moe_plugins.vllm.layer_plan import layer_plan
 
     with _vllm_config(1), pytest.raises(ValueError, match=match):
         layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), **change))
@@ -453,7 +456,7 @@ def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
 def test_plan_serves_eplb(registered):
     """EPLB (redundant physical experts, rebalanced by vLLM) is served: vLLM's router maps
     logical to physical ids, which our transports dispatch."""
-    from moe_plugins.vllm.adapter import layer_plan
+    from moe_plugins.vllm.layer_plan import layer_plan
 
     with _vllm_config(1):
         plan = layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), enable_eplb=True))
@@ -472,7 +475,7 @@ def test_plan_serves_eplb(registered):
 def test_quant_scheme_of_vllm_quant_configs(registered, quant, scheme):
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 
-    from moe_plugins.vllm.adapter import quant_scheme_of
+    from moe_plugins.vllm.receive_quant import quant_scheme_of
 
     got = quant_scheme_of(FusedMoEQuantConfig.make(**quant))
     assert (got.value if got is not None else None) == scheme
@@ -482,7 +485,7 @@ def _adapter(backend=None, wire_scheme=None, **kw):
     from moe_plugins.groups import DistContext
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.strategy import StrategyChoice
-    from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+    from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 
     layout = ParallelLayout(2, 1, True)
     ctx = DistContext(layout, 0, None, None, torch.device("cpu"))
@@ -539,7 +542,7 @@ def test_batched_adapter_refuses_experts_that_reduce_themselves(registered):
 
 @needs_vllm
 def test_all2all_manager_does_not_serve_naive_dispatch(registered):
-    from moe_plugins.vllm.adapter import MoEPluginsAll2AllManager
+    from moe_plugins.vllm.manager import MoEPluginsAll2AllManager
 
     with pytest.raises(NotImplementedError, match="run MoE layers through vLLM's modular kernel"):
         MoEPluginsAll2AllManager.dispatch_router_logits(object(), torch.zeros(1), torch.zeros(1))
@@ -551,7 +554,7 @@ def test_overlap_max_tokens_is_reported_unused_under_vllm(registered, caplog):
     import vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.runner.model import MoEConfig
-    from moe_plugins.vllm.adapter import make_prepare_finalize
+    from moe_plugins.vllm.factory import make_prepare_finalize
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)
     with _vllm_config(1, {"moe_plugins": {"overlap_max_tokens": 64}}), \
@@ -569,7 +572,7 @@ def test_lazy_counts_reach_vllm_as_its_metadata_made_on_first_read():
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
     from moe_plugins.interface import LazyExpertTokensMeta
-    from moe_plugins.vllm.adapter import _LazyTokensMetadata
+    from moe_plugins.vllm.prepare_finalize import _LazyTokensMetadata
 
     made: list[int] = []
 

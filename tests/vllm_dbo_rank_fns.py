@@ -28,7 +28,7 @@ from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
-from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 from vllm_rank_fns import (TorchBatchedExpertsModular, _moe_config, _runner_reduce,
                             contiguous_expert_map)
 
@@ -150,7 +150,7 @@ def run_fault_tolerance(rank: int, world: int, backend_name: str, cfg: MoEConfig
     polls."""
     from moe_plugins.runner.experts import TorchExperts
     from moe_plugins.quant import QuantSpec
-    from moe_plugins.vllm.adapter import ep_manager
+    from moe_plugins.vllm.manager import ep_manager
     from vllm_dist import vllm_parallel_state
 
     layout = ParallelLayout(world, 1, True)

@@ -30,7 +30,8 @@ from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import (QuantScheme, QuantSpec, dequantize_nvfp4, unswizzle_nvfp4_sf)
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
-from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize, quant_scheme_of
+from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
+from moe_plugins.vllm.receive_quant import quant_scheme_of
 from vllm_rank_fns import (TorchBatchedExpertsModular, TorchExpertsModular, _moe_config,
                            contiguous_expert_map)
 

@@ -29,7 +29,7 @@ from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
-from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 from vllm_rank_fns import TorchBatchedExpertsModular, _moe_config, contiguous_expert_map
 
 
@@ -170,7 +170,7 @@ def run_nixl_through_vllm_manager(rank: int, world: int, cfg: MoEConfig, num_tok
     from moe_plugins.config import DispatchConfig
     from moe_plugins.runner.experts import TorchExperts
     from moe_plugins.registry import get_backend
-    from moe_plugins.vllm.adapter import MoEPluginsAll2AllManager
+    from moe_plugins.vllm.manager import MoEPluginsAll2AllManager
 
     from vllm.distributed import get_ep_group
 

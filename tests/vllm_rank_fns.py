@@ -29,7 +29,7 @@ from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
-from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 
 
 class TorchExpertsModular(mk.FusedMoEExpertsModular):

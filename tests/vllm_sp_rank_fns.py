@@ -68,7 +68,7 @@ def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens
                                   tensor_model_parallel_reduce_scatter)
     from vllm.model_executor.models.utils import sequence_parallel_chunk_impl
 
-    from moe_plugins.vllm.adapter import make_prepare_finalize
+    from moe_plugins.vllm.factory import make_prepare_finalize
 
     tp = world // dp
     layout = ParallelLayout(dp, tp, True)

@@ -138,7 +138,7 @@ def _current_all2all_backend() -> str | None:
 
 
 def _is_ours(name: str | None) -> bool:
-    from moe_plugins.vllm.plugin import is_our_backend
+    from moe_plugins.vllm.names import is_our_backend
 
     return is_our_backend(name)
 
@@ -208,7 +208,7 @@ def _install_communicator(patch: Patch, names: list[str]) -> None:
         if self.use_all2all:
             assert name is not None
             _announce(name, type(self).__name__)
-            from moe_plugins.vllm.adapter import MoEPluginsAll2AllManager
+            from moe_plugins.vllm.manager import MoEPluginsAll2AllManager
 
             self.all2all_manager = MoEPluginsAll2AllManager(
                 self.cpu_group, self.device_group, bound.arguments.get("tcp_store_group"))
@@ -232,7 +232,7 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
         if not _is_ours(name):
             return original(*bound.args, **bound.kwargs)
         _announce(name, "maybe_make_prepare_finalize")
-        from moe_plugins.vllm.adapter import make_prepare_finalize
+        from moe_plugins.vllm.factory import make_prepare_finalize
 
         made = make_prepare_finalize(a["moe"], a["quant_config"], use_monolithic=a["use_monolithic"],
                                      routing_tables=a["routing_tables"])
@@ -270,7 +270,7 @@ def _install_property(patch: Patch, ours: Callable[[Any], bool]) -> None:
 
 def _install_batched_format(patch: Patch, names: list[str]) -> None:
     def use_batched_activation_format(parallel: Any) -> bool:
-        from moe_plugins.vllm.adapter import layer_plan
+        from moe_plugins.vllm.layer_plan import layer_plan
 
         plan = layer_plan(parallel)
         return plan is not None and plan.batched
@@ -284,7 +284,7 @@ def _install_batched_dp(patch: Patch, names: list[str]) -> None:
         # backend our name plans for this layout.
         if not (config.enable_expert_parallel and config.data_parallel_size > 1):
             return False
-        from moe_plugins.vllm.adapter import parallel_config_plan
+        from moe_plugins.vllm.layer_plan import parallel_config_plan
 
         return parallel_config_plan(config).batched
 
@@ -293,7 +293,7 @@ def _install_batched_dp(patch: Patch, names: list[str]) -> None:
 
 def _install_sequence_parallel(patch: Patch, names: list[str]) -> None:
     def use_sequence_parallel_moe(config: Any) -> bool:
-        from moe_plugins.vllm.adapter import sequence_parallel_moe
+        from moe_plugins.vllm.layer_plan import sequence_parallel_moe
 
         return sequence_parallel_moe(config)
 
@@ -357,7 +357,7 @@ def _install_blocking_finalize(patch: Patch, names: list[str]) -> None:
 
     def __init__(self: Any, prepare_finalize: Any, fused_experts: Any) -> None:
         original(self, prepare_finalize, fused_experts)
-        from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+        from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 
         # per kernel: vLLM's in-tree prepare/finalize classes keep vLLM's _finalize, at no cost
         if (isinstance(prepare_finalize, MoEPluginsPrepareAndFinalize)
@@ -396,7 +396,7 @@ def _precheck_dbo(patch: Patch, original: Any) -> None:
 def _install_dbo_check(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     _precheck_dbo(patch, original)
-    from moe_plugins.vllm.plugin import dbo_backend_names
+    from moe_plugins.vllm.names import dbo_backend_names
 
     allowed = [n for n in dbo_backend_names() if n in names]
     code = original.__code__
@@ -429,7 +429,7 @@ def _precheck_name_set(patch: Patch, original: Any) -> None:
 def _install_ft_backends(patch: Patch, names: list[str]) -> None:
     owner, attr, original = resolve(patch.symbol)
     _precheck_name_set(patch, original)
-    from moe_plugins.vllm.plugin import fault_tolerance_backend_names
+    from moe_plugins.vllm.names import fault_tolerance_backend_names
 
     extended = _NameSet(original | {n for n in fault_tolerance_backend_names() if n in names})
     extended.__wrapped__ = original
@@ -620,7 +620,7 @@ def revert_patch(symbol: str) -> None:
 
 
 def _our_names() -> Iterable[str]:
-    from moe_plugins.vllm.plugin import our_backend_names
+    from moe_plugins.vllm.names import our_backend_names
 
     return our_backend_names()
 

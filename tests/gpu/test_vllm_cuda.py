@@ -38,7 +38,7 @@ def layers(request) -> Iterator[H.VllmLayers]:
 
 
 def test_ours_is_built_by_vllms_hook_with_overlap(layers):
-    from moe_plugins.vllm.adapter import MoEPluginsPrepareAndFinalize
+    from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 
     assert isinstance(layers.ours.kernel.prepare_finalize, MoEPluginsPrepareAndFinalize)
     assert type(layers.in_tree.kernel.prepare_finalize).__name__ == "DeepEPLLPrepareAndFinalize"

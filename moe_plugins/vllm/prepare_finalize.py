@@ -1,8 +1,4 @@
-"""vLLM-facing classes: our all2all manager and the prepare/finalize adapter.
-
-Imported by the hooks of :mod:`moe_plugins.vllm.patches` once vLLM builds a communicator or a
-MoE layer with one of our ``--all2all-backend`` names (so vLLM's fused-MoE code is loaded by
-then). Everything engine-agnostic stays in :mod:`moe_plugins`; this module translates.
+"""vLLM's prepare/finalize over one of our backends (:class:`MoEPluginsPrepareAndFinalize`).
 
 How a layer maps onto vLLM's modular kernel (vLLM's EP group = DP x TP ranks; without SP every
 TP rank of a DP group holds the same tokens; under vLLM's sequence-parallel MoE the model hands
@@ -32,12 +28,6 @@ unweighted rows in the same layout, and the backend's combine applies the router
 picks batched experts only when ``use_batched_activation_format`` is true; the hook in
 :mod:`moe_plugins.vllm.patches` answers it from :func:`layer_plan`, as this module does.
 
-Sequence parallelism is a model-level decision vLLM makes from
-``ParallelConfig.use_sequence_parallel_moe`` before any layer exists; for our names the hook in
-:mod:`moe_plugins.vllm.patches` answers it with :func:`sequence_parallel_moe` (vLLM's rule, the
-backend's SP capability, and :func:`moe_plugins.planner.plan.recommend_strategy` on the engine config),
-and each layer then follows what vLLM built (``FusedMoEParallelConfig.is_sequence_parallel``).
-
 Dual-batch overlap (``--enable-dbo``): vLLM runs two micro-batches of one layer on two threads
 that hand over at its yields, so two calls of one layer are in flight. The adapter keeps one call
 state per micro-batch id (``dbo_current_ubatch_id()``) and, for backends whose capabilities say
@@ -46,494 +36,43 @@ library buffer (the per-call handle lives in that object; the layer's counters s
 part in vLLM's protocol where vLLM's in-tree DeepEP LL class does: before its combine send it
 runs the receive hook the other micro-batch registered (``dbo_maybe_run_recv_hook``), so at most
 two transfers are in flight (the libraries double-buffer).
-
-Fault tolerance (``--enable-fault-tolerance``): our manager declares ``support_fault_tolerance``
-where the backend our name plans for can mask ranks and the engine asked for it (or the library
-masks peers by itself, NIXL EP), and answers vLLM's polls: ``query_active_mask`` /
-``query_fault`` (the library's rank mask against the one of the last recovery point) and
-``clean_buffers`` (rank-local: zero the RDMA buffers, unmask).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceContiguous, TopKWeightAndReduceDelegate)
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook
 
-from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, check_finalize_result)
-from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
+from moe_plugins.layout import owned_rows, slice_owned
 from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
-from moe_plugins.planner.model_config import ModelSpec, model_spec_from_dict
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.placement import ExpertPlacement
-from moe_plugins.planner.plan import recommend_strategy
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
-from moe_plugins.registry import AUTO, BackendSpec, select_backend
-from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
-                                  choose_strategy)
+from moe_plugins.strategy import (ReductionStrategy, StrategyChoice)
 from moe_plugins.vllm.batch_hint import batch_hint
-from moe_plugins.vllm.plugin import (PluginSettings, dbo_backend_names, plugin_settings,
-                                     registry_name)
+from moe_plugins.vllm.receive_quant import (ReceiveQuant, nvfp4_global_scale, quant_scheme_of,
+                                            receive_quantization)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MoEPluginsAll2AllManager", "MoEPluginsPrepareAndFinalize", "make_prepare_finalize",
-           "quant_scheme_of", "ep_manager", "LayerPlan", "plan_layer", "layer_plan",
-           "parallel_config_plan", "sequence_parallel_moe", "micro_batches"]
+__all__ = ["MoEPluginsPrepareAndFinalize"]
 
-_LOGGED: set[tuple] = set()
-_WARNED: set[str] = set()
+
 _DEFERRED = QuantSpec()  # what travels under defer_input_quant: the activations as they are
+
+
 _FIRST_CALL_LOGGED: set[str] = set()
-# EP groups without a vLLM all2all manager (dp == 1): one of ours per group, made on first use.
-_GROUP_MANAGERS: dict[str, "MoEPluginsAll2AllManager"] = {}
-
-
-def _bound_vllm_timeout(*groups: Any) -> Optional[float]:
-    """vLLM's groups wait torch's default (up to 30 minutes) unless the user gave
-    ``--distributed-timeout-seconds``; then bound ours (moe_plugins.groups.bound_timeout, env
-    ``MOE_PLUGINS_TIMEOUT_S``). Returns the timeout in force when known (errors name it)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    from moe_plugins.groups import bound_timeout
-
-    config = get_current_vllm_config_or_none()
-    given = config.parallel_config.distributed_timeout_seconds if config is not None else None
-    if given is not None:
-        return float(given)
-    seconds = None
-    for group in groups:
-        seconds = bound_timeout(group)
-    return seconds
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
-
-
-class MoEPluginsAll2AllManager(All2AllManagerBase):
-    """vLLM's all2all manager slot for our names: holds the EP group and caches one backend
-    manager per (backend, layer config), as vLLM's managers cache handles. The MoE layers reach
-    the backend through :func:`make_prepare_finalize`; vLLM's naive dispatch/combine entry points
-    are not served (our layers run inside the modular kernel)."""
-
-    def __init__(self, cpu_group: Any, device_group: Any, tcp_store_group: Any = None):
-        super().__init__(cpu_group, tcp_store_group)
-        # device_group: NCCL on CUDA, gloo on CPU; our transports use it for the all-to-alls.
-        self.device_group = device_group if device_group is not None else cpu_group
-        self._managers: dict[tuple[str, DispatchConfig], Any] = {}
-        self.timeout_s = _bound_vllm_timeout(cpu_group, self.device_group)
-        self._store: Optional[dist.Store] = None
-        self._last_mask: Optional[torch.Tensor] = None
-        self.support_fault_tolerance = _fault_tolerance_wanted()
-
-    @property
-    def tcp_store(self) -> "dist.Store":
-        """The Store our backends exchange connection metadata through (NIXL agents): the one
-        vLLM's communicator was given (``tcp_store_group.store``), else a prefix store on the EP
-        CPU group's own store, as vLLM's in-tree NIXL EP manager does."""
-        if self._store is None:
-            given = getattr(self.tcp_store_group, "store", self.tcp_store_group)
-            self._store = given if given is not None else dist.PrefixStore(
-                "moe_plugins", self.cpu_group.get_group_store())
-        return self._store
-
-    def dist_context(self, layout: ParallelLayout, device: torch.device | str) -> DistContext:
-        """Our view of this rank: EP rank = rank in vLLM's EP group (DP-major, TP-minor, as
-        :class:`ParallelLayout` numbers ranks)."""
-        if layout.world_size != self.world_size:
-            raise ValueError(f"layout {layout.describe()} needs an EP group of {layout.world_size} "
-                             f"ranks, vLLM's EP group has {self.world_size}; moe-plugins serves "
-                             "EP groups of data-parallel x tensor-parallel ranks only")
-        tp_group = None
-        if layout.tp > 1:
-            from vllm.distributed import get_tp_group
-
-            tp_group = get_tp_group().device_group
-            _bound_vllm_timeout(tp_group)
-        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device),
-                           self.timeout_s)
-
-    def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
-        """A new prepare/finalize for one layer, on the cached manager of its config."""
-        engine_options = getattr(spec.manager, "engine_options", None)
-        if cfg.backend_options is None and engine_options is not None:
-            options = engine_options(self.tcp_store, fault_tolerance=self.support_fault_tolerance)
-            if options is not None:
-                cfg = dataclasses.replace(cfg, backend_options=options)
-        key = (spec.name, cfg)
-        manager = self._managers.get(key)
-        if manager is None:
-            manager = self._managers[key] = spec.manager(ctx, cfg)
-        return spec.prepare_finalize(manager, cfg)
-
-    def _not_served(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "moe-plugins backends run MoE layers through vLLM's modular kernel (prepare/finalize); "
-            "this layer's quantization method uses vLLM's naive dispatch/combine instead. Use an "
-            "in-tree --all2all-backend (e.g. allgather_reducescatter) for this model"
-        )
-
-    dispatch_router_logits = _not_served
-    dispatch = _not_served
-    combine = _not_served
-
-    # -- fault tolerance (vLLM polls these when support_fault_tolerance is set) -----------
-    def _masking_managers(self) -> list[Any]:
-        return [m for m in self._managers.values()
-                if getattr(m, "can_mask", None) is not None and m.can_mask()]
-
-    def query_active_mask(self) -> torch.Tensor:
-        """int32 [EP size] on this rank's device: 1 where a rank is masked (dead or unreachable)
-        in any of our layers' library buffers, 0 where it is live; all zeros before the first
-        layer is built."""
-        device = torch.device("cpu")
-        mask = torch.zeros(self.world_size, dtype=torch.int32)
-        for m in self._masking_managers():
-            device = m.ctx.device
-            for r in m.masked_ranks():
-                mask[r] = 1
-        return mask.to(device)
-
-    def query_fault(self) -> torch.Tensor:
-        """Scalar bool tensor: True when the mask differs from the one of the last recovery
-        point (:meth:`clean_buffers`; at start-up: nothing masked)."""
-        current = self.query_active_mask()
-        if self._last_mask is None or self._last_mask.shape != current.shape:
-            self._last_mask = torch.zeros_like(current)
-        return (current != self._last_mask.to(current.device)).any()
-
-    def clean_buffers(self) -> None:
-        """Post-fault cleanup, rank-local: every buffer our layers use is zeroed and unmasked
-        (the library's clean), and the recovery point is reset."""
-        for m in self._masking_managers():
-            m.clean_buffers()
-        self._last_mask = None
-
-    def destroy(self) -> None:
-        for manager in self._managers.values():
-            destroy = getattr(manager, "destroy", None)
-            if destroy is not None:
-                destroy()
-        self._managers.clear()
-
-
-def _fault_tolerance_wanted() -> bool:
-    """vLLM's rule for its LL managers, read from the backend our name plans for: the manager can
-    mask ranks, and the engine enabled fault tolerance or the library masks peers by itself.
-    (vLLM's model runner polls only with dp > 1, where the communicator holds this manager.)"""
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    if config is None:
-        return False
-    parallel = config.parallel_config
-    if not parallel.enable_expert_parallel:
-        return False
-    try:
-        spec = parallel_config_plan(parallel).spec
-    except ValueError:
-        return False  # no backend of ours serves this layout: building a layer will say why
-    if not spec.capabilities.rank_masking:
-        return False
-    return (bool(getattr(parallel, "enable_fault_tolerance", False))
-            or bool(getattr(spec.manager, "masks_by_itself", False)))
-
-
-def ep_manager() -> MoEPluginsAll2AllManager:
-    """Our manager of vLLM's EP group: the communicator's (dp > 1), else one made here (dp == 1
-    with EP: vLLM builds no all2all manager then). Collective on first use per group."""
-    from vllm.distributed import get_ep_group
-
-    ep = get_ep_group()
-    found = getattr(ep.device_communicator, "all2all_manager", None)
-    if isinstance(found, MoEPluginsAll2AllManager):
-        return found
-    if found is not None:
-        raise RuntimeError(f"vLLM's EP group holds a {type(found).__name__} although one of our "
-                           "backends is selected; the communicator hook did not run")
-    manager = _GROUP_MANAGERS.get(ep.unique_name)
-    if manager is None:
-        manager = _GROUP_MANAGERS[ep.unique_name] = MoEPluginsAll2AllManager(
-            ep.cpu_group, ep.device_group)
-    return manager
-
-
-def quant_scheme_of(quant_config: Any) -> Optional[QuantScheme]:
-    """Our WIRE quant scheme for vLLM's FusedMoEQuantConfig (what a backend can put on the wire
-    quantized: FP8 block-128, NVFP4), NONE for unquantized activations, or None for every other
-    activation format (those travel in the model dtype and are quantized after the receive,
-    see :func:`receive_quantization`)."""
-    if quant_config is None or quant_config.quant_dtype is None:
-        return QuantScheme.NONE
-    if (quant_config.quant_dtype == torch.float8_e4m3fn and not quant_config.per_act_token_quant
-            and list(quant_config.block_shape or []) == [128, 128]):
-        return QuantScheme.FP8_BLOCK128
-    if quant_config.quant_dtype == "nvfp4":
-        return QuantScheme.NVFP4
-    return None
-
-
-# Activation formats vLLM's moe_kernel_quantize_input produces natively for experts (the others,
-# mxfp4 and mxfp6, it only emulates, or refuses outside XPU).
-_RECEIVE_QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8, "mxfp8", "nvfp4")
-
-
-@dataclass(frozen=True)
-class ReceiveQuant:
-    """The arguments of vLLM's ``moe_kernel_quantize_input`` for activations that crossed the
-    wire unquantized and are quantized after the receive, before the experts (as vLLM's in-tree
-    DeepEP LL ``_do_quant`` does). ``spans_rows``: the scale is computed over many rows (dynamic
-    per-tensor), so rows that carry no token are zeroed first (their contents are unspecified
-    and would otherwise set the scale)."""
-
-    quant_dtype: Any
-    per_act_token_quant: bool
-    block_shape: Optional[tuple[int, ...]]
-    is_scale_swizzled: bool
-    mx_alignment: int
-
-    @property
-    def spans_rows(self) -> bool:
-        return not self.per_act_token_quant and self.block_shape is None and \
-            self.quant_dtype in (torch.float8_e4m3fn, torch.int8)
-
-    def input_scale(self, quant_config: Any) -> Optional[torch.Tensor]:
-        """The scale argument for this call's quant config: NVFP4 takes the input global scale
-        (``a1_gscale``, as vLLM's DeepEP HT backend quantizes NVFP4 after its dispatch), the
-        others the static input scale (``a1_scale``; None: dynamic)."""
-        return quant_config.a1_gscale if self.quant_dtype == "nvfp4" else quant_config.a1_scale
-
-
-def receive_quantization(quant_config: Any) -> Optional[ReceiveQuant]:
-    """How vLLM's experts with ``quant_config`` get their activations quantized after a
-    model-dtype dispatch; None when vLLM has no native quantization for that format."""
-    if quant_config.quant_dtype not in _RECEIVE_QUANT_DTYPES:
-        return None
-    block = quant_config.block_shape
-    return ReceiveQuant(quant_config.quant_dtype, bool(quant_config.per_act_token_quant),
-                        None if block is None else tuple(block),
-                        bool(getattr(quant_config, "is_scale_swizzled", True)),
-                        int(getattr(quant_config, "mx_alignment", 0)))
-
-
-def _nvfp4_global_scale(quant_config: Any) -> float:
-    """The one input global scale an NVFP4 wire uses (vLLM's ``a1_gscale``)."""
-    gs = quant_config.a1_gscale
-    if gs is None:
-        raise ValueError("NVFP4 experts without an input global scale (quant_config.a1_gscale "
-                         "is None); moe-plugins quantizes NVFP4 activations before the "
-                         "all-to-all with it, as vLLM's two-sided flashinfer backend does")
-    flat = gs.detach().float().flatten().cpu()
-    if flat.numel() == 0 or not bool((flat == flat[0]).all()):
-        raise ValueError(f"NVFP4 input global scales differ per expert ({flat.tolist()}); the "
-                         "activations cross the wire before the expert is known, so they need "
-                         "one scale for the layer")
-    return float(flat[0])
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """How MoE layers of one parallel config run: backend, layout, strategy, switches."""
-
-    spec: BackendSpec
-    layout: ParallelLayout
-    choice: StrategyChoice
-    settings: PluginSettings
-
-    @property
-    def batched(self) -> bool:
-        """vLLM must pick batched-format experts (the backend dispatches, in the batched format)."""
-        return (self.choice.strategy.dispatches
-                and self.spec.capabilities.activation_format is ActivationFormat.BATCHED)
-
-
-def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
-               require_available: bool = True, *, sequence_parallel: Optional[bool] = None,
-               model: Optional[ModelSpec] = None, num_tokens: Optional[int] = None) -> LayerPlan:
-    """The plan for ``--all2all-backend`` ``backend`` (a registry name or ``auto``) on ``layout``.
-
-    The backend is chosen for unquantized dispatch (every backend has it); a quantized layer is
-    checked against the chosen backend's quants when its experts are known. Layers are planned
-    as having a shared expert (routed-only layers are served as well: the runner's single
-    all_reduce then carries the routed rows alone). ``require_available=False``: plan a named
-    backend even where its package or GPU is missing here (building it still refuses).
-
-    sequence_parallel: what vLLM decided for the layer (``FusedMoEParallelConfig.
-    is_sequence_parallel``). True: the model hands the MoE each TP rank's owned chunk and
-    all_gathers after it, so the strategy is SP_ALLGATHER. False: the model did not chunk (SP
-    off, or a model without vLLM's SP path), SP_ALLGATHER does not apply. None: the decision
-    itself, made from the engine config before any layer exists (what
-    ``ParallelConfig.use_sequence_parallel_moe`` answers for our names): a strategy named in
-    ``--additional-config`` if any, else :func:`moe_plugins.planner.plan.recommend_strategy` for
-    ``model`` (None: a model whose shape moe-plugins cannot read) at ``num_tokens`` tokens per
-    DP group with the settings' shared-expert budget, wherever the layout and the backend's
-    capabilities allow SP."""
-    spec = select_backend(layout, QuantScheme.NONE, backend, require_available=require_available)
-    caps = spec.capabilities
-    if sequence_parallel and not layout.sequence_parallel(caps.sp):
-        raise ValueError(f"vLLM runs this MoE layer sequence-parallel, but backend {spec.name} "
-                         f"on layout {layout.describe()} has no sequence parallelism; name a "
-                         "backend whose capabilities include SP (moe-plugins list)")
-    supports_sp = caps.sp if sequence_parallel is None else sequence_parallel
-    options = applicable_strategies(layout, supports_sp=supports_sp,
-                                    supports_row_scatter=caps.row_scatter, has_shared_expert=True)
-    requested = settings.strategy
-    if requested is not None and requested not in options:
-        hint = ""
-        if requested is ReductionStrategy.SP_ALLGATHER and sequence_parallel is False:
-            hint = ("; this model's MoE layers do not run vLLM's sequence-parallel path (SP "
-                    "needs EP, tp > 1, dp > 1 and a model that chunks the tokens before its MoE)")
-        raise ValueError(f"--additional-config strategy {requested.value} does not apply to "
-                         f"layout {layout.describe()} with backend {spec.name}; applicable: "
-                         f"{[s.value for s in options]}{hint}")
-    if sequence_parallel:
-        if requested not in (None, ReductionStrategy.SP_ALLGATHER):
-            raise ValueError(f"--additional-config strategy {requested.value} was requested, "
-                             "but vLLM built this MoE layer sequence-parallel; the model's "
-                             "sequence-parallel MoE decision and the plugin settings disagree")
-        choice = StrategyChoice(ReductionStrategy.SP_ALLGATHER,
-                                "vLLM's sequence-parallel MoE: the model hands each TP rank its "
-                                "owned chunk and all_gathers after the MoE")
-    elif requested is not None:
-        choice = StrategyChoice(requested, "requested by --additional-config")
-    elif sequence_parallel is None:
-        choice = _engine_choice(layout, caps, settings, model, num_tokens)
-    else:
-        choice = choose_strategy(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
-                                 has_shared_expert=True,
-                                 single_collective=settings.overlap.single_collective)
-    return LayerPlan(spec, layout, choice, settings)
-
-
-def _engine_choice(layout: ParallelLayout, caps: Any, settings: PluginSettings,
-                   model: Optional[ModelSpec], num_tokens: Optional[int]) -> StrategyChoice:
-    """The strategy of the engine-level decision (see :func:`plan_layer`), no strategy named."""
-    kw = dict(supports_row_scatter=caps.row_scatter,
-              single_collective=settings.overlap.single_collective)
-    if not layout.sequence_parallel(caps.sp):
-        return choose_strategy(layout, supports_sp=False, has_shared_expert=True, **kw)
-    if model is None:
-        if settings.shared_expert_budget_bytes is not None:
-            raise ValueError(
-                "--additional-config moe_plugins.shared_expert_budget_gb was given, but "
-                "moe-plugins cannot read this model's shape (it reads DeepSeek-V2/V3 and "
-                "Qwen2/3-MoE configs), so the shared experts' memory cannot be weighed; name the "
-                "strategy instead: \"strategy\": \"SP_ALLGATHER\" or \"ROW_SCATTER_ALLREDUCE\"")
-        return StrategyChoice(ReductionStrategy.SP_ALLGATHER,
-                              "SP applies: one all_reduce's worth of TP bytes per decoder layer "
-                              "(reduce_scatter + all_gather) against row-scatter's two; model "
-                              "shape unknown, so no shared-expert memory was weighed")
-    return recommend_strategy(layout, model, supports_sp=True,
-                              num_tokens=num_tokens if num_tokens else 256,
-                              shared_expert_budget_bytes=settings.shared_expert_budget_bytes, **kw)
-
-
-def layer_plan(parallel: Any) -> Optional[LayerPlan]:
-    """:func:`plan_layer` for vLLM's FusedMoEParallelConfig ``parallel`` under the current vLLM
-    config (sequence-parallel exactly when vLLM built the layer so); None when our backend has
-    nothing to do (EP off)."""
-    from vllm.config import get_current_vllm_config
-
-    name = parallel.all2all_backend
-    if not parallel.use_ep:
-        return None
-    if parallel.pcp_size > 1:
-        raise ValueError(f"--all2all-backend {name} serves EP groups of DP x TP ranks; turn off "
-                         "prefill context parallelism")
-    vllm_config = get_current_vllm_config()
-    layout = ParallelLayout(dp=parallel.dp_size,
-                            tp=vllm_config.parallel_config.tensor_parallel_size, ep=True)
-    if layout.world_size != parallel.ep_size:
-        raise ValueError(f"vLLM's EP size {parallel.ep_size} is not dp x tp = "
-                         f"{layout.world_size}; moe-plugins serves EP groups of data-parallel x "
-                         "tensor-parallel ranks")
-    return plan_layer(registry_name(name) or AUTO, layout,
-                      plugin_settings(vllm_config.additional_config),
-                      sequence_parallel=parallel.is_sequence_parallel)
-
-
-def parallel_config_plan(parallel_config: Any) -> LayerPlan:
-    """:func:`plan_layer` from vLLM's engine-level ``ParallelConfig`` (EP on), before any layer
-    exists: what the scheduler limits (``use_batched_dp_moe``) and the model's
-    sequence-parallel MoE (``use_sequence_parallel_moe``) are decided from.
-
-    The model's shape, ``--additional-config`` and the scheduler's token budget come from the
-    vLLM config that holds ``parallel_config`` when it is the current one (every process that
-    builds the model: the same serialized config, so the same answer everywhere); without it
-    (a ParallelConfig on its own, or the argument parser) the defaults stand in for them, which
-    never changes whether a dp > 1 layout dispatches or in the batched format."""
-    vllm_config = _owning_vllm_config(parallel_config)
-    layout = ParallelLayout(dp=parallel_config.data_parallel_size,
-                            tp=parallel_config.tensor_parallel_size, ep=True)
-    name = registry_name(parallel_config.all2all_backend) or AUTO
-    settings = plugin_settings(None if vllm_config is None else vllm_config.additional_config)
-    scheduler = getattr(vllm_config, "scheduler_config", None)
-    # A named backend's format does not depend on this process having its package or a GPU
-    # (the API server decides the limits); 'auto' picks among the usable ones.
-    return plan_layer(name, layout, settings, require_available=name == AUTO,
-                      model=_model_spec(vllm_config),
-                      num_tokens=getattr(scheduler, "max_num_batched_tokens", None))
-
-
-def sequence_parallel_moe(parallel_config: Any) -> bool:
-    """``ParallelConfig.use_sequence_parallel_moe`` for our names: vLLM's own rule for its
-    in-tree names (EP on, tp > 1, dp > 1), with the backend's SP capability from the registry
-    and the strategy :func:`parallel_config_plan` chooses (SP unless ``--additional-config``
-    or the shared-expert budget says otherwise). Logs the decision once per process."""
-    if not (parallel_config.enable_expert_parallel and parallel_config.tensor_parallel_size > 1
-            and parallel_config.data_parallel_size > 1):
-        return False
-    plan = parallel_config_plan(parallel_config)
-    on = plan.choice.strategy is ReductionStrategy.SP_ALLGATHER
-    key = ("sp", plan.spec.name, plan.layout, plan.choice)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info("moe-plugins: sequence-parallel MoE %s for backend %s on %s (%s: %s)",
-                    "on" if on else "off", plan.spec.name, plan.layout.describe(),
-                    plan.choice.strategy.value, plan.choice.reason)
-    return on
-
-
-def _owning_vllm_config(parallel_config: Any) -> Any:
-    """The current vLLM config when it holds ``parallel_config``, else None."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    if config is None:
-        return None
-    held = config.parallel_config
-    return config if held is parallel_config or held == parallel_config else None
-
-
-def _model_spec(vllm_config: Any) -> Optional[ModelSpec]:
-    """The MoE shape of vLLM's model config (DeepSeek-V2/V3, Qwen2/3-MoE), at the dtype vLLM
-    serves it in; None without a model config or for a family moe-plugins cannot read."""
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is None:
-        return None
-    data = dict(model_config.hf_text_config.to_dict())
-    data["torch_dtype"] = str(model_config.dtype).removeprefix("torch.")
-    try:
-        return model_spec_from_dict(data, f"{model_config.model} (vLLM model config)")
-    except ValueError:
-        return None
 
 
 # Per-call state between prepare and finalize (one per micro-batch), a plain tuple (made on
@@ -718,7 +257,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 # the layer's global scale, scales unswizzled on the wire and interleaved
                 # after it when the experts read them swizzled.
                 self._nvfp4_swizzle = bool(getattr(qc, "is_scale_swizzled", True))
-                self._quant = QuantSpec(scheme, nvfp4_global_scale=_nvfp4_global_scale(qc),
+                self._quant = QuantSpec(scheme, nvfp4_global_scale=nvfp4_global_scale(qc),
                                         nvfp4_swizzled_sf=self._nvfp4_swizzle)
             else:
                 self._quant = QuantSpec(scheme)
@@ -1095,77 +634,3 @@ def _slots_of(global_to_physical: torch.Tensor, per_rank: int, rank: int) -> tor
     (physical p on rank p // per_rank), -1 elsewhere: the expert_map the transport implies."""
     g2p = global_to_physical.long()
     return torch.where(g2p // per_rank == rank, g2p % per_rank, torch.full_like(g2p, -1))
-
-
-def micro_batches(spec: BackendSpec) -> int:
-    """How many calls of one layer vLLM keeps in flight under the current config: its number of
-    micro-batches with dual-batch overlap / micro-batching on, else 1. Raises ValueError when
-    they are on and ``spec`` is not micro-batch safe (the config check lets only those through,
-    so this is the backstop for configs built around it)."""
-    from vllm.config import get_current_vllm_config
-
-    parallel = get_current_vllm_config().parallel_config
-    if not getattr(parallel, "use_ubatching", False):
-        return 1
-    if not spec.capabilities.micro_batch:
-        raise ValueError(f"dual-batch overlap / micro-batching is on, but moe-plugins backend "
-                         f"{spec.name!r} is not micro-batch safe; name one whose capabilities list "
-                         f"micro_batch ({', '.join(dbo_backend_names()) or 'none registered'}) or "
-                         "turn off --enable-dbo and --ubatch-size")
-    return int(parallel.num_ubatches)
-
-
-def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = False,
-                          routing_tables: Optional[tuple[torch.Tensor, ...]] = None
-                          ) -> Optional[MoEPluginsPrepareAndFinalize]:
-    """Our prepare/finalize for a vLLM MoE layer (FusedMoEConfig ``moe``) whose
-    ``--all2all-backend`` is ours; None when EP is off (vLLM's own no-dispatch path then runs).
-    ``routing_tables``: vLLM's (global_to_physical, physical_to_global, local_expert_global_ids)
-    for round-robin placement, or None. The transport's id space is vLLM's ``moe.num_experts``
-    (physical experts, redundant ones included): vLLM's router maps logical ids to it."""
-    name = moe.moe_parallel_config.all2all_backend
-    if use_monolithic and moe.moe_parallel_config.use_ep:
-        raise ValueError(f"--all2all-backend {name} needs a modular MoE experts kernel; this "
-                         f"layer's MoE backend ({moe.moe_backend}) is monolithic. Pick another "
-                         "--moe-backend or an in-tree --all2all-backend")
-    plan = layer_plan(moe.moe_parallel_config)
-    if plan is None:
-        _warn_once(f"--all2all-backend {name} was selected but expert parallelism is off (one "
-                   "rank, or no --enable-expert-parallel): moe-plugins dispatches nothing and "
-                   "vLLM's own MoE path runs")
-        return None
-    spec, layout, choice = plan.spec, plan.layout, plan.choice
-    if plan.settings.max_tokens_set:
-        _warn_once("moe-plugins overlap_max_tokens is not used under vLLM: vLLM runs the shared "
-                   "expert on its own side stream below VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD; "
-                   "set that instead")
-    wire_scheme = quant_scheme_of(quant_config)
-    manager = ep_manager()
-    ctx = manager.dist_context(layout, moe.device)
-    backend = None
-    slots: list[PrepareFinalize] = []
-    if choice.strategy.dispatches:
-        cfg = DispatchConfig(
-            num_experts=moe.num_experts, hidden=moe.hidden_dim, num_topk=moe.experts_per_token,
-            max_tokens_per_rank=max(1, moe.max_num_tokens), dtype=moe.in_dtype,
-            quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE))
-        backend = manager.build(spec, ctx, cfg)
-        # one more object per further micro-batch, on the manager (buffer) cached for cfg
-        slots = [manager.build(spec, ctx, cfg) for _ in range(micro_batches(spec) - 1)]
-    pf = MoEPluginsPrepareAndFinalize(backend, spec.name, ctx, choice, plan.settings.overlap,
-                                      moe.num_experts, wire_scheme, spec.quants,
-                                      None if routing_tables is None else routing_tables[0],
-                                      micro_batch_backends=slots)
-    key = (spec.name, layout, choice.strategy, plan.settings, wire_scheme)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info("moe-plugins vLLM layer: backend=%s layout=%s EP rank %d strategy=%s (%s) "
-                    "output_is_reduced=%s shared-expert overlap=%s format=%s quant=%s "
-                    "experts=%d physical (%d logical)%s", spec.name,
-                    layout.describe(), ctx.rank, choice.strategy.value, choice.reason,
-                    pf.output_is_reduced(), "on" if pf.supports_async() else "off",
-                    "batched" if pf.batched else "standard",
-                    (wire_scheme or QuantScheme.NONE).value, moe.num_experts,
-                    getattr(moe, "num_logical_experts", moe.num_experts),
-                    " with vLLM's routing table" if routing_tables is not None else "")
-    return pf

@@ -1,0 +1,197 @@
+"""Our all2all manager in vLLM's communicator slot: it holds the EP group, caches one backend
+manager per (backend, layer config), bounds vLLM's group timeouts and answers vLLM's
+fault-tolerance polls.
+
+Fault tolerance (``--enable-fault-tolerance``): our manager declares ``support_fault_tolerance``
+where the backend our name plans for can mask ranks and the engine asked for it (or the library
+masks peers by itself, NIXL EP), and answers vLLM's polls: ``query_active_mask`` /
+``query_fault`` (the library's rank mask against the one of the last recovery point) and
+``clean_buffers`` (rank-local: zero the RDMA buffers, unmask).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
+
+from moe_plugins.config import DispatchConfig
+from moe_plugins.groups import DistContext
+from moe_plugins.interface import (PrepareFinalize)
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.registry import BackendSpec
+from moe_plugins.vllm.layer_plan import parallel_config_plan
+
+__all__ = ["bound_vllm_timeout", "MoEPluginsAll2AllManager", "ep_manager"]
+
+
+# EP groups without a vLLM all2all manager (dp == 1): one of ours per group, made on first use.
+_GROUP_MANAGERS: dict[str, "MoEPluginsAll2AllManager"] = {}
+
+
+def bound_vllm_timeout(*groups: Any) -> Optional[float]:
+    """vLLM's groups wait torch's default (up to 30 minutes) unless the user gave
+    ``--distributed-timeout-seconds``; then bound ours (moe_plugins.groups.bound_timeout, env
+    ``MOE_PLUGINS_TIMEOUT_S``). Returns the timeout in force when known (errors name it)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from moe_plugins.groups import bound_timeout
+
+    config = get_current_vllm_config_or_none()
+    given = config.parallel_config.distributed_timeout_seconds if config is not None else None
+    if given is not None:
+        return float(given)
+    seconds = None
+    for group in groups:
+        seconds = bound_timeout(group)
+    return seconds
+
+
+class MoEPluginsAll2AllManager(All2AllManagerBase):
+    """vLLM's all2all manager slot for our names: holds the EP group and caches one backend
+    manager per (backend, layer config), as vLLM's managers cache handles. The MoE layers reach
+    the backend through :func:`make_prepare_finalize`; vLLM's naive dispatch/combine entry points
+    are not served (our layers run inside the modular kernel)."""
+
+    def __init__(self, cpu_group: Any, device_group: Any, tcp_store_group: Any = None):
+        super().__init__(cpu_group, tcp_store_group)
+        # device_group: NCCL on CUDA, gloo on CPU; our transports use it for the all-to-alls.
+        self.device_group = device_group if device_group is not None else cpu_group
+        self._managers: dict[tuple[str, DispatchConfig], Any] = {}
+        self.timeout_s = bound_vllm_timeout(cpu_group, self.device_group)
+        self._store: Optional[dist.Store] = None
+        self._last_mask: Optional[torch.Tensor] = None
+        self.support_fault_tolerance = _fault_tolerance_wanted()
+
+    @property
+    def tcp_store(self) -> "dist.Store":
+        """The Store our backends exchange connection metadata through (NIXL agents): the one
+        vLLM's communicator was given (``tcp_store_group.store``), else a prefix store on the EP
+        CPU group's own store, as vLLM's in-tree NIXL EP manager does."""
+        if self._store is None:
+            given = getattr(self.tcp_store_group, "store", self.tcp_store_group)
+            self._store = given if given is not None else dist.PrefixStore(
+                "moe_plugins", self.cpu_group.get_group_store())
+        return self._store
+
+    def dist_context(self, layout: ParallelLayout, device: torch.device | str) -> DistContext:
+        """Our view of this rank: EP rank = rank in vLLM's EP group (DP-major, TP-minor, as
+        :class:`ParallelLayout` numbers ranks)."""
+        if layout.world_size != self.world_size:
+            raise ValueError(f"layout {layout.describe()} needs an EP group of {layout.world_size} "
+                             f"ranks, vLLM's EP group has {self.world_size}; moe-plugins serves "
+                             "EP groups of data-parallel x tensor-parallel ranks only")
+        tp_group = None
+        if layout.tp > 1:
+            from vllm.distributed import get_tp_group
+
+            tp_group = get_tp_group().device_group
+            bound_vllm_timeout(tp_group)
+        return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device),
+                           self.timeout_s)
+
+    def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
+        """A new prepare/finalize for one layer, on the cached manager of its config."""
+        engine_options = getattr(spec.manager, "engine_options", None)
+        if cfg.backend_options is None and engine_options is not None:
+            options = engine_options(self.tcp_store, fault_tolerance=self.support_fault_tolerance)
+            if options is not None:
+                cfg = dataclasses.replace(cfg, backend_options=options)
+        key = (spec.name, cfg)
+        manager = self._managers.get(key)
+        if manager is None:
+            manager = self._managers[key] = spec.manager(ctx, cfg)
+        return spec.prepare_finalize(manager, cfg)
+
+    def _not_served(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "moe-plugins backends run MoE layers through vLLM's modular kernel (prepare/finalize); "
+            "this layer's quantization method uses vLLM's naive dispatch/combine instead. Use an "
+            "in-tree --all2all-backend (e.g. allgather_reducescatter) for this model"
+        )
+
+    dispatch_router_logits = _not_served
+    dispatch = _not_served
+    combine = _not_served
+
+    # -- fault tolerance (vLLM polls these when support_fault_tolerance is set) -----------
+    def _masking_managers(self) -> list[Any]:
+        return [m for m in self._managers.values()
+                if getattr(m, "can_mask", None) is not None and m.can_mask()]
+
+    def query_active_mask(self) -> torch.Tensor:
+        """int32 [EP size] on this rank's device: 1 where a rank is masked (dead or unreachable)
+        in any of our layers' library buffers, 0 where it is live; all zeros before the first
+        layer is built."""
+        device = torch.device("cpu")
+        mask = torch.zeros(self.world_size, dtype=torch.int32)
+        for m in self._masking_managers():
+            device = m.ctx.device
+            for r in m.masked_ranks():
+                mask[r] = 1
+        return mask.to(device)
+
+    def query_fault(self) -> torch.Tensor:
+        """Scalar bool tensor: True when the mask differs from the one of the last recovery
+        point (:meth:`clean_buffers`; at start-up: nothing masked)."""
+        current = self.query_active_mask()
+        if self._last_mask is None or self._last_mask.shape != current.shape:
+            self._last_mask = torch.zeros_like(current)
+        return (current != self._last_mask.to(current.device)).any()
+
+    def clean_buffers(self) -> None:
+        """Post-fault cleanup, rank-local: every buffer our layers use is zeroed and unmasked
+        (the library's clean), and the recovery point is reset."""
+        for m in self._masking_managers():
+            m.clean_buffers()
+        self._last_mask = None
+
+    def destroy(self) -> None:
+        for manager in self._managers.values():
+            destroy = getattr(manager, "destroy", None)
+            if destroy is not None:
+                destroy()
+        self._managers.clear()
+
+
+def _fault_tolerance_wanted() -> bool:
+    """vLLM's rule for its LL managers, read from the backend our name plans for: the manager can
+    mask ranks, and the engine enabled fault tolerance or the library masks peers by itself.
+    (vLLM's model runner polls only with dp > 1, where the communicator holds this manager.)"""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return False
+    parallel = config.parallel_config
+    if not parallel.enable_expert_parallel:
+        return False
+    try:
+        spec = parallel_config_plan(parallel).spec
+    except ValueError:
+        return False  # no backend of ours serves this layout: building a layer will say why
+    if not spec.capabilities.rank_masking:
+        return False
+    return (bool(getattr(parallel, "enable_fault_tolerance", False))
+            or bool(getattr(spec.manager, "masks_by_itself", False)))
+
+
+def ep_manager() -> MoEPluginsAll2AllManager:
+    """Our manager of vLLM's EP group: the communicator's (dp > 1), else one made here (dp == 1
+    with EP: vLLM builds no all2all manager then). Collective on first use per group."""
+    from vllm.distributed import get_ep_group
+
+    ep = get_ep_group()
+    found = getattr(ep.device_communicator, "all2all_manager", None)
+    if isinstance(found, MoEPluginsAll2AllManager):
+        return found
+    if found is not None:
+        raise RuntimeError(f"vLLM's EP group holds a {type(found).__name__} although one of our "
+                           "backends is selected; the communicator hook did not run")
+    manager = _GROUP_MANAGERS.get(ep.unique_name)
+    if manager is None:
+        manager = _GROUP_MANAGERS[ep.unique_name] = MoEPluginsAll2AllManager(
+            ep.cpu_group, ep.device_group)
+    return manager

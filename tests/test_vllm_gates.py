@@ -185,21 +185,22 @@ def test_layers_follow_what_vllm_built(registered):
     vLLM's SP path, such as Qwen2-MoE) gets the TP-sharded strategy; contradictions are errors."""
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.strategy import ReductionStrategy as S
-    from moe_plugins.vllm.layer_plan import plan_layer
+    from moe_plugins.vllm.layer_plan import plan_vllm_layer
     from moe_plugins.vllm.settings import plugin_settings
 
     layout = ParallelLayout(2, 2, True)
     defaults = plugin_settings(None)
-    assert plan_layer("torch", layout, defaults, sequence_parallel=True).choice.strategy is \
+    assert plan_vllm_layer("torch", layout, defaults, sequence_parallel=True).choice.strategy is \
         S.SP_ALLGATHER
-    assert plan_layer("torch", layout, defaults, sequence_parallel=False).choice.strategy is \
+    assert plan_vllm_layer("torch", layout, defaults, sequence_parallel=False).choice.strategy is \
         S.ROW_SCATTER_ALLREDUCE
     with pytest.raises(ValueError, match="has no sequence parallelism"):
-        plan_layer("flashinfer_nvlink_two_sided", layout, defaults, require_available=False,
-                   sequence_parallel=True)
+        plan_vllm_layer("flashinfer_nvlink_two_sided", layout, defaults, require_available=False,
+                        sequence_parallel=True)
     with pytest.raises(ValueError, match="do not run vLLM's sequence-parallel path"):
-        plan_layer("torch", layout, plugin_settings({"moe_plugins": {"strategy": "SP_ALLGATHER"}}),
-                   sequence_parallel=False)
+        plan_vllm_layer("torch", layout,
+                        plugin_settings({"moe_plugins": {"strategy": "SP_ALLGATHER"}}),
+                        sequence_parallel=False)
     with pytest.raises(ValueError, match="cannot read this model's shape"):
-        plan_layer("torch", layout, plugin_settings({"moe_plugins": {
+        plan_vllm_layer("torch", layout, plugin_settings({"moe_plugins": {
             "shared_expert_budget_gb": 1}}))

@@ -1,10 +1,11 @@
 """How MoE layers of one vLLM parallel config run: backend, layout, reduction strategy and
-switches (:class:`LayerPlan`), decided once per layer and once for the engine.
+switches (:class:`VllmLayerPlan`), decided once per layer and once for the engine.
 
 Sequence parallelism is a model-level decision vLLM makes from
 ``ParallelConfig.use_sequence_parallel_moe`` before any layer exists; for our names the hook in
 :mod:`moe_plugins.vllm.patches` answers it with :func:`sequence_parallel_moe` (vLLM's rule, the
-backend's SP capability, and :func:`moe_plugins.planner.plan.recommend_strategy` on the engine config),
+backend's SP capability, and :func:`moe_plugins.planner.plan.recommend_strategy` on the engine
+config),
 and each layer then follows what vLLM built (``FusedMoEParallelConfig.is_sequence_parallel``).
 """
 from __future__ import annotations
@@ -27,14 +28,15 @@ from moe_plugins.vllm.names import registry_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LayerPlan", "plan_layer", "layer_plan", "parallel_config_plan", "sequence_parallel_moe"]
+__all__ = ["VllmLayerPlan", "plan_vllm_layer", "layer_plan", "parallel_config_plan",
+           "sequence_parallel_moe"]
 
 
 _LOGGED: set[tuple] = set()
 
 
 @dataclass(frozen=True)
-class LayerPlan:
+class VllmLayerPlan:
     """How MoE layers of one parallel config run: backend, layout, strategy, switches."""
 
     spec: BackendSpec
@@ -49,9 +51,10 @@ class LayerPlan:
                 and self.spec.capabilities.activation_format is ActivationFormat.BATCHED)
 
 
-def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
+def plan_vllm_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
                require_available: bool = True, *, sequence_parallel: Optional[bool] = None,
-               model: Optional[ModelSpec] = None, num_tokens: Optional[int] = None) -> LayerPlan:
+               model: Optional[ModelSpec] = None, num_tokens: Optional[int] = None
+               ) -> VllmLayerPlan:
     """The plan for ``--all2all-backend`` ``backend`` (a registry name or ``auto``) on ``layout``.
 
     The backend is chosen for unquantized dispatch (every backend has it); a quantized layer is
@@ -104,12 +107,13 @@ def plan_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
         choice = choose_strategy(layout, supports_sp=False, supports_row_scatter=caps.row_scatter,
                                  has_shared_expert=True,
                                  single_collective=settings.overlap.single_collective)
-    return LayerPlan(spec, layout, choice, settings)
+    return VllmLayerPlan(spec, layout, choice, settings)
 
 
 def _engine_choice(layout: ParallelLayout, caps: Any, settings: PluginSettings,
                    model: Optional[ModelSpec], num_tokens: Optional[int]) -> StrategyChoice:
-    """The strategy of the engine-level decision (see :func:`plan_layer`), no strategy named."""
+    """The strategy of the engine-level decision (see :func:`plan_vllm_layer`), no strategy
+    named."""
     kw = dict(supports_row_scatter=caps.row_scatter,
               single_collective=settings.overlap.single_collective)
     if not layout.sequence_parallel(caps.sp):
@@ -130,8 +134,8 @@ def _engine_choice(layout: ParallelLayout, caps: Any, settings: PluginSettings,
                               shared_expert_budget_bytes=settings.shared_expert_budget_bytes, **kw)
 
 
-def layer_plan(parallel: Any) -> Optional[LayerPlan]:
-    """:func:`plan_layer` for vLLM's FusedMoEParallelConfig ``parallel`` under the current vLLM
+def layer_plan(parallel: Any) -> Optional[VllmLayerPlan]:
+    """:func:`plan_vllm_layer` for vLLM's FusedMoEParallelConfig ``parallel`` under the current vLLM
     config (sequence-parallel exactly when vLLM built the layer so); None when our backend has
     nothing to do (EP off)."""
     from vllm.config import get_current_vllm_config
@@ -149,13 +153,13 @@ def layer_plan(parallel: Any) -> Optional[LayerPlan]:
         raise ValueError(f"vLLM's EP size {parallel.ep_size} is not dp x tp = "
                          f"{layout.world_size}; moe-plugins serves EP groups of data-parallel x "
                          "tensor-parallel ranks")
-    return plan_layer(registry_name(name) or AUTO, layout,
+    return plan_vllm_layer(registry_name(name) or AUTO, layout,
                       plugin_settings(vllm_config.additional_config),
                       sequence_parallel=parallel.is_sequence_parallel)
 
 
-def parallel_config_plan(parallel_config: Any) -> LayerPlan:
-    """:func:`plan_layer` from vLLM's engine-level ``ParallelConfig`` (EP on), before any layer
+def parallel_config_plan(parallel_config: Any) -> VllmLayerPlan:
+    """:func:`plan_vllm_layer` from vLLM's engine-level ``ParallelConfig`` (EP on), before any layer
     exists: what the scheduler limits (``use_batched_dp_moe``) and the model's
     sequence-parallel MoE (``use_sequence_parallel_moe``) are decided from.
 
@@ -172,7 +176,7 @@ def parallel_config_plan(parallel_config: Any) -> LayerPlan:
     scheduler = getattr(vllm_config, "scheduler_config", None)
     # A named backend's format does not depend on this process having its package or a GPU
     # (the API server decides the limits); 'auto' picks among the usable ones.
-    return plan_layer(name, layout, settings, require_available=name == AUTO,
+    return plan_vllm_layer(name, layout, settings, require_available=name == AUTO,
                       model=_model_spec(vllm_config),
                       num_tokens=getattr(scheduler, "max_num_batched_tokens", None))
 

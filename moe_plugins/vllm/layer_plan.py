@@ -52,9 +52,9 @@ class VllmLayerPlan:
 
 
 def plan_vllm_layer(backend: str, layout: ParallelLayout, settings: PluginSettings,
-               require_available: bool = True, *, sequence_parallel: Optional[bool] = None,
-               model: Optional[ModelSpec] = None, num_tokens: Optional[int] = None
-               ) -> VllmLayerPlan:
+                    require_available: bool = True, *, sequence_parallel: Optional[bool] = None,
+                    model: Optional[ModelSpec] = None, num_tokens: Optional[int] = None
+                    ) -> VllmLayerPlan:
     """The plan for ``--all2all-backend`` ``backend`` (a registry name or ``auto``) on ``layout``.
 
     The backend is chosen for unquantized dispatch (every backend has it); a quantized layer is
@@ -154,8 +154,8 @@ def layer_plan(parallel: Any) -> Optional[VllmLayerPlan]:
                          f"{layout.world_size}; moe-plugins serves EP groups of data-parallel x "
                          "tensor-parallel ranks")
     return plan_vllm_layer(registry_name(name) or AUTO, layout,
-                      plugin_settings(vllm_config.additional_config),
-                      sequence_parallel=parallel.is_sequence_parallel)
+                           plugin_settings(vllm_config.additional_config),
+                           sequence_parallel=parallel.is_sequence_parallel)
 
 
 def parallel_config_plan(parallel_config: Any) -> VllmLayerPlan:
@@ -177,8 +177,8 @@ def parallel_config_plan(parallel_config: Any) -> VllmLayerPlan:
     # A named backend's format does not depend on this process having its package or a GPU
     # (the API server decides the limits); 'auto' picks among the usable ones.
     return plan_vllm_layer(name, layout, settings, require_available=name == AUTO,
-                      model=_model_spec(vllm_config),
-                      num_tokens=getattr(scheduler, "max_num_batched_tokens", None))
+                           model=_model_spec(vllm_config),
+                           num_tokens=getattr(scheduler, "max_num_batched_tokens", None))
 
 
 def sequence_parallel_moe(parallel_config: Any) -> bool:

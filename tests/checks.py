@@ -1,9 +1,12 @@
-"""The one element-wise check of multi-rank outputs against the single-process reference."""
+"""Checks the tests share: the one element-wise check of multi-rank outputs against the
+single-process reference, and the counter of torch.distributed collectives."""
 from __future__ import annotations
 
-from typing import Optional, Union
+import contextlib
+from typing import Any, Iterator, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.layout import ParallelLayout
@@ -30,3 +33,53 @@ def assert_matches_reference(results: list[dict], layout: ParallelLayout, cfg: M
             f"rank {rank}: {out.dtype} {tuple(out.shape)}"
         torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol,
                                    msg=lambda m: f"rank {rank}: {m}")
+
+
+_COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather",
+            "reduce_scatter_tensor", "all_to_all_single", "broadcast")
+
+
+@contextlib.contextmanager
+def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[str, int]]]:
+    """Wrap the real torch.distributed collectives; yields [(name, bytes this rank contributes)]:
+    the input tensor (the second argument of all_gather* and reduce_scatter*, else the first).
+    ``groups``: also gets each call's ``group`` argument (None: the default group), in order.
+    Nested calls (a torch wrapper calling another) are counted once, at the outermost.
+    ``ProcessGroup.alltoall_base``, which the torch backend's manager calls directly (the method
+    under ``dist.all_to_all_single``), counts as ``all_to_all_single``, its group the process
+    group it is called on."""
+    calls: list[tuple[str, int]] = []
+    saved = {n: getattr(dist, n) for n in _COUNTED if hasattr(dist, n)}
+    # the class's own entry (pybind's method descriptor), restored as it was: what attribute
+    # access returns is the bare function, which would no longer bind the group
+    saved_pg = dist.ProcessGroup.__dict__["alltoall_base"]
+    depth = [0]
+
+    def wrap(name: str, fn: Any, method: bool = False) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                # a method's first argument is its process group
+                group, tensors = (args[0], args[1:]) if method else (kwargs.get("group"), args)
+                two = name.startswith(("all_gather", "reduce_scatter")) and len(tensors) > 1
+                t = tensors[1] if two else tensors[0]
+                calls.append((name, t.numel() * t.element_size()
+                              if isinstance(t, torch.Tensor) else 0))
+                if groups is not None:
+                    groups.append(group)
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counted
+
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(n, fn))
+    dist.ProcessGroup.alltoall_base = wrap("all_to_all_single", dist.ProcessGroup.alltoall_base,
+                                           method=True)
+    try:
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+        dist.ProcessGroup.alltoall_base = saved_pg

@@ -1,17 +1,14 @@
 """Shared fixtures: persistent gloo rank pools (one per world size), restored logging/env."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
-# rank_fns lives beside this file; spawned ranks import it by name, so tests/ must be on the path
-# of the parent (children inherit sys.path through multiprocessing's spawn preparation).
-sys.path.insert(0, str(Path(__file__).parent))
-
-from moe_plugins.runner.launch import RankPool  # noqa: E402
+# Spawned ranks import their rank functions by module name (tests.<group>.<X>_ranks): tests/ is a
+# package, so pytest puts the repository root on sys.path, which children inherit through
+# multiprocessing's spawn preparation.
+from moe_plugins.runner.launch import RankPool
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ def installed(*names: str) -> Iterator[None]:
         raise ValueError(f"no emulation for {sorted(unknown)}; emulated: {list(_EMULATED)}")
     saved = {n: sys.modules.get(n) for n in names}
     for n in names:
-        sys.modules[n] = importlib.import_module(f"emulation.{n}")
+        sys.modules[n] = importlib.import_module(f"tests.emulation.{n}")
     try:
         yield
     finally:

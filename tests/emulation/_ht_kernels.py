@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from emulation._ll_kernels import EmulatedLowLatencyRuntime, _bytes, host_assert
+from tests.emulation._ll_kernels import EmulatedLowLatencyRuntime, _bytes, host_assert
 
 NUM_MAX_NVL_PEERS = 8
 NUM_MAX_LOCAL_EXPERTS = 1024

@@ -30,9 +30,9 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from emulation._ht_kernels import (NUM_MAX_NVL_PEERS, Config, EmulatedNormalRuntime,
+from tests.emulation._ht_kernels import (NUM_MAX_NVL_PEERS, Config, EmulatedNormalRuntime,
                                    EventHandle)
-from emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
+from tests.emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
 
 __all__ = ["Buffer", "Config", "DeepEPRuntime", "EventOverlap", "topk_idx_t"]
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from emulation._ll_kernels import (NIXL_EP_SIGNAL_BYTES, EventOverlap, EmulatedLowLatencyRuntime,
+from tests.emulation._ll_kernels import (NIXL_EP_SIGNAL_BYTES, EventOverlap, EmulatedLowLatencyRuntime,
                                    host_assert, size_hint)
 
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t"]

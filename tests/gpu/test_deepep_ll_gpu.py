@@ -3,7 +3,7 @@
 Needs a CUDA GPU and DeepEP's V1 line (commit 567632d) built from source; skipped cleanly
 otherwise. One process, a one-rank gloo group (DeepEP only all-gathers objects over it; the
 kernels run over NVSHMEM, which on a node without an RDMA NIC logs that IBGDA failed to start
-and goes on with the local GPU). The checks are tests/ll_gpu_cases.py, shared with nixl_ep.
+and goes on with the local GPU). The checks are tests/backends/low_latency_cases.py, shared with nixl_ep.
 
 Run: ``python -m pytest -m gpu tests/gpu -q`` from the repository root.
 """
@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 deep_ep = pytest.importorskip("deep_ep", reason="needs DeepEP's V1 line built from source")
 
-from ll_gpu_cases import *  # noqa: E402,F401,F403  (the shared tests and fixtures)
-from ll_gpu_cases import (BF16, CFG, DEV, FP8, MAX_TOKENS, _close, backend_factory,  # noqa: E402
+from tests.backends.low_latency_cases import *  # noqa: E402,F401,F403  (the shared tests and fixtures)
+from tests.backends.low_latency_cases import (BF16, CFG, DEV, FP8, MAX_TOKENS, _close, backend_factory,  # noqa: E402
                           free_port, one_rank_context)
 from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.runner.layer import MoELayer  # noqa: E402

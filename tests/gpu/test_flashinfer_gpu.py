@@ -5,7 +5,7 @@ FABRIC handles, or on one host without FABRIC support as POSIX file descriptors)
 
 Needs a CUDA GPU and flashinfer (scripts/gpu/flashinfer.sh installs the carried wheel; its
 all-to-all kernels are JIT-compiled with nvcc on first use); skipped cleanly otherwise. The rank
-functions are those of the emulation tests (tests/flashinfer_rank_fns.py) with the real library
+functions are those of the emulation tests (tests/backends/flashinfer_two_sided_ranks.py) with the real library
 (``flavor=None``) on ``device="cuda:0"``; every output is compared element-wise with the
 single-process reference. Numerics only: timings from a shared GPU mean nothing.
 
@@ -23,9 +23,9 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("flashinfer") is None:
     pytest.skip("needs flashinfer (scripts/gpu/flashinfer.sh installs it)", allow_module_level=True)
 
-import flashinfer_rank_fns as fi  # noqa: E402
+from tests.backends import flashinfer_two_sided_ranks as fi  # noqa: E402
 from all2all.flashinfer import FlashInferTwoSidedOptions, TwoSidedApi, _available_apis  # noqa: E402
-from checks import assert_matches_reference  # noqa: E402
+from tests.checks import assert_matches_reference  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
 from moe_plugins.runner.model import MoEConfig  # noqa: E402
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec  # noqa: E402

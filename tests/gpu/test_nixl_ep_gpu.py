@@ -5,7 +5,7 @@ examples/device/ep against the image's torch and the nixl-cu13 1.5.1 wheel's lib
 skipped cleanly otherwise. One process; the EP group is a one-rank gloo group initialized from
 a real ``torch.distributed.TCPStore``, and the backend gets a ``PrefixStore`` on that store as
 its ``tcp_store_group`` (as vLLM passes one), through which ``connect_ranks`` publishes this
-rank's NIXL agent metadata. The checks are tests/ll_gpu_cases.py, shared with deepep_ll.
+rank's NIXL agent metadata. The checks are tests/backends/low_latency_cases.py, shared with deepep_ll.
 
 Run: ``bash scripts/gpu/nixl_ep.sh`` on the GPU machine (it sets PYTHONPATH and NIXL_PLUGIN_DIR).
 """
@@ -20,8 +20,8 @@ nixl_ep = pytest.importorskip("nixl_ep", reason="needs nixl_ep (scripts/gpu/nixl
 
 import torch.distributed as dist  # noqa: E402
 
-from ll_gpu_cases import *  # noqa: E402,F401,F403  (the shared tests and fixtures)
-from ll_gpu_cases import BF16, TIMEOUT, backend_factory, free_port, one_rank_context  # noqa: E402
+from tests.backends.low_latency_cases import *  # noqa: E402,F401,F403  (the shared tests and fixtures)
+from tests.backends.low_latency_cases import BF16, TIMEOUT, backend_factory, free_port, one_rank_context  # noqa: E402
 from prepare_finalize.nixl_ep import SPEC  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 import torch
 
-import vllm_harness
+from tests.gpu import vllm_harness
 
 H = vllm_harness.load()
 

@@ -2,7 +2,7 @@
 with vLLM's in-tree DeepEP LL class: the harness of tests/gpu/test_vllm_cuda.py
 (benchmarks/vllm_cuda_layer.py), built under a config with DBO on (our DBO config patch lets
 ``moe_plugins_deepep_ll`` through vLLM's check), and the two micro-batches run on vLLM's own
-ubatch contexts (tests/micro_batches.py: vLLM's threads, events and yields; a compute and a
+ubatch contexts (tests/vllm_glue/micro_batches.py: vLLM's threads, events and yields; a compute and a
 communication CUDA stream, as vLLM's UBatchWrapper has).
 
 Checked: under DBO ours EQUALS the in-tree class bit for bit (same DeepEP kernels on the same
@@ -19,10 +19,10 @@ from typing import Iterator
 import pytest
 import torch
 
-import vllm_harness
+from tests.gpu import vllm_harness
 
 H = vllm_harness.load()
-from micro_batches import run_micro_batches  # noqa: E402
+from tests.vllm_glue.micro_batches import run_micro_batches  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -20,9 +20,8 @@ def load() -> ModuleType:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU", allow_module_level=True)
     pytest.importorskip("deep_ep", reason="needs DeepEP's V1 line built from source")
-    for folder in ("benchmarks", "tests"):
-        if str(_ROOT / folder) not in sys.path:
-            sys.path.insert(0, str(_ROOT / folder))
+    if str(_ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(_ROOT / "benchmarks"))
     import vllm_stand_ins
 
     vllm_stand_ins.install()

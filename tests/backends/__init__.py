@@ -1,0 +1,1 @@
+"""Tests of the backends on their emulated vendor libraries (tests/emulation)."""

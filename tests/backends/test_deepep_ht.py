@@ -1,0 +1,340 @@
+"""deepep_ht and deepep_auto on CPU against the emulation of DeepEP V1 (567632d) normal and
+low-latency modes (tests/emulation), multi-rank over gloo, compared with the single-process
+reference; and the registry rows and refusals of both."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.backends import deepep_ht_ranks as ht_rank_fns
+from tests.checks import assert_matches_reference
+from moe_plugins.interface import ActivationFormat, BatchHint
+from moe_plugins.runner.launch import RankError
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.runner.model import MoEConfig
+from moe_plugins.quant import QuantScheme, QuantSpec
+from moe_plugins.runner.reference import tolerance_for
+from moe_plugins.registry import get_backend, refusal_reason, select_backend
+from moe_plugins.strategy import ReductionStrategy as S
+
+BF16, FP8 = QuantSpec(), QuantSpec(QuantScheme.FP8_BLOCK128)
+QUANTS, QUANT_IDS = [BF16, FP8], ["bf16", "fp8"]
+BACKENDS = ["deepep_ht", "deepep_auto"]
+
+
+def _cfg(**kw: object) -> MoEConfig:
+    # hidden 2048: a low-latency kernel size, so deepep_auto's low-latency side runs unpadded
+    return MoEConfig(**{"hidden": 2048, "num_experts": 8, "num_topk": 3, "intermediate": 32,
+                        "shared_intermediate": 64, "dtype": torch.bfloat16, **kw})
+
+
+LAYER_CASES = [
+    (ParallelLayout(2, 1, True), S.LOCAL),
+    (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE),
+    (ParallelLayout(2, 2, True), S.GATHER_PLUS_ALLREDUCE),
+]
+LAYER_IDS = ["tp1", "tp2-row_scatter", "tp2-gather"]
+
+
+# -- the layer, multi-rank, against the reference ------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 9])
+@pytest.mark.parametrize("layout,strategy", LAYER_CASES, ids=LAYER_IDS)
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_matches_reference(rank_pool, backend, quant, layout, strategy, num_tokens):
+    cfg = _cfg()
+    results = rank_pool(layout.world_size).run(ht_rank_fns.run_ht_layer, backend, layout, cfg,
+                                               strategy, num_tokens, quant)
+    assert_matches_reference(results, layout, cfg, num_tokens, quant)
+    for r in results:
+        s = r["stats"]
+        assert r["strategy"] is strategy
+        assert s["calls"] == 1 and s["pairs"] == r["owned"] * cfg.num_topk  # the owned slice
+        assert (s["sf_bytes"] > 0) == (quant.quantized_on_wire and r["owned"] > 0)
+        if backend == "deepep_auto":
+            assert s["modes"] == {"low_latency": 1}  # the default capacity: max_tokens_per_rank
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_parallel_matches_reference(rank_pool, backend, quant):
+    layout, cfg = ParallelLayout(2, 2, True), _cfg()
+    results = rank_pool(4).run(ht_rank_fns.run_ht_layer, backend, layout, cfg, S.SP_ALLGATHER, 5,
+                               quant)
+    assert_matches_reference(results, layout, cfg, 5, quant)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout,strategy", [LAYER_CASES[0], LAYER_CASES[1]],
+                         ids=LAYER_IDS[:2])
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+def test_large_batch_matches_reference(rank_pool, quant, layout, strategy):
+    """4096 tokens per DP group (a prefill batch): deepep_ht; deepep_auto takes normal mode."""
+    cfg = _cfg(hidden=256, intermediate=16, shared_intermediate=32)
+    pool = rank_pool(layout.world_size)
+    from all2all.deepep_auto import DeepEPAutoOptions
+
+    for backend in BACKENDS:
+        options = DeepEPAutoOptions(ll_max_tokens_per_rank=128) if backend == "deepep_auto" else None
+        results = pool.run(ht_rank_fns.run_ht_layer, backend, layout, cfg, strategy, 4096, quant,
+                           0, 4096, options)
+        assert_matches_reference(results, layout, cfg, 4096, quant)
+        if backend == "deepep_auto":
+            assert all(r["stats"]["modes"] == {"normal": 1} for r in results)
+
+
+@pytest.mark.multirank
+def test_deferred_fp8_quant_dispatches_bf16(rank_pool):
+    layout, cfg, quant = ParallelLayout(2, 1, True), _cfg(), QuantSpec(QuantScheme.FP8_BLOCK128, True)
+    results = rank_pool(2).run(ht_rank_fns.run_ht_layer, "deepep_ht", layout, cfg, S.LOCAL, 8,
+                               quant)
+    assert_matches_reference(results, layout, cfg, 8, quant)
+    assert all(r["stats"]["sf_bytes"] == 0 for r in results)
+
+
+# -- what prepare hands the experts: the same rows as the reference transport -----------------
+
+def _rows_by_content(x: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
+    probe = torch.randn(x.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    order = torch.argsort(x.double() @ probe)
+    return [x[order]] + [t[order] for t in others]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+def test_prepare_gives_the_reference_rows(rank_pool, quant):
+    """deepep_ht's receive (rows, x_sf, LOCAL ids, weights, counts) holds exactly the rows the
+    reference ``torch`` backend receives, one per (token, destination rank)."""
+    layout, cfg, n = ParallelLayout(4, 1, True), _cfg(), 7
+    pool = rank_pool(4)
+    ht = pool.run(ht_rank_fns.run_ht_prepare, "deepep_ht", layout, cfg, n, quant)
+    ref = pool.run(ht_rank_fns.run_ht_prepare, "torch", layout, cfg, n, quant)
+    for r, (got, want) in enumerate(zip(ht, ref)):
+        assert (got["x_sf"] is None) == (quant is BF16)
+        assert got["x"].dtype == want["x"].dtype and got["x"].shape == want["x"].shape
+        assert got["ids"].dtype == torch.int64 and got["weights"].dtype == torch.float32
+        assert torch.equal(got["counts"], want["counts"]) and got["counts"].dtype == torch.int32
+        assert bool(((got["ids"] == -1) == (got["weights"] == 0)).all())
+        gx, gids, gw = _rows_by_content(got["x"].float(), got["ids"], got["weights"])
+        wx, wids, ww = _rows_by_content(want["x"].float(), want["ids"], want["weights"].float())
+        torch.testing.assert_close(gx, wx, atol=0, rtol=0)
+        assert torch.equal(gids, wids)
+        torch.testing.assert_close(gw, torch.where(wids >= 0, ww, torch.zeros_like(ww)),
+                                   atol=0, rtol=0)
+        if quant is FP8:
+            gs = _rows_by_content(got["x"].float(), got["x_sf"])[1]
+            ws = _rows_by_content(want["x"].float(), want["x_sf"])[1]
+            torch.testing.assert_close(gs, ws, atol=0, rtol=0)
+        assert got["stats"]["rows"] == want["stats"]["rows"]  # one per (token, rank)
+        assert got["stats"]["combine_bytes"] == got["x"].shape[0] * cfg.hidden * 2
+        assert torch.equal(got["finalized"], torch.zeros_like(got["finalized"]))
+
+
+# -- deepep_auto: the switch -------------------------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [ParallelLayout(2, 1, True), ParallelLayout(2, 2, True)],
+                         ids=["tp1", "tp2"])
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+def test_auto_switches_at_its_threshold(rank_pool, quant, layout):
+    """One layer, calls of C and C + 1 tokens per rank (C the low-latency capacity; with tp 2 a
+    rank owns half the tokens): low-latency, then normal mode, then low-latency again; the rows
+    both calls share have the same outputs, and each call matches the reference."""
+    cfg, cap = _cfg(), 8  # token_capacity(8, ranks) == 8
+    per_dp = [cap * layout.tp, cap * layout.tp + 1, cap * layout.tp]
+    calls = [[n] * layout.dp for n in per_dp]
+    results = rank_pool(layout.world_size).run(ht_rank_fns.run_auto_calls, layout, cfg, calls,
+                                               cap, quant)
+    for rank, r in enumerate(results):
+        assert r["capacity"] == cap
+        assert r["modes"] == [{"low_latency": 1}, {"low_latency": 1, "normal": 1},
+                              {"low_latency": 2, "normal": 1}]
+        # the layer has a shared expert: a hooked dispatch (it runs between send and receive,
+        # two launches), then the blocking combine (one); normal mode launches none of them
+        assert r["ll_launches"] == [3, 0, 3]
+        ll, normal, again = r["outs"]
+        ref = ll.float()
+        atol, rtol = tolerance_for(ref, cfg.dtype)
+        torch.testing.assert_close(normal[: per_dp[0]].float(), ref, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(again, ll)  # the low-latency buffer was cleaned after normal mode
+    for i, n in enumerate(per_dp):
+        assert_matches_reference([{"out": r["outs"][i]} for r in results], layout, cfg, n, quant)
+
+
+@pytest.mark.multirank
+def test_auto_takes_one_mode_on_every_rank(rank_pool):
+    """DP groups of different sizes: one fits the low-latency buffers, the other does not; all
+    ranks take normal mode (the two modes are different collectives)."""
+    layout, cfg, cap = ParallelLayout(2, 1, True), _cfg(), 8
+    results = rank_pool(2).run(ht_rank_fns.run_auto_calls, layout, cfg, [[3, cap + 4]], cap)
+    assert [r["modes"] for r in results] == [[{"normal": 1}], [{"normal": 1}]]
+    assert_matches_reference([{"out": r["outs"][0]} for r in results], layout, cfg, [3, cap + 4])
+
+
+@pytest.mark.multirank
+def test_auto_hands_float32_scales_in_both_modes_to_packed_scale_experts(rank_pool):
+    """post_init_setup with experts that could read packed UE8M0 scales is not forwarded to
+    the low-latency half: both modes hand them float32 [.., hidden // 128] scales (normal mode
+    has no other format), and the INFO line says so."""
+    layout, cfg, cap = ParallelLayout(2, 1, True), _cfg(), 4
+    results = rank_pool(2).run(ht_rank_fns.auto_scales_after_packed_experts, layout, cfg, cap)
+    for r in results:
+        assert r["modes"] == {"low_latency": 1, "normal": 1}
+        assert r["scales"] == {cap: ("torch.float32", cfg.hidden // 128),
+                               cap + 1: ("torch.float32", cfg.hidden // 128)}
+    assert any("both modes hand it float32 scales" in m for r in results for m in r["logs"])
+
+
+@pytest.mark.multirank
+def test_auto_prefill_hint_takes_normal_mode(rank_pool):
+    """The engine's hint (vLLM: its forward context) decides without a collective: a prefill pass
+    takes normal mode even when it fits; a decode pass of the same size takes low-latency."""
+    layout, cfg, cap = ParallelLayout(2, 1, True), _cfg(), 8
+    hints = [BatchHint(4, prefill=True), BatchHint(4, prefill=False), None]
+    results = rank_pool(2).run(ht_rank_fns.run_auto_calls, layout, cfg, [[4, 4]] * 3, cap, BF16,
+                               hints)
+    for r in results:
+        assert r["modes"][-1] == {"normal": 1, "low_latency": 2}
+        assert r["modes"][0] == {"normal": 1}
+    assert_matches_reference([{"out": r["outs"][0]} for r in results], layout, cfg, 4)
+
+
+@pytest.mark.multirank
+def test_auto_rejects_a_hint_smaller_than_the_batch(rank_pool):
+    layout, cfg = ParallelLayout(2, 1, True), _cfg()
+    try:
+        with pytest.raises(RankError) as e:
+            rank_pool(2).run(ht_rank_fns.run_auto_calls, layout, cfg, [[6, 6]], 8, BF16,
+                             [BatchHint(4)])
+    finally:  # both ranks refused the same call: the (cached) EP group may be used again
+        rank_pool(2).run(ht_rank_fns.forget_faults, layout)
+    assert e.value.exc_type == "ValueError" and "hint says at most 4" in e.value.message
+
+
+# -- buffers ------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_buffers_are_sized_from_deepep_hints(rank_pool):
+    """deepep_ht: NVLink bytes = the larger dispatch/combine config hint, no RDMA (intranode),
+    normal mode only. deepep_auto: one low-latency buffer with those NVLink bytes too."""
+    from tests.emulation.deep_ep import Buffer
+
+    layout, cfg = ParallelLayout(4, 1, True), _cfg()
+    pool = rank_pool(4)
+    ht = pool.run(ht_rank_fns.build_ht, "deepep_ht", layout, cfg)
+    auto = pool.run(ht_rank_fns.build_ht, "deepep_auto", layout, cfg)
+    hint = max(c.get_nvl_buffer_size_hint(cfg.hidden * 2, 4)
+               for c in (Buffer.get_dispatch_config(4), Buffer.get_combine_config(4)))
+    # config.hpp by hand, 4 ranks, hidden 2048 bf16, dispatch Config(20, 6, 256, 6, 128):
+    # 10 channels x 4 ranks x (5 ints + 256 x (4096 + 8 + 128 x (8 + 4 + 4)) bytes)
+    assert hint == -(-(40 * 5 * 4 + 40 * 256 * (4096 + 8 + 128 * 16)) // 128) * 128
+    for r in ht:
+        assert r == dict(num_nvl_bytes=hint, num_rdma_bytes=0, low_latency_mode=False,
+                         num_qps_per_rank=Buffer.num_sms)
+    for r in auto:
+        assert r["num_nvl_bytes"] == hint and r["low_latency_mode"] and r["num_rdma_bytes"] > 0
+
+
+# -- registry rows and refusals -------------------------------------------------------------
+
+def test_registry_rows():
+    for name in BACKENDS:
+        spec = get_backend(name)
+        assert spec.ep_dp_tp_support == (True, True, True, True)
+        assert spec.quants == frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128})
+        assert spec.capabilities.activation_format is ActivationFormat.STANDARD
+        assert spec.required[0].module == "deep_ep" and spec.needs_cuda
+    # auto-selection keeps deepep_ll first where it applies
+    assert get_backend("deepep_ll").priority > get_backend("deepep_auto").priority \
+        > get_backend("deepep_ht").priority
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refusals(backend):
+    spec = get_backend(backend)
+    ok = ParallelLayout(2, 2, True)
+    assert refusal_reason(spec, ok, QuantScheme.FP8_BLOCK128, False, torch.bfloat16) is None
+    assert "EP size 3" in refusal_reason(spec, ParallelLayout(3, 1, True), QuantScheme.NONE, False)
+    assert "EP size 1" in refusal_reason(spec, ParallelLayout(1, 1, True), QuantScheme.NONE, False)
+    assert "nvfp4" in refusal_reason(spec, ok, QuantScheme.NVFP4, False)
+    assert "float32" in refusal_reason(spec, ok, QuantScheme.NONE, False, torch.float32)
+    with pytest.raises(ValueError, match="EP size 3"):
+        select_backend(ParallelLayout(3, 1, True), QuantScheme.NONE, backend,
+                       require_available=False)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend,kw,error,match", [
+    ("deepep_ht", dict(num_topk=33, num_experts=64), "ValueError", "limit of 32"),
+    ("deepep_ht", dict(hidden=2052), "ValueError", "multiple of 16"),
+    ("deepep_auto", dict(num_topk=12, num_experts=16), "ValueError", "limit of 11"),
+    ("deepep_ht", dict(num_experts=512), "ValueError", "128"),
+])
+def test_layer_limits_are_clear_errors(rank_pool, backend, kw, error, match):
+    with pytest.raises(RankError) as e:
+        rank_pool(2).run(ht_rank_fns.build_ht, backend, ParallelLayout(2, 1, True), _cfg(**kw))
+    assert e.value.exc_type == error and match in e.value.message
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrong_options_type_is_a_type_error(rank_pool, backend):
+    with pytest.raises(RankError) as e:
+        rank_pool(2).run(ht_rank_fns.build_ht, backend, ParallelLayout(2, 1, True), _cfg(),
+                         object())
+    assert e.value.exc_type == "TypeError" and "backend_options" in e.value.message
+
+
+# -- the plan counts normal mode as measured ----------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout,strategy", [LAYER_CASES[0], LAYER_CASES[1]], ids=LAYER_IDS[:2])
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+def test_plan_equals_measured_normal_mode(rank_pool, quant, layout, strategy):
+    """deepep_ht: one row per (token, destination rank); with the routing prepare received,
+    the plan's rows and bytes are exactly what the backend counted."""
+    from moe_plugins.planner.plan import Routing, plan_layer
+
+    cfg = _cfg(hidden=256, intermediate=16, shared_intermediate=32)
+    tokens = (5,) * layout.dp
+    results = rank_pool(layout.world_size).run(ht_rank_fns.measure_deepep_layer, layout, cfg,
+                                               strategy, tokens, quant, 0, "deepep_ht")
+    assert_matches_reference(results, layout, cfg, list(tokens), quant)
+    routing = Routing.from_topk_ids([r["prepared_topk_ids"] for r in results], cfg.num_experts)
+    plan = plan_layer(cfg, layout, tokens, get_backend("deepep_ht"), quant, routing=routing)
+    assert not plan.wire.per_pair
+    for rp, res in zip(plan.strategy(strategy).ranks, results):
+        st = res["stats"]
+        assert rp.pairs == st["pairs"]
+        for planned, key in ((rp.rows, "rows"), (rp.act_bytes, "act_bytes"),
+                             (rp.sf_bytes, "sf_bytes"), (rp.meta_bytes, "meta_bytes"),
+                             (rp.combine_bytes, "combine_bytes")):
+            assert planned.is_exact and planned.min == st[key], (rp.rank, key, planned, st[key])
+
+
+def test_plan_counts_deepep_auto_in_the_mode_it_takes():
+    from moe_plugins.planner.plan import plan_layer
+    from prepare_finalize.deepep_auto import PLANNED_CAPACITY
+
+    layout, cfg, spec = ParallelLayout(2, 2, True), _cfg(), get_backend("deepep_auto")
+    small = plan_layer(cfg, layout, 2 * PLANNED_CAPACITY, spec)  # 256 owned rows per rank
+    large = plan_layer(cfg, layout, 2 * PLANNED_CAPACITY + 1, spec)
+    assert small.wire.per_pair and not large.wire.per_pair
+    rp = small.recommended.ranks[0]
+    assert rp.rows.is_exact and rp.rows.min == PLANNED_CAPACITY * cfg.num_topk
+
+
+@pytest.mark.multirank
+def test_demo_counts_the_calls_of_each_mode(rank_pool):
+    """The demo's rank function reports deepep_auto's calls per mode (the counted call plus the
+    timed ones); the CLI prints them under its table."""
+    layout, cfg = ParallelLayout(2, 1, True), _cfg(hidden=256, intermediate=16,
+                                                   shared_intermediate=32)
+    results = rank_pool(2).run(ht_rank_fns.demo_rank, layout, cfg, "deepep_auto", S.LOCAL, 4,
+                               BF16, 0, 2)
+    # the demo sizes the buffers for its batch, so every call fits the low-latency side
+    assert all(r["modes"] == {"low_latency": 3} for r in results)

@@ -1,0 +1,1 @@
+"""Tests of the contracts: interface, layout, placement, quant, registry, strategy."""

@@ -1,0 +1,132 @@
+"""Entry-point registry, capability matrix, selection errors, and a real third-party backend."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from moe_plugins import registry
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.quant import QuantScheme
+from moe_plugins.registry import (BackendSelectionError, BackendSpec, Capabilities, RequiredPackage,
+                                  refusal_reason, select_backend)
+from prepare_finalize.torch_reference import TorchPrepareFinalize
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def test_capability_matrix_is_built_from_registered_specs():
+    assert registry.BACKEND_EP_DP_TP_SUPPORT["torch"] == (True, True, True, True)
+    assert registry.BACKEND_SUPPORTED_QUANTS["torch"] == frozenset(QuantScheme)
+
+
+def test_builtin_backend_comes_from_the_entry_point_of_this_distribution():
+    assert registry.get_backend("torch").distribution == "moe-plugins"
+
+
+def test_unknown_backend_name_lists_registered_ones():
+    with pytest.raises(ValueError, match=r"unknown moe-plugins backend 'nope'; registered: \[.*'torch'"):
+        registry.get_backend("nope")
+
+
+def _spec(**kw: object) -> BackendSpec:
+    base = dict(name="t", prepare_finalize=TorchPrepareFinalize, manager=object,
+                capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False),
+                quants=frozenset({QuantScheme.NONE}))
+    return BackendSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec,layout,quant,expected", [
+    (_spec(), ParallelLayout(2, 2, True), QuantScheme.NONE, "no TP inside the EP group (tp=2)"),
+    (_spec(), ParallelLayout(4, 1, True), QuantScheme.FP8_BLOCK128, "quant fp8_block128 not in ['none']"),
+    (_spec(required=(RequiredPackage("moe_plugins_missing_pkg", "pip install 'moe-plugins[x]'"),)),
+     ParallelLayout(4, 1, True), QuantScheme.NONE,
+     "package 'moe_plugins_missing_pkg' not installed (pip install 'moe-plugins[x]')"),
+])
+def test_refusal_reason_says_what_is_missing(spec, layout, quant, expected):
+    assert expected in (refusal_reason(spec, layout, quant) or "")
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(1, 1, False), ParallelLayout(1, 2, False),
+                                    ParallelLayout(2, 1, True), ParallelLayout(2, 2, True),
+                                    ParallelLayout(4, 1, True)], ids=lambda l: l.describe())
+@pytest.mark.parametrize("quant", [QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4])
+def test_auto_selection_serves_every_cpu_layout_with_the_reference_backend(layout, quant):
+    """On CPU every other built-in backend needs CUDA (and a vendor package): auto selection
+    must give exactly the reference backend, for every layout and quant, in both dtypes."""
+    others = {n for n, s in registry.registered_backends().items() if n != "torch"}
+    assert others and all(registry.get_backend(n).needs_cuda for n in others)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert select_backend(layout, quant, dtype=dtype).name == "torch"
+
+
+@pytest.fixture
+def third_party_backend() -> Iterator[None]:
+    """Install examples/third_party_backend into this environment; uninstall afterwards."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation",
+                          str(ROOT / "examples" / "third_party_backend")], check=True)
+    registry.reload_backends()
+    try:
+        yield
+    finally:
+        subprocess.run(pip + ["uninstall", "-y", "moe-plugins-example-backend"], check=True)
+        registry.reload_backends()
+
+
+def test_third_party_backend_registers_lists_and_is_selectable(third_party_backend):
+    out = subprocess.run([str(BIN / "moe-plugins"), "list", "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["example_allgather"] == dict(
+        name="example_allgather", usable=True, reason=None, ep_dp=True, dp=True, tp=False,
+        sp=False, placements=True, quants=["none"], distribution="moe-plugins-example-backend")
+    assert select_backend(ParallelLayout(2, 1, True), name="example_allgather").name == "example_allgather"
+    # and it really runs: the demo on 2 gloo ranks, checked against the reference
+    demo = subprocess.run([str(BIN / "moe-plugins"), "demo", "--ranks", "2", "--ep", "--backend",
+                           "example_allgather", "--json"], capture_output=True, text=True, timeout=120)
+    assert demo.returncode == 0, demo.stderr
+    assert [json.loads(line)["strategy"] for line in demo.stdout.splitlines()] == ["LOCAL"]
+
+
+def test_unsupported_layout_lists_the_alternatives(third_party_backend):
+    with pytest.raises(BackendSelectionError) as e:
+        select_backend(ParallelLayout(2, 2, True), name="example_allgather")
+    msg = str(e.value)
+    assert "example_allgather: no TP inside the EP group (tp=2)" in msg
+    # exactly the usable alternatives, as a list: on CPU that is the reference backend alone
+    assert msg.splitlines()[-1].startswith("backends that would: ['torch']; ")
+
+
+def _usable(name: str, priority: int, **kw: object) -> BackendSpec:
+    return _spec(name=name, priority=priority,
+                 capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True), **kw)
+
+
+@pytest.fixture
+def fake_registry(monkeypatch: pytest.MonkeyPatch):
+    """Registry contents for selection-order tests; the real one comes back afterwards."""
+    def install(*specs: BackendSpec) -> None:
+        monkeypatch.setattr(registry, "_registry", lambda: {s.name: s for s in specs})
+    return install
+
+
+def test_auto_prefers_higher_priority(fake_registry):
+    fake_registry(_usable("ref", 0), _usable("fast", 30))
+    assert select_backend(ParallelLayout(2, 1, True)).name == "fast"
+
+
+def test_auto_skips_a_backend_whose_kernels_refuse_the_dtype(fake_registry):
+    import torch
+
+    fake_registry(_usable("ref", 0), _usable("bf16only", 30, dtypes=frozenset({torch.bfloat16})))
+    assert select_backend(ParallelLayout(2, 1, True), dtype=torch.float32).name == "ref"
+    assert select_backend(ParallelLayout(2, 1, True), dtype=torch.bfloat16).name == "bf16only"
+    with pytest.raises(BackendSelectionError, match=r"bf16only: activations torch.float32 not in"):
+        select_backend(ParallelLayout(2, 1, True), name="bf16only", dtype=torch.float32)

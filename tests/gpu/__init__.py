@@ -1,0 +1,1 @@
+"""GPU tests (marker ``gpu``); they skip cleanly without CUDA."""

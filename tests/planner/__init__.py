@@ -1,0 +1,1 @@
+"""Tests of the planner (cost model and strategy recommendation)."""

@@ -1,0 +1,162 @@
+"""Faults across ranks (moe_plugins.faults): a bad input on one rank, a rank failing mid-way, an
+absent peer, ranks in different layers, dead rank processes. Every case must end on every rank
+in a clear error (at once, or within the configured timeout), never in a result that belongs to
+another batch."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.runner import faults_ranks as frf
+from tests.checks import assert_matches_reference
+from moe_plugins.runner.launch import RankDiedError, RankError, RankPool
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.runner.model import MoEConfig, MoEWeights
+
+pytestmark = pytest.mark.multirank
+
+CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32, shared_intermediate=64)
+DP2_TP2 = ParallelLayout(2, 2, True)
+TIMEOUT_S = 4.0
+
+@pytest.mark.parametrize("kind", frf.BAD_INPUT_KINDS)
+def test_bad_input_on_one_rank_raises_on_every_rank_and_the_next_call_is_right(rank_pool, kind):
+    """The issue's case: dp=2 x tp=2, one rank's prepare gets a bad input. Before, the others
+    returned results off by 44 with no error. Now every rank raises at the same point (the bad
+    rank its own error, the others naming it), and the next call is right everywhere."""
+    bad = 1
+    results = rank_pool(4).run(frf.bad_prepare_input_on_one_rank, DP2_TP2, CFG, bad, kind, 6,
+                               TIMEOUT_S)
+    err_type, text = frf.expected_error(kind, CFG)
+    for rank, r in enumerate(results):
+        assert r["seconds"] < TIMEOUT_S, f"rank {rank} waited for a timeout"
+        if rank == bad:
+            assert r["err_type"] == err_type and text in r["err"], r["err"]
+        else:
+            assert r["err_type"] == "PeerInputError", r["err"]
+            assert f"rank {bad} " in r["err"] and "not run on any rank" in r["err"]
+    assert_matches_reference(results, DP2_TP2, CFG, 6)
+
+
+def test_rank_failing_mid_way_breaks_every_rank_within_the_timeout(rank_pool):
+    bad = 2
+    t0 = time.monotonic()
+    results = rank_pool(4).run(frf.fail_mid_way_on_one_rank, DP2_TP2, CFG, bad, 6, TIMEOUT_S)
+    assert time.monotonic() - t0 < 4 * TIMEOUT_S
+    for rank, r in enumerate(results):
+        first_type, first, seconds = r["first"]
+        if rank == bad:
+            assert first_type == "RuntimeError" and "injected expert failure" in first
+        else:  # waited in the combine for the failed rank: bounded, and says what and where
+            assert first_type == "CollectiveError", first
+            assert "combine all-to-all" in first
+            assert "torch backend layer" in first and "ranks [0, 1, 2, 3]" in first
+            assert seconds < 2 * TIMEOUT_S
+        second_type, second, seconds = r["second"]
+        assert second_type == "LayerBrokenError" and seconds < 1.0
+        assert "out of step" in second
+
+
+def test_absent_peer_is_a_timeout_naming_layer_collective_and_peers(rank_pool):
+    layout = ParallelLayout(2, 1, True)
+    results = rank_pool(2).run(frf.absent_peer, layout, CFG, 1, 4, TIMEOUT_S)
+    err_type, err, seconds = results[0]["first"]
+    assert err_type == "CollectiveError", err
+    assert TIMEOUT_S * 0.8 < seconds < TIMEOUT_S * 2.5
+    assert "split-size exchange" in err and "torch backend layer (experts=8" in err
+    assert "ranks [0, 1]" in err and f"timeout of {TIMEOUT_S:g} s" in err
+    assert "the peer that did not answer: rank 1" in err
+
+
+def test_ranks_in_different_layers_are_out_of_step_on_every_rank(rank_pool):
+    results = rank_pool(2).run(frf.ranks_in_different_layers, ParallelLayout(2, 1, True), CFG, 0,
+                               4, TIMEOUT_S)
+    for r in results:
+        err_type, err, seconds = r["first"]
+        assert err_type == "OutOfStepError" and "another layer" in err and seconds < TIMEOUT_S
+
+
+def test_expert_id_minus_one_means_no_expert_on_the_torch_backend(rank_pool):
+    layout = ParallelLayout(2, 1, True)
+    weights = MoEWeights.random(CFG, 0)
+    for r in rank_pool(2).run(frf.expert_ids_minus_one, layout, CFG, 5):
+        expected = torch.zeros_like(r["x"])
+        for t in range(r["x"].shape[0]):  # per-token loop over the full weights
+            for k in range(CFG.num_topk):
+                e = int(r["topk_ids"][t, k])
+                if e >= 0:
+                    g, u = (weights.w13[e] @ r["x"][t]).chunk(2)
+                    expected[t] += r["topk_weights"][t, k] * (weights.w2[e] @ (torch.nn.functional.silu(g) * u))
+        torch.testing.assert_close(r["out"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_finalize_with_other_topk_ids_raises(rank_pool):
+    for r in rank_pool(2).run(frf.finalize_with_other_topk_ids, ParallelLayout(2, 1, True), CFG, 4):
+        err_type, err, _ = r["err"]
+        assert err_type == "ValueError" and "not the ones given to prepare" in err
+        torch.testing.assert_close(r["copy"], r["same"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("how,cause", [("exit", "exit code 3"), ("kill", "killed by signal SIGKILL")])
+def test_dead_rank_is_reported_at_once_with_the_survivors_errors(how, cause):
+    pool = RankPool(3, timeout_s=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RankDiedError) as e:
+            pool.run(frf.die, 1, how, 60.0)
+        assert time.monotonic() - t0 < 10, "waited for the timeout instead of noticing the death"
+        assert e.value.rank == 1 and e.value.cause == cause
+        assert f"rank 1 died ({cause})" in str(e.value)
+        # the survivors' own errors (gloo saw the peer go) travel with it, and the pool is gone
+        assert {r for r, *_ in e.value.errors} <= {0, 2}
+        assert not any(p.is_alive() for p in pool._procs)
+    finally:
+        pool.close()
+
+
+def test_rank_dying_at_start_up_is_reported_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(RankDiedError) as e:
+        RankPool(2, timeout_s=60, init=frf.exit_at_start)
+    assert time.monotonic() - t0 < 15
+    assert e.value.rank == 1 and e.value.cause == "exit code 7"
+
+
+def test_rank_errors_name_the_rank_that_failed_first(rank_pool):
+    """The bad rank's own error is the one RankError leads with; the others follow in summary."""
+    with pytest.raises(RankError) as e:
+        rank_pool(4).run(frf.raise_on, 2)
+    assert e.value.rank == 2 and e.value.exc_type == "ValueError"
+    assert e.value.summary.startswith("rank 2 raised ValueError: bad on rank 2")
+    assert "rank 0 raised PeerInputError" in e.value.summary
+
+
+
+def test_vllm_groups_get_a_bounded_timeout(rank_pool):
+    pytest.importorskip("vllm")
+    results = rank_pool(2).run(frf.vllm_group_bounded, 3.0)
+    assert [r["bound"] for r in results] == [3.0, 3.0]
+    err_type, err, seconds = results[0]["error"]
+    assert err_type is not None and seconds < 3 * 3.0, (err_type, seconds)
+
+
+def test_check_peers_names_the_peer_and_what_its_status_word_says():
+    """The status word of the torch backend's header: STATUS_BAD_INPUT, or the number of tokens
+    whose expert ids were out of range; a peer's flag raises PeerInputError on a good rank, the
+    flagged rank itself returns (it raises its own error), and a good header passes."""
+    from moe_plugins.faults import (STATUS_BAD_INPUT, STATUS_OK, GroupFaults, PeerInputError,
+                                    check_peers)
+
+    faults = GroupFaults([0, 1, 2], rank=0)
+    good = [[3, 7, 99, STATUS_OK]] * 3
+    check_peers(faults, "layer", 0, 7, 99, good)
+    for status, text in ((STATUS_BAD_INPUT, "rank 2 rejected its inputs"),
+                         (5, "rank 2 got expert ids outside [-1, num_experts) in 5 token(s)")):
+        headers = [*good[:2], [3, 7, 99, status]]
+        with pytest.raises(PeerInputError, match=text.replace("[", r"\[").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            check_peers(faults, "layer", 0, 7, 99, headers)
+        check_peers(faults, "layer", 2, 7, 99, headers)  # the flagged rank: its own error
+    assert faults.broken is None

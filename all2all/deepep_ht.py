@@ -4,11 +4,8 @@ Follows DeepEP's V1 line (commit 567632d, the last before the V2 rewrite): the b
 (and, across nodes, RDMA) bytes come from DeepEP's own hints, the larger of
 ``Buffer.get_dispatch_config(R)`` and ``get_combine_config(R)``'s
 ``get_nvl_buffer_size_hint / get_rdma_buffer_size_hint(hidden_bytes, R)`` with ``hidden_bytes =
-hidden * max(element size, 2)`` (DeepEP's README ``get_buffer``); a call computes the layout on
-the GPU (``get_dispatch_layout``), then ``dispatch`` / ``combine`` run asynchronously on DeepEP's
-communication stream, ordered by its ``EventOverlap`` events: the layout event feeds the
-dispatch (``previous_event``, tensors allocated on the communication stream), and the caller's
-stream waits for the dispatch and the combine events in the receive hooks.
+hidden * max(element size, 2)`` (DeepEP's README ``get_buffer``). The manager owns the buffer;
+the prepare/finalize (:mod:`prepare_finalize.deepep_ht`) makes the calls on it.
 
 Normal-mode kernels take 2, 4 or 8 ranks inside a node (DeepEP's ``SWITCH_RANKS``), or
 multiples of 8 across nodes (RDMA + NVLink); 1 rank has no config. ``deep_ep`` is imported when a
@@ -26,8 +23,8 @@ import torch.distributed as dist
 from all2all.deepep import DEEPEP_PACKAGE
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.lowlat.vendor import buffer_cache, import_vendor
 from moe_plugins.lowlat.limits import check_kernel_layer
+from moe_plugins.lowlat.vendor import buffer_cache, import_vendor
 from moe_plugins.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -169,37 +166,6 @@ class DeepEPHTManager:
                     self.num_ranks, self.num_local_experts, self.hidden, self.bytes.nvl,
                     self.bytes.rdma)
         return buffer
-
-    # -- the library calls -----------------------------------------------------------------
-    def layout(self, topk_idx: torch.Tensor) -> tuple[Any, Any, Any, Any, Any]:
-        """topk_idx topk_idx_dtype [num_tokens, num_topk] (GLOBAL ids, -1: none) ->
-        (num_tokens_per_rank int32 [num_ranks], num_tokens_per_rdma_rank or None,
-        num_tokens_per_expert int32 [num_experts], is_token_in_rank bool [num_tokens, num_ranks],
-        event), computed on the communication stream."""
-        return self.buffer.get_dispatch_layout(topk_idx, self.num_experts, async_finish=True)
-
-    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor, layout: tuple[Any, Any, Any, Any, Any]):
-        """Send x [num_tokens, hidden] (bf16, or e4m3 with x_sf float32 [num_tokens, hidden // 128])
-        once to every rank holding one of its experts. Blocks the host until the receive counts
-        are known (DeepEP's normal mode). Returns (recv_x, recv_x_sf or None, recv_topk_idx
-        [num_recv_tokens, num_topk] LOCAL ids (-1 elsewhere), recv_topk_weights float32 (0.0
-        elsewhere), per-local-expert counts (list of int), handle, event); the tensors are
-        valid once ``event.current_stream_wait()`` has run."""
-        per_rank, per_rdma_rank, per_expert, in_rank, layout_event = layout
-        recv, recv_ids, recv_weights, counts, handle, event = self.buffer.dispatch(
-            (x, x_sf) if x_sf is not None else x, num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            previous_event=layout_event, async_finish=True, allocate_on_comm_stream=True)
-        recv_x, recv_sf = recv if x_sf is not None else (recv, None)
-        return recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event
-
-    def combine(self, x: torch.Tensor, handle: Any) -> tuple[torch.Tensor, Any]:
-        """Send expert outputs x bf16 [num_recv_tokens, hidden] (already router-weighted: the
-        combine sums without weights) back; returns (combined bf16 [num_tokens, hidden], event)."""
-        combined, _, event = self.buffer.combine(x, handle, async_finish=True)
-        return combined, event
 
     def destroy(self) -> None:
         """Release this manager's share of the buffer (the last one destroys it); idempotent.

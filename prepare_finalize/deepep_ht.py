@@ -13,6 +13,12 @@ The experts get the received rows with LOCAL topk ids (-1 for experts elsewhere,
 DeepEP returns them. finalize: the experts' router-weighted rows are combined (DeepEP sums
 without weights); the hook waits for the combine event; the result goes through
 :func:`moe_plugins.interface.write_output` (a plain output, or the row-scatter add).
+
+The calls run asynchronously on DeepEP's communication stream, ordered by its ``EventOverlap``
+events: the layout event feeds the dispatch (``previous_event``, tensors allocated on the
+communication stream), and the caller's stream waits for the dispatch and the combine events in
+the receive hooks. The manager (:mod:`all2all.deepep_ht`) owns the buffer; this class makes the
+calls.
 """
 from __future__ import annotations
 
@@ -104,8 +110,8 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         ids = topk_ids.to(m.topk_idx_dtype).contiguous()
         weights = topk_weights.float().contiguous()
         x, x_sf = quantize_for_dispatch(hidden_states.contiguous(), quant)
-        layout = m.layout(ids)
-        recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event = m.dispatch(
+        layout = self._layout(ids)
+        recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event = self._dispatch(
             x, x_sf, ids, weights, layout)
         num_recv = recv_x.shape[0]
         self._state = _CallState(handle, hidden_states.shape[0], num_recv)
@@ -117,6 +123,37 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
                                  topk_ids=recv_ids, topk_weights=recv_weights)
 
         return AsyncResult(event.current_stream_wait, receiver)
+
+    # -- the library calls (the manager owns the buffer) -------------------------------------
+    def _layout(self, topk_idx: torch.Tensor) -> tuple[Any, Any, Any, Any, Any]:
+        """topk_idx topk_idx_dtype [num_tokens, num_topk] (GLOBAL ids, -1: none) ->
+        (num_tokens_per_rank int32 [num_ranks], num_tokens_per_rdma_rank or None,
+        num_tokens_per_expert int32 [num_experts], is_token_in_rank bool [num_tokens, num_ranks],
+        event), computed on the communication stream."""
+        return self.manager.buffer.get_dispatch_layout(topk_idx, self.manager.num_experts, async_finish=True)
+
+    def _dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, layout: tuple[Any, Any, Any, Any, Any]):
+        """Send x [num_tokens, hidden] (bf16, or e4m3 with x_sf float32 [num_tokens, hidden // 128])
+        once to every rank holding one of its experts. Blocks the host until the receive counts
+        are known (DeepEP's normal mode). Returns (recv_x, recv_x_sf or None, recv_topk_idx
+        [num_recv_tokens, num_topk] LOCAL ids (-1 elsewhere), recv_topk_weights float32 (0.0
+        elsewhere), per-local-expert counts (list of int), handle, event); the tensors are
+        valid once ``event.current_stream_wait()`` has run."""
+        per_rank, per_rdma_rank, per_expert, in_rank, layout_event = layout
+        recv, recv_ids, recv_weights, counts, handle, event = self.manager.buffer.dispatch(
+            (x, x_sf) if x_sf is not None else x, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            previous_event=layout_event, async_finish=True, allocate_on_comm_stream=True)
+        recv_x, recv_sf = recv if x_sf is not None else (recv, None)
+        return recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event
+
+    def _combine(self, x: torch.Tensor, handle: Any) -> tuple[torch.Tensor, Any]:
+        """Send expert outputs x bf16 [num_recv_tokens, hidden] (already router-weighted: the
+        combine sums without weights) back; returns (combined bf16 [num_tokens, hidden], event)."""
+        combined, _, event = self.manager.buffer.combine(x, handle, async_finish=True)
+        return combined, event
 
     def _count(self, topk_ids: torch.Tensor, is_token_in_rank: torch.Tensor, x: torch.Tensor,
                x_sf: Optional[torch.Tensor], num_recv: int) -> None:
@@ -156,7 +193,7 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
             elif tuple(output.shape) != (st.num_tokens, m.hidden):
                 raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
                                  f"[{st.num_tokens}, {m.hidden}] (the tokens given to prepare)")
-            combined, event = m.combine(fused_expert_output.contiguous(), st.handle)
+            combined, event = self._combine(fused_expert_output.contiguous(), st.handle)
         finally:
             self._state = None
 

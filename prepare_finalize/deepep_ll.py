@@ -1,9 +1,9 @@
 """Backend ``deepep_ll``: DeepEP's V1 low-latency kernels (``Buffer.low_latency_dispatch`` /
 ``low_latency_combine`` with ``return_recv_hook``).
 
-Everything but the transport is the shared low-latency logic of
-:mod:`moe_plugins.lowlat`; the buffer and the library calls are in
-:mod:`all2all.deepep`.
+The prepare/finalize (the library calls) is the shared low-latency one of
+:mod:`moe_plugins.lowlat.prepare_finalize`; the buffer, its sizes and which runtime methods take
+the calls are in :mod:`all2all.deepep`.
 """
 from __future__ import annotations
 

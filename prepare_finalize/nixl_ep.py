@@ -1,9 +1,9 @@
 """Backend ``nixl_ep``: NIXL EP's low-latency kernels (``nixl_ep.Buffer.dispatch`` / ``combine``
 with ``return_recv_hook``), elastic rank masking.
 
-Everything but the transport is the shared low-latency logic of
-:mod:`moe_plugins.lowlat`; the buffer lifecycle (store, memory, connections) and the
-library calls are in :mod:`all2all.nixl_ep`.
+The prepare/finalize (the library calls) is the shared low-latency one of
+:mod:`moe_plugins.lowlat.prepare_finalize`; the buffer lifecycle (store, memory, connections) and
+which runtime methods take the calls are in :mod:`all2all.nixl_ep`.
 """
 from __future__ import annotations
 

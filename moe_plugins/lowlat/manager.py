@@ -17,10 +17,9 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import (Hook)
 from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
                                        kernel_hidden_size, token_capacity)
-from moe_plugins.lowlat.vendor import RuntimeCalls, _BUFFERS, first_method, import_vendor
+from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor
 from moe_plugins.registry import RequiredPackage, WireLayout
 
 logger = logging.getLogger(__name__)
@@ -65,7 +64,9 @@ _PADDING_LOGGED: set[tuple] = set()
 
 
 class LowLatencyManager(ABC):
-    """Buffer, kernel limits and library calls of one low-latency backend for one layer config.
+    """Buffer and kernel limits of one low-latency backend for one layer config. The manager
+    owns the library buffer (and its rank mask); the prepare/finalize makes the dispatch and
+    combine calls on it (:class:`moe_plugins.lowlat.prepare_finalize.LowLatencyPrepareFinalize`).
 
     Subclasses set the class attributes (package, options type, the library's method names)
     and implement :meth:`_size_hint`, :meth:`_create_buffer` and :meth:`_destroy_buffer`
@@ -81,8 +82,9 @@ class LowLatencyManager(ABC):
     backend_name: ClassVar[str]
     required: ClassVar[RequiredPackage]
     options_type: ClassVar[type[LowLatencyOptions]]
-    #: The buffer's dispatch / combine method names, preferred first: the first the buffer has
-    #: is bound (a release's alias that forwards to another name costs a frame per call).
+    #: The buffer's dispatch / combine method names, preferred first: the prepare/finalize binds
+    #: the first the buffer has (a release's alias that forwards to another name costs a frame
+    #: per call) where it does not call the runtime directly (:attr:`runtime_calls`).
     dispatch_methods: ClassVar[tuple[str, ...]]  # e.g. ("low_latency_dispatch",)
     combine_methods: ClassVar[tuple[str, ...]]
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
@@ -90,8 +92,8 @@ class LowLatencyManager(ABC):
     clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
     #: The library masks peers by itself (a timed-out peer), so an engine should always poll.
     masks_by_itself: ClassVar[bool] = False
-    #: The runtime calls a prepare/finalize makes itself instead of :meth:`dispatch` /
-    #: :meth:`combine` (set by a manager whose library's runtime has them; None: those methods).
+    #: The runtime calls the prepare/finalize makes instead of the buffer's Python methods (set
+    #: by a manager whose library release is known; None: the methods named above).
     runtime_calls: Optional[RuntimeCalls] = None
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
@@ -118,11 +120,8 @@ class LowLatencyManager(ABC):
                          and f.name != "pad_hidden")
         key = (self.backend_name, id(self.group), self.rank, self.num_ranks, self.kernel_hidden,
                self.max_tokens_per_rank, self.num_experts, switches)
-        self.buffer = _BUFFERS.acquire(key, self._create_logged, self._destroy_buffer)
+        self.buffer = buffer_cache().acquire(key, self._create_logged, self._destroy_buffer)
         self._key: Optional[tuple] = key
-        # Bound once: a getattr by name per call is host time on every dispatch and combine.
-        self._dispatch_call = first_method(self.buffer, self.dispatch_methods)
-        self._combine_call = first_method(self.buffer, self.combine_methods)
         if self.padded and key not in _PADDING_LOGGED:
             _PADDING_LOGGED.add(key)
             logger.info("%s: hidden %d is not a kernel size; activations are zero-padded to %d "
@@ -207,34 +206,6 @@ class LowLatencyManager(ABC):
     def _destroy_buffer(self, buffer: Any) -> None:
         """Release a buffer built by :meth:`_create_buffer`."""
 
-    # -- the library calls -----------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, use_ue8m0: bool,
-                 recv_hook: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
-                                           Any, Optional[Hook]]:
-        """Issue the send of x bf16 [num_tokens, kernel_hidden] (contiguous) to the experts in
-        topk_idx topk_idx_dtype [num_tokens, num_topk]. Returns (recv_x, recv_x_sf or None,
-        recv_count int32 [num_local_experts], handle, hook). ``recv_hook``: the receive happens
-        in ``hook`` (hook mode: two kernel launches); False: one launch sends and receives
-        (blocking on the stream, as the library's default) and hook is None."""
-        recv, count, handle, _event, hook = self._dispatch_call(
-            x, topk_idx, self.max_tokens_per_rank, self.num_experts,
-            use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
-            async_finish=False, return_recv_hook=recv_hook)
-        if use_fp8:
-            return recv[0], recv[1], count, handle, hook
-        return recv, None, count, handle, hook
-
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                handle: Any, out: torch.Tensor, recv_hook: bool) -> Optional[Hook]:
-        """Issue the send of expert outputs x bf16 [num_local_experts, num_recv_slots,
-        kernel_hidden]; the receive reduces them with topk_weights float32 [num_tokens,
-        num_topk] into out bf16 [num_tokens, kernel_hidden], in the returned hook
-        (``recv_hook``) or in the same launch (False: returns None)."""
-        _combined, _event, hook = self._combine_call(
-            x, topk_idx, topk_weights, handle, async_finish=False, zero_copy=False,
-            return_recv_hook=recv_hook, out=out)
-        return hook
-
     # -- elastic rank masking --------------------------------------------------------------
     def set_rank_masked(self, rank: int, masked: bool = True) -> None:
         """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``; combine
@@ -279,7 +250,7 @@ class LowLatencyManager(ABC):
         """Release this manager's share of the buffer (the last one destroys it); idempotent."""
         if self._key is not None:
             key, self._key = self._key, None
-            _BUFFERS.release(key)
+            buffer_cache().release(key)
 
 
 def _synchronize(device: torch.device) -> None:

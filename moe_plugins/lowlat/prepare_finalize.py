@@ -15,7 +15,7 @@ its Python wrapper, and leave to the runtime's host asserts what those check.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMe
 from moe_plugins.lowlat.limits import (LL_QUANTS, MSG_HEADER_BYTES, UE8M0_PACK, assert_expert_ids,
                                        expert_id_error)
 from moe_plugins.lowlat.manager import LowLatencyManager
-from moe_plugins.lowlat.vendor import RuntimeCalls
+from moe_plugins.lowlat.vendor import RuntimeCalls, first_method
 from moe_plugins.quant import FP8_BLOCK, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities
 
@@ -89,10 +89,14 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         self._check_ids = manager.ctx.device.type != "cuda" if check is None else check
         self._num_experts = manager.num_experts
         self._id_error = expert_id_error(manager.num_experts, manager.backend_name)
-        #: The library runtime's calls this object makes itself (None: the manager's dispatch /
-        #: combine); with them, the runtime's host asserts check what they check (RuntimeCalls).
+        #: The library runtime's calls this object makes (None: the buffer's Python methods);
+        #: with them, the runtime's host asserts check what they check (RuntimeCalls).
         self.runtime_calls: Optional[RuntimeCalls] = manager.runtime_calls
         self._buffer = manager.buffer
+        # The buffer's Python methods (the calls where runtime_calls is None), bound once: a
+        # getattr by name per call is host time on every dispatch and combine.
+        self._wrapper_dispatch = first_method(self._buffer, manager.dispatch_methods)
+        self._wrapper_combine = first_method(self._buffer, manager.combine_methods)
         self._checked_quant: Optional[QuantSpec] = None  # the last quant spec prepare accepted
         self._fp8 = False  # and whether it puts FP8 on the wire
         self._calls = 0
@@ -231,7 +235,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             if self._padded:
                 x = self._pad_last(x)
             if rt is None:
-                recv_x, recv_sf, recv_count, handle, hook = self.manager.dispatch(
+                recv_x, recv_sf, recv_count, handle, hook = self._dispatch_through_wrapper(
                     x, ids, use_fp8, use_ue8m0, recv_hook)
             else:
                 try:
@@ -258,6 +262,36 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise
         return recv_x, recv_sf, recv_count, hook
+
+    def _dispatch_through_wrapper(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool,
+                                  use_ue8m0: bool, recv_hook: bool
+                                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                             Any, Optional[Hook]]:
+        """The dispatch through the buffer's Python method (a library release whose runtime is
+        not called directly): send x bf16 [num_tokens, kernel_hidden] (contiguous) to the
+        experts in topk_idx [num_tokens, num_topk]. Returns (recv_x, recv_x_sf or None,
+        recv_count int32 [num_local_experts], handle, hook). ``recv_hook``: the receive happens
+        in ``hook`` (hook mode: two kernel launches); False: one launch sends and receives
+        (blocking on the stream, as the library's default) and hook is None."""
+        recv, count, handle, _event, hook = self._wrapper_dispatch(
+            x, topk_idx, self._max_tokens, self._num_experts,
+            use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
+            async_finish=False, return_recv_hook=recv_hook)
+        if use_fp8:
+            return recv[0], recv[1], count, handle, hook
+        return recv, None, count, handle, hook
+
+    def _combine_through_wrapper(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                                 topk_weights: torch.Tensor, handle: Any, out: torch.Tensor,
+                                 recv_hook: bool) -> Optional[Hook]:
+        """The combine through the buffer's Python method: send expert outputs x bf16
+        [num_local_experts, num_recv_slots, kernel_hidden]; the receive reduces them with
+        topk_weights float32 [num_tokens, num_topk] into out bf16 [num_tokens, kernel_hidden],
+        in the returned hook (``recv_hook``) or in the same launch (False: returns None)."""
+        _combined, _event, hook = self._wrapper_combine(
+            x, topk_idx, topk_weights, handle, async_finish=False, zero_copy=False,
+            return_recv_hook=recv_hook, out=out)
+        return hook
 
     def _refused_dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, quant: QuantSpec, x: torch.Tensor,
@@ -364,8 +398,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                         else fused_expert_output.new_empty(n, self.manager.kernel_hidden))
             x = self._pad_last(fused_expert_output) if self._padded else fused_expert_output
             if rt is None:
-                hook = self.manager.combine(x.contiguous(), ids, weights.contiguous(), handle,
-                                            dest, recv_hook)
+                hook = self._combine_through_wrapper(x.contiguous(), ids, weights.contiguous(),
+                                                     handle, dest, recv_hook)
             else:
                 try:
                     _, _, hook = rt.combine(

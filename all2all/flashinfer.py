@@ -10,7 +10,8 @@ per-rank counts, ``moe_comm`` moves rows through per-peer FIFOs in MNNVL symmetr
   with ``dispatch``/``combine``/``destroy``.
 
 :class:`FlashInferAll2AllManager` picks one (``auto`` prefers MnnvlMoe, the API vLLM 0.33 runs)
-and hides it behind one small transport interface, so the backend never branches on the API.
+and hides it behind one small transport interface (:meth:`FlashInferAll2AllManager.transport`),
+on which the prepare/finalize makes its calls, so the backend never branches on the API.
 Workspaces are created on the first dispatch (a collective every rank reaches together) and freed
 by :meth:`FlashInferAll2AllManager.destroy`. The workspaces do not depend on the token count; the
 receive buffers do: each dispatch gets ``num_ranks * tokens_per_rank`` rows, where
@@ -37,7 +38,7 @@ from moe_plugins.groups import DistContext
 logger = logging.getLogger(__name__)
 
 __all__ = ["TwoSidedApi", "FlashInferTwoSidedOptions", "Dispatched", "TorchGroupComm",
-           "FlashInferAll2AllManager", "detect_api", "INSTALL_HINT"]
+           "pad_row_bytes", "FlashInferAll2AllManager", "detect_api", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'moe-plugins[flashinfer]'"
 # Kernel limits (flashinfer csrc/trtllm_alltoall*.cu): moe_prepare checks expertCount % 4 == 0 and
@@ -206,7 +207,7 @@ class Dispatched:
     topk_weights: torch.Tensor
 
 
-def _pad_row_bytes(t: torch.Tensor) -> torch.Tensor:
+def pad_row_bytes(t: torch.Tensor) -> torch.Tensor:
     """t [rows, cols] -> t (contiguous) when a row is a multiple of 16 bytes, else a copy whose
     rows are zero-padded to that (the kernels move rows as 16-byte vectors)."""
     row_bytes = t.shape[1] * t.element_size()
@@ -510,41 +511,12 @@ class FlashInferAll2AllManager:
         """Rows of a dispatch's receive buffers: num_ranks * tokens_per_rank."""
         return self.num_ranks * tokens_per_rank
 
-    def _live(self) -> _Transport:
+    def transport(self) -> _Transport:
+        """The live transport (the flashinfer release's API over this manager's workspaces); the
+        prepare/finalize makes its dispatch and combine calls."""
         if self._transport is None:
             raise RuntimeError("the flashinfer all-to-all manager was destroyed")
         return self._transport
-
-    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor, tokens_per_rank: Optional[int] = None) -> Dispatched:
-        """x [num_tokens, *] (model dtype or quantized), x_sf [num_tokens, *] unswizzled or None,
-        topk_ids int [num_tokens, num_topk] GLOBAL ids, topk_weights float [num_tokens, num_topk].
-        Scales travel only when ``x_sf is not None``. ``tokens_per_rank``: this call's bound from
-        :meth:`tokens_per_rank` (None: the layer's); the result has ``num_ranks *
-        tokens_per_rank`` rows. Collective over the EP group."""
-        t = self._live()
-        bound = self.max_tokens_per_rank if tokens_per_rank is None else tokens_per_rank
-        if topk_ids.dtype is not torch.int32:
-            topk_ids = topk_ids.to(torch.int32)
-        if topk_weights.dtype is not torch.float32:
-            topk_weights = topk_weights.to(torch.float32)
-        d = t.dispatch(_pad_row_bytes(x), None if x_sf is None else _pad_row_bytes(x_sf),
-                       topk_ids.contiguous(), topk_weights.contiguous(), bound)
-        # Slice the 16-byte row padding off only where there was some (a slice costs host time).
-        recv_x = d.x if d.x.shape[1] == x.shape[1] else d.x[:, : x.shape[1]]
-        recv_sf = None
-        if d.x_sf is not None and x_sf is not None:
-            recv_sf = d.x_sf if d.x_sf.shape[1] == x_sf.shape[1] else d.x_sf[:, : x_sf.shape[1]]
-        if recv_x is d.x and recv_sf is d.x_sf:
-            return d
-        return Dispatched(recv_x, recv_sf, d.topk_ids, d.topk_weights)
-
-    def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """expert_output [num_ranks * tokens_per_rank, hidden] (each row: the weighted sum of
-        this rank's experts for that row) -> [num_tokens, hidden] summed over ranks, same dtype.
-        Collective over the EP group."""
-        out = self._live().combine(_pad_row_bytes(expert_output), num_tokens)
-        return out if out.shape[1] == expert_output.shape[1] else out[:, : expert_output.shape[1]]
 
     def reset_call_state(self) -> None:
         if self._transport is not None:

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import host_overhead as ho
-from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.groups import DistContext
 from moe_plugins.layout import DestinationMap, LocalIdMap, ParallelLayout
 from prepare_finalize import torch_reference as tr
@@ -63,7 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     fn, tr.TorchPrepareFinalize._dispatch, tr.TorchPrepareFinalize._received,
                     tr.TorchPrepareFinalize._pack_rows, tr.TorchPrepareFinalize._combine,
                     tr.TorchPrepareFinalize._combined, tr._RowLayout.unpack,
-                    TorchAll2AllManager.all_to_all, TorchAll2AllManager.exchange_header,
+                    tr.TorchPrepareFinalize._all_to_all, tr.TorchPrepareFinalize._exchange_header,
                     DestinationMap.__call__, LocalIdMap.checked]
                 for t in targets:
                     lp.add_function(t)

@@ -13,6 +13,9 @@ is copied into the output, or added into the owned rows of a row-scatter target 
 This backend has no receive hook: the whole dispatch is issued by the receiver, i.e. after the
 layer has forked the shared expert onto the side stream, so the shared expert overlaps with the
 dispatch, the experts and the combine.
+
+The manager (:mod:`all2all.flashinfer`) owns the workspaces and adapts the flashinfer release's
+API (its transport); this class makes the dispatch and combine calls on it.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from all2all.flashinfer import INSTALL_HINT, FlashInferAll2AllManager
+from all2all.flashinfer import (INSTALL_HINT, Dispatched, FlashInferAll2AllManager,
+                                pad_row_bytes)
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
@@ -144,7 +148,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         def receiver() -> PrepareResult:
             # Unswizzled scales, or (hidden_states, None) when unquantized or deferred.
             x, x_sf = quantize_for_dispatch(hidden_states, quant)
-            d = m.dispatch(x, x_sf, topk_ids, topk_weights, tokens_per_rank)
+            d = self._dispatch(x, x_sf, topk_ids, topk_weights, tokens_per_rank)
             recv_sf, swizzled = d.x_sf, False
             swizzle = m.options.nvfp4_swizzled_sf if quant.nvfp4_swizzled_sf is None \
                 else quant.nvfp4_swizzled_sf
@@ -162,7 +166,6 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         state = self._state
         if state is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
-        m = self.manager
         if fused_expert_output.dim() != 2 or fused_expert_output.shape[0] != state.recv_rows:
             raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}, "
                              f"expected [{state.recv_rows}, hidden] (the rows prepare returned)")
@@ -174,7 +177,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
                              f"{expected} (the tokens given to prepare)")
 
         def receiver() -> torch.Tensor:
-            combined = m.combine(fused_expert_output, state.num_tokens)
+            combined = self._combine(fused_expert_output, state.num_tokens)
             self._state = None
             if state.recv_tokens is not None:
                 self.stats.combine_bytes += state.recv_tokens * _row_bytes(fused_expert_output)
@@ -182,6 +185,38 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
 
         return AsyncResult(None, receiver)
 
+
+    # -- the library calls (the manager owns the workspaces) ---------------------------------
+    def _dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, tokens_per_rank: Optional[int] = None) -> Dispatched:
+        """x [num_tokens, *] (model dtype or quantized), x_sf [num_tokens, *] unswizzled or None,
+        topk_ids int [num_tokens, num_topk] GLOBAL ids, topk_weights float [num_tokens, num_topk].
+        Scales travel only when ``x_sf is not None``. ``tokens_per_rank``: this call's bound from
+        :meth:`FlashInferAll2AllManager.tokens_per_rank` (None: the layer's); the result has ``num_ranks *
+        tokens_per_rank`` rows. Collective over the EP group."""
+        t = self.manager.transport()
+        bound = self.manager.max_tokens_per_rank if tokens_per_rank is None else tokens_per_rank
+        if topk_ids.dtype is not torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        if topk_weights.dtype is not torch.float32:
+            topk_weights = topk_weights.to(torch.float32)
+        d = t.dispatch(pad_row_bytes(x), None if x_sf is None else pad_row_bytes(x_sf),
+                       topk_ids.contiguous(), topk_weights.contiguous(), bound)
+        # Slice the 16-byte row padding off only where there was some (a slice costs host time).
+        recv_x = d.x if d.x.shape[1] == x.shape[1] else d.x[:, : x.shape[1]]
+        recv_sf = None
+        if d.x_sf is not None and x_sf is not None:
+            recv_sf = d.x_sf if d.x_sf.shape[1] == x_sf.shape[1] else d.x_sf[:, : x_sf.shape[1]]
+        if recv_x is d.x and recv_sf is d.x_sf:
+            return d
+        return Dispatched(recv_x, recv_sf, d.topk_ids, d.topk_weights)
+
+    def _combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """expert_output [num_ranks * tokens_per_rank, hidden] (each row: the weighted sum of
+        this rank's experts for that row) -> [num_tokens, hidden] summed over ranks, same dtype.
+        Collective over the EP group."""
+        out = self.manager.transport().combine(pad_row_bytes(expert_output), num_tokens)
+        return out if out.shape[1] == expert_output.shape[1] else out[:, : expert_output.shape[1]]
 
 def _wire_layout(cfg: DispatchConfig) -> WireLayout:
     """Rows carry the layer's hidden; the routing travels with each row as int32 ids and float32

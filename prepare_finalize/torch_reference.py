@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
@@ -28,7 +29,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertToke
                                    check_finalize_result, check_finalize_routing,
                                    check_prepare_inputs, write_output)
 from moe_plugins.layout import DestinationMap, LocalIdMap
-from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
+from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, wire_view
 from moe_plugins.registry import BackendSpec, Capabilities
 
 __all__ = ["TorchPrepareFinalize", "SPEC"]
@@ -201,7 +202,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             hb.status.fill_(STATUS_BAD_INPUT)
         hb.write_words(f.seq)
         try:
-            m.exchange_header(hb.send, hb.recv)
+            self._exchange_header(hb.send, hb.recv)
         except RuntimeError as e:
             raise collective_error(f, self.name, "split-size exchange", self._timeout_s, e) from e
         header = hb.buffer.tolist()  # the one host sync of the call
@@ -229,8 +230,8 @@ class TorchPrepareFinalize(PrepareFinalize):
         # instead of one per tensor (each is a collective's host cost, on NCCL and on gloo).
         packed, row = self._pack_rows(ids, weights, x, x_sf)
         try:
-            sent, work = m.all_to_all(torch.index_select(packed, 0, token_index), send_splits,
-                                      recv_splits, num_recv, blocking)
+            sent, work = self._all_to_all(torch.index_select(packed, 0, token_index),
+                                          send_splits, recv_splits, num_recv, blocking)
         except RuntimeError as e:  # a blocking transfer that timed out, or a peer gone
             raise collective_error(f, self.name, "dispatch all-to-all", self._timeout_s, e) from e
 
@@ -244,6 +245,56 @@ class TorchPrepareFinalize(PrepareFinalize):
         self._handle = _DispatchHandle(hidden_states.shape[0], token_index, send_splits,
                                        recv_splits, num_recv, topk_ids)
         return sent, work, row
+
+    # -- the process group's calls (the manager holds the group and the options) ---------------
+    # The all-to-alls call the process group's own ``alltoall_base``, as ``dist.all_to_all_single``
+    # does after its argument checks. Those checks cannot fail here (this rank is in the group,
+    # the tensors are plain, same-dtype, never complex), and on a busy host they cost about as
+    # much as a kernel launch, three times a round trip. Under ``torch.compile`` tracing the
+    # public function is called instead (Dynamo maps it to a functional collective).
+    def _all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor,
+                           recv_splits: Optional[list[int]], send_splits: Optional[list[int]],
+                           blocking: bool) -> Optional["dist.Work"]:
+        """``dist.all_to_all_single(recv, send, recv_splits, send_splits, group, not blocking)``
+        (None splits: equal ones)."""
+        m = self.manager
+        if torch.compiler.is_compiling():
+            return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=m.group,
+                                          async_op=not blocking)
+        work = m.pg.alltoall_base(recv, send, recv_splits or [], send_splits or [],
+                                      m.blocking_opts if blocking else m.async_opts)
+        if blocking:
+            # NCCL returns no work for a blocking call (it ran on the current stream), as
+            # dist.all_to_all_single expects of backends that sync in C++
+            if work is not None:
+                work.wait()
+            return None
+        return work
+
+    def _exchange_header(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
+        """The call's host exchange: send int64 [num_ranks, HEADER_WORDS] (row r: rows we send
+        rank r, then this call's sequence number, layer digest and input status; see
+        :mod:`moe_plugins.faults`) -> what each peer sent us, same shape (into ``recv`` when
+        given: a caller that keeps one buffer for both saves an allocation per call)."""
+        if recv is None:
+            recv = torch.empty_like(send)
+        self._all_to_all_single(recv, send, None, None, True)
+        return recv
+
+    def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    num_recv: Optional[int] = None, blocking: bool = False
+                    ) -> tuple[torch.Tensor, Optional["dist.Work"]]:
+        """Rows of ``send`` [sum(send_splits), ...] go to each rank in order; returns the receive
+        tensor [sum(recv_splits), ...] (same dtype) and the pending work to wait on (None when
+        ``blocking``: the call returns once the transfer is done, on NCCL once it is queued on
+        the stream, with no work object or event to keep). ``num_recv``: sum(recv_splits)
+        when the caller has it already."""
+        wire = wire_view(send.contiguous())
+        rows = sum(recv_splits) if num_recv is None else num_recv
+        recv = torch.empty((rows, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
+        work = self._all_to_all_single(recv, wire, recv_splits, send_splits, blocking)
+        return recv.view(send.dtype) if recv.dtype != send.dtype else recv, work
 
     def _received(self, sent: torch.Tensor, row: "_RowLayout") -> PrepareResult:
         """The received rows -> the experts' input: LOCAL ids (-1 elsewhere) in one gather; the
@@ -310,8 +361,8 @@ class TorchPrepareFinalize(PrepareFinalize):
             raise ValueError(f"fused_expert_output has {fused_expert_output.shape[0]} rows, "
                              f"prepare received {h.num_recv}")
         try:
-            recv, work = self.manager.all_to_all(fused_expert_output, h.recv_splits,
-                                                 h.send_splits, h.token_index.numel(), blocking)
+            recv, work = self._all_to_all(fused_expert_output, h.recv_splits, h.send_splits,
+                                          h.token_index.numel(), blocking)
         except RuntimeError as e:
             raise collective_error(self.faults, self.name, "combine all-to-all", self._timeout_s,
                                    e) from e

@@ -218,26 +218,29 @@ def test_manager_calls_the_process_group_and_the_public_function_under_a_trace(r
         assert torch.equal(r["eager"]["out"], r["compiling"]["out"])
 
 
-def test_manager_takes_a_blocking_call_that_returns_no_work():
+def test_a_blocking_call_that_returns_no_work_is_not_waited_on():
     """A backend that completes a blocking all-to-all in C++ returns no work object (NCCL in
-    torch 2.11 on the current stream; dist.all_to_all_single allows for it): the manager's
+    torch 2.11 on the current stream; dist.all_to_all_single allows for it): the backend's
     blocking all-to-all returns the received rows without waiting on anything."""
     import torch.distributed as dist
 
-    from all2all.torch_manager import TorchAll2AllManager
+    from types import SimpleNamespace
 
-    class _SyncInCpp:  # the ProcessGroup surface the manager calls, completing at once
+    from prepare_finalize.torch_reference import TorchPrepareFinalize
+
+    class _SyncInCpp:  # the ProcessGroup surface the backend calls, completing at once
         def alltoall_base(self, recv, send, recv_splits, send_splits, opts):
             assert opts.asyncOp is False
             recv.copy_(send)
             return None
 
-    m = object.__new__(TorchAll2AllManager)
-    m.group, m._pg = None, _SyncInCpp()
-    m._blocking_opts, m._async_opts = dist.AllToAllOptions(), dist.AllToAllOptions()
-    m._blocking_opts.asyncOp = False
+    blocking = dist.AllToAllOptions()
+    blocking.asyncOp = False
+    pf = object.__new__(TorchPrepareFinalize)
+    pf.manager = SimpleNamespace(group=None, pg=_SyncInCpp(), blocking_opts=blocking,
+                                 async_opts=dist.AllToAllOptions())
     rows = torch.arange(12.0).view(4, 3)
-    got, work = m.all_to_all(rows, [4], [4], blocking=True)
+    got, work = pf._all_to_all(rows, [4], [4], blocking=True)
     assert work is None and torch.equal(got, rows)
     header = torch.arange(4).view(1, 4)
-    assert torch.equal(m.exchange_header(header), header)
+    assert torch.equal(pf._exchange_header(header), header)

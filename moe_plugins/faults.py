@@ -23,6 +23,23 @@ results that belong to another batch, with no error. So:
    error (timeout, peer gone) into :class:`CollectiveError` naming the layer, the collective
    and the peers, and breaks the group.
 
+5. A check that refuses this rank's inputs **before this rank sent anything** (a refusal) leaves
+   the layer usable, and the peers never pair this rank's next call with the refused one:
+
+   - on a backend with a host exchange (``torch``) the refusal travels in it (rule 1): every
+     rank raises at that point, the refusing rank its own error, the others
+     :class:`PeerInputError`; a caller's own refusal goes the same way
+     (``PrepareFinalize.refuse``);
+   - on a backend without one (the DeepEP, NIXL EP and flashinfer kernels) the peers are in
+     this call's dispatch already and cannot be told. The refusing rank *owes* the call
+     (:meth:`GroupFaults.refuse`): its next call on the group must be that call with no tokens
+     of its own, so that its experts still serve the peers' tokens and their results are
+     right; then it raises its error. :class:`moe_plugins.runner.layer.MoELayer` and the vLLM
+     adapter make that call themselves where the layout allows it (one TP rank, or a refusal
+     of the layer input, which every TP rank of a DP group shares); any other next call breaks
+     the group (:meth:`GroupFaults.settle`) instead of pairing with the peers' pending one;
+   - with one rank in the group there is no peer to be out of step with.
+
 State is per EP process group (all layers on a group share its collective sequence), held by
 :func:`group_faults`; nothing here runs per token, and the per-call cost is an attribute read.
 """
@@ -38,7 +55,7 @@ import torch
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "HEADER_WORDS",
            "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
-           "is_in_step"]
+           "is_in_step", "owes_call", "is_owed_call"]
 
 #: Words a rank sends each peer in a host exchange: (count, sequence number, digest, status).
 HEADER_WORDS = 4
@@ -91,6 +108,10 @@ class GroupFaults:
     seq: int = 0
     broken: Optional[str] = None
     layers: int = 0  # backends built on this group so far (every rank builds them in one order)
+    #: The backend object (and its layer's name) whose call this rank refused while its peers
+    #: are in it (see :meth:`refuse`); None when nothing is owed.
+    owed_by: Optional[object] = None
+    _owed_layer: str = ""
     _first: Optional[BaseException] = field(default=None, repr=False)
 
     def check(self, layer: str) -> None:
@@ -113,6 +134,32 @@ class GroupFaults:
         if self.broken is None:
             self.broken = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
             self._first = exc
+
+    def refuse(self, backend: object, layer: str, error: BaseException) -> BaseException:
+        """The error to raise when ``backend`` (a backend without a host exchange) refuses this
+        rank's inputs before sending anything: with peers, they are in this call, so the call is
+        owed (:meth:`settle`) and the error tagged :func:`owes_call`; alone, it is in step."""
+        if len(self.ranks) == 1:
+            return in_step(error)
+        if self.owed_by is None:
+            self.owed_by, self._owed_layer = backend, layer
+        return owes_call(error)
+
+    def settle(self, backend: object, layer: str, num_tokens: int) -> None:
+        """At the start of a call on ``backend`` while a refused call is owed: a call of the same
+        backend with no tokens of its own IS the owed call (it completes the peers' call); any
+        other call would pair with the peers' pending one, so the group breaks and this raises
+        :class:`LayerBrokenError` naming both calls."""
+        owed, owed_layer = self.owed_by, self._owed_layer
+        self.owed_by, self._owed_layer = None, ""
+        if owed is backend and num_tokens == 0:
+            return
+        what = (f"this rank refused its inputs to a call of {owed_layer} while its peers were in "
+                f"that call, and its next call on the group was a call of {layer} with "
+                f"{num_tokens} token(s), not that call with no tokens of its own (its peers would "
+                "have paired the two)")
+        self.mark_broken(what)
+        self.check(layer)
 
 
 _GROUPS: dict[object, GroupFaults] = {}
@@ -154,6 +201,21 @@ def in_step(exc: BaseException) -> BaseException:
 
 def is_in_step(exc: BaseException) -> bool:
     return isinstance(exc, PeerInputError) or getattr(exc, _IN_STEP, False)
+
+
+_OWES = "_moe_plugins_owes_call"
+
+
+def owes_call(exc: BaseException) -> BaseException:
+    """Tag ``exc`` as a refusal of this rank's inputs on a backend without a host exchange while
+    its peers are in the call (:meth:`GroupFaults.refuse`): nothing was sent, and the caller
+    must complete the call with no tokens of its own, or the group breaks at its next call."""
+    setattr(exc, _OWES, True)
+    return exc
+
+
+def is_owed_call(exc: BaseException) -> bool:
+    return getattr(exc, _OWES, False)
 
 
 def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Optional[float],

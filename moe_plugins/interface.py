@@ -22,8 +22,8 @@ from moe_plugins.quant import QuantSpec
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "LazyExpertTokensMeta", "PrepareResult",
     "RowScatterTarget", "Hook", "AsyncResult", "PrepareFinalize", "capturing",
-    "check_prepare_inputs", "check_finalize_routing", "check_finalize_result", "row_scatter_add",
-    "write_output", "BatchHint",
+    "check_prepare_inputs", "check_finalize_routing", "check_finalize_result", "check_output",
+    "row_scatter_add", "write_output", "BatchHint",
 ]
 
 Hook = Callable[[], None]
@@ -169,6 +169,24 @@ def write_output(output: "torch.Tensor | RowScatterTarget", combined: torch.Tens
     return output
 
 
+def check_output(output: "torch.Tensor | RowScatterTarget", num_tokens: int, hidden: int) -> None:
+    """A finalize's ``output`` checked before anything is sent: a plain tensor
+    [num_tokens, hidden] (the tokens given to prepare), or a row-scatter target owning
+    ``num_tokens`` rows of ``hidden`` columns. ValueError/TypeError naming what was given."""
+    if isinstance(output, RowScatterTarget):
+        if output.rows.num_owned != num_tokens or output.buffer.shape[1] != hidden:
+            raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows of "
+                             f"{output.buffer.shape[1]} columns, prepare was given {num_tokens} "
+                             f"tokens of hidden={hidden}")
+        return
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"finalize output must be a torch.Tensor or a RowScatterTarget, got "
+                        f"{type(output).__name__}")
+    if output.shape != (num_tokens, hidden):
+        raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
+                         f"[{num_tokens}, {hidden}] (the tokens given to prepare)")
+
+
 def check_prepare_inputs(
     hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     cfg: Optional[DispatchConfig] = None,
@@ -178,6 +196,9 @@ def check_prepare_inputs(
     (the layer's): ``hidden`` and ``num_topk`` must be the layer's. Shape and dtype checks only
     (no host sync); a backend calls it where every rank can learn the outcome (see
     :mod:`moe_plugins.faults`). (Called per prepare: each shape is read once.)"""
+    if not (type(hidden_states) is torch.Tensor and type(topk_weights) is torch.Tensor
+            and type(topk_ids) is torch.Tensor):
+        _check_tensors(hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
     h_shape, w_shape, ids_shape = hidden_states.shape, topk_weights.shape, topk_ids.shape
     if len(h_shape) != 2:
         raise ValueError(f"hidden_states must be [num_tokens, hidden], got {tuple(h_shape)}")
@@ -198,6 +219,11 @@ def check_prepare_inputs(
             f"topk_weights {tuple(w_shape)} must cover the same tokens: slice all three "
             "together with moe_plugins.layout.slice_owned"
         )
+    device = hidden_states.device
+    if topk_ids.device != device or topk_weights.device != device or device.type == "meta":
+        raise ValueError(f"hidden_states ({device}), topk_ids ({topk_ids.device}) and "
+                         f"topk_weights ({topk_weights.device}) must be on the layer's device "
+                         "(one cuda or cpu device, not meta); move them with .to(device)")
     if cfg is not None:
         if h_shape[1] != cfg.hidden:
             raise ValueError(f"hidden_states has hidden={h_shape[1]}, the layer was "
@@ -207,30 +233,45 @@ def check_prepare_inputs(
                              f"built for num_topk={cfg.num_topk}; route with the layer's top-k")
 
 
+def _check_tensors(**tensors: object) -> None:
+    """TypeError naming the first argument that is not a torch.Tensor (a numpy array, a list)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__module__}."
+                            f"{type(t).__qualname__}; convert it with torch.as_tensor(...) on "
+                            "the layer's device")
+
+
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_finalize_routing(prepared: torch.Tensor, topk_ids: torch.Tensor,
-                           topk_weights: torch.Tensor) -> None:
-    """A finalize must get the topk_ids its prepare was given (a combine reduces by the
-    dispatch's routing: other ids give zeros, or garbage on the real kernels). The same tensor
+def check_finalize_routing(prepared_ids: torch.Tensor, prepared_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """The one rule for every backend: a finalize must get the topk_ids AND topk_weights its
+    prepare was given (a combine reduces by the dispatch's routing, and a backend applies the
+    weights either before the experts, from what travelled with the tokens, or in its combine:
+    other weights would silently mean different things on different backends). The same tensor
     (what vLLM passes) is recognised by identity or storage, with no host sync. Another tensor of
     that shape and dtype (a second ``.to(device)`` copy, say) is compared by value, one host sync
-    off the common path; during a CUDA-graph capture, where a sync is not allowed, it is refused."""
-    if topk_ids is not prepared and (topk_ids.shape != prepared.shape
-                                     or topk_ids.dtype != prepared.dtype
-                                     or (topk_ids.data_ptr() != prepared.data_ptr()
-                                         and (capturing() or not torch.equal(topk_ids, prepared)))):
-        raise ValueError(
-            f"finalize got topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype} that are not the "
-            f"ones given to prepare ({tuple(prepared.shape)} {prepared.dtype}"
-            f"{'; compared by storage during a CUDA-graph capture' if capturing() else ''}); "
-            "pass the same tensor to prepare and finalize")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"finalize got topk_weights {tuple(topk_weights.shape)} for topk_ids "
-                         f"{tuple(topk_ids.shape)}; pass the weights given to prepare")
+    off the common path; during a CUDA-graph capture, where a sync is not allowed, it is
+    refused. ValueError naming which of the two differs."""
+    for name, got, given in (("topk_ids", topk_ids, prepared_ids),
+                             ("topk_weights", topk_weights, prepared_weights)):
+        if got is given:
+            continue
+        if not isinstance(got, torch.Tensor):
+            raise TypeError(f"finalize got {name} of type {type(got).__name__}; pass the tensor "
+                            "given to prepare")
+        if (got.shape != given.shape or got.dtype != given.dtype
+                or (got.data_ptr() != given.data_ptr()
+                    and (capturing() or not torch.equal(got, given)))):
+            raise ValueError(
+                f"finalize got {name} {tuple(got.shape)} {got.dtype} that are not the ones given "
+                f"to prepare ({tuple(given.shape)} {given.dtype}"
+                f"{'; compared by storage during a CUDA-graph capture' if capturing() else ''}); "
+                "pass the same tensors to prepare and finalize")
 
 
 @dataclass
@@ -328,6 +369,19 @@ class PrepareFinalize(ABC):
     def reset_call_state(self) -> None:
         """Drop per-call state (dispatch handles). Called in ``finally`` after every layer call,
         so an error in one call never shows up as a stale-handle error in the next."""
+
+    #: True when every call starts with a host exchange that can carry a refusal to the peers
+    #: (:meth:`refuse`); False: the peers cannot be told, and a caller that refuses a call's
+    #: inputs completes it with no tokens of its own instead (:mod:`moe_plugins.faults`, rule 5).
+    host_exchange: bool = False
+
+    def refuse(self, error: BaseException) -> None:
+        """A caller refused this call's inputs before calling prepare: take this rank's part in
+        the call's host exchange without them, so every rank raises at the same point (this
+        one ``error``, its peers :class:`moe_plugins.faults.PeerInputError`). Always raises.
+        Only where :attr:`host_exchange` is True."""
+        raise TypeError(f"{type(self).__name__} has no host exchange to refuse a call through; "
+                        "complete the call with no tokens of its own instead") from error
 
     def set_batch_hint(self, hint: Optional[BatchHint]) -> None:
         """What the engine knows about the next call's forward pass (the vLLM glue reads it from

@@ -26,7 +26,7 @@ from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check
                                 collective_error, config_digest, group_faults, in_step)
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_finalize_result, check_finalize_routing,
+                                   check_finalize_result, check_finalize_routing, check_output,
                                    check_prepare_inputs, write_output)
 from moe_plugins.layout import DestinationMap, LocalIdMap
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, wire_view
@@ -45,7 +45,8 @@ class _DispatchHandle:
     send_splits: list[int]
     recv_splits: list[int]
     num_recv: int
-    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
+    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same, and the
+    topk_weights: torch.Tensor  # same weights: they travelled with the tokens)
 
 
 class _HeaderBuffer:
@@ -174,9 +175,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         [num_recv, row bytes], its pending work or None, the row layout)."""
         f = self.faults
         f.check(self.name)
-        if self._handle is not None:
-            f.mark_broken("prepare called twice without finalize")
-            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
+        self._check_no_call_in_flight("prepare")
         m = self.manager
         try:  # raised after the exchange, so that every rank raises alike
             check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
@@ -184,33 +183,19 @@ class TorchPrepareFinalize(PrepareFinalize):
         except (ValueError, TypeError) as e:
             input_error = e
         r = m.num_ranks
-        hb = self._headers.get(hidden_states.device)
-        if hb is None:
-            hb = self._headers[hidden_states.device] = _HeaderBuffer(r, self._digest,
-                                                                     hidden_states.device)
-        f.seq += 1
-        if input_error is None:
-            if self._destinations is None:
-                self._destinations = DestinationMap(m.placement)
-            ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
-            # [r + 2, n]: the destination ranks, a -1 row, a bad-id row (faults' status word:
-            # the count of tokens with ids outside [-1, num_physical))
-            hit = self._destinations(ids)
-            hb.write_counts(hit)
-        else:
-            hb.counts.zero_()
-            hb.status.fill_(STATUS_BAD_INPUT)
-        hb.write_words(f.seq)
-        try:
-            self._exchange_header(hb.send, hb.recv)
-        except RuntimeError as e:
-            raise collective_error(f, self.name, "split-size exchange", self._timeout_s, e) from e
-        header = hb.buffer.tolist()  # the one host sync of the call
-        sent_header, peers = header[:r], header[r + 2:]
-        send_splits = [row[0] for row in sent_header]
-        check_peers(f, self.name, m.rank, f.seq, self._digest, peers)
         if input_error is not None:
-            raise in_step(input_error)
+            self._refused_exchange(input_error)
+        hb = self._header_buffer(hidden_states.device)
+        f.seq += 1
+        if self._destinations is None:
+            self._destinations = DestinationMap(m.placement)
+        ids = topk_ids if topk_ids.dtype is torch.int64 else topk_ids.long()
+        # [r + 2, n]: the destination ranks, a -1 row, a bad-id row (faults' status word: the
+        # count of tokens with ids outside [-1, num_physical))
+        hit = self._destinations(ids)
+        hb.write_counts(hit)
+        sent_header, peers = self._exchange(hb)
+        send_splits = [row[0] for row in sent_header]
         if sent_header[0][3] != STATUS_OK:  # a count of tokens with out-of-range ids
             num_physical = m.placement.num_physical
             raise in_step(ValueError(
@@ -243,7 +228,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         s.sf_bytes += num_sent * row.sf_bytes
         s.meta_bytes += num_sent * row.meta_bytes
         self._handle = _DispatchHandle(hidden_states.shape[0], token_index, send_splits,
-                                       recv_splits, num_recv, topk_ids)
+                                       recv_splits, num_recv, topk_ids, topk_weights)
         return sent, work, row
 
     # -- the process group's calls (the manager holds the group and the options) ---------------
@@ -296,6 +281,58 @@ class TorchPrepareFinalize(PrepareFinalize):
         work = self._all_to_all_single(recv, wire, recv_splits, send_splits, blocking)
         return recv.view(send.dtype) if recv.dtype != send.dtype else recv, work
 
+    # -- the host exchange (moe_plugins.faults, rules 1, 2 and 5) ------------------------------
+    host_exchange = True
+
+    def refuse(self, error: BaseException) -> None:
+        """A caller refused this call's inputs: the header exchange goes out with this rank's
+        input status set (no rows), every rank raises after it, this one ``error``."""
+        self.faults.check(self.name)
+        self._check_no_call_in_flight("refuse")
+        self._refused_exchange(error)
+
+    def _refused_exchange(self, error: BaseException) -> None:
+        """The header exchange of a call whose inputs this rank refused; raises ``error`` (in
+        step: its peers raise PeerInputError at the same point, or their own refusals)."""
+        hb = self._header_buffer(self.manager.ctx.device)
+        self.faults.seq += 1
+        hb.counts.zero_()
+        hb.status.fill_(STATUS_BAD_INPUT)
+        self._exchange(hb)
+        raise in_step(error)
+
+    def _header_buffer(self, device: torch.device) -> _HeaderBuffer:
+        hb = self._headers.get(device)
+        if hb is None:
+            hb = self._headers[device] = _HeaderBuffer(self.manager.num_ranks, self._digest,
+                                                       device)
+        return hb
+
+    def _exchange(self, hb: _HeaderBuffer) -> tuple[list[list[int]], list[list[int]]]:
+        """Send this call's header (counts and status already written), receive the peers',
+        check them (:func:`check_peers`) -> (what this rank sent each peer, what each peer
+        sent it), rows of (count, seq, digest, status)."""
+        f, r = self.faults, self.manager.num_ranks
+        hb.write_words(f.seq)
+        try:
+            self._exchange_header(hb.send, hb.recv)
+        except RuntimeError as e:
+            raise collective_error(f, self.name, "split-size exchange", self._timeout_s, e) from e
+        header = hb.buffer.tolist()  # the one host sync of the call
+        peers = header[r + 2:]
+        check_peers(f, self.name, self.manager.rank, f.seq, self._digest, peers)
+        return header[:r], peers
+
+    def _check_no_call_in_flight(self, what: str) -> None:
+        """``what`` (prepare, refuse) while a dispatched call was never combined: its peers wait
+        in that call's combine, so the group breaks."""
+        if self._handle is not None:
+            msg = (f"{self.name}: {what} called while call {self.faults.seq} is in flight (its "
+                   "prepare ran, its finalize did not; its peers wait in that call's combine): "
+                   "call finalize, or reset_call_state after an error, before the next prepare")
+            self.faults.mark_broken(msg)
+            raise RuntimeError(msg)
+
     def _received(self, sent: torch.Tensor, row: "_RowLayout") -> PrepareResult:
         """The received rows -> the experts' input: LOCAL ids (-1 elsewhere) in one gather; the
         per-expert counts are made when first read (STANDARD experts rarely read them)."""
@@ -333,7 +370,8 @@ class TorchPrepareFinalize(PrepareFinalize):
         """fused_expert_output [num_recv_tokens, hidden]: the weighted sum over this rank's
         experts of each received row; it goes back to the row's owner, which sums its rows
         into ``output``."""
-        recv, work, h = self._combine(fused_expert_output, topk_weights, topk_ids, False)
+        recv, work, h = self._combine(fused_expert_output, topk_weights, topk_ids, output,
+                                      False)
 
         def hook() -> None:
             self._wait(work, "combine all-to-all")
@@ -344,22 +382,28 @@ class TorchPrepareFinalize(PrepareFinalize):
     def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
         """:meth:`finalize_async` with a blocking all-to-all."""
-        recv, _, h = self._combine(fused_expert_output, topk_weights, topk_ids, True)
+        recv, _, h = self._combine(fused_expert_output, topk_weights, topk_ids, output, True)
         return check_finalize_result(self, output, self._combined(
             recv, h, fused_expert_output.dtype, output))
 
     def _combine(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor, blocking: bool
+                 topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget, blocking: bool
                  ) -> tuple[torch.Tensor, "object | None", _DispatchHandle]:
         """The reverse all-to-all (issued): what we received goes back where it came from ->
         (the returned rows [num_sent_rows, hidden], the pending work or None, the handle)."""
         h = self._handle
         if h is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
-        check_finalize_routing(h.topk_ids, topk_ids, topk_weights)
-        if fused_expert_output.shape[0] != h.num_recv:
-            raise ValueError(f"fused_expert_output has {fused_expert_output.shape[0]} rows, "
-                             f"prepare received {h.num_recv}")
+        if topk_ids is not h.topk_ids or topk_weights is not h.topk_weights:
+            check_finalize_routing(h.topk_ids, h.topk_weights, topk_ids, topk_weights)
+        if not isinstance(fused_expert_output, torch.Tensor):
+            raise TypeError(f"fused_expert_output must be a torch.Tensor, got "
+                            f"{type(fused_expert_output).__name__}")
+        if fused_expert_output.shape != (h.num_recv, self.cfg.hidden):
+            raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}, "
+                             f"expected [{h.num_recv}, {self.cfg.hidden}] (the rows prepare "
+                             "received, the layer's hidden)")
+        check_output(output, h.num_tokens, self.cfg.hidden)
         try:
             recv, work = self._all_to_all(fused_expert_output, h.recv_splits, h.send_splits,
                                           h.token_index.numel(), blocking)

@@ -51,6 +51,13 @@ _CallState = tuple
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
+def _num_rows(hidden_states: object) -> int:
+    """The token count of a prepare's activations (-1 when they are not a tensor with rows)."""
+    if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 1:
+        return hidden_states.shape[0]
+    return -1
+
+
 class LowLatencyPrepareFinalize(PrepareFinalize):
     """BATCHED layout: prepare returns x [num_local_experts, num_recv_slots, hidden] with a
     token count per local expert, topk ids/weights None (combine applies the weights).
@@ -200,12 +207,17 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         """:meth:`prepare_async`'s halves without the result objects (the vLLM adapter builds
         vLLM's own from them): checks the call and issues the dispatch. Returns the receive
         buffers (the class doc's x and x_sf, filled once ``hook`` has run; hook None when not
-        ``recv_hook``: filled already), recv_count int32 [num_local_experts] and the hook. A call
-        that raises here breaks the group: peers are in or past this dispatch."""
-        if self.faults.broken is not None:  # the common case costs one attribute read
-            self.faults.check(self.name)
+        ``recv_hook``: filled already), recv_count int32 [num_local_experts] and the hook.
+        Inputs refused before anything is launched leave the group in step where it has one
+        rank, else the call is owed (:mod:`moe_plugins.faults`, rule 5); any other error breaks
+        the group: peers are in or past this dispatch."""
+        f = self.faults
+        if f.broken is not None or f.owed_by is not None:  # the common case: two attribute reads
+            f.check(self.name)
+            if f.owed_by is not None:
+                f.settle(self, self.name, _num_rows(hidden_states))
+        launched = False
         try:
-            h_shape = hidden_states.shape
             rt = self.runtime_calls
             # A layer's common call passes in one test: [n, hidden] tokens, float32 weights and
             # ids in the library's dtype of shape [n, num_topk], the quant spec of the last call,
@@ -213,13 +225,19 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             # which the runtime's asserts check where it is called directly (RuntimeCalls). Any
             # other call takes the full checks, which raise every error they raised before, in
             # the same order.
-            if not (len(h_shape) == 2 and h_shape[1] == self._hidden
-                    and topk_weights.dtype is _F32 and topk_ids.dtype is self._idx_dtype
-                    and quant is self._checked_quant and self._state is None
-                    and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
-                    and (rt is not None or hidden_states.dtype is _BF16
-                         and h_shape[0] <= self._max_tokens)):
+            try:
+                h_shape = hidden_states.shape
+                common = (len(h_shape) == 2 and h_shape[1] == self._hidden
+                          and topk_weights.dtype is _F32 and topk_ids.dtype is self._idx_dtype
+                          and quant is self._checked_quant and self._state is None
+                          and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
+                          and (rt is not None or hidden_states.dtype is _BF16
+                               and h_shape[0] <= self._max_tokens))
+            except AttributeError:  # not tensors: the full checks say which
+                common = False
+            if not common:
                 self._check_call(hidden_states, topk_weights, topk_ids, quant)
+                h_shape = hidden_states.shape
                 ids = self._ids(topk_ids)
                 x = hidden_states.contiguous()
                 weights = topk_weights if topk_weights.dtype is _F32 else topk_weights.float()
@@ -234,6 +252,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                 assert_expert_ids(ids, self._num_experts, self._id_error)
             if self._padded:
                 x = self._pad_last(x)
+            launched = True
             if rt is None:
                 recv_x, recv_sf, recv_count, handle, hook = self._dispatch_through_wrapper(
                     x, ids, use_fp8, use_ue8m0, recv_hook)
@@ -243,8 +262,10 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                         self._buffer.runtime, x, ids, None, None, self._max_tokens,
                         self._num_experts, use_fp8, use_ue8m0, use_ue8m0, False, recv_hook)
                 except RuntimeError as refused:
+                    launched = False  # the runtime's host asserts come before any launch
                     x, ids = self._refused_dispatch(hidden_states, topk_weights, topk_ids,
                                                     quant, x, ids, refused)
+                    launched = True
                     recv_x, recv_sf, recv_count, src_info, layout_range, _, hook = rt.dispatch(
                         self._buffer.runtime, x, ids, None, None, self._max_tokens,
                         self._num_experts, use_fp8, use_ue8m0, use_ue8m0, False, recv_hook)
@@ -258,8 +279,11 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             self._state = (handle, n, recv_x.shape, topk_ids, topk_weights, ids, weights)
             self._calls += 1
             self._tokens[use_fp8] += n
-        except BaseException as e:  # peers are in (or past) this dispatch: out of step now
-            self.faults.mark_broken(f"{self.name}: prepare raised on this rank", e)
+        except BaseException as e:
+            if not launched and isinstance(e, (ValueError, TypeError)):
+                raise f.refuse(self, self.name, e)  # nothing sent (faults, rule 5)
+            # peers are in (or past) this dispatch: out of step now
+            f.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise
         return recv_x, recv_sf, recv_count, hook
 
@@ -324,7 +348,10 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                              f"{m.max_tokens_per_rank} per rank; raise "
                              "DispatchConfig.max_tokens_per_rank")
         if self._state is not None:
-            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
+            raise RuntimeError(f"{self.name}: prepare called while a call is in flight (its "
+                               "prepare ran, its finalize did not; its peers wait in that call's "
+                               "combine): call finalize, or reset_call_state after an error, "
+                               "before the next prepare")
 
     def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget
@@ -378,11 +405,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             if rt is None and fused_expert_output.dtype is not _BF16:
                 raise self._expert_dtype_error(fused_expert_output)
             if topk_ids is not prepared_ids or topk_weights is not prepared_weights:
-                # the same routing only (a combine reduces by the dispatch's)
-                check_finalize_routing(prepared_ids, topk_ids, topk_weights)
-                ids = self._ids(topk_ids)
-                weights = (topk_weights if topk_weights.dtype is _F32
-                           else topk_weights.float())
+                # the same routing only (equal values: prepare's casts serve as they are)
+                check_finalize_routing(prepared_ids, prepared_weights, topk_ids, topk_weights)
             if isinstance(output, RowScatterTarget):
                 if output.rows.num_owned != n:
                     raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows, "

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.runner.experts import TorchExperts
-from moe_plugins.faults import group_faults, is_in_step
+from moe_plugins.faults import group_faults, in_step, is_in_step, is_owed_call
 from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
@@ -162,17 +162,20 @@ class MoELayer:
         self.placement = placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One call; collective over the EP group. A call that fails on this rank other than
-        in step with its peers (see :mod:`moe_plugins.faults`) breaks the group: later calls
-        raise naming that first failure until the layer is rebuilt on new groups."""
+        """One call; collective over the EP group. An input this rank refuses leaves the layer
+        usable and never lets a peer pair this call with another (:mod:`moe_plugins.faults`,
+        rule 5): through the backend's host exchange every rank raises at the same point; on a
+        backend without one this rank takes part in the call with no tokens of its own (its
+        experts still serve the peers' tokens), then raises. A call that fails on this rank
+        after its first collective breaks the group: later calls raise naming that first failure
+        until the layer is rebuilt on new groups."""
         if self._destroyed:
             raise RuntimeError(f"{self.name} was destroyed; build a new MoELayer to run it again")
         self.faults.check(self.name)
+        refusal = self._input_error(x)
+        if refusal is not None:
+            self._refuse(refusal)
         try:
-            if x.dim() != 2 or x.shape[1] != self.cfg.hidden or not x.is_floating_point():
-                raise (ValueError if x.is_floating_point() else TypeError)(
-                    f"{self.name}: x must be float [num_tokens, {self.cfg.hidden}], got "
-                    f"{x.dtype} {tuple(x.shape)}")
             topk_weights, topk_ids = route(x, self.router, self.cfg.num_topk, self.cfg.renormalize)
             if not self.placement.is_linear:
                 topk_ids = self.placement.to_physical(topk_ids)
@@ -180,9 +183,55 @@ class MoELayer:
                 return self._forward_no_dispatch(x, topk_weights, topk_ids)
             return self._forward_dispatch(x, topk_weights, topk_ids)
         except BaseException as e:
+            if is_owed_call(e) and self.ctx.layout.tp == 1:
+                # the backend refused this rank's tokens and its peers are in the call; with one
+                # TP rank nothing follows the combine, so the call is completed without them
+                self._serve_without_tokens(e)
             if not is_in_step(e):
                 self.faults.mark_broken(f"{self.name} raised on this rank", e)
             raise
+
+    def _input_error(self, x: object) -> Optional[Exception]:
+        """Why this rank refuses the layer input ``x`` (None: it does not)."""
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"{self.name}: x must be a torch.Tensor [num_tokens, "
+                             f"{self.cfg.hidden}], got {type(x).__module__}."
+                             f"{type(x).__qualname__}; convert it with torch.as_tensor(x, "
+                             f"device={str(self.ctx.device)!r})")
+        if x.device != self.ctx.device:
+            return ValueError(f"{self.name}: x is on {x.device}, the layer on {self.ctx.device}; "
+                              "move it with .to(device)")
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden or not x.is_floating_point():
+            return (ValueError if x.is_floating_point() else TypeError)(
+                f"{self.name}: x must be float [num_tokens, {self.cfg.hidden}], got "
+                f"{x.dtype} {tuple(x.shape)}")
+        return None
+
+    def _refuse(self, error: Exception) -> None:
+        """This rank refuses the layer input: raise ``error`` in step with the peers. Every TP
+        rank of a DP group holds the same input and refuses it alike, so without a dispatch
+        (TP_UNIFIED, or one rank) no collective is skipped; with one, the backend's host exchange
+        tells the peers, or this rank completes the call without tokens."""
+        if self.pf is None:
+            raise in_step(error)
+        if self.pf.host_exchange:
+            self.pf.refuse(error)
+        self._serve_without_tokens(error)
+
+    def _serve_without_tokens(self, error: BaseException) -> None:
+        """Take part in the refused call with no tokens of this rank's own (the peers are in its
+        dispatch and this rank's experts hold some of their tokens), then raise ``error``."""
+        cfg, device = self.cfg, self.ctx.device
+        try:
+            self._forward_dispatch(torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
+                                   torch.empty(0, cfg.num_topk, dtype=torch.float32,
+                                               device=device),
+                                   torch.empty(0, cfg.num_topk, dtype=torch.int64, device=device))
+        except BaseException as e:
+            self.faults.mark_broken(f"{self.name}: the call refused on this rank could not be "
+                                    "completed without its tokens", e)
+            raise
+        raise in_step(error)
 
     def _forward_no_dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor,
                              topk_ids: torch.Tensor) -> torch.Tensor:
@@ -242,7 +291,7 @@ class MoELayer:
                 full = full + self._all_reduce(shared)
             return full
         except BaseException as e:  # named before reset_call_state records the abandoned call
-            if not is_in_step(e):
+            if not (is_in_step(e) or is_owed_call(e)):
                 self.faults.mark_broken(f"{self.name} raised on this rank", e)
             raise
         finally:

@@ -51,15 +51,16 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook
 
 from moe_plugins.counters import DispatchStats
+from moe_plugins.faults import group_faults, in_step, is_in_step, is_owed_call
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, check_finalize_result)
-from moe_plugins.layout import owned_rows, slice_owned
+from moe_plugins.layout import OwnedRows, owned_rows, slice_owned
 from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
-from moe_plugins.strategy import (ReductionStrategy, StrategyChoice)
+from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, nvfp4_global_scale, quant_scheme_of,
                                             receive_quantization)
@@ -78,7 +79,9 @@ _FIRST_CALL_LOGGED: set[str] = set()
 # Per-call state between prepare and finalize (one per micro-batch), a plain tuple (made on
 # every call): (rows: the owned rows, None where the adapter is ``_whole``; topk_ids and
 # topk_weights: the routing handed to the backend's prepare, which its finalize must get;
-# owns_all: this TP rank owns every row, nothing to slice out of, or zero around, the output).
+# owns_all: this TP rank owns every row, nothing to slice out of, or zero around, the output;
+# refusal: None, or the error of inputs this rank refused, raised by finalize once the call
+# went through without this rank's tokens).
 _Call = tuple
 
 
@@ -162,6 +165,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # read once: only a per-call backend pays for reading vLLM's forward context per call
         self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}  # (see _Call)
+        self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
         # our low-latency backends (every micro-batch's object): the adapter calls their send
         # and receive halves directly (dispatch_send, combine_send, combine_received)
         self._low_latency = bool(self._backends) and all(
@@ -440,50 +444,57 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         slot = dbo_current_ubatch_id()  # 0 without dual-batch overlap
         if slot >= self._num_slots:
             self._no_slot(slot)
-        if self._calls.pop(slot, None) is not None:
-            # This micro-batch's last call raised between prepare and finalize; its error
-            # already surfaced.
-            self._backends[slot].reset_call_state()
+        if slot in self._calls:
+            self._call_left_in_flight(slot)
         self.calls += 1
         if not self._first_call_logged:
             self._log_first_call(a1.shape[0])
-        if apply_router_weight_on_input:
-            if topk_ids.shape[1] != 1:
-                raise ValueError("apply_router_weight_on_input needs num_topk == 1, got "
-                                 f"{topk_ids.shape[1]}")
-            a1 = a1 * topk_weights.to(a1.dtype)
-            if self.batched:
-                # A batched backend's combine applies the weights it is given (prepare's, which
-                # finalize passes on): the input already carries the router weight, so it
-                # combines with unit weights, as vLLM's in-tree batched backends do.
-                topk_weights = torch.ones_like(topk_weights)
         quant = _DEFERRED if defer_input_quant else self._quant
-        if self.backend is None:  # no dispatch: quantize the local rows as a receive would
-            if self._recv_quant is not None and not defer_input_quant:
-                every_row = torch.ones(a1.shape[0], dtype=torch.bool, device=a1.device)
-                x, x_sf = self._quantize_received(a1, None, every_row, quant_config)
-            else:
-                x, x_sf = quantize_for_dispatch(a1, quant)
-                if x_sf is not None and quant.scheme is QuantScheme.NVFP4 and self._nvfp4_swizzle:
-                    x_sf = swizzle_nvfp4_sf(x_sf)
-            return lambda: (x, x_sf, None, None, None)
+        refusal: Optional[BaseException] = None
+        try:
+            if apply_router_weight_on_input:
+                if topk_ids.shape[1] != 1:
+                    raise ValueError("apply_router_weight_on_input needs num_topk == 1, got "
+                                     f"{topk_ids.shape[1]}")
+                a1 = a1 * topk_weights.to(a1.dtype)
+                if self.batched:
+                    # A batched backend's combine applies the weights it is given (prepare's,
+                    # which finalize passes on): the input already carries the router weight,
+                    # so it combines with unit weights, as vLLM's in-tree batched backends do.
+                    topk_weights = torch.ones_like(topk_weights)
+            if self.backend is None:  # no dispatch: quantize the local rows as a receive would
+                if self._recv_quant is not None and not defer_input_quant:
+                    every_row = torch.ones(a1.shape[0], dtype=torch.bool, device=a1.device)
+                    x, x_sf = self._quantize_received(a1, None, every_row, quant_config)
+                else:
+                    x, x_sf = quantize_for_dispatch(a1, quant)
+                    if (x_sf is not None and quant.scheme is QuantScheme.NVFP4
+                            and self._nvfp4_swizzle):
+                        x_sf = swizzle_nvfp4_sf(x_sf)
+                return lambda: (x, x_sf, None, None, None)
 
-        # TP_UNIFIED (no backend) takes any expert_map; checked once per expert_map tensor
-        if expert_map is not self._placement_map or self._slot_ids is None:
-            self._check_placement(expert_map)
-        ids = topk_ids if self._g2p is None else self._physical_ids(topk_ids)
-        # tp == 1 owns every row: nothing to slice, and the backend's input check covers what
-        # slice_owned would check (the three tensors cover the same tokens).
-        if self._whole:  # one TP rank, no all_gather after the finalize: no rows to track
-            x, weights, rows, owns_all = a1, topk_weights, None, True
-        else:
-            rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
-            if self._tp == 1:
-                x, weights = a1, topk_weights
+            # TP_UNIFIED (no backend) takes any expert_map; checked once per expert_map tensor
+            if expert_map is not self._placement_map or self._slot_ids is None:
+                self._check_placement(expert_map)
+            ids = topk_ids if self._g2p is None else self._physical_ids(topk_ids)
+            # tp == 1 owns every row: nothing to slice, and the backend's input check covers
+            # what slice_owned would check (the three tensors cover the same tokens).
+            rows: Optional[OwnedRows] = None
+            if self._whole:  # one TP rank, no all_gather after the finalize: no rows to track
+                x, weights, owns_all = a1, topk_weights, True
             else:
-                owned = slice_owned(rows, a1, ids, topk_weights)
-                x, ids, weights = owned.hidden_states, owned.topk_ids, owned.topk_weights
-            owns_all = rows.num_owned == rows.num_tokens
+                rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
+                if self._tp == 1:
+                    x, weights = a1, topk_weights
+                else:
+                    owned = slice_owned(rows, a1, ids, topk_weights)
+                    x, ids, weights = owned.hidden_states, owned.topk_ids, owned.topk_weights
+                owns_all = rows.num_owned == rows.num_tokens
+        except (ValueError, TypeError) as e:  # refused before anything was sent
+            if self.backend is None:
+                raise
+            refusal = self._refuse(e)
+            x, ids, weights, rows, owns_all = self._no_tokens()
         backend = self._backends[slot]
         if self._wants_hint:
             # per-call backends pick their transport (deepep_auto) or size their receive rows
@@ -492,20 +503,47 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             # pads the chunks to one size)
             backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
                                               presliced=self._tp != self.ctx.layout.tp))
-        # registered first: a receive that raises leaves a call the next prepare resets
-        self._calls[slot] = (rows, ids, weights, owns_all)
-        if self._low_latency and (defer_input_quant or self._recv_quant is None):
-            # our low-latency backends' send, vLLM's result built from the receive buffers
-            # (no PrepareResult in between: host time on every eager call)
-            recv_x, recv_sf, count, hook = backend.dispatch_send(x, weights, ids, quant,
-                                                                 not blocking)
-            result = (recv_x, recv_sf, mk.ExpertTokensMetadata(count, None), None, None)
-            return (hook, lambda: result) if hook is not None else lambda: result
-        if blocking:
-            result = self._to_vllm(backend.prepare(x, weights, ids, quant), topk_ids,
-                                   topk_weights, quant, quant_config, defer_input_quant)
-            return lambda: result
-        sent = backend.prepare_async(x, weights, ids, quant)
+        try:
+            sent = self._send(slot, backend, x, weights, ids, quant, rows, owns_all, refusal,
+                              topk_ids, topk_weights, quant_config, defer_input_quant, blocking)
+        except BaseException as e:
+            if refusal is not None or not is_owed_call(e):
+                raise
+            # the backend refused this rank's tokens and its peers are in the call
+            refusal = self._refuse(e)
+            x, ids, weights, rows, owns_all = self._no_tokens()
+            if self._wants_hint:
+                backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
+                                                  presliced=self._tp != self.ctx.layout.tp))
+            sent = self._send(slot, backend, x, weights, ids, quant, rows, owns_all, refusal,
+                              topk_ids, topk_weights, quant_config, defer_input_quant, blocking)
+        return sent
+
+    def _send(self, slot: int, backend: PrepareFinalize, x: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor, quant: QuantSpec, rows: Optional[OwnedRows], owns_all: bool,
+              refusal: Optional[BaseException], topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, quant_config: Any, defer_input_quant: bool,
+              blocking: bool) -> Any:
+        """Register the call (a receive that raises leaves it for the next prepare to reset)
+        and issue the backend's dispatch; returns vLLM's (hook, receiver) or receiver."""
+        self._calls[slot] = (rows, ids, weights, owns_all, refusal)
+        try:
+            if self._low_latency and (defer_input_quant or self._recv_quant is None):
+                # our low-latency backends' send, vLLM's result built from the receive buffers
+                # (no PrepareResult in between: host time on every eager call)
+                recv_x, recv_sf, count, hook = backend.dispatch_send(x, weights, ids, quant,
+                                                                     not blocking)
+                result = (recv_x, recv_sf, mk.ExpertTokensMetadata(count, None), None, None)
+                return (hook, lambda: result) if hook is not None else lambda: result
+            if blocking:
+                result = self._to_vllm(backend.prepare(x, weights, ids, quant), topk_ids,
+                                       topk_weights, quant, quant_config, defer_input_quant)
+                return lambda: result
+            sent = backend.prepare_async(x, weights, ids, quant)
+        except BaseException as e:
+            if is_in_step(e) or is_owed_call(e):  # nothing in flight: no call to reset later
+                del self._calls[slot]
+            raise
 
         def receiver() -> mk.PrepareResultType:
             prep = sent.receiver()
@@ -514,6 +552,45 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                  defer_input_quant)
 
         return (sent.hook, receiver) if sent.hook is not None else receiver
+
+    def _refuse(self, error: BaseException) -> BaseException:
+        """This rank refuses the call's inputs before sending anything (:mod:`moe_plugins.
+        faults`, rule 5). Through the backend's host exchange every rank raises here. Without
+        one, with one TP rank (nothing follows the combine), the call goes on with no tokens of
+        this rank's own and finalize raises ``error`` (returned); with more, the TP peers may
+        not have refused alike, so the group breaks and this raises."""
+        if self.backend is not None and self.backend.host_exchange:
+            self.backend.refuse(error)
+        if self.ctx.layout.tp == 1:
+            return in_step(error)
+        self.faults.mark_broken(f"{self.backend_name} layer: EP rank {self.ctx.rank} refused its "
+                                "inputs while its peers were in the call, and with TP inside "
+                                "the EP group it cannot complete the call without them", error)
+        raise error
+
+    def _no_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                  Optional[OwnedRows], bool]:
+        """(x, ids, weights, rows, owns_all) of a call with no tokens of this rank's own."""
+        cfg, device = self.backend.cfg, self.ctx.device  # type: ignore[union-attr]
+        rows = None if self._whole else owned_rows(0, self._tp, self._tp_rank)
+        return (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
+                torch.empty(0, cfg.num_topk, dtype=torch.int64, device=device),
+                torch.empty(0, cfg.num_topk, dtype=torch.float32, device=device), rows, True)
+
+    def _call_left_in_flight(self, slot: int) -> None:
+        """A prepare of micro-batch ``slot`` while its last call was never finalized. After an
+        error that already broke the group (and surfaced), the call is dropped; otherwise prepare
+        was called twice: its peers wait in the first call's combine, so the group breaks."""
+        del self._calls[slot]
+        backend = self._backends[slot]
+        if self.faults.broken is None:
+            msg = (f"{self.backend_name} layer: prepare called twice on micro-batch {slot} "
+                   "without finalize in between (the first call's dispatch was never combined; "
+                   "its peers wait in that combine)")
+            self.faults.mark_broken(msg)
+            backend.reset_call_state()
+            raise RuntimeError(msg)
+        backend.reset_call_state()
 
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int, expert_map: Optional[torch.Tensor],
@@ -552,7 +629,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         call = self._calls.pop(slot, None)
         if call is None:
             raise RuntimeError("finalize called without a matching prepare on this layer")
-        rows, ids, weights, owns_all = call
+        rows, ids, weights, owns_all, refusal = call
         backend = self._backends[slot]
         # As vLLM's in-tree LL class: receive what the other micro-batch left in flight before
         # this combine's send (no-op without dual-batch overlap).
@@ -570,8 +647,11 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     apply_router_weight_on_input=apply_router_weight_on_input)
                 if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                     expert_out = expert_out.clone()
-            target = output if owns_all else output[rows.as_slice]
-            done = owns_all and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE
+            if refusal is not None:  # the call without this rank's tokens: nothing to write
+                target, done = output[:0], False
+            else:
+                target = output if owns_all else output[rows.as_slice]
+                done = owns_all and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE
             if self._low_latency:  # their halves, without the result objects in between
                 hook, dest = backend.combine_send(expert_out, weights, ids, target, not blocking)
                 if hook is None:
@@ -603,6 +683,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     check_finalize_result(backend, target, received())
                 finally:
                     backend.reset_call_state()
+            if refusal is not None:  # served the peers; now this rank's own error
+                raise refusal
             if self.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE:
                 self._all_gather_rows(output, rows.start, rows.stop, rows.chunk)
             elif not owns_all:

@@ -135,6 +135,16 @@ class GroupFaults:
             self.broken = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
             self._first = exc
 
+    def call_in_flight(self, layer: str, what: str = "prepare") -> RuntimeError:
+        """``what`` was called while this rank's last call of ``layer`` is in flight (its
+        prepare ran, its finalize did not): its peers wait in that call's combine, so the group
+        breaks; returns the error to raise, which says what was called in which order."""
+        msg = (f"{layer}: {what} called while the previous call is in flight (its prepare ran, "
+               "its finalize did not; its peers wait in that call's combine): call finalize, or "
+               "reset_call_state after an error, before the next prepare")
+        self.mark_broken(msg)
+        return RuntimeError(msg)
+
     def refuse(self, backend: object, layer: str, error: BaseException) -> BaseException:
         """The error to raise when ``backend`` (a backend without a host exchange) refuses this
         rank's inputs before sending anything: with peers, they are in this call, so the call is
@@ -145,13 +155,20 @@ class GroupFaults:
             self.owed_by, self._owed_layer = backend, layer
         return owes_call(error)
 
-    def settle(self, backend: object, layer: str, num_tokens: int) -> None:
-        """At the start of a call on ``backend`` while a refused call is owed: a call of the same
-        backend with no tokens of its own IS the owed call (it completes the peers' call); any
-        other call would pair with the peers' pending one, so the group breaks and this raises
-        :class:`LayerBrokenError` naming both calls."""
+    def begin(self, backend: object, layer: str, hidden_states: object) -> None:
+        """The start of a prepare of ``backend`` (``layer`` names it) on a backend without a host
+        exchange: raise :class:`LayerBrokenError` when the group is broken; while a refused call
+        is owed, a call of the same backend with no tokens of its own IS that call (it completes
+        the peers' call); any other call would pair with the peers' pending one, so the group
+        breaks and this raises naming both calls. (Callers test ``broken`` and ``owed_by``
+        first: the common case costs two attribute reads.)"""
+        self.check(layer)
+        if self.owed_by is None:
+            return
         owed, owed_layer = self.owed_by, self._owed_layer
         self.owed_by, self._owed_layer = None, ""
+        num_tokens = (hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor)
+                      and hidden_states.dim() >= 1 else -1)
         if owed is backend and num_tokens == 0:
             return
         what = (f"this rank refused its inputs to a call of {owed_layer} while its peers were in "
@@ -178,12 +195,17 @@ def group_faults(group: object) -> GroupFaults:
 
 
 def clear_group_faults(group: object = None) -> None:
-    """Forget a group's fault state and sequence number, on this rank. Sound only when every
-    rank of the group abandoned exactly the same calls and all of them call this at the same
-    point (tests that probe a prepare alone on every rank do); otherwise rebuild on new groups."""
+    """Forget a group's fault state and sequence number, on this rank, in the one
+    :class:`GroupFaults` every layer on the group holds (the layers' creation count stays: it
+    is part of their digests). Sound only when every rank of the group abandoned or refused
+    exactly the same calls and all of them call this at the same point (tests that probe a
+    prepare alone on every rank do); otherwise rebuild on new groups."""
     import torch.distributed as dist
 
-    _GROUPS.pop(group if group is not None else dist.group.WORLD, None)
+    state = _GROUPS.get(group if group is not None else dist.group.WORLD)
+    if state is not None:
+        state.seq, state.broken, state._first = 0, None, None
+        state.owed_by, state._owed_layer = None, ""
 
 
 _PEER_RE = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|\[[0-9a-fA-F:.]+\]:\d+")

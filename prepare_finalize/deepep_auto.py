@@ -28,6 +28,7 @@ import torch.distributed as dist
 from all2all.deepep_auto import DeepEPAutoManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
+from moe_plugins.faults import group_faults
 from moe_plugins.formats import batched_as_standard, standard_as_batched
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
                                    PrepareResult, RowScatterTarget, capturing,
@@ -74,6 +75,10 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         self._modes: dict[str, int] = {}  # calls per mode
         self._hint: Optional[BatchHint] = None
         self._mode: Optional[str] = None
+        # The two modes' objects share this group's fault state (moe_plugins.faults).
+        self.faults = group_faults(manager.group)
+        self.name = (f"deepep_auto layer (experts={cfg.num_experts} hidden={cfg.hidden} "
+                     f"topk={cfg.num_topk}, EP rank {manager.rank})")
         key = (manager.num_ranks, cfg.num_experts, cfg.hidden, manager.low_latency_capacity)
         if key not in _LOGGED:
             _LOGGED.add(key)
@@ -175,10 +180,23 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
 
     def _prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, quant: QuantSpec, blocking: bool) -> AsyncResult:
-        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
+        f = self.faults
         if self._mode is not None:
-            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
-        mode = self.choose_mode(hidden_states.shape[0])
+            raise f.call_in_flight(self.name)
+        owed = f.owed_by
+        if owed is not None and (owed is self.ll or owed is self.ht):
+            # a mode's object refused this rank's tokens after the choice: the call without
+            # them takes that mode again, without the choice's collective (the peers are past it)
+            mode = LOW_LATENCY if owed is self.ll else NORMAL
+            self._hint = None
+        else:
+            if f.broken is not None or owed is not None:
+                f.begin(self, self.name, hidden_states)
+            try:  # before the choice's collective: nothing sent (faults, rule 5)
+                check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
+                mode = self.choose_mode(hidden_states.shape[0])
+            except (ValueError, TypeError) as e:
+                raise f.refuse(self, self.name, e)
         self._modes[mode] = self._modes.get(mode, 0) + 1
         if mode == NORMAL:
             if blocking:

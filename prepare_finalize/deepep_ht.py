@@ -32,9 +32,11 @@ from all2all.deepep import DEEPEP_PACKAGE
 from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
+from moe_plugins.faults import group_faults
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   capturing, check_prepare_inputs, write_output)
+                                   capturing, check_finalize_routing, check_output,
+                                   check_prepare_inputs, write_output)
 from moe_plugins.quant import QuantSpec, quantize_for_dispatch
 from moe_plugins.registry import BackendSpec, Capabilities, WireLayout
 
@@ -43,12 +45,14 @@ __all__ = ["DeepEPHTPrepareFinalize", "SPEC", "deepep_spec"]
 
 @dataclass
 class _CallState:
-    """What finalize needs from prepare: DeepEP's handle, the tokens given to prepare and the
-    rows received."""
+    """What finalize needs from prepare: DeepEP's handle, the tokens given to prepare, the rows
+    received and the routing given to prepare."""
 
     handle: Any
     num_tokens: int
     num_recv: int
+    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
+    topk_weights: torch.Tensor
 
 
 class DeepEPHTPrepareFinalize(PrepareFinalize):
@@ -67,6 +71,11 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         self.cfg = cfg
         self.stats = DispatchStats()
         self._state: Optional[_CallState] = None
+        # No host exchange: a refused input owes the call, any other failure breaks the group
+        # (moe_plugins.faults).
+        self.faults = group_faults(manager.group)
+        self.name = (f"{manager.backend_name} layer (experts={cfg.num_experts} "
+                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -78,6 +87,8 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         return self.manager.topk_idx_dtype
 
     def reset_call_state(self) -> None:
+        if self._state is not None:  # dispatched, never combined: peers wait in the combine
+            self.faults.mark_broken("a call was abandoned between its dispatch and its combine")
         self._state = None
 
     def _check(self, hidden_states: torch.Tensor, quant: QuantSpec) -> None:
@@ -102,19 +113,30 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         """hidden_states bf16 [num_tokens, hidden], topk_weights float [num_tokens, num_topk],
         topk_ids int32/int64 [num_tokens, num_topk] GLOBAL ids (-1: none). The layout and the
         dispatch are issued here; the hook orders the current stream after the dispatch."""
-        check_prepare_inputs(hidden_states, topk_weights, topk_ids)
-        self._check(hidden_states, quant)
+        f = self.faults
+        if f.broken is not None or f.owed_by is not None:
+            f.begin(self, self.name, hidden_states)
         if self._state is not None:
-            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
+            raise f.call_in_flight(self.name)
+        try:
+            check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
+            self._check(hidden_states, quant)
+        except (ValueError, TypeError) as e:  # nothing sent (faults, rule 5)
+            raise f.refuse(self, self.name, e)
         m = self.manager
-        ids = topk_ids.to(m.topk_idx_dtype).contiguous()
-        weights = topk_weights.float().contiguous()
-        x, x_sf = quantize_for_dispatch(hidden_states.contiguous(), quant)
-        layout = self._layout(ids)
-        recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event = self._dispatch(
-            x, x_sf, ids, weights, layout)
+        try:
+            ids = topk_ids.to(m.topk_idx_dtype).contiguous()
+            weights = topk_weights.float().contiguous()
+            x, x_sf = quantize_for_dispatch(hidden_states.contiguous(), quant)
+            layout = self._layout(ids)
+            recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event = self._dispatch(
+                x, x_sf, ids, weights, layout)
+        except BaseException as e:  # peers are in (or past) this dispatch
+            f.mark_broken(f"{self.name}: prepare raised on this rank", e)
+            raise
         num_recv = recv_x.shape[0]
-        self._state = _CallState(handle, hidden_states.shape[0], num_recv)
+        self._state = _CallState(handle, hidden_states.shape[0], num_recv, topk_ids,
+                                 topk_weights)
         self._count(topk_ids, layout[3], x, x_sf, num_recv)
 
         def receiver() -> PrepareResult:
@@ -186,14 +208,13 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
             if fused_expert_output.dtype != torch.bfloat16:
                 raise TypeError(f"{m.backend_name}: expert outputs must be bfloat16 for DeepEP's "
                                 f"combine, got {fused_expert_output.dtype}")
-            if isinstance(output, RowScatterTarget):
-                if output.rows.num_owned != st.num_tokens:
-                    raise ValueError(f"row-scatter target owns {output.rows.num_owned} rows, "
-                                     f"prepare was given {st.num_tokens} tokens")
-            elif tuple(output.shape) != (st.num_tokens, m.hidden):
-                raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
-                                 f"[{st.num_tokens}, {m.hidden}] (the tokens given to prepare)")
+            if topk_ids is not st.topk_ids or topk_weights is not st.topk_weights:
+                check_finalize_routing(st.topk_ids, st.topk_weights, topk_ids, topk_weights)
+            check_output(output, st.num_tokens, m.hidden)
             combined, event = self._combine(fused_expert_output.contiguous(), st.handle)
+        except BaseException as e:  # peers are in this combine: out of step now
+            self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
+            raise
         finally:
             self._state = None
 

@@ -29,9 +29,10 @@ from all2all.flashinfer import (INSTALL_HINT, Dispatched, FlashInferAll2AllManag
                                 pad_row_bytes)
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
+from moe_plugins.faults import group_faults
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
-                                   PrepareResult, RowScatterTarget, check_prepare_inputs,
-                                   write_output)
+                                   PrepareResult, RowScatterTarget, check_finalize_routing,
+                                   check_output, check_prepare_inputs, write_output)
 from moe_plugins.layout import LocalIdMap, destination_ranks
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
@@ -46,7 +47,10 @@ class _CallState:
 
     num_tokens: int
     recv_rows: int
+    topk_ids: torch.Tensor  # as given to prepare (finalize must get the same)
+    topk_weights: torch.Tensor
     recv_tokens: Optional[int] = None
+    dispatched: bool = False  # the receiver issued the dispatch
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -73,6 +77,11 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         self._state: Optional[_CallState] = None
         self._hint: Optional[BatchHint] = None
         self._local_id_map = LocalIdMap(manager.placement, manager.rank)
+        # No host exchange: a refused input owes the call, any other failure breaks the group
+        # (moe_plugins.faults).
+        self.faults = group_faults(manager.group)
+        self.name = (f"flashinfer_nvlink_two_sided layer (experts={cfg.num_experts} "
+                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -85,6 +94,9 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         return torch.int32
 
     def reset_call_state(self) -> None:
+        if self._state is not None and self._state.dispatched:
+            # dispatched, never combined: peers wait in the combine
+            self.faults.mark_broken("a call was abandoned between its dispatch and its combine")
         self._state = None
         self.manager.reset_call_state()
 
@@ -121,14 +133,11 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         covers one call."""
         self._hint = hint
 
-    def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
-        """The receive rows follow the call's hint (see the class doc); the workspaces do not
-        depend on it."""
-        hint, self._hint = self._hint, None  # a hint covers one call
+    def _check(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, hint: Optional[BatchHint]) -> int:
+        """Every check of a prepare (ValueError/TypeError with the fix, before anything is
+        sent); returns the call's tokens per rank (its receive rows' bound)."""
         check_prepare_inputs(hidden_states, topk_weights, topk_ids)
-        if self._state is not None:
-            raise RuntimeError("prepare called twice without finalize (or reset_call_state)")
         m, cfg = self.manager, self.cfg
         n = hidden_states.shape[0]
         if n > m.max_tokens_per_rank:
@@ -142,13 +151,34 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
                 f"hidden_states {tuple(hidden_states.shape)} / topk_ids {tuple(topk_ids.shape)} do "
                 f"not match the layer (hidden={cfg.hidden}, num_topk={cfg.num_topk})"
             )
-        tokens_per_rank = m.tokens_per_rank(n, None if hint is None else hint.max_tokens_per_rank)
-        state = self._state = _CallState(n, m.recv_rows(tokens_per_rank))
+        return m.tokens_per_rank(n, None if hint is None else hint.max_tokens_per_rank)
+
+    def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:
+        """The receive rows follow the call's hint (see the class doc); the workspaces do not
+        depend on it."""
+        hint, self._hint = self._hint, None  # a hint covers one call
+        f = self.faults
+        if f.broken is not None or f.owed_by is not None:
+            f.begin(self, self.name, hidden_states)
+        if self._state is not None:
+            raise f.call_in_flight(self.name)
+        try:
+            tokens_per_rank = self._check(hidden_states, topk_weights, topk_ids, hint)
+        except (ValueError, TypeError) as e:  # nothing sent (faults, rule 5)
+            raise f.refuse(self, self.name, e)
+        m, n = self.manager, hidden_states.shape[0]
+        state = self._state = _CallState(n, m.recv_rows(tokens_per_rank), topk_ids, topk_weights)
 
         def receiver() -> PrepareResult:
             # Unswizzled scales, or (hidden_states, None) when unquantized or deferred.
-            x, x_sf = quantize_for_dispatch(hidden_states, quant)
-            d = self._dispatch(x, x_sf, topk_ids, topk_weights, tokens_per_rank)
+            try:
+                x, x_sf = quantize_for_dispatch(hidden_states, quant)
+                d = self._dispatch(x, x_sf, topk_ids, topk_weights, tokens_per_rank)
+                state.dispatched = True
+            except BaseException as e:  # peers are in (or past) this dispatch
+                f.mark_broken(f"{self.name}: prepare raised on this rank", e)
+                raise
             recv_sf, swizzled = d.x_sf, False
             swizzle = m.options.nvfp4_swizzled_sf if quant.nvfp4_swizzled_sf is None \
                 else quant.nvfp4_swizzled_sf
@@ -166,25 +196,35 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         state = self._state
         if state is None:
             raise RuntimeError("finalize called without a matching prepare on this backend")
-        if fused_expert_output.dim() != 2 or fused_expert_output.shape[0] != state.recv_rows:
-            raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}, "
-                             f"expected [{state.recv_rows}, hidden] (the rows prepare returned)")
-        # Checked before the combine so that a bad output fails on this rank without leaving the
-        # other ranks inside the collective.
-        expected = (state.num_tokens, fused_expert_output.shape[1])
-        if not isinstance(output, RowScatterTarget) and tuple(output.shape) != expected:
-            raise ValueError(f"finalize output has shape {tuple(output.shape)}, expected "
-                             f"{expected} (the tokens given to prepare)")
+        # Checked before the combine is sent, so an error names what is wrong; the peers are in
+        # the call, so it breaks the group all the same.
+        try:
+            if fused_expert_output.shape != (state.recv_rows, self.cfg.hidden):
+                raise ValueError(f"fused_expert_output has shape "
+                                 f"{tuple(fused_expert_output.shape)}, expected "
+                                 f"[{state.recv_rows}, {self.cfg.hidden}] (the rows prepare "
+                                 "returned, the layer's hidden)")
+            if topk_ids is not state.topk_ids or topk_weights is not state.topk_weights:
+                check_finalize_routing(state.topk_ids, state.topk_weights, topk_ids, topk_weights)
+            check_output(output, state.num_tokens, self.cfg.hidden)
+        except BaseException as e:
+            self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
+            self._state = None
+            raise
 
         def receiver() -> torch.Tensor:
-            combined = self._combine(fused_expert_output, state.num_tokens)
-            self._state = None
+            try:
+                combined = self._combine(fused_expert_output, state.num_tokens)
+            except BaseException as e:
+                self.faults.mark_broken(f"{self.name}: finalize raised on this rank", e)
+                raise
+            finally:
+                self._state = None
             if state.recv_tokens is not None:
                 self.stats.combine_bytes += state.recv_tokens * _row_bytes(fused_expert_output)
             return write_output(output, combined)
 
         return AsyncResult(None, receiver)
-
 
     # -- the library calls (the manager owns the workspaces) ---------------------------------
     def _dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
@@ -192,8 +232,8 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         """x [num_tokens, *] (model dtype or quantized), x_sf [num_tokens, *] unswizzled or None,
         topk_ids int [num_tokens, num_topk] GLOBAL ids, topk_weights float [num_tokens, num_topk].
         Scales travel only when ``x_sf is not None``. ``tokens_per_rank``: this call's bound from
-        :meth:`FlashInferAll2AllManager.tokens_per_rank` (None: the layer's); the result has ``num_ranks *
-        tokens_per_rank`` rows. Collective over the EP group."""
+        :meth:`FlashInferAll2AllManager.tokens_per_rank` (None: the layer's); the result has
+        ``num_ranks * tokens_per_rank`` rows. Collective over the EP group."""
         t = self.manager.transport()
         bound = self.manager.max_tokens_per_rank if tokens_per_rank is None else tokens_per_rank
         if topk_ids.dtype is not torch.int32:

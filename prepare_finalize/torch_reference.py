@@ -327,11 +327,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         """``what`` (prepare, refuse) while a dispatched call was never combined: its peers wait
         in that call's combine, so the group breaks."""
         if self._handle is not None:
-            msg = (f"{self.name}: {what} called while call {self.faults.seq} is in flight (its "
-                   "prepare ran, its finalize did not; its peers wait in that call's combine): "
-                   "call finalize, or reset_call_state after an error, before the next prepare")
-            self.faults.mark_broken(msg)
-            raise RuntimeError(msg)
+            raise self.faults.call_in_flight(self.name, what)
 
     def _received(self, sent: torch.Tensor, row: "_RowLayout") -> PrepareResult:
         """The received rows -> the experts' input: LOCAL ids (-1 elsewhere) in one gather; the

@@ -51,13 +51,6 @@ _CallState = tuple
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
-def _num_rows(hidden_states: object) -> int:
-    """The token count of a prepare's activations (-1 when they are not a tensor with rows)."""
-    if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 1:
-        return hidden_states.shape[0]
-    return -1
-
-
 class LowLatencyPrepareFinalize(PrepareFinalize):
     """BATCHED layout: prepare returns x [num_local_experts, num_recv_slots, hidden] with a
     token count per local expert, topk ids/weights None (combine applies the weights).
@@ -213,9 +206,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         the group: peers are in or past this dispatch."""
         f = self.faults
         if f.broken is not None or f.owed_by is not None:  # the common case: two attribute reads
-            f.check(self.name)
-            if f.owed_by is not None:
-                f.settle(self, self.name, _num_rows(hidden_states))
+            f.begin(self, self.name, hidden_states)
         launched = False
         try:
             rt = self.runtime_calls
@@ -348,10 +339,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                              f"{m.max_tokens_per_rank} per rank; raise "
                              "DispatchConfig.max_tokens_per_rank")
         if self._state is not None:
-            raise RuntimeError(f"{self.name}: prepare called while a call is in flight (its "
-                               "prepare ran, its finalize did not; its peers wait in that call's "
-                               "combine): call finalize, or reset_call_state after an error, "
-                               "before the next prepare")
+            raise self.faults.call_in_flight(self.name)
 
     def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget

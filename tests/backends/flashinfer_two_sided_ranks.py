@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tests.emulation import flashinfer_two_sided as emu
 from moe_plugins.config import DispatchConfig
+from moe_plugins.faults import clear_group_faults
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.groups import DistContext, cached_dist_context
@@ -56,6 +57,12 @@ def _build(ctx: DistContext, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
         cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1), cfg.dtype, quant, options))
 
 
+def _forget_faults(pf: PrepareFinalize) -> None:
+    """Forget the fault state of ``pf``'s group on this rank: for probes that every rank makes
+    alike (each refused or abandoned the same calls), so the group is still in step."""
+    clear_group_faults(pf.manager.group)  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def _backend(layout: ParallelLayout, cfg: MoEConfig, num_tokens: int, quant: QuantSpec,
              options: Any = None, device: str = "cpu") -> Iterator[PrepareFinalize]:
@@ -64,6 +71,9 @@ def _backend(layout: ParallelLayout, cfg: MoEConfig, num_tokens: int, quant: Qua
     try:
         yield pf
     finally:
+        # Probes that fail do so on every rank alike: the pool's group stays in step.
+        pf.reset_call_state()
+        _forget_faults(pf)
         pf.manager.destroy()  # type: ignore[attr-defined]
 
 
@@ -177,6 +187,10 @@ def lifecycle(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, fla
             seen["use_after_destroy"] = None
         except RuntimeError as e:
             seen["use_after_destroy"] = str(e)
+        # the failed dispatch broke the group (nothing tells a rank its peers failed alike);
+        # every rank probed the same, so the pool's group is forgotten for the next test
+        seen["broken_after_use"] = second.faults.broken is not None
+        _forget_faults(second)
         seen["outputs_equal"] = bool(torch.equal(out_first, out_second)
                                      and torch.equal(out_first, out_again))
         return seen
@@ -198,6 +212,10 @@ def second_mapping(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
             except ValueError as e:
                 seen["refused"] = str(e)
             b.reset_call_state()
+            # the refusal came inside the dispatch, which breaks b's group; every rank was
+            # refused alike, so its state is forgotten to show the group working afterwards
+            seen["broken"] = b.faults.broken is not None
+            _forget_faults(b)
             a.manager.destroy()  # type: ignore[attr-defined]
             seen["after_first_group_went"] = torch.equal(r.call(b), out_a)
         finally:
@@ -209,13 +227,16 @@ def second_mapping(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
 def reset_after_error(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                       flavor: str) -> dict:
     """A call that fails on every rank between prepare and finalize, then reset_call_state (what
-    the layer does in `finally`): the next call works and gives the right output."""
+    the layer does in `finally`): the group breaks (no rank can tell that its peers abandoned
+    the call alike); once every rank forgets that, the next call gives the right output."""
     quant = QuantSpec()
     with emu.installed(flavor), _backend(layout, cfg, 4, quant) as pf:
         r = _Routed.make(layout, cfg, 4, quant)
         pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)  # experts "raise" on every rank here
         pf.reset_call_state()
-        return dict(out=r.call(pf))
+        broken = pf.faults.broken
+        _forget_faults(pf)
+        return dict(out=r.call(pf), broken=broken)
 
 
 def issue_order(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, flavor: str) -> dict:
@@ -316,6 +337,8 @@ def run_bounded(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                 pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)
             except ValueError as e:
                 errors.append(str(e))
+            # each rank refused its probes before sending anything, so no call is owed
+            _forget_faults(pf)
         # a refused call consumed its hint: without a new one the layer's bound applies
         pf.set_batch_hint(None if bound is None else BatchHint(bound))
         prep = pf.prepare(r.x, r.topk_weights, r.topk_ids, quant)

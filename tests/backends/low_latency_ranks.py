@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests.emulation import installed
 from moe_plugins.config import DispatchConfig
 from moe_plugins.runner.demo import demo_inputs
-from moe_plugins.faults import clear_group_faults, group_faults
+from moe_plugins.faults import clear_group_faults
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
@@ -261,7 +261,6 @@ def stats_after_calls(rank: int, world: int, backend: str, layout: ParallelLayou
         pf.prepare(x, w, ids, fp8)
         pf.reset_call_state()
         clear_group_faults(pf.manager.ctx.ep_group)
-        pf.faults = group_faults(pf.manager.ctx.ep_group)
         prep = pf.prepare(x, w, ids, QuantSpec())
         in_flight = dataclasses.asdict(pf.stats)
         pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids, out)
@@ -296,7 +295,6 @@ def runtime_failures(rank: int, world: int, backend: str, layout: ParallelLayout
         except RuntimeError as e:
             errors["dispatch"] = str(e)
         clear_group_faults(pf.manager.ctx.ep_group)
-        pf.faults = group_faults(pf.manager.ctx.ep_group)
         pf.runtime_calls = RuntimeCalls(calls.dispatch, failing("combine"))
         prep = pf.prepare(x, w, ids, QuantSpec())
         try:
@@ -307,7 +305,6 @@ def runtime_failures(rank: int, world: int, backend: str, layout: ParallelLayout
         broken = pf.faults.broken is not None
         # the real combine must still run on every rank: the peers' dispatch is in flight
         clear_group_faults(pf.manager.ctx.ep_group)
-        pf.faults = group_faults(pf.manager.ctx.ep_group)
         pf.runtime_calls = calls
         return dict(errors=errors, made=made, broken=broken)
 
@@ -381,7 +378,6 @@ def finalize_wrong_shape_then_prepare(rank: int, world: int, backend: str, layou
         except LayerBrokenError as e:
             second_error = str(e)
         clear_group_faults(pf.manager.ctx.ep_group)
-        pf.faults = group_faults(pf.manager.ctx.ep_group)
         prep = pf.prepare(x, w, ids, QuantSpec())
         pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids, out)
         return dict(error=error, second_error=second_error, out=out)

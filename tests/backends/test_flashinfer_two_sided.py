@@ -143,7 +143,7 @@ def test_workspaces_are_lazy_shared_and_freed(rank_pool, flavor, api):
         assert r["after_construction"] == 0
         assert r["after_first_dispatch"] == r["after_second_dispatch"] == 2  # FIFO + prepare
         assert r["after_first_destroy"] == 2 and r["outputs_equal"]
-        assert "destroyed" in r["use_after_destroy"]
+        assert "destroyed" in r["use_after_destroy"] and r["broken_after_use"]
         if api == "mnnvl_moe":  # ours to free: MnnvlMoe's process-wide cache is released
             assert r["after_last_destroy"] == 0 and r["mnnvl_moe_cache_cleared"]
         else:  # moe_ep keeps its workspaces for the process's later instances
@@ -153,7 +153,7 @@ def test_workspaces_are_lazy_shared_and_freed(rank_pool, flavor, api):
 @pytest.mark.multirank
 def test_mnnvl_moe_serves_one_ep_group_per_process(rank_pool):
     for r in rank_pool(2).run(fi.second_mapping, EP2, _cfg()):
-        assert "one EP mapping per process" in r["refused"]
+        assert "one EP mapping per process" in r["refused"] and r["broken"]
         assert r["after_first_group_went"]
 
 
@@ -162,6 +162,7 @@ def test_mnnvl_moe_serves_one_ep_group_per_process(rank_pool):
 def test_reset_after_a_failed_call(rank_pool, flavor):
     cfg = _cfg(shared_intermediate=0)
     results = rank_pool(2).run(fi.reset_after_error, EP2, cfg, flavor)
+    assert all("abandoned between its dispatch and its combine" in r["broken"] for r in results)
     assert_matches_reference(results, EP2, cfg, 4, QuantSpec())
 
 
@@ -180,7 +181,7 @@ def test_receivers_issue_the_communication(rank_pool, flavor):
 CALL_ERRORS = [
     ("too_many_tokens", "ValueError", "max_tokens_per_rank=4"),
     ("mismatched_tokens", "ValueError", "(2, 256)"),
-    ("prepare_twice", "RuntimeError", "without finalize"),
+    ("prepare_twice", "RuntimeError", "the previous call is in flight"),
     ("finalize_output_shape", "ValueError", "(3, 256)"),
 ]
 

@@ -148,19 +148,25 @@ def test_layer_called_after_destroy_raises():
         layer(torch.zeros(2, cfg.hidden))
 
 
-def test_layer_rejects_integer_or_misshaped_activations_and_then_stays_broken():
-    """A rank-local failure before the first collective: this rank's later calls raise naming
-    it (its peers would be waiting in that call's collectives)."""
-    from moe_plugins.faults import LayerBrokenError
-
+def test_layer_refuses_bad_activations_and_the_next_call_is_right():
+    """A refusal before anything is sent leaves the layer usable (one rank: no peer to be out
+    of step with): integer, misshaped, non-tensor and wrong-device activations each raise a
+    clear error, and the next call returns what a fresh layer returns."""
     layer, cfg = _single_rank_layer()
-    with pytest.raises(TypeError, match=r"x must be float \[num_tokens, 16\], got torch.int64"):
-        layer(torch.zeros(2, cfg.hidden, dtype=torch.long))
-    with pytest.raises(LayerBrokenError, match="x must be float"):
-        layer(torch.zeros(2, cfg.hidden))
-    layer2, _ = _single_rank_layer()
-    with pytest.raises(ValueError, match=r"got torch.float32 \(2, 15\)"):
-        layer2(torch.zeros(2, 15))
+    x = torch.randn(3, cfg.hidden)
+    expected = _single_rank_layer()[0](x)
+    bad = [
+        (torch.zeros(2, cfg.hidden, dtype=torch.long), TypeError,
+         r"x must be float \[num_tokens, 16\], got torch.int64"),
+        (torch.zeros(2, 15), ValueError, r"got torch.float32 \(2, 15\)"),
+        (x.numpy(), TypeError, r"x must be a torch.Tensor \[num_tokens, 16\], got numpy.ndarray"),
+        (x.tolist(), TypeError, r"got builtins.list; convert it with torch.as_tensor"),
+        (x.to("meta"), ValueError, r"x is on meta, the layer on cpu"),
+    ]
+    for given, exc, text in bad:
+        with pytest.raises(exc, match=text):
+            layer(given)
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
 
 
 def test_lazy_expert_tokens_meta_makes_the_counts_once_on_first_read():

@@ -1,7 +1,7 @@
 """moe-plugins: expert-parallel MoE prepare/finalize backends for vLLM.
 
 Importing this package needs torch alone; vendor libraries are imported by the backend that
-needs them. See DESIGN.md in the project for the contracts.
+needs them. See docs/design.md in the project for the contracts.
 """
 from moe_plugins.interface import (ActivationFormat, PrepareFinalize, PrepareResult,
                                    RowScatterTarget, row_scatter_add)

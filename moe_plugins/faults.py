@@ -1,6 +1,6 @@
 """Faults of a layer call across ranks: never a wrong answer, never an unbounded wait.
 
-The rule (DESIGN.md, "Faults"). A check that raises on one rank only makes that rank skip the
+The rule (docs/design.md, "Faults"). A check that raises on one rank only makes that rank skip the
 collectives its peers make; their next collectives then pair with the wrong ones and return
 results that belong to another batch, with no error. So:
 

@@ -11,7 +11,8 @@ __all__ = ["ReductionStrategy", "SharedPlacement", "applicable_strategies", "cho
 
 
 class ReductionStrategy(str, enum.Enum):
-    """See DESIGN.md. TP collectives per layer are given for a layer with a shared expert."""
+    """See docs/design.md, "Reduction strategies". TP collectives per layer are given for a
+    layer with a shared expert."""
 
     ROW_SCATTER_ALLREDUCE = "ROW_SCATTER_ALLREDUCE"  # 1 all_reduce [num_tokens, hidden]
     SP_ALLGATHER = "SP_ALLGATHER"  # 1 all_gather

@@ -49,8 +49,8 @@ class LowLatencyOptions:
         sync. None (the default): on for CPU tensors (a ValueError at once), off on CUDA,
         where it costs four small kernels per call: on the H200 they added ~7 us to a
         deepep_ll round trip under CUDA-graph replay (1.26x the raw library at 8 tokens, where
-        vLLM's in-tree class checks nothing) and more eager (benchmarks/README.md). True turns
-        it on on CUDA too: a device-side assert, shown at the next sync and, as every CUDA
+        vLLM's in-tree class checks nothing) and more eager (host_overhead.py, commit f9c7c43). True
+        turns it on on CUDA too: a device-side assert, shown at the next sync and, as every CUDA
         device assert, ending the process's CUDA context. Routers (vLLM's, ours) only produce
         ids in range; turn it on when debugging one that may not.
     """

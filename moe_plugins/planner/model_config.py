@@ -45,7 +45,7 @@ SP_ATTENTION_REDUCTIONS = ("reduce_scatter", "all_reduce")
 class ModelSpec:
     """One MoE layer's shape (``moe``), how many MoE layers the model has, where it came from,
     and the attention's TP reduction under SP (``sp_attention``, one of
-    :data:`SP_ATTENTION_REDUCTIONS`; the DESIGN.md model, reduce_scatter, by default)."""
+    :data:`SP_ATTENTION_REDUCTIONS`; the docs/design.md model, reduce_scatter, by default)."""
 
     moe: MoEConfig
     num_moe_layers: int = 1

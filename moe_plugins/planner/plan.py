@@ -11,11 +11,11 @@ the one :func:`recommend_strategy` picks from the decoder-layer numbers and a sh
 the *default* is the one :func:`moe_plugins.strategy.choose_strategy` picks (what a
 :class:`moe_plugins.runner.layer.MoELayer` uses when it is not told).
 
-Counted per decoder layer, not per MoE block (DESIGN.md): every TP rank also runs the attention's
-reduction. Without SP it is one all_reduce of [num_tokens, hidden]; under SP (SP_ALLGATHER) the
-attention ends with a reduce_scatter to the owned chunk and the MoE block with an all_gather of
-it. ``RankPlan.tp_collectives`` are the MoE block's (what ``moe-plugins demo`` measures);
-``RankPlan.decoder_collectives`` add the attention's.
+Counted per decoder layer, not per MoE block (docs/design.md, "Reduction strategies"): every TP
+rank also runs the attention's reduction. Without SP it is one all_reduce of [num_tokens,
+hidden]; under SP (SP_ALLGATHER) the attention ends with a reduce_scatter to the owned chunk and
+the MoE block with an all_gather of it. ``RankPlan.tp_collectives`` are the MoE block's (what
+``moe-plugins demo`` measures); ``RankPlan.decoder_collectives`` add the attention's.
 
 Low-latency backends (deepep_ll, nixl_ep) send what their kernels send
 (``BackendSpec.wire_layout``): rows padded up to the kernel hidden size and a 16-byte header per

@@ -1,5 +1,5 @@
 """Engine-agnostic MoE layer runner: router, routed experts through a backend, shared expert,
-and every reduction strategy of DESIGN.md. Used by the tests, the demo and the benchmarks."""
+and every reduction strategy of docs/design.md. Used by the tests, the demo and the benchmarks."""
 from __future__ import annotations
 
 import logging
@@ -265,8 +265,8 @@ class MoELayer:
             else:
                 sent = self.pf.prepare_async(owned.hidden_states, owned.topk_weights,
                                              owned.topk_ids, self.quant)
-                # Send issued, shared expert launched, then the receive hook (DESIGN: hook
-                # order).
+                # Send issued, shared expert launched, then the receive hook (docs/design.md,
+                # "Shared-expert overlap": hook order).
                 handle = launch_shared(self.shared, owned.hidden_states if sp else x,
                                        self.overlap)
                 if sent.hook is not None:

@@ -1,4 +1,4 @@
-"""Every vLLM internal that moe-plugins rebinds, in one place (STYLE rule 7).
+"""Every vLLM internal that moe-plugins rebinds, in one place (docs/design.md, "vLLM glue").
 
 vLLM has no registry for all2all backends: the names are a closed ``Literal``, the managers are
 an if/elif chain in each device communicator, and the prepare/finalize classes are another

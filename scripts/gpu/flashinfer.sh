@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, run 2: flashinfer_nvlink_two_sided against the real flashinfer-python 0.7.2.post1 on
+# flashinfer_nvlink_two_sided against the real flashinfer-python 0.7.2.post1 on
 # ONE H200 shared by two processes (our backend refuses a single rank). flashinfer JIT-compiles
 # its all-to-all kernels (csrc/trtllm_alltoall*.cu) with the image's nvcc on first use.
 #

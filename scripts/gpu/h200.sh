@@ -5,7 +5,8 @@
 #
 # Carried from this checkout (git-ignored, made by scripts/gpu/prepare.sh on the CPU machine):
 #   .gpu/vllm_py.tgz            vLLM 0.33.0's .py/.json files (its wheel without the .so files)
-#   .gpu/whl/*.whl              the 46 small wheels vLLM's MoE modules import (../shared/FACTS.md)
+#   .gpu/whl/*.whl              the 46 small wheels vLLM's MoE modules import (listed in
+#                               scripts/gpu/prepare.sh)
 #   .gpu/deepep-567632d.tgz     DeepEP's V1 line at commit 567632d (source, built here)
 # Usage (device tool): bash scripts/gpu/h200.sh [pytest args...]   (default: -m gpu tests/gpu)
 set -uo pipefail

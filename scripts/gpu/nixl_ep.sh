@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, run 1: build NIXL EP's torch extension against the GPU image's torch (2.11; the
+# Build NIXL EP's torch extension against the GPU image's torch (2.11; the
 # nixl-cu13 1.5.1 wheel ships it for torch 2.12-2.14 only) and run our nixl_ep backend on one
 # H200 (tests/gpu/test_nixl_ep_gpu.py, then benchmarks/deepep_ll_latency.py --backend nixl_ep).
 #

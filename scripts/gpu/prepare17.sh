@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # On the CPU machine: fetch and strip what scripts/gpu/nixl_ep.sh and scripts/gpu/flashinfer.sh
-# carry to the GPU (issue 17) into DEST (default: <this checkout>/.gpu17, git-ignored through
+# carry to the GPU into DEST (default: <this checkout>/.gpu17, git-ignored through
 # .git/info/exclude). Carry paths are relative to the checkout the device tool runs from, so run
 # this from that checkout (or pass its .gpu17 as DEST).
 #
-#   DEST/nixl/       (run 1, ~14 MB) nixl_min.tgz: the nixl-cu13 1.5.1 wheel without what
+#   DEST/nixl/       (nixl_ep.sh, ~14 MB) nixl_min.tgz: the nixl-cu13 1.5.1 wheel without what
 #                    nixl_ep's build and one-rank run do not load (the three prebuilt nixl_ep .so
 #                    for torch 2.12-2.14, the storage/telemetry plugins and their aws/azure libs,
 #                    UCX perftest); nixl_ep_src.tgz: nixl's examples/device/ep/csrc and the nixl
 #                    headers it includes; ucx_headers.tgz: UCX v1.22.x headers (the device API).
-#   DEST/flashinfer/ (run 2, ~57 MB) the flashinfer-python 0.7.2.post1 wheel re-zipped without the parts
+#   DEST/flashinfer/ (flashinfer.sh, ~57 MB) the flashinfer-python 0.7.2.post1 wheel re-zipped without the parts
 #                    the MnnvlMoe all-to-all never loads (listed in scripts/gpu/flashinfer.sh)
 #                    plus the small wheels it imports that the GPU image lacks.
 #
@@ -43,7 +43,7 @@ exclude_dest() {  # git-ignore DEST in the checkout that holds it
 exclude_dest
 mkdir -p "$DEST/dl" "$DEST/nixl" "$DEST/flashinfer"
 
-# ---- run 1: nixl_ep -------------------------------------------------------------------------
+# ---- nixl_ep.sh: nixl_ep ---------------------------------------------------------------------
 [ -f "$DEST/dl/$WHEEL" ] || $PY -m pip download -q --no-deps --only-binary=:all: \
   --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$DEST/dl" nixl-cu13==1.5.1
 $PY - "$DEST/dl/$WHEEL" "$DEST/nixl/nixl_min.tgz" <<'PY'
@@ -100,7 +100,7 @@ tar -czf "$DEST/nixl/ucx_headers.tgz" -C "$UCX_TMP" --transform 's,^src,ucx,' sr
 rm -rf "$UCX_TMP"
 echo "UCX headers from $UCX_REV ($(git -C "$UCX_GIT" rev-parse --short "$UCX_REV"), version $MAJ.$MIN.$PAT)"
 
-# ---- run 2: flashinfer ----------------------------------------------------------------------
+# ---- flashinfer.sh: flashinfer ---------------------------------------------------------------
 [ -f "$DEST/dl/$FI_WHEEL" ] || $PY -m pip download -q --no-deps --only-binary=:all: \
   --python-version 3.12 --platform manylinux_2_28_x86_64 --platform any -d "$DEST/dl" \
   flashinfer-python==0.7.2.post1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stretch (issue 11 section 3): `vllm serve` of the tiny Qwen2-MoE checkpoint on the H200 with
+# Stretch goal: `vllm serve` of the tiny Qwen2-MoE checkpoint on the H200 with
 # our backend, without vLLM's compiled extension (Triton attention, custom ops off, eager).
 # Run after scripts/gpu/h200.sh (it installs the carried vLLM, DeepEP and moe-plugins).
 # Carried: .gpu/tiny-qwen2-moe (examples/vllm/tiny_qwen2_moe.py, 6 MB) and .gpu/whl_serve (the

@@ -1,4 +1,4 @@
-"""Reduction strategy applicability and choice (DESIGN.md table)."""
+"""Reduction strategy applicability and choice (docs/design.md, "Reduction strategies")."""
 from __future__ import annotations
 
 import pytest

@@ -1,12 +1,12 @@
 """Emulation of NIXL EP's Python API: ``nixl_ep.Buffer`` of ai-dynamo/nixl v1.4.0
 (examples/device/ep/nixl_ep/buffer.py), low-latency mode.
 
-Same signatures; checked on 2026-11-29 against the released wheel nixl-cu13 1.5.1
+Same signatures; checked against the released wheel nixl-cu13 1.5.1
 (``nixl_ep_cu13/buffer.py``, which the ``nixl`` 1.5.1 wheel re-exports as ``nixl_ep``): the
 parameter lists of ``Buffer.__init__``, ``low_latency_dispatch``, ``low_latency_combine``,
 ``update_memory_buffers``, ``connect_ranks``, ``set_tcp_store_group``, the mask methods and both
 size hints are identical (``get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)``,
-which vLLM's ``clean_buffers`` calls, checked against the same wheel on 2026-12-01). Lifecycle as upstream: ``Buffer(rank=..., tcp_store_group=...)`` allocates
+which vLLM's ``clean_buffers`` calls, checked against the same wheel). Lifecycle as upstream: ``Buffer(rank=..., tcp_store_group=...)`` allocates
 nothing; ``update_memory_buffers(num_ranks, num_experts_per_rank, num_rdma_bytes)`` sizes the
 layout (every other rank starts masked: not connected); ``connect_ranks(remote_ranks)`` exchanges
 agent metadata through the store exactly as upstream (``NIXL_EP/<rank>`` set, peers' keys waited

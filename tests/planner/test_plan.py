@@ -542,10 +542,10 @@ def test_cli_plan_usage_errors(args, message):
 # The decoder layer and the SP / ROW_SCATTER recommendation
 # --------------------------------------------------------------------------------------------
 def test_decoder_layer_counts_attention_and_moe():
-    """Per decoder layer and TP rank (DESIGN.md): SP moves one all_reduce's worth of bytes
-    (reduce_scatter + all_gather), ROW_SCATTER two all_reduces, at 2 launches each; with the
-    attention's all_reduce kept under SP (vLLM's Qwen3-MoE / Llama-4) SP is all_reduce +
-    all_gather."""
+    """Per decoder layer and TP rank (docs/design.md, "Reduction strategies"): SP moves one
+    all_reduce's worth of bytes (reduce_scatter + all_gather), ROW_SCATTER two all_reduces, at
+    2 launches each; with the attention's all_reduce kept under SP (vLLM's Qwen3-MoE / Llama-4)
+    SP is all_reduce + all_gather."""
     cfg, tp, n, row = _cfg(torch.bfloat16), 4, 64, 256 * 2
     wire = {}
     for strategy, attn in ((S.SP_ALLGATHER, "reduce_scatter"), (S.SP_ALLGATHER, "all_reduce"),

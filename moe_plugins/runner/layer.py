@@ -106,6 +106,7 @@ class MoELayer:
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant,
                 backend_options=backend_options, placement=self.placement))
 
+        self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
         key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type,
                self.placement.kind)
         if key not in _LOGGED:
@@ -205,6 +206,14 @@ class MoELayer:
             return (ValueError if x.is_floating_point() else TypeError)(
                 f"{self.name}: x must be float [num_tokens, {self.cfg.hidden}], got "
                 f"{x.dtype} {tuple(x.shape)}")
+        tp = self.ctx.layout.tp
+        if self._capacity is not None and -(-x.shape[0] // tp) > self._capacity:
+            # checked on the TP chunk, the same on every TP rank of the DP group (the owned
+            # rows differ by one where tp does not divide the tokens)
+            return ValueError(
+                f"{self.name}: x has {x.shape[0]} tokens; with tp={tp} each TP rank dispatches "
+                f"up to {-(-x.shape[0] // tp)}, the backend's buffers hold {self._capacity} per "
+                "rank; split the batch or build the layer with a larger max_tokens_per_rank")
         return None
 
     def _refuse(self, error: Exception) -> None:

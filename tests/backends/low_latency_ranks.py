@@ -465,3 +465,43 @@ def finalize_other_ids(rank: int, world: int, backend: str, layout: ParallelLayo
         except ValueError as e:
             return type(e).__name__, str(e)
         return None, None
+
+
+def owed_call(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,
+              next_tokens: int, timeout_s: float) -> dict:
+    """Direct use of the backend (no layer; ``cfg`` without a shared expert): rank 0's prepare
+    refuses its input (more tokens than the buffers hold) while rank 1's call goes on. Rank 0's
+    next prepare has ``next_tokens`` tokens: 0 is the owed call without its tokens (rank 1's
+    call completes, with the right output); any other count would pair with rank 1's pending
+    call, so it must break the group instead. Returns what each step raised or returned (with
+    the seconds) and this rank's routed output."""
+    from moe_plugins.groups import make_dist_context
+    from moe_plugins.runner.experts import TorchExperts
+    from tests.runner.faults_ranks import _error
+
+    with installed(vendor_module(backend)):
+        ctx = make_dist_context(layout, timeout_s=timeout_s, fresh_ep_group=True)
+        pf = get_backend(backend).build(ctx, _dispatch_config(backend, cfg, 4, QuantSpec(), None))
+        try:
+            weights = MoEWeights.random(cfg, 0)
+            experts = TorchExperts(weights.local_experts(world, rank), QuantSpec(), cfg.dtype)
+            seen: dict[str, Any] = {"out": None}
+            n = 3
+            if rank == 0:
+                x5 = demo_inputs(cfg, 5, 0, 1)
+                w5, ids5 = route(x5, weights.router, cfg.num_topk, cfg.renormalize)
+                seen["refused"] = _error(lambda: pf.prepare(x5, w5, ids5, QuantSpec()))
+                n = next_tokens
+            x = demo_inputs(cfg, n, ctx.dp_rank, 0)
+            w, ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+
+            def round_trip() -> None:
+                prep = pf.prepare(x, w, ids, QuantSpec())
+                seen["out"] = pf.finalize(experts.apply(prep), w, ids, torch.empty_like(x))
+
+            seen["call"] = _error(round_trip)
+            seen["broken"] = pf.faults.broken
+            return seen
+        finally:
+            pf.reset_call_state()
+            pf.manager.destroy()

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -639,3 +640,30 @@ def test_the_first_method_the_buffer_has_is_bound():
     assert first_method(V10(), names)() == "dispatch"
     with pytest.raises(AttributeError, match="low_latency_dispatch, dispatch"):
         first_method(object(), names)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_prepare_is_owed_and_only_the_call_without_tokens_settles_it(rank_pool, backend):
+    """Direct use (no layer): after rank 0's prepare refused its input, rank 1 is in that call.
+    Rank 0's call with no tokens of its own completes it (rank 1's output is the reference's);
+    a call with tokens would pair with it, so rank 0 breaks its group and raises naming both
+    calls, and rank 1 ends in an error within the group timeout instead of a result."""
+    cfg, layout, timeout_s = _cfg(shared_intermediate=0), ParallelLayout(2, 1, True), 4.0
+    served = rank_pool(2).run(ll_rank_fns.owed_call, backend, layout, cfg, 0, timeout_s)
+    assert served[0]["refused"][0] == "ValueError" and "buffers hold 4" in served[0]["refused"][1]
+    assert [r["call"][0] for r in served] == [None, None]
+    assert served[0]["broken"] is None and served[1]["broken"] is None
+    assert served[0]["out"].shape == (0, cfg.hidden)
+    assert_matches_reference(served, layout, cfg, [0, 3], ranks=[1])
+    if backend == "nixl_ep":
+        # NIXL EP reaches its peers through its agents, not our process group: a peer waits
+        # until the library's kernel timeout (timeout_ms), which the emulation does not model
+        return
+    t0 = time.monotonic()
+    paired = rank_pool(2).run(ll_rank_fns.owed_call, backend, layout, cfg, 2, timeout_s)
+    assert time.monotonic() - t0 < 4 * timeout_s
+    err_type, err, seconds = paired[0]["call"]
+    assert err_type == "LayerBrokenError" and seconds < 1.0
+    assert "refused its inputs to a call of" in err and "with 2 token(s)" in err
+    assert paired[1]["call"][0] is not None and paired[1]["out"] is None

@@ -4,6 +4,7 @@ on NEW process groups with a short timeout (moe_plugins.groups.make_dist_context
 state a fault leaves stays with those groups and the pool's default group stays in step."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -219,3 +220,73 @@ def vllm_group_bounded(rank: int, world: int, timeout_s: float) -> dict:
     if rank == 1:
         return dict(bound=bound, error=None)
     return dict(bound=bound, error=_error(lambda: dist.all_reduce(torch.ones(2), group=group)))
+
+
+REFUSED_INPUTS = ("wide", "numpy", "int", "too_many_tokens", "chunk", "backend_refusal")
+
+
+def refused_input(kind: str, x: torch.Tensor, cfg: MoEConfig, capacity: int, dp_rank: int
+                  ) -> object:
+    """A layer input this rank refuses before sending anything (``kind``), made from ``x``."""
+    if kind == "wide":  # the layer's own check
+        return torch.cat([x, x[:, :1]], dim=1)
+    if kind == "numpy":
+        return x.float().numpy()
+    if kind == "int":
+        return x.to(torch.int32)
+    if kind == "too_many_tokens":  # more than the backend's buffers hold (`capacity`)
+        return demo_inputs(cfg, capacity + 1, dp_rank, 0)
+    if kind == "chunk":  # with tp=2 TP rank 0 would own capacity + 1 rows, TP rank 1 capacity
+        return demo_inputs(cfg, 2 * capacity + 1, dp_rank, 0)
+    if kind == "backend_refusal":  # the input is fine; the backend refuses (see below)
+        return x
+    raise AssertionError(kind)
+
+
+def _refuse_in_the_backend(layer: MoELayer) -> None:
+    """Make this rank's backend refuse its next call before sending anything, as its own
+    input checks do (the fault is injected at the refusal, the path after it is real)."""
+    pf = layer.pf
+    assert pf is not None
+    send = pf.dispatch_send  # type: ignore[attr-defined]
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        pf.dispatch_send = send  # type: ignore[attr-defined]
+        raise pf.faults.refuse(pf, pf.name, ValueError("injected backend refusal"))
+
+    pf.dispatch_send = refusing  # type: ignore[attr-defined]
+
+
+def refused_layer_call(rank: int, world: int, backend: str, layout: ParallelLayout,
+                       cfg: MoEConfig, bad_ranks: list[int], kind: str, tokens: int,
+                       capacity: int, timeout_s: float) -> dict:
+    """Every rank calls a layer of ``backend`` (on new groups with a short timeout; the
+    emulated library where the backend needs one); the ``bad_ranks`` give it an input they
+    refuse. Then every rank calls the layer again with its good input. Returns each call's
+    (error type, message, seconds) and output, and whether the group ended up broken."""
+    from tests.backends.low_latency_ranks import make_options, vendor_module
+    from tests.emulation import installed
+
+    vendor = vendor_module(backend) if backend in ("deepep_ll", "nixl_ep") else None
+    with installed(vendor) if vendor else contextlib.nullcontext():
+        ctx = make_dist_context(layout, timeout_s=timeout_s, fresh_ep_group=True)
+        options = make_options(backend) if vendor else None
+        layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend(backend), None, QuantSpec(),
+                         OverlapConfig(overlap=False), max_tokens_per_rank=capacity,
+                         backend_options=options)
+        try:
+            x = demo_inputs(cfg, tokens, ctx.dp_rank, 0)
+            given = refused_input(kind, x, cfg, capacity, ctx.dp_rank) if rank in bad_ranks else x
+            if kind == "backend_refusal" and rank in bad_ranks:
+                _refuse_in_the_backend(layer)
+            outs: list[Optional[torch.Tensor]] = []
+
+            def call(inp: object) -> None:
+                outs.append(layer(inp))
+
+            first = _error(lambda: call(given))
+            second = _error(lambda: call(x))
+            return dict(first=first, second=second, outs=outs, broken=layer.faults.broken,
+                        out=outs[-1] if second[0] is None else None)
+        finally:
+            layer.destroy()

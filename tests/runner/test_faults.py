@@ -160,3 +160,103 @@ def test_check_peers_names_the_peer_and_what_its_status_word_says():
             check_peers(faults, "layer", 0, 7, 99, headers)
         check_peers(faults, "layer", 2, 7, 99, headers)  # the flagged rank: its own error
     assert faults.broken is None
+
+
+# -- a refused input costs no rank its layer (moe_plugins.faults, rule 5) ----------------------
+
+LL_CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=3, intermediate=32, shared_intermediate=64,
+                   dtype=torch.bfloat16)
+REFUSAL_TEXT = {"wide": ("ValueError", "x must be float [num_tokens, "),
+                "numpy": ("TypeError", "x must be a torch.Tensor"),
+                "int": ("TypeError", "x must be float [num_tokens, "),
+                "too_many_tokens": ("ValueError", "dispatches up to 5, the backend's buffers hold 4"),
+                "backend_refusal": ("ValueError", "injected backend refusal")}
+
+
+def _assert_refused(r: dict, kind: str) -> None:
+    err_type, err, seconds = r["first"]
+    assert (err_type, REFUSAL_TEXT[kind][1] in (err or "")) == (REFUSAL_TEXT[kind][0], True), err
+    assert seconds < TIMEOUT_S, f"the refusing rank waited {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("layout,bad,kind", [
+    (ParallelLayout(1, 1, True), [0], "wide"),
+    (ParallelLayout(2, 1, True), [1], "numpy"),
+    (DP2_TP2, [2], "int"),
+    (DP2_TP2, [0, 3], "wide"),
+], ids=["1rank-wide", "dp2-numpy", "dp2tp2-int", "dp2tp2-two-ranks-wide"])
+def test_torch_backend_refusal_reaches_every_rank_in_seconds_and_the_layer_stays_usable(
+        rank_pool, layout, bad, kind):
+    """The torch backend's header carries the refusal of the LAYER's own check: the refusing
+    ranks raise their error, every other rank PeerInputError naming them, all within seconds
+    (nothing waits for a timeout), and the next call is right on every rank."""
+    results = rank_pool(layout.world_size).run(frf.refused_layer_call, "torch", layout, CFG, bad,
+                                               kind, 6, 8, TIMEOUT_S)
+    for rank, r in enumerate(results):
+        if rank in bad:
+            _assert_refused(r, kind)
+        else:
+            err_type, err, seconds = r["first"]
+            assert err_type == "PeerInputError" and seconds < TIMEOUT_S, err
+            assert all(f"rank {b} rejected its inputs" in err for b in bad), err
+        assert r["second"][0] is None and r["broken"] is None, r["second"]
+    assert_matches_reference(results, layout, CFG, 6)
+
+
+@pytest.mark.parametrize("layout,bad,kind", [
+    (ParallelLayout(1, 1, True), [0], "too_many_tokens"),
+    (ParallelLayout(2, 1, True), [1], "wide"),
+    (ParallelLayout(2, 1, True), [0], "too_many_tokens"),
+    (ParallelLayout(2, 1, True), [0, 1], "too_many_tokens"),
+    (ParallelLayout(2, 1, True), [1], "backend_refusal"),
+    (DP2_TP2, [0, 1], "wide"),
+], ids=["1rank-capacity", "ep2-wide", "ep2-capacity", "ep2-every-rank-capacity",
+        "ep2-backend-refusal", "dp2tp2-dp-group-wide"])
+def test_low_latency_refusal_serves_the_peers_and_the_layer_stays_usable(rank_pool, layout, bad,
+                                                                        kind):
+    """deepep_ll (no host exchange, on the emulated library): a rank that refuses its input,
+    by the layer's checks or its backend's (the injected refusal: the path after the backend's
+    own checks), takes part in the call with no tokens of its own, so its peers' results of THAT call are right; it raises its error, and the next
+    call is right everywhere. (A layer input is the same on every TP rank of a DP group, so
+    both TP ranks of DP group 0 refuse it together.)"""
+    results = rank_pool(layout.world_size).run(frf.refused_layer_call, "deepep_ll", layout,
+                                               LL_CFG, bad, kind, 3, 4, TIMEOUT_S)
+    for rank, r in enumerate(results):
+        if rank in bad:
+            _assert_refused(r, kind)
+        else:
+            assert r["first"][0] is None, r["first"]
+        assert r["second"][0] is None and r["broken"] is None, r["second"]
+    firsts = [dict(out=r["outs"][0]) for r in results]
+    good = [rank for rank in range(layout.world_size) if rank not in bad]
+    assert_matches_reference(firsts, layout, LL_CFG, 3, ranks=good)  # served, not skipped
+    assert_matches_reference(results, layout, LL_CFG, 3)
+
+
+def test_low_latency_capacity_is_checked_on_the_tp_chunk_alike_on_every_tp_rank(rank_pool):
+    """9 tokens per DP group, tp=2, buffers of 4 per rank: TP rank 0 would own 5 rows and TP
+    rank 1 four. The layer checks the chunk (5) on both, so both refuse together, take part in
+    the call without tokens, raise, and the next call is right."""
+    results = rank_pool(4).run(frf.refused_layer_call, "deepep_ll", DP2_TP2, LL_CFG, [0, 1, 2, 3],
+                               "chunk", 3, 4, TIMEOUT_S)
+    for r in results:
+        err_type, err, seconds = r["first"]
+        assert err_type == "ValueError" and "each TP rank dispatches up to 5" in err, err
+        assert r["second"][0] is None and r["broken"] is None, r["second"]
+    assert_matches_reference(results, DP2_TP2, LL_CFG, 3)
+
+
+def test_low_latency_backend_refusal_with_tp_inside_ep_breaks_instead_of_pairing(rank_pool):
+    """With TP inside EP, a rank whose BACKEND refuses its owned rows cannot complete the call
+    without them (its TP peer sent its own): it raises its error and breaks its group; every
+    peer ends in an error within the group timeout, and no rank returns a result of any call."""
+    t0 = time.monotonic()
+    results = rank_pool(4).run(frf.refused_layer_call, "deepep_ll", DP2_TP2, LL_CFG, [0],
+                               "backend_refusal", 3, 4, TIMEOUT_S)
+    assert time.monotonic() - t0 < 6 * TIMEOUT_S
+    err_type, err, _ = results[0]["first"]
+    assert err_type == "ValueError" and "injected backend refusal" in err, err
+    assert results[0]["second"][0] == "LayerBrokenError" and results[0]["outs"] == []
+    for rank, r in enumerate(results[1:], start=1):
+        assert r["first"][0] is not None, f"rank {rank} returned a result of the refused call"
+        assert r["first"][2] < 3 * TIMEOUT_S

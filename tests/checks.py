@@ -1,8 +1,13 @@
 """Checks the tests share: the one element-wise check of multi-rank outputs against the
-single-process reference, and the counter of torch.distributed collectives."""
+single-process reference, the counter of torch.distributed collectives, and the command line
+run as a user runs it."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -96,3 +101,21 @@ def count_dist_calls(groups: Optional[list[Any]] = None, also: Sequence[Any] = (
             else:
                 setattr(obj, n, own)
         dist.ProcessGroup.alltoall_base = saved_pg
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = Path(sys.executable).parent / "moe-plugins"
+
+
+def cli_env() -> dict[str, str]:
+    """The environment for a subprocess that must import this checkout's moe_plugins: the
+    checkout first on PYTHONPATH (an editable install of the venv may point at another checkout,
+    and a console script does not put the working directory on sys.path)."""
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """The installed ``moe-plugins`` console script with ``args``, on this checkout's code."""
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=timeout,
+                          env=cli_env())

@@ -313,16 +313,20 @@ def vllm_layers(spec: LayerSpec, dbo: bool = False) -> Iterator[VllmLayers]:
     from vllm.plugins import load_general_plugins
 
     from moe_plugins.lowlat.vendor import destroy_all_buffers
+    from moe_plugins.vllm.worker_env import set_worker_dist_env
 
     load_general_plugins()
     torch.cuda.set_device(0)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
     if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("nccl", init_method=init_method, rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=120))
     config = VllmConfig(parallel_config=ParallelConfig(enable_expert_parallel=True,
                                                        all2all_backend=OURS, enable_dbo=dbo))
+    set_worker_dist_env(init_method)  # what vLLM's worker sets before its groups (CUDA: none)
     with set_current_vllm_config(config):
-        ps.init_distributed_environment(1, 0, local_rank=0, backend="nccl")
+        ps.init_distributed_environment(1, 0, distributed_init_method=init_method,
+                                        local_rank=0, backend="nccl")
         ps.initialize_model_parallel(1)
         from vllm.v1.worker import workspace
 

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
+import re
 import sys
 from dataclasses import asdict
 import signal
@@ -59,14 +61,61 @@ def _int_at_least(low: int) -> "Callable[[str], int]":
     return parse
 
 
-def _positive_float(text: str) -> float:
+def _finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0 (inf, nan, 0 and negatives are refused)."""
+    value = _finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
     return value
+
+
+def _nonnegative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
+
+def _token_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated token counts >= 0 (one per DP group)."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integer token counts, one per DP group, got {text!r}"
+        ) from None
+    negative = [c for c in counts if c < 0]
+    if negative:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 0, got {negative[0]} in "
+                                         f"{text!r}")
+    return counts
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """An argparse type: a logging level name, any case."""
+    if text.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_LOG_LEVELS)} (any case), "
+                                         f"got {text!r}")
+    return text.upper()
+
+
+# A value such as "-1,2,3" or "-inf" (no option of ours looks like one): argparse would take it
+# for an unknown option and report the flag before it as missing its value.
+_NEGATIVE_VALUE = re.compile(r"^-(?:\d[\d,.e+-]*|\.\d[\d.e+-]*|inf(?:inity)?|nan)$", re.I)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,6 +123,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> "NoReturn":
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _parse_optional(self, arg_string: str) -> Any:
+        if _NEGATIVE_VALUE.match(arg_string):
+            return None  # a value: the flag's type then says what is wrong with it
+        return super()._parse_optional(arg_string)
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -351,6 +405,21 @@ def _expert_placement(args: argparse.Namespace, model: Any, layout: Any) -> Any:
     return None
 
 
+def _plan_tokens(args: argparse.Namespace, dp: int) -> "int | list[int]":
+    """--tokens (one count for every DP group) or --tokens-per-dp (one per DP group), not both."""
+    if args.tokens_per_dp is None:
+        return args.tokens if args.tokens is not None else args.shape_defaults["tokens"]
+    given = ",".join(map(str, args.tokens_per_dp))
+    if args.tokens is not None:
+        raise ValueError(f"--tokens {args.tokens} and --tokens-per-dp {given} both set the "
+                         "tokens of each DP group; give --tokens (the same count for every DP "
+                         "group) or --tokens-per-dp (one count per DP group), not both")
+    if len(args.tokens_per_dp) != dp:
+        raise ValueError(f"--tokens-per-dp {given} gives {len(args.tokens_per_dp)} counts, the "
+                         f"layout has {dp} DP groups; give one count per DP group")
+    return list(args.tokens_per_dp)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from moe_plugins.overlap import OverlapConfig
     from moe_plugins.planner.plan import plan_layer
@@ -358,19 +427,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from moe_plugins.strategy import SharedPlacement
 
     model, layout, quant, link = _plan_inputs(args)
-    tokens: int | list[int] = args.tokens
-    if args.tokens_per_dp is not None:
-        try:
-            tokens = [int(t) for t in args.tokens_per_dp.split(",")]
-        except ValueError:
-            raise ValueError(f"--tokens-per-dp {args.tokens_per_dp!r}: expected comma-separated "
-                             f"token counts, one per DP group ({layout.dp})") from None
+    tokens = _plan_tokens(args, layout.dp)
     budget = None
     if args.shared_expert_budget_gb is not None:
-        if args.shared_expert_budget_gb < 0:
-            raise ValueError(f"--shared-expert-budget-gb must be >= 0, got "
-                             f"{args.shared_expert_budget_gb}")
-        budget = int(args.shared_expert_budget_gb * 2**30)
+        budget_bytes = args.shared_expert_budget_gb * 2**30
+        if not math.isfinite(budget_bytes):
+            raise ValueError(f"--shared-expert-budget-gb {args.shared_expert_budget_gb:g} is too "
+                             "large to count in bytes; leave the flag out for no limit")
+        budget = int(budget_bytes)
     plan = plan_layer(model, layout, tokens, get_backend(args.backend), quant, link=link,
                       shared_placement=SharedPlacement(args.shared_placement),
                       single_collective=OverlapConfig.from_env().single_collective,
@@ -386,7 +450,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-plugins", description=__doc__)
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", type=_log_level, default="WARNING", metavar="LEVEL",
+                   help=f"one of {', '.join(_LOG_LEVELS)} (any case; default WARNING)")
     sub = p.add_subparsers(dest="cmd", required=True)
     lst = sub.add_parser("list", help="registered backends, capabilities, usable here or why not")
     lst.add_argument("--json", action="store_true")
@@ -405,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="analytic per-rank traffic, TP collectives, weights and "
                           "time of every applicable strategy, with the recommended one")
     add_layout_args(plan)
-    shape_defaults = {k: plan.get_default(k) for k in ("ranks",) + _SHAPE_FLAGS}
+    shape_defaults = {k: plan.get_default(k) for k in ("ranks", "tokens") + _SHAPE_FLAGS}
     plan.set_defaults(fn=_cmd_plan, shape_defaults=shape_defaults,
                       **{k: None for k in shape_defaults})
     plan.add_argument("--dp", type=_int_at_least(1),
@@ -413,8 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model-config", metavar="CONFIG_JSON",
                       help="Hugging Face config.json (DeepSeek-V2/V3 or Qwen2/3-MoE); shape flags "
                       "given as well override its values")
-    plan.add_argument("--tokens-per-dp", metavar="N0,N1,...",
-                      help="tokens of each DP group (instead of --tokens, for uneven DP groups)")
+    plan.add_argument("--tokens-per-dp", type=_token_counts, metavar="N0,N1,...",
+                      help="tokens of each DP group (instead of --tokens, not with it: for "
+                      "uneven DP groups)")
     plan.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"],
                       help="where the routed experts are (vLLM's --expert-placement-strategy)")
     plan.add_argument("--redundant-experts", type=_int_at_least(0), default=0, metavar="N",
@@ -424,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["tp_sharded", "replicated"],
                       help="how the shared expert's weights sit on TP ranks (the default "
                       "strategy a layer picks)")
-    plan.add_argument("--shared-expert-budget-gb", type=float, metavar="GIB",
+    plan.add_argument("--shared-expert-budget-gb", type=_nonnegative_float, metavar="GIB",
                       help="GiB per rank the shared experts of all MoE layers may take: SP "
                       "(replicated shared experts) is recommended only when they fit (default: "
                       "no limit)")
@@ -434,10 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "reduce_scatter)")
     plan.add_argument("--nvlink-gbps", type=_positive_float, default=450.0,
                       help="NVLink GB/s per GPU and direction (H100/H200 NVLink4: 450)")
-    plan.add_argument("--nvlink-us", type=float, default=3.0, help="NVLink latency per message")
+    plan.add_argument("--nvlink-us", type=_nonnegative_float, default=3.0,
+                      help="NVLink latency per message")
     plan.add_argument("--rdma-gbps", type=_positive_float, default=50.0,
                       help="RDMA GB/s per GPU (one 400 Gb/s NIC per GPU: 50)")
-    plan.add_argument("--rdma-us", type=float, default=5.0, help="RDMA latency per message")
+    plan.add_argument("--rdma-us", type=_nonnegative_float, default=5.0,
+                      help="RDMA latency per message")
     plan.add_argument("--gpus-per-node", type=_int_at_least(1), default=8)
     plan.add_argument("--per-rank", action="store_true", help="table: a line per rank as well")
     plan.add_argument("--json", action="store_true", help="one JSON object per strategy and line")

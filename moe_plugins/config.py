@@ -33,17 +33,36 @@ class DispatchConfig:
     placement: Optional[ExpertPlacement] = None
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "hidden"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DispatchConfig.{name} must be a positive int, got {value!r}; "
-                                 "give the layer's size")
-        if self.num_topk < 1 or self.num_topk > self.num_experts:
-            raise ValueError(f"num_topk must be in [1, num_experts={self.num_experts}], "
-                             f"got {self.num_topk}")
-        if self.max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        """Every field's type and range (bool is not an int); the backend checks
+        ``backend_options`` itself."""
+        _positive_int("num_experts", self.num_experts, "give the layer's number of (logical) "
+                      "experts")
+        _positive_int("hidden", self.hidden, "give the layer's size")
+        _positive_int("num_topk", self.num_topk, "give the number of experts each token is "
+                      "routed to")
+        if self.num_topk > self.num_experts:
+            raise ValueError(f"DispatchConfig.num_topk must be in [1, num_experts="
+                             f"{self.num_experts}], got {self.num_topk}; a token is routed to "
+                             "at most every expert once")
+        _positive_int("max_tokens_per_rank", self.max_tokens_per_rank,
+                      "give the most tokens one rank dispatches in a call (buffers are sized "
+                      "for it)")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"DispatchConfig.dtype must be a torch.dtype, got {self.dtype!r} "
+                            f"({type(self.dtype).__name__}); pass e.g. torch.bfloat16")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"DispatchConfig.dtype must be a floating-point activation dtype, "
+                             f"got {self.dtype}; pass the model's activation dtype, e.g. "
+                             "torch.bfloat16")
+        if not isinstance(self.quant, QuantSpec):
+            raise TypeError(f"DispatchConfig.quant must be a QuantSpec, got {self.quant!r} "
+                            f"({type(self.quant).__name__}); pass e.g. "
+                            "QuantSpec(QuantScheme.FP8_BLOCK128), or QuantSpec() for none")
         self.quant.check_hidden(self.hidden)
+        if self.placement is not None and not isinstance(self.placement, ExpertPlacement):
+            raise TypeError(f"DispatchConfig.placement must be an ExpertPlacement or None, got "
+                            f"{type(self.placement).__name__}; build one with "
+                            "ExpertPlacement.linear / round_robin / eplb")
         if self.placement is not None and self.placement.num_logical != self.num_experts:
             raise ValueError(f"the placement holds {self.placement.num_logical} logical experts, "
                              f"the layer has num_experts={self.num_experts}; build the placement "
@@ -57,3 +76,12 @@ class DispatchConfig:
             raise ValueError(f"the placement spreads experts over {self.placement.num_ranks} EP "
                              f"ranks, the EP group has {num_ranks}; build it for this group")
         return self.placement
+
+
+def _positive_int(name: str, value: Any, fix: str) -> None:
+    """TypeError unless ``value`` is an int (not a bool), ValueError unless it is >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"DispatchConfig.{name} must be a positive int, got {value!r} "
+                        f"({type(value).__name__}); {fix}")
+    if value < 1:
+        raise ValueError(f"DispatchConfig.{name} must be a positive int, got {value!r}; {fix}")

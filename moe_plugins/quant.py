@@ -6,6 +6,7 @@ unquantized (no quant scheme, or ``defer_input_quant``).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +32,11 @@ class QuantScheme(str, enum.Enum):
     FP8_BLOCK128 = "fp8_block128"
     NVFP4 = "nvfp4"
 
+    @classmethod
+    def _missing_(cls, value: object) -> "QuantScheme":
+        raise ValueError(f"{value!r} is not a QuantScheme; expected one of "
+                         f"{', '.join(repr(s.value) for s in cls)}")
+
 
 @dataclass(frozen=True)
 class QuantSpec:
@@ -47,6 +53,33 @@ class QuantSpec:
     defer_input_quant: bool = False
     nvfp4_global_scale: float = 1.0
     nvfp4_swizzled_sf: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        """Types and ranges of every field; a scheme given by its value (``"nvfp4"``) becomes the
+        :class:`QuantScheme`."""
+        if isinstance(self.scheme, str) and not isinstance(self.scheme, QuantScheme):
+            try:
+                object.__setattr__(self, "scheme", QuantScheme(self.scheme))
+            except ValueError as e:
+                raise ValueError(f"QuantSpec.scheme: {e}") from None
+        if not isinstance(self.scheme, QuantScheme):
+            raise TypeError(f"QuantSpec.scheme must be a QuantScheme, got {self.scheme!r} "
+                            f"({type(self.scheme).__name__}); pass one of "
+                            f"{', '.join(f'QuantScheme.{s.name}' for s in QuantScheme)}")
+        if not isinstance(self.defer_input_quant, bool):
+            raise TypeError(f"QuantSpec.defer_input_quant must be a bool, got "
+                            f"{self.defer_input_quant!r} ({type(self.defer_input_quant).__name__})"
+                            f"; pass True or False")
+        gs = self.nvfp4_global_scale
+        if isinstance(gs, bool) or not isinstance(gs, (int, float)):
+            raise TypeError(f"QuantSpec.nvfp4_global_scale must be a number, got {gs!r} "
+                            f"({type(gs).__name__}); pass a float (a tensor: float(t))")
+        if not math.isfinite(gs) or gs <= 0:
+            raise ValueError(f"QuantSpec.nvfp4_global_scale must be finite and > 0, got {gs!r}; "
+                             "pass the layer's NVFP4 input global scale (1.0 without one)")
+        if self.nvfp4_swizzled_sf is not None and not isinstance(self.nvfp4_swizzled_sf, bool):
+            raise TypeError(f"QuantSpec.nvfp4_swizzled_sf must be True, False or None, got "
+                            f"{self.nvfp4_swizzled_sf!r} ({type(self.nvfp4_swizzled_sf).__name__})")
 
     @property
     def quantized_on_wire(self) -> bool:

@@ -1,9 +1,14 @@
 """Checks the tests share: the one element-wise check of multi-rank outputs against the
-single-process reference, and the counter of torch.distributed collectives."""
+single-process reference, the counter of torch.distributed collectives, and the command line
+run as a user runs it."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Union
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -40,14 +45,17 @@ _COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_ga
 
 
 @contextlib.contextmanager
-def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[str, int]]]:
+def count_dist_calls(groups: Optional[list[Any]] = None, also: Sequence[Any] = ()
+                     ) -> Iterator[list[tuple[str, int]]]:
     """Wrap the real torch.distributed collectives; yields [(name, bytes this rank contributes)]:
     the input tensor (the second argument of all_gather* and reduce_scatter*, else the first).
     ``groups``: also gets each call's ``group`` argument (None: the default group), in order.
     Nested calls (a torch wrapper calling another) are counted once, at the outermost.
     ``ProcessGroup.alltoall_base``, which the torch backend's manager calls directly (the method
     under ``dist.all_to_all_single``), counts as ``all_to_all_single``, its group the process
-    group it is called on."""
+    group it is called on. ``also``: objects that stand in for torch.distributed with methods of
+    the same names and arguments (vLLM's CPU shared-memory communicator, the ``dist_module`` of
+    its TP group's communicator), counted the same way while the block runs."""
     calls: list[tuple[str, int]] = []
     saved = {n: getattr(dist, n) for n in _COUNTED if hasattr(dist, n)}
     # the class's own entry (pybind's method descriptor), restored as it was: what attribute
@@ -75,6 +83,11 @@ def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[
 
     for n, fn in saved.items():
         setattr(dist, n, wrap(n, fn))
+    # the stand-ins' methods are wrapped on the instance and the instance's own entries restored
+    also_saved = [(obj, n, obj.__dict__.get(n)) for obj in also for n in _COUNTED
+                  if callable(getattr(obj, n, None))]
+    for obj, n, _ in also_saved:
+        setattr(obj, n, wrap(n, getattr(obj, n)))
     dist.ProcessGroup.alltoall_base = wrap("all_to_all_single", dist.ProcessGroup.alltoall_base,
                                            method=True)
     try:
@@ -82,4 +95,27 @@ def count_dist_calls(groups: Optional[list[Any]] = None) -> Iterator[list[tuple[
     finally:
         for n, fn in saved.items():
             setattr(dist, n, fn)
+        for obj, n, own in also_saved:
+            if own is None:
+                delattr(obj, n)
+            else:
+                setattr(obj, n, own)
         dist.ProcessGroup.alltoall_base = saved_pg
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = Path(sys.executable).parent / "moe-plugins"
+
+
+def cli_env() -> dict[str, str]:
+    """The environment for a subprocess that must import this checkout's moe_plugins: the
+    checkout first on PYTHONPATH (an editable install of the venv may point at another checkout,
+    and a console script does not put the working directory on sys.path)."""
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """The installed ``moe-plugins`` console script with ``args``, on this checkout's code."""
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=timeout,
+                          env=cli_env())

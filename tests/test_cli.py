@@ -8,11 +8,21 @@ from pathlib import Path
 
 import pytest
 
-BIN = Path(sys.executable).parent / "moe-plugins"
+from tests.checks import CLI as BIN
+from tests.checks import ROOT, cli_env, run_cli
 
 
 def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, timeout=timeout)
+
+
+def test_the_cli_under_test_is_this_checkouts():
+    """What _run starts imports this checkout's moe_plugins, not the one the venv has installed
+    (an editable install of another worktree)."""
+    res = subprocess.run([sys.executable, "-c", "import moe_plugins; print(moe_plugins.__file__)"],
+                         capture_output=True, text=True, env=cli_env(), cwd="/", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert Path(res.stdout.strip()).resolve().is_relative_to(ROOT)
 
 
 def test_list_json_has_the_documented_keys():
@@ -63,6 +73,14 @@ def test_demo_rejects_dp_without_ep():
     (("plan", "--layers", "0"), "argument --layers: must be >= 1, got 0"),
     (("demo", "--ranks", "2", "--ep", "--experts", "7"),
      "--experts 7 is not divisible by the EP size 2"),
+    # issue 28: each through the console script; the neighbours in-process below
+    (("plan", "--ep", "--nvlink-gbps", "inf"),
+     "argument --nvlink-gbps: must be a finite number, got 'inf'"),
+    (("--log-level", "bogus", "list"),
+     "argument --log-level: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case), "
+     "got 'bogus'"),
+    (("plan", "--ep", "--tokens-per-dp", "-1,2,3,4"),
+     "argument --tokens-per-dp: token counts must be >= 0, got -1 in '-1,2,3,4'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
     res = _run(*args, timeout=60)
@@ -128,3 +146,69 @@ def test_demo_without_renormalization_matches_and_rows_say_ok():
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert rows and all(r["ok"] is True for r in rows)
+
+
+# -- flag values (issue 28), parsed as main parses them -----------------------------------------
+@pytest.mark.parametrize("argv,message", [
+    # link speeds: finite and > 0; latencies and the budget: finite and >= 0
+    (["plan", "--nvlink-gbps", "nan"],
+     "argument --nvlink-gbps: must be a finite number, got 'nan'"),
+    (["plan", "--nvlink-gbps", "Infinity"],
+     "--nvlink-gbps: must be a finite number, got 'Infinity'"),
+    (["plan", "--rdma-gbps", "1e400"], "--rdma-gbps: must be a finite number, got '1e400'"),
+    (["plan", "--rdma-gbps", "0"], "argument --rdma-gbps: must be > 0, got 0"),
+    (["plan", "--rdma-gbps", "-50"], "argument --rdma-gbps: must be > 0, got -50"),
+    (["plan", "--nvlink-gbps", "fast"], "argument --nvlink-gbps: expected a number, got 'fast'"),
+    (["plan", "--nvlink-us", "-inf"], "argument --nvlink-us: must be a finite number, got '-inf'"),
+    (["plan", "--nvlink-us", "-1"], "argument --nvlink-us: must be >= 0, got -1"),
+    (["plan", "--rdma-us", "nan"], "argument --rdma-us: must be a finite number, got 'nan'"),
+    (["plan", "--shared-expert-budget-gb", "nan"],
+     "argument --shared-expert-budget-gb: must be a finite number, got 'nan'"),
+    (["plan", "--shared-expert-budget-gb", "-0.5"],
+     "argument --shared-expert-budget-gb: must be >= 0, got -0.5"),
+    (["demo", "--timeout", "inf"], "argument --timeout: must be a finite number, got 'inf'"),
+    (["demo", "--timeout", "-1"], "argument --timeout: must be > 0, got -1"),
+    (["plan", "--gpus-per-node", "true"],
+     "argument --gpus-per-node: expected an integer, got 'true'"),
+    (["plan", "--gpus-per-node", "8.0"],
+     "argument --gpus-per-node: expected an integer, got '8.0'"),
+    (["plan", "--layers", "-2"], "argument --layers: must be >= 1, got -2"),
+    # --tokens-per-dp: counts >= 0, integers, with or without '='
+    (["plan", "--tokens-per-dp=-1,2,3,4"], "argument --tokens-per-dp: token counts must be >= 0, "
+                                           "got -1 in '-1,2,3,4'"),
+    (["plan", "--tokens-per-dp", "3,-2"], "token counts must be >= 0, got -2 in '3,-2'"),
+    (["plan", "--tokens-per-dp", "1,,2"], "argument --tokens-per-dp: expected comma-separated "
+                                          "integer token counts, one per DP group, got '1,,2'"),
+    (["plan", "--tokens-per-dp", "1.5,2"], "expected comma-separated integer token counts"),
+    (["plan", "--tokens-per-dp", ""], "expected comma-separated integer token counts"),
+    # --log-level: logging's names, any case
+    (["--log-level", "10", "list"], "argument --log-level: expected one of DEBUG, INFO"),
+    (["--log-level", "", "list"], "argument --log-level: expected one of DEBUG, INFO"),
+])
+def test_bad_flag_values_exit_2_with_one_line(capsys, argv, message):
+    from moe_plugins.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv,attr,value", [
+    (["--log-level", "debug", "list"], "log_level", "DEBUG"),
+    (["--log-level", "Info", "list"], "log_level", "INFO"),
+    (["list"], "log_level", "WARNING"),
+    (["plan", "--tokens-per-dp", "7,0,3"], "tokens_per_dp", [7, 0, 3]),
+    (["plan", "--tokens", "-0"], "tokens", 0),
+    (["plan", "--nvlink-gbps", "1e-3"], "nvlink_gbps", 1e-3),
+    (["plan", "--rdma-us", "0"], "rdma_us", 0.0),
+    (["plan", "--shared-expert-budget-gb", "0"], "shared_expert_budget_gb", 0.0),
+    (["plan"], "tokens", None),  # plan resolves it against --tokens-per-dp
+    (["demo"], "tokens", 8),
+])
+def test_good_flag_values_parse(argv, attr, value):
+    from moe_plugins.cli import build_parser
+
+    assert getattr(build_parser().parse_args(argv), attr) == value
+

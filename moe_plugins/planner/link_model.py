@@ -17,6 +17,7 @@ Self-sends are local copies and cost nothing here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,14 +36,22 @@ class LinkModel:
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("nvlink_gbps", "rdma_gbps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 GB/s, got {getattr(self, name)}")
-        for name in ("nvlink_latency_us", "rdma_latency_us"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 us, got {getattr(self, name)}")
+        for name, low, unit in (("nvlink_gbps", "> 0", "GB/s"), ("rdma_gbps", "> 0", "GB/s"),
+                                ("nvlink_latency_us", ">= 0", "us"),
+                                ("rdma_latency_us", ">= 0", "us")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"LinkModel.{name} must be a number ({unit}), got {value!r} "
+                                f"({type(value).__name__}); pass an int or float")
+            if not math.isfinite(value) or not (value > 0 if low == "> 0" else value >= 0):
+                raise ValueError(f"LinkModel.{name} must be {low} {unit} and finite, got "
+                                 f"{value!r}; pass the link's measured value (the module "
+                                 "docstring has the defaults' sources)")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int):
+            raise TypeError(f"LinkModel.gpus_per_node must be an int, got "
+                            f"{self.gpus_per_node!r} ({type(self.gpus_per_node).__name__})")
         if self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+            raise ValueError(f"LinkModel.gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
     def same_node(self, a: int, b: int) -> bool:
         return a // self.gpus_per_node == b // self.gpus_per_node

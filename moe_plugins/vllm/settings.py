@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -71,7 +72,8 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
 def _budget_bytes(gib: Any) -> Optional[int]:
     if gib is None:
         return None
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0:
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib >= 0 \
+            or not math.isfinite(gib * 2**30):  # JSON has NaN and Infinity
         raise ValueError(f"--additional-config {ADDITIONAL_CONFIG_KEY}.shared_expert_budget_gb="
                          f"{gib!r} is not a size; expected a number of GiB >= 0, e.g. "
                          f"'{{\"{ADDITIONAL_CONFIG_KEY}\": {{\"shared_expert_budget_gb\": 4}}}}'")

@@ -104,13 +104,62 @@ def test_check_prepare_inputs_names_both_shapes():
 
 
 @pytest.mark.parametrize("field,value", [("hidden", 0), ("hidden", -4), ("num_experts", 0),
-                                         ("hidden", 2.5)])
+                                         ("num_topk", 0), ("max_tokens_per_rank", 0),
+                                         ("max_tokens_per_rank", -1)])
 def test_dispatch_config_rejects_non_positive_sizes(field, value):
     from moe_plugins.config import DispatchConfig
 
     kw = {"num_experts": 8, "hidden": 256, "num_topk": 2, field: value}
     with pytest.raises(ValueError, match=rf"DispatchConfig.{field} must be a positive int, got {value}"):
         DispatchConfig(**kw)
+
+
+# issue 28: num_topk='2' and max_tokens_per_rank=4.5 were accepted and failed inside a kernel
+@pytest.mark.parametrize("field,value", [
+    ("num_topk", "2"), ("num_topk", 2.0), ("num_topk", True), ("max_tokens_per_rank", 4.5),
+    ("max_tokens_per_rank", True), ("max_tokens_per_rank", "256"), ("hidden", 2.5),
+    ("hidden", torch.tensor(256)), ("num_experts", False), ("num_experts", None),
+])
+def test_dispatch_config_rejects_sizes_that_are_not_ints(field, value):
+    from moe_plugins.config import DispatchConfig
+
+    kw = {"num_experts": 8, "hidden": 256, "num_topk": 2, field: value}
+    with pytest.raises(TypeError) as e:
+        DispatchConfig(**kw)
+    assert (f"DispatchConfig.{field} must be a positive int, got {value!r} "
+            f"({type(value).__name__}); give ") in str(e.value)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    ({"num_topk": 9}, ValueError, "DispatchConfig.num_topk must be in [1, num_experts=8], got 9"),
+    ({"dtype": "bfloat16"}, TypeError,
+     "DispatchConfig.dtype must be a torch.dtype, got 'bfloat16' (str); pass e.g. torch.bfloat16"),
+    ({"dtype": torch.int32}, ValueError,
+     "DispatchConfig.dtype must be a floating-point activation dtype, got torch.int32"),
+    ({"dtype": torch.bool}, ValueError, "must be a floating-point activation dtype"),
+    ({"quant": "fp8_block128"}, TypeError,
+     "DispatchConfig.quant must be a QuantSpec, got 'fp8_block128' (str)"),
+    ({"quant": None}, TypeError, "DispatchConfig.quant must be a QuantSpec, got None"),
+    ({"placement": [0, 1, 2, 3]}, TypeError,
+     "DispatchConfig.placement must be an ExpertPlacement or None, got list"),
+])
+def test_dispatch_config_checks_every_field(change, error, message):
+    from moe_plugins.config import DispatchConfig
+
+    with pytest.raises(error) as e:
+        DispatchConfig(**{"num_experts": 8, "hidden": 256, "num_topk": 2, **change})
+    assert message in str(e.value)
+
+
+def test_dispatch_config_accepts_the_documented_values():
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.placement import ExpertPlacement
+    from moe_plugins.quant import QuantScheme, QuantSpec
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cfg = DispatchConfig(8, 256, 8, 1, dtype, QuantSpec(QuantScheme.FP8_BLOCK128),
+                             placement=ExpertPlacement.round_robin(8, 2))
+        assert cfg.num_topk == 8 and cfg.max_tokens_per_rank == 1 and cfg.dtype is dtype
 
 
 @pytest.mark.parametrize("args,error,text", [

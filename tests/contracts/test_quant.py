@@ -121,3 +121,50 @@ def test_nvfp4_swizzle_is_the_layout_vllm_reads(num_tokens):
     from_linear = emu.dequantize_to_dtype(q, sf, inv, torch.float32, swizzle=False)
     assert torch.equal(from_swizzled, from_linear)
     torch.testing.assert_close(from_linear, dequantize_nvfp4(q, sf, gs), atol=0, rtol=1e-6)
+
+
+# -- what QuantScheme and QuantSpec accept (issue 28: QuantScheme('int4') listed nothing) -------
+@pytest.mark.parametrize("value", ["int4", "NVFP4", "fp8", "", None, 4])
+def test_quant_scheme_lists_the_valid_values(value):
+    with pytest.raises(ValueError) as e:
+        QuantScheme(value)
+    assert str(e.value) == (f"{value!r} is not a QuantScheme; expected one of 'none', "
+                            "'fp8_block128', 'nvfp4'")
+
+
+def test_quant_spec_takes_a_scheme_by_its_value():
+    spec = QuantSpec("fp8_block128")
+    assert spec.scheme is QuantScheme.FP8_BLOCK128 and spec == QuantSpec(QuantScheme.FP8_BLOCK128)
+    assert spec.quantized_on_wire
+
+
+@pytest.mark.parametrize("kw,error,message", [
+    ({"scheme": "int4"}, ValueError,
+     "QuantSpec.scheme: 'int4' is not a QuantScheme; expected one of 'none', 'fp8_block128'"),
+    ({"scheme": 1}, TypeError, "QuantSpec.scheme must be a QuantScheme, got 1 (int); pass one of "
+                               "QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4"),
+    ({"scheme": None}, TypeError, "QuantSpec.scheme must be a QuantScheme, got None"),
+    ({"defer_input_quant": 1}, TypeError,
+     "QuantSpec.defer_input_quant must be a bool, got 1 (int)"),
+    ({"defer_input_quant": "no"}, TypeError, "defer_input_quant must be a bool, got 'no' (str)"),
+    ({"nvfp4_global_scale": 0.0}, ValueError,
+     "QuantSpec.nvfp4_global_scale must be finite and > 0, got 0.0"),
+    ({"nvfp4_global_scale": -2.0}, ValueError, "nvfp4_global_scale must be finite and > 0"),
+    ({"nvfp4_global_scale": float("nan")}, ValueError, "must be finite and > 0, got nan"),
+    ({"nvfp4_global_scale": float("inf")}, ValueError, "must be finite and > 0, got inf"),
+    ({"nvfp4_global_scale": True}, TypeError,
+     "QuantSpec.nvfp4_global_scale must be a number, got True (bool)"),
+    ({"nvfp4_global_scale": torch.tensor(2.0)}, TypeError, "(Tensor); pass a float"),
+    ({"nvfp4_swizzled_sf": 1}, TypeError,
+     "QuantSpec.nvfp4_swizzled_sf must be True, False or None, got 1 (int)"),
+])
+def test_quant_spec_checks_every_field(kw, error, message):
+    with pytest.raises(error) as e:
+        QuantSpec(**kw)
+    assert message in str(e.value)
+
+
+def test_quant_spec_accepts_the_documented_values():
+    spec = QuantSpec(QuantScheme.NVFP4, True, 448 * 6, False)
+    assert spec.nvfp4_global_scale == 2688 and spec.nvfp4_swizzled_sf is False
+    assert QuantSpec(nvfp4_global_scale=0.5, nvfp4_swizzled_sf=None).nvfp4_swizzled_sf is None

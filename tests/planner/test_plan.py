@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import subprocess
-import sys
 import json
 from fractions import Fraction
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from tests.planner import plan_ranks as plan_rank_fns
-from tests.checks import assert_matches_reference
+from tests.checks import assert_matches_reference, run_cli
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.faults import HEADER_WORDS
 from moe_plugins.interface import ActivationFormat
@@ -333,6 +332,30 @@ def test_link_model_times():
         LinkModel(rdma_gbps=0)
 
 
+@pytest.mark.parametrize("field,value,error,message", [
+    # issue 28: an infinite link speed made every transfer free
+    ("nvlink_gbps", float("inf"), ValueError, "nvlink_gbps must be > 0 GB/s and finite, got inf"),
+    ("rdma_gbps", float("nan"), ValueError, "rdma_gbps must be > 0 GB/s and finite, got nan"),
+    ("nvlink_gbps", -450.0, ValueError, "nvlink_gbps must be > 0 GB/s"),
+    ("nvlink_gbps", True, TypeError, "nvlink_gbps must be a number (GB/s), got True (bool)"),
+    ("rdma_gbps", "50", TypeError, "rdma_gbps must be a number (GB/s), got '50' (str)"),
+    ("nvlink_latency_us", float("inf"), ValueError, "nvlink_latency_us must be >= 0 us and finite"),
+    ("rdma_latency_us", -1, ValueError, "rdma_latency_us must be >= 0 us and finite, got -1"),
+    ("gpus_per_node", 0, ValueError, "gpus_per_node must be >= 1, got 0"),
+    ("gpus_per_node", 8.0, TypeError, "gpus_per_node must be an int, got 8.0 (float)"),
+    ("gpus_per_node", True, TypeError, "gpus_per_node must be an int, got True (bool)"),
+])
+def test_link_model_refuses_what_is_not_a_link(field, value, error, message):
+    with pytest.raises(error) as e:
+        LinkModel(**{field: value})
+    assert message in str(e.value)
+
+
+def test_link_model_accepts_ints_and_zero_latency():
+    link = LinkModel(nvlink_gbps=100, nvlink_latency_us=0, rdma_gbps=10, rdma_latency_us=0)
+    assert link.transfer_us(1e5, "nvlink") == pytest.approx(1.0)
+
+
 def test_plan_time_grows_when_ranks_leave_the_node():
     cfg = _cfg(hidden=1024, num_experts=16)
     one_node = plan_layer(cfg, ParallelLayout(16, 1, True), 64, get_backend("torch"),
@@ -426,14 +449,52 @@ def test_model_config_file_errors(tmp_path):
         load_model_config(bad)
 
 
+# What is in the file -> what the error says after naming the file (issue 28: a binary file
+# raised UnicodeDecodeError, which named neither the file nor what to pass).
+BAD_FILES = {
+    "binary": (b"\x00\x01\xff\xfe binary", "is not a UTF-8 text file (byte 0xff at offset 2)"),
+    "latin-1": ('{"model_type": "caf\xe9"}'.encode("latin-1"), "is not a UTF-8 text file"),
+    "empty": (b"", "is not valid JSON: Expecting value"),
+    "deep": (b"[" * 100_000 + b"]" * 100_000, "nests too deeply to parse"),
+    "array": (b"[1, 2]", "expected a JSON object, got list"),
+    "dtype-list": (json.dumps(_mutated("qwen3-30b-a3b.json", "torch_dtype", ["bf16"])).encode(),
+                   "field 'torch_dtype' is ['bf16'], expected one of"),
+    "hidden-nan": (json.dumps(_mutated("qwen3-30b-a3b.json", "hidden_size",
+                                       float("nan"))).encode(),
+                   "field 'hidden_size' is nan, expected an integer >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_model_config_file_errors_name_the_file(tmp_path, case):
+    content, message = BAD_FILES[case]
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        load_model_config(path)
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_model_config_directory_is_named(tmp_path):
+    with pytest.raises(ValueError, match=f"cannot read model config {tmp_path}: Is a directory"):
+        load_model_config(tmp_path)
+
+
+def test_cli_plan_binary_model_config_names_the_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(BAD_FILES["binary"][0])
+    proc = _cli("plan", "--model-config", str(path), "--ep")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"moe-plugins: error: model config {path} is not a UTF-8 text "
+                                   "file (byte 0xff at offset 2); pass the path of a Hugging Face "
+                                   "config.json")
+
+
 # --------------------------------------------------------------------------------------------
 # CLI (subprocess of the installed console script)
 # --------------------------------------------------------------------------------------------
-CLI = str(Path(sys.executable).parent / "moe-plugins")
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=240)
+    return run_cli(*args, timeout=240)
 
 
 def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -472,6 +533,11 @@ def test_cli_plan_tokens_per_dp_group():
     rows = _json_lines(_cli("plan", "--ranks", "4", "--ep", "--tokens-per-dp", "7,0,3,2", "--json"))
     assert [r["strategy"] for r in rows] == ["LOCAL"]
     assert rows[0]["tokens_per_dp_group"] == [7, 0, 3, 2]
+    # --tokens alone: that count for every DP group; neither: the default, 8
+    rows3 = _json_lines(_cli("plan", "--ranks", "4", "--ep", "--tokens", "3", "--json"))
+    assert rows3[0]["tokens_per_dp_group"] == [3, 3, 3, 3]
+    rows8 = _json_lines(_cli("plan", "--ranks", "4", "--ep", "--json"))
+    assert rows8[0]["tokens_per_dp_group"] == [8, 8, 8, 8]
     assert rows[0]["dispatched_pairs"] == [14, 0, 6, 4]
     assert rows[0]["dispatched_rows"][1] == {"min": 0, "max": 0, "expected": 0.0}
 
@@ -531,7 +597,15 @@ def test_cli_plan_bad_model_config(tmp_path, field, value, message):
     (["--dp", "2", "--tp", "2", "--ranks", "8"], "--ranks 8 contradicts --dp 2 x --tp 2"),
     (["--ranks", "4", "--ep", "--backend", "nope"], "unknown moe-plugins backend 'nope'"),
     (["--ranks", "3", "--ep"], "num_experts=8 is not divisible by the EP size 3"),
-    (["--ranks", "4", "--ep", "--tokens-per-dp", "7,1"], "one per DP group (4), got [7, 1]"),
+    (["--ranks", "4", "--ep", "--tokens-per-dp", "7,1"],
+     "--tokens-per-dp 7,1 gives 2 counts, the layout has 4 DP groups"),
+    # issue 28: --tokens was silently ignored next to --tokens-per-dp
+    (["--ranks", "4", "--ep", "--tokens", "5", "--tokens-per-dp", "1,2,3,4"],
+     "--tokens 5 and --tokens-per-dp 1,2,3,4 both set the tokens of each DP group"),
+    (["--ranks", "4", "--ep", "--tokens", "8", "--tokens-per-dp", "8,8,8,8"],
+     "--tokens 8 and --tokens-per-dp 8,8,8,8 both set"),  # the default value given explicitly
+    (["--ranks", "4", "--ep", "--shared-expert-budget-gb", "1e308"],
+     "--shared-expert-budget-gb 1e+308 is too large to count in bytes"),
 ])
 def test_cli_plan_usage_errors(args, message):
     proc = _cli("plan", *args)
@@ -632,7 +706,23 @@ def test_cli_plan_shared_expert_budget():
     assert tight["ROW_SCATTER_ALLREDUCE"]["recommended"]
     assert "exceed the budget of 1.00 GiB" in tight["ROW_SCATTER_ALLREDUCE"]["reason"]
     proc = _cli(*flags, "--shared-expert-budget-gb", "-1")
-    assert proc.returncode == 2 and "--shared-expert-budget-gb must be >= 0" in proc.stderr
+    assert proc.returncode == 2
+    assert "argument --shared-expert-budget-gb: must be >= 0, got -1" in proc.stderr
+    # issue 28: nan and inf did not name the flag (nan) or passed as no limit (inf)
+    for value in ("nan", "inf", "-inf"):
+        proc = _cli(*flags, "--shared-expert-budget-gb", value)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+        assert (f"argument --shared-expert-budget-gb: must be a finite number, got '{value}'"
+                in proc.stderr)
+    zero = {r["strategy"]: r for r in _json_lines(_cli(*flags, "--shared-expert-budget-gb", "0"))}
+    assert zero["ROW_SCATTER_ALLREDUCE"]["recommended"]  # 0 is a budget, the smallest
+
+
+@pytest.mark.parametrize("budget,error", [(float("nan"), TypeError), (1.5, TypeError),
+                                          (True, TypeError), ("1", TypeError), (-1, ValueError)])
+def test_recommendation_refuses_a_budget_that_is_not_bytes(budget, error):
+    with pytest.raises(error, match="shared_expert_budget_bytes must be"):
+        _recommend(shared_expert_budget_bytes=budget)
 
 
 # --------------------------------------------------------------------------------------------

@@ -81,6 +81,13 @@ def test_register_refuses_unsupported_vllm_and_patches_nothing(monkeypatch):
 
 
 # -- settings from --additional-config --------------------------------------------------------------
+def test_settings_budget_in_bytes():
+    assert plugin_settings({"moe_plugins": {"shared_expert_budget_gb": 0.5}}
+                           ).shared_expert_budget_bytes == 2**29
+    assert plugin_settings({"moe_plugins": {"shared_expert_budget_gb": 0}}
+                           ).shared_expert_budget_bytes == 0
+
+
 def test_settings_default_to_the_switches():
     s = plugin_settings(None)
     assert s.overlap == OverlapConfig.from_env() and s.strategy is None
@@ -105,6 +112,14 @@ def test_settings_read_our_section(monkeypatch):
     ({"strategy": "fastest"}, ValueError, "not a reduction strategy"),
     ({"overlap_max_tokens": -1}, ValueError, "overlap_max_tokens must be >= 0"),
     ("on", TypeError, "must be a JSON object"),
+    # issue 28: JSON has NaN and Infinity; they ended in int()'s own errors, unnamed
+    ({"shared_expert_budget_gb": float("nan")}, ValueError,
+     r"moe_plugins.shared_expert_budget_gb=nan is not a size; expected a number of GiB >= 0"),
+    ({"shared_expert_budget_gb": float("inf")}, ValueError, "shared_expert_budget_gb=inf is not"),
+    ({"shared_expert_budget_gb": 1e308}, ValueError, "shared_expert_budget_gb=1e\\+308 is not"),
+    ({"shared_expert_budget_gb": -1}, ValueError, "shared_expert_budget_gb=-1 is not a size"),
+    ({"shared_expert_budget_gb": True}, ValueError, "shared_expert_budget_gb=True is not a size"),
+    ({"shared_expert_budget_gb": "4"}, ValueError, "shared_expert_budget_gb='4' is not a size"),
 ])
 def test_bad_settings_fail(section, error, match):
     with pytest.raises(error, match=match):

@@ -4,9 +4,11 @@ process groups, SP decision, modular kernel, runner reductions and model SP step
 
 Held to: the single-process reference MoE (element-wise), the tokens vLLM handed the MoE (the
 owned chunk under SP: never sliced again), and the plan's decoder-layer TP collectives
-(:class:`moe_plugins.planner.plan.RankPlan.decoder_collectives`: kinds and bytes, in order) against the
-torch.distributed calls counted on vLLM's TP group from the attention's reduction to the end
-of the layer.
+(:class:`moe_plugins.planner.plan.RankPlan.decoder_collectives`: kinds and bytes, in order)
+against the collectives counted on vLLM's TP group from the attention's reduction to the end
+of the layer (torch.distributed's, and those of vLLM's CPU shared-memory communicator where it
+runs them). Both of vLLM's CPU communicators are held to it: the one this machine's processor
+gets, and each explicitly (test_decoder_layer_on_either_cpu_communicator).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
 fns = pytest.importorskip("tests.vllm_glue.vllm_sequence_parallel_ranks")
+from tests.vllm_glue.vllm_dist import cpu_shm_unavailable  # noqa: E402
 
 CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)
 DP, TP = 2, 2
@@ -43,18 +46,8 @@ IDS = ["sp-reduce_scatter", "sp-all_reduce", "sp-1-token", "row-scatter-requeste
        "budget-without-shape"]
 
 
-@pytest.mark.parametrize("sp_attention,section,sp,num_tokens", CASES, ids=IDS)
-def test_decoder_layer_under_vllm(rank_pool, sp_attention, section, sp, num_tokens):
+def _check_layer(results: list[dict], sp_attention: str, sp: bool, num_tokens: int) -> None:
     layout = ParallelLayout(DP, TP, True)
-    run = rank_pool(layout.world_size).run
-    if "shared_expert_budget_gb" in section:
-        # a budget needs the model's shape, which a bare engine config does not have
-        from moe_plugins.runner.launch import RankError
-
-        with pytest.raises(RankError, match="cannot read this model's shape"):
-            run(fns.run_decoder_layer, DP, CFG, num_tokens, sp_attention, section)
-        return
-    results = run(fns.run_decoder_layer, DP, CFG, num_tokens, sp_attention, section)
     weights = MoEWeights.random(CFG, 0)
     strategy = S.SP_ALLGATHER if sp else S.ROW_SCATTER_ALLREDUCE
     plan = plan_layer(ModelSpec(CFG, sp_attention=sp_attention), layout, num_tokens,
@@ -75,3 +68,40 @@ def test_decoder_layer_under_vllm(rank_pool, sp_attention, section, sp, num_toke
         assert others <= {"all_to_all_single"}, "only the EP dispatch/combine runs off TP"
         assert tp_calls == [(c.kind, c.bytes) for c in plan.ranks[rank].decoder_collectives]
     assert plan.num_decoder_tp_collectives == 2
+
+
+@pytest.mark.parametrize("sp_attention,section,sp,num_tokens", CASES, ids=IDS)
+def test_decoder_layer_under_vllm(rank_pool, sp_attention, section, sp, num_tokens):
+    """With the TP communicator vLLM picks on this machine (cpu_shm_unavailable says which)."""
+    layout = ParallelLayout(DP, TP, True)
+    run = rank_pool(layout.world_size).run
+    if "shared_expert_budget_gb" in section:
+        # a budget needs the model's shape, which a bare engine config does not have
+        from moe_plugins.runner.launch import RankError
+
+        with pytest.raises(RankError, match="cannot read this model's shape"):
+            run(fns.run_decoder_layer, DP, CFG, num_tokens, sp_attention, section)
+        return
+    results = run(fns.run_decoder_layer, DP, CFG, num_tokens, sp_attention, section)
+    shm_here = cpu_shm_unavailable() is None
+    assert all(res["cpu_shm"] is shm_here for res in results)
+    _check_layer(results, sp_attention, sp, num_tokens)
+
+
+@pytest.mark.parametrize("cpu_shm", [True, False], ids=["cpu-shm-on", "cpu-shm-off"])
+@pytest.mark.parametrize("sp_attention", ["reduce_scatter", "all_reduce"])
+def test_decoder_layer_on_either_cpu_communicator(rank_pool, sp_attention, cpu_shm):
+    """vLLM's CPU communicator runs the TP group's all_reduce / all_gather through its
+    shared-memory collectives on processors whose vLLM kernels have them (x86 AVX-512, Arm, ...)
+    and through torch.distributed elsewhere (x86 AVX2); both paths run here, whichever this
+    machine would take (tests/vllm_glue/vllm_dist.py: how each is chosen; vLLM reads no switch
+    for it). The two SP cases cover all three TP collectives of the layer."""
+    if cpu_shm:
+        why_not = cpu_shm_unavailable()
+        if why_not is not None:
+            pytest.skip(f"vLLM's CPU shared-memory communicator cannot run here: {why_not}")
+    layout = ParallelLayout(DP, TP, True)
+    results = rank_pool(layout.world_size).run(fns.run_decoder_layer, DP, CFG, 5, sp_attention,
+                                               {}, cpu_shm=cpu_shm)
+    assert all(res["cpu_shm"] is cpu_shm for res in results)
+    _check_layer(results, sp_attention, True, 5)

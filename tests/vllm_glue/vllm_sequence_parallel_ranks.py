@@ -21,7 +21,7 @@ weights: replicated under SP, TP-sharded otherwise, as DeepSeek-V2 builds it).
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from tests.checks import count_dist_calls
-from tests.vllm_glue.vllm_dist import vllm_parallel_state
+from tests.vllm_glue.vllm_dist import tp_uses_cpu_shm, vllm_parallel_state
 from tests.vllm_glue.vllm_modular_kernel_ranks import TorchExpertsModular, contiguous_expert_map
 
 # torch.distributed call -> the plan's collective kind
@@ -55,14 +55,18 @@ def _runner_reduce(moe: FusedMoEConfig, shared: torch.Tensor, fused: torch.Tenso
 
 
 def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens: int,
-                      sp_attention: str, section: dict, seed: int = 0) -> dict:
+                      sp_attention: str, section: dict, seed: int = 0,
+                      cpu_shm: Optional[bool] = None) -> dict:
     """One decoder layer's TP reductions and MoE block on this rank (see the module docstring),
     for the DP group's ``num_tokens`` tokens (``demo_inputs``). ``sp_attention``:
     ``reduce_scatter`` (DeepSeek-V2) or ``all_reduce`` (Qwen3-MoE), the model's reduction of the
-    attention output under SP; ``section``: our ``--additional-config`` section. Returns the
-    layer output [num_tokens, hidden] (SP: after the
-    all_gather), whether vLLM ran SP, what the layer reported and every torch.distributed call
-    from the attention's reduction to the end, with whether it ran on vLLM's TP group."""
+    attention output under SP; ``section``: our ``--additional-config`` section; ``cpu_shm``:
+    vLLM's CPU shared-memory communicator on the TP group as vLLM decides (None), on or off
+    (``vllm_parallel_state``). Returns the layer output [num_tokens, hidden] (SP: after the
+    all_gather), whether vLLM ran SP, what the layer reported, whether the TP collectives ran
+    through the shared-memory communicator, and every collective call (torch.distributed, or
+    the shared-memory communicator standing in for it) from the attention's reduction to the
+    end, with whether it ran on vLLM's TP group."""
     from vllm.distributed import (get_tp_group, tensor_model_parallel_all_gather,
                                   tensor_model_parallel_all_reduce,
                                   tensor_model_parallel_reduce_scatter)
@@ -75,7 +79,8 @@ def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens
     dp_rank, tp_rank = layout.dp_rank(rank), layout.tp_rank(rank)
     with vllm_parallel_state(tp_rank, tp, tp, "moe_plugins_torch", data_parallel_size=dp,
                              data_parallel_rank=dp_rank,
-                             additional_config={"moe_plugins": section}) as config:
+                             additional_config={"moe_plugins": section},
+                             cpu_shm=cpu_shm) as config:
         sp = config.parallel_config.use_sequence_parallel_moe  # what the model reads
         parallel = FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=1, dp_size_=dp,
                                                sp_size_=tp if sp else 1,
@@ -97,8 +102,12 @@ def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens
         x = demo_inputs(cfg, num_tokens, dp_rank, seed)
         partial = x / tp  # the attention's TP-partial output (exact in float32, tp a power of 2)
         tp_group = get_tp_group().device_group
+        shm = tp_uses_cpu_shm()
         groups: list[Any] = []
-        with count_dist_calls(groups) as calls:
+        # under vLLM's shared-memory communicator its all_reduce / all_gather go there, not to
+        # torch.distributed (its reduce_scatter still does)
+        with count_dist_calls(groups, also=[get_tp_group().device_communicator.dist_module]
+                              if shm else []) as calls:
             if sp and sp_attention == "reduce_scatter":  # DeepseekV2DecoderLayer.forward
                 pad = (-partial.shape[0]) % tp
                 h = tensor_model_parallel_reduce_scatter(F.pad(partial, (0, 0, 0, pad)), 0)
@@ -118,7 +127,7 @@ def run_decoder_layer(rank: int, world: int, dp: int, cfg: MoEConfig, num_tokens
             out = _runner_reduce(moe, shared, fused, kernel.output_is_reduced())
             if sp:  # after the MoE (Qwen3) or before the next attention (DeepSeek-V2)
                 out = tensor_model_parallel_all_gather(out, 0)[:num_tokens]
-        return dict(out=out, sp=sp, moe_input_rows=h.shape[0], strategy=pf.strategy,
-                    output_is_reduced=kernel.output_is_reduced(), rows_sent=pf.stats.rows,
-                    pairs=pf.stats.pairs,
+        return dict(out=out, sp=sp, cpu_shm=shm, moe_input_rows=h.shape[0],
+                    strategy=pf.strategy, output_is_reduced=kernel.output_is_reduced(),
+                    rows_sent=pf.stats.rows, pairs=pf.stats.pairs,
                     calls=[(name, b, g is tp_group) for (name, b), g in zip(calls, groups)])

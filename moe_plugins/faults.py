@@ -48,14 +48,16 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "HEADER_WORDS",
            "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
-           "is_in_step", "owes_call", "is_owed_call"]
+           "is_in_step", "owes_call", "is_owed_call", "layer_name"]
 
 #: Words a rank sends each peer in a host exchange: (count, sequence number, digest, status).
 HEADER_WORDS = 4
@@ -135,6 +137,21 @@ class GroupFaults:
             self.broken = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
             self._first = exc
 
+    def start(self, backend: object, layer: str, hidden_states: object, in_flight: bool,
+              check: Callable[..., T], *args: object) -> T:
+        """The start of a prepare on a backend without a host exchange, before it sends
+        anything: :meth:`begin` where the group is broken or a call is owed; the in-flight
+        check (:meth:`call_in_flight`); then ``check(*args)``, the backend's input checks, whose
+        ValueError/TypeError is a refusal (:meth:`refuse`). Returns what ``check`` returns."""
+        if self.broken is not None or self.owed_by is not None:
+            self.begin(backend, layer, hidden_states)
+        if in_flight:
+            raise self.call_in_flight(layer)
+        try:
+            return check(*args)
+        except (ValueError, TypeError) as e:  # nothing sent (rule 5)
+            raise self.refuse(backend, layer, e)
+
     def call_in_flight(self, layer: str, what: str = "prepare") -> RuntimeError:
         """``what`` was called while this rank's last call of ``layer`` is in flight (its
         prepare ran, its finalize did not): its peers wait in that call's combine, so the group
@@ -180,6 +197,14 @@ class GroupFaults:
 
 
 _GROUPS: dict[object, GroupFaults] = {}
+
+
+def layer_name(backend: str, cfg: object, rank: object) -> str:
+    """How errors name a backend's layer: ``<backend> layer (experts=E hidden=H topk=K, EP rank
+    R)`` for ``cfg`` (a DispatchConfig) on EP rank ``rank``."""
+    c: Any = cfg
+    return (f"{backend} layer (experts={c.num_experts} hidden={c.hidden} topk={c.num_topk}, "
+            f"EP rank {rank})")
 
 
 def group_faults(group: object) -> GroupFaults:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from all2all.deepep_auto import DeepEPAutoManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
-from moe_plugins.faults import group_faults
+from moe_plugins.faults import group_faults, layer_name
 from moe_plugins.formats import batched_as_standard, standard_as_batched
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
                                    PrepareResult, RowScatterTarget, capturing,
@@ -77,8 +77,7 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         self._mode: Optional[str] = None
         # The two modes' objects share this group's fault state (moe_plugins.faults).
         self.faults = group_faults(manager.group)
-        self.name = (f"deepep_auto layer (experts={cfg.num_experts} hidden={cfg.hidden} "
-                     f"topk={cfg.num_topk}, EP rank {manager.rank})")
+        self.name = layer_name("deepep_auto", cfg, manager.rank)
         key = (manager.num_ranks, cfg.num_experts, cfg.hidden, manager.low_latency_capacity)
         if key not in _LOGGED:
             _LOGGED.add(key)

@@ -32,7 +32,7 @@ from all2all.deepep import DEEPEP_PACKAGE
 from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
-from moe_plugins.faults import group_faults
+from moe_plugins.faults import group_faults, layer_name
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    capturing, check_finalize_routing, check_output,
@@ -74,8 +74,7 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         # No host exchange: a refused input owes the call, any other failure breaks the group
         # (moe_plugins.faults).
         self.faults = group_faults(manager.group)
-        self.name = (f"{manager.backend_name} layer (experts={cfg.num_experts} "
-                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
+        self.name = layer_name(manager.backend_name, cfg, manager.rank)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -91,7 +90,10 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
             self.faults.mark_broken("a call was abandoned between its dispatch and its combine")
         self._state = None
 
-    def _check(self, hidden_states: torch.Tensor, quant: QuantSpec) -> None:
+    def _check(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, quant: QuantSpec) -> None:
+        """Every check of a prepare, each raising with the fix, before anything is sent."""
+        check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
         m = self.manager
         if quant.scheme not in HT_QUANTS:
             raise ValueError(f"{m.backend_name}: quant scheme {quant.scheme.value} is not "
@@ -114,15 +116,8 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         topk_ids int32/int64 [num_tokens, num_topk] GLOBAL ids (-1: none). The layout and the
         dispatch are issued here; the hook orders the current stream after the dispatch."""
         f = self.faults
-        if f.broken is not None or f.owed_by is not None:
-            f.begin(self, self.name, hidden_states)
-        if self._state is not None:
-            raise f.call_in_flight(self.name)
-        try:
-            check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
-            self._check(hidden_states, quant)
-        except (ValueError, TypeError) as e:  # nothing sent (faults, rule 5)
-            raise f.refuse(self, self.name, e)
+        f.start(self, self.name, hidden_states, self._state is not None, self._check,
+                hidden_states, topk_weights, topk_ids, quant)
         m = self.manager
         try:
             ids = topk_ids.to(m.topk_idx_dtype).contiguous()

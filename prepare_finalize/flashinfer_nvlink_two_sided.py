@@ -29,7 +29,7 @@ from all2all.flashinfer import (INSTALL_HINT, Dispatched, FlashInferAll2AllManag
                                 pad_row_bytes)
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
-from moe_plugins.faults import group_faults
+from moe_plugins.faults import group_faults, layer_name
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
                                    PrepareResult, RowScatterTarget, check_finalize_routing,
                                    check_output, check_prepare_inputs, write_output)
@@ -80,8 +80,7 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         # No host exchange: a refused input owes the call, any other failure breaks the group
         # (moe_plugins.faults).
         self.faults = group_faults(manager.group)
-        self.name = (f"flashinfer_nvlink_two_sided layer (experts={cfg.num_experts} "
-                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
+        self.name = layer_name("flashinfer_nvlink_two_sided", cfg, manager.rank)
 
     def num_dispatchers(self) -> int:
         return self.manager.num_ranks
@@ -159,14 +158,8 @@ class FlashInferNVLinkTwoSidedPrepareFinalize(PrepareFinalize):
         depend on it."""
         hint, self._hint = self._hint, None  # a hint covers one call
         f = self.faults
-        if f.broken is not None or f.owed_by is not None:
-            f.begin(self, self.name, hidden_states)
-        if self._state is not None:
-            raise f.call_in_flight(self.name)
-        try:
-            tokens_per_rank = self._check(hidden_states, topk_weights, topk_ids, hint)
-        except (ValueError, TypeError) as e:  # nothing sent (faults, rule 5)
-            raise f.refuse(self, self.name, e)
+        tokens_per_rank = f.start(self, self.name, hidden_states, self._state is not None,
+                                  self._check, hidden_states, topk_weights, topk_ids, hint)
         m, n = self.manager, hidden_states.shape[0]
         state = self._state = _CallState(n, m.recv_rows(tokens_per_rank), topk_ids, topk_weights)
 

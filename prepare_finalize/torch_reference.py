@@ -22,7 +22,7 @@ import torch.distributed as dist
 from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
-from moe_plugins.faults import (HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check_peers,
+from moe_plugins.faults import (layer_name, HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check_peers,
                                 collective_error, config_digest, group_faults, in_step)
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
@@ -93,8 +93,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         self.stats = DispatchStats()
         self._handle: Optional[_DispatchHandle] = None
         self.faults = group_faults(getattr(manager, "group", None))
-        self.name = (f"torch backend layer (experts={cfg.num_experts} hidden={cfg.hidden} "
-                     f"topk={cfg.num_topk}, EP rank {getattr(manager, 'rank', '?')})")
+        self.name = layer_name("torch backend", cfg, getattr(manager, "rank", "?"))
         # The layer's config (placement included) and its creation index on the group: ranks
         # in different layers (even of equal config) disagree on it.
         placement = getattr(manager, "placement", None)

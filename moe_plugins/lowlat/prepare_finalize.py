@@ -21,7 +21,7 @@ import torch
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
-from moe_plugins.faults import group_faults
+from moe_plugins.faults import group_faults, layer_name
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta, Hook,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_finalize_routing,
@@ -77,8 +77,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         # No host exchange on these kernels: a call that fails on one rank (before its
         # dispatch, or between dispatch and combine) breaks the group (moe_plugins.faults).
         self.faults = group_faults(manager.ctx.ep_group)
-        self.name = (f"{manager.backend_name} layer (experts={cfg.num_experts} "
-                     f"hidden={cfg.hidden} topk={cfg.num_topk}, EP rank {manager.rank})")
+        self.name = layer_name(manager.backend_name, cfg, manager.rank)
         # What every call reads, read once (each attribute chain is host time per call).
         self._hidden = manager.hidden
         self._topk = cfg.num_topk

@@ -40,11 +40,11 @@ __all__ = ["run_world", "WorldRun", "step", "result", "verdict", "write_record",
            "GPU_ENV"]
 
 #: What every rank process on a GPU gets in its environment before torch.distributed or vLLM
-#: start (vLLM reads these at import): vLLM's NCCL wrapper (PyNccl) off, since NCCL refuses two
-#: ranks on one device and every vLLM group then falls back to its torch.distributed (gloo)
-#: group; its symmetric-memory all-reduce off (needs one process per GPU).
+#: start (vLLM reads these when it first asks): vLLM's NCCL wrapper (PyNccl) off, since NCCL
+#: refuses two ranks on one device and every vLLM group then falls back to its torch.distributed
+#: (gloo) group; its symmetric-memory and FlashInfer all-reduces off (one process per GPU).
 GPU_ENV = {"VLLM_DISABLE_PYNCCL": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
-           "NCCL_CUMEM_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+           "VLLM_ALLREDUCE_USE_FLASHINFER": "0", "PYTHONUNBUFFERED": "1"}
 
 step = report_step
 result = report_result

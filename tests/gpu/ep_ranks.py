@@ -172,7 +172,7 @@ def _row(case: str, quant: str, tp: int, status: str, rel: Optional[float] = Non
 
 
 def _refusal(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
 
 
 # -- the layer path ------------------------------------------------------------------------------

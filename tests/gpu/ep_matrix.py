@@ -119,12 +119,13 @@ def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4)
 
 
 def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
-               margin_s: float = 60.0) -> Job:
+               margin_s: float = 60.0, pg_timeout_s: Optional[float] = None) -> Job:
     from tests.gpu import ep_ranks
 
     lib = LIB_TIMEOUT_S.get(backend, 60.0)
     # torch and, on CPU, every emulated library wait in gloo: its timeout is the bound there
-    pg = LIB_TIMEOUT_S["torch"] if backend == "torch" or device == "cpu" else 300.0
+    pg = pg_timeout_s or (LIB_TIMEOUT_S["torch"] if backend == "torch" or device == "cpu"
+                          else 300.0)
     victim = 2 if kind == "refuse" else 1
     bound = (pg if device == "cpu" else lib) + margin_s
     return Job(f"fault/{backend}/{kind}/ep{ep}", half, "layer", backend, ep, ep_ranks.fault_job,
@@ -144,10 +145,12 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
     """Every job of the matrix, in the order they run (``half`` says which device call)."""
     fi = "flashinfer_nvlink_two_sided"
     if scale == "reduced":
-        return [_layer_job("deepep_ll", 2, "B", device, scale, 120),
+        return _vllm_jobs("A", device, scale) + [
+                _layer_job("deepep_ll", 2, "B", device, scale, 120),
+                _layer_job("deepep_auto", 2, "B", device, scale, 120),
                 _layer_job("torch", 4, "B", device, scale, 120),
                 _mask_job("nixl_ep", "A", device, 120),
-                _fault_job("torch", "kill", "B", device, ep=2, margin_s=30)]
+                _fault_job("torch", "kill", "B", device, ep=2, margin_s=30, pg_timeout_s=20)]
     ep8 = 600.0 if device == "cuda" else 300.0
     out = _vllm_jobs("A", device, scale)
     out += [_layer_job("nixl_ep", 2, "A", device, scale, 240),

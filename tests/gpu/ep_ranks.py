@@ -24,7 +24,6 @@ import dataclasses
 import os
 import signal
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -444,8 +443,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
             step(f"{backend}: call 2 returned")
             return report
         finally:
-            if kind != "kill" or rank != victim:
-                try:
-                    layers.destroy()
-                except BaseException:  # noqa: BLE001 - a broken library may refuse teardown
-                    traceback.print_exc()
+            # No teardown: after a fault the library may be unable to (a trapped kernel ends
+            # the CUDA context; a buffer's destroy may wait for a peer that is gone). The
+            # harness ends every rank process after the run.
+            layers.built.clear()

@@ -64,8 +64,11 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 def matrix_jobs(job_cls: Any, half: str, device: str, scale: str) -> list[Any]:
     """The vLLM-path jobs of tests/gpu/ep_matrix.py."""
-    if scale == "reduced":
-        return []
+    if scale == "reduced":  # the normal suite's CPU run: one small world of each kind
+        cases = [("ours=in-tree", "bf16"), ("dbo", "bf16")]
+        return [job_cls("vllm/deepep_ll/ep2", half, "vllm", "deepep_ll", 2, vllm_job,
+                        ("deepep_ll", device, 1, cases), 120.0,
+                        tuple((c, q, 1) for c, q in cases))]
     jobs = []
     for backend in ("deepep_ll", "nixl_ep", "deepep_ht"):
         for ep in (2, 4):

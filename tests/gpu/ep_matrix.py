@@ -53,9 +53,10 @@ LIB_TIMEOUT_S = {  # the library's own bound on a peer that never answers (fault
 @dataclass(frozen=True)
 class Job:
     """One world of ``world`` ranks running ``fn(rank, world, *args)`` within ``bound_s``
-    seconds; ``rows``: the rows it is expected to report (``case``, ``quant``, ``tp`` keys
-    matched against what the ranks report); ``kind``: ``rows`` (each rank reports rows) or
-    ``fault`` (each rank reports what happened to it, judged by :func:`_fault_row`)."""
+    seconds; ``rows``: the rows it is expected to report, (backend, case, quant, tp), matched
+    against what the ranks report (several backends may share one world: one process start-up
+    and one set-up of each library); ``kind``: ``rows`` (each rank reports rows) or ``fault``
+    (each rank reports what happened to it, judged by :func:`_fault_row`)."""
 
     name: str
     half: str
@@ -65,15 +66,15 @@ class Job:
     fn: Callable[..., Any]
     args: tuple
     bound_s: float
-    rows: tuple[tuple[str, str, int], ...]  # (case, quant, tp)
+    rows: tuple[tuple[str, str, str, int], ...]  # (backend, case, quant, tp)
     kind: str = "rows"
     pg_timeout_s: Optional[float] = None
     stop_on_death: bool = True
     victim: Optional[int] = None
 
     def row_keys(self) -> list[dict]:
-        return [dict(backend=self.backend, path=self.path, ep=self.world, tp=tp, quant=quant,
-                     case=case, job=self.name) for case, quant, tp in self.rows]
+        return [dict(backend=backend, path=self.path, ep=self.world, tp=tp, quant=quant,
+                     case=case, job=self.name) for backend, case, quant, tp in self.rows]
 
 
 # -- the matrix -----------------------------------------------------------------------------------
@@ -84,7 +85,8 @@ def _layer_cases(backend: str, ep: int, scale: str) -> list[Any]:
         return {"deepep_ll": [Case("ragged", "bf16", offset=1), Case("ragged", "ue8m0", offset=0)],
                 "deepep_auto": [Case("auto-ll", "bf16", offset=1),
                                 Case("auto-normal", "fp8_block128", offset=0)],
-                "torch": [Case("sp", "bf16", tp=2, offset=3)]}.get(backend, [])
+                "torch": [Case("ragged", "fp8_block128", offset=3)] if ep == 2 else
+                [Case("sp", "bf16", tp=2, offset=3)]}.get(backend, [])
     if backend == "deepep_auto":
         cases = [Case("auto-ll", "bf16", offset=0), Case("auto-normal", "bf16", offset=0)]
         if ep < 8:
@@ -97,17 +99,20 @@ def _layer_cases(backend: str, ep: int, scale: str) -> list[Any]:
     cases.append(Case("eplb", "bf16", offset=1))  # refused where the backend has no placements
     if ep == 4:
         cases += [Case("row_scatter", "bf16", tp=2, offset=2), Case("sp", "bf16", tp=2, offset=3)]
+        if backend == "nixl_ep":  # its buffer always has a mask: the same world
+            cases.append(Case("mask"))
     return cases
 
 
-def _layer_job(backend: str, ep: int, half: str, device: str, scale: str,
-               bound_s: float) -> Job:
+def _layer_job(backends: Sequence[str], ep: int, half: str, device: str, scale: str,
+               bound_s: float, name: Optional[str] = None) -> Job:
     from tests.gpu import ep_ranks
 
-    cases = _layer_cases(backend, ep, scale)
-    rows = tuple((r, c.quant, c.tp) for c in cases for r in c.rows)
-    return Job(f"layer/{backend}/ep{ep}", half, "layer", backend, ep, ep_ranks.layer_job,
-               (backend, device, cases), bound_s, rows)
+    plan = [(b, _layer_cases(b, ep, scale)) for b in backends]
+    rows = tuple((b, r, c.quant, c.tp) for b, cases in plan for c in cases for r in c.rows)
+    label = "+".join(backends)
+    return Job(name or f"layer/{label}/ep{ep}", half, "layer", label, ep, ep_ranks.layer_job,
+               (device, plan), bound_s, rows)
 
 
 def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4) -> Job:
@@ -115,7 +120,7 @@ def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4)
 
     return Job(f"mask/{backend}/ep{ep}", half, "layer", backend, ep, ep_ranks.mask_job,
                (backend, device, ep - 1), bound_s,
-               (("mask-before", "bf16", 1), ("mask", "bf16", 1), ("unmask", "bf16", 1)))
+               tuple((backend, c, "bf16", 1) for c in ("mask-before", "mask", "unmask")))
 
 
 def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
@@ -129,7 +134,7 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     victim = 2 if kind == "refuse" else 1
     bound = (pg if device == "cpu" else lib) + margin_s
     return Job(f"fault/{backend}/{kind}/ep{ep}", half, "layer", backend, ep, ep_ranks.fault_job,
-               (backend, device, kind, victim), bound, ((f"fault-{kind}", "bf16", 1),),
+               (backend, device, kind, victim), bound, ((backend, f"fault-{kind}", "bf16", 1),),
                kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim)
 
 
@@ -142,30 +147,35 @@ def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
 
 
 def jobs(device: str, scale: str = "full") -> list[Job]:
-    """Every job of the matrix, in the order they run (``half`` says which device call)."""
+    """Every job of the matrix, in the order they run (``half`` says which device call).
+
+    Backends share a world where their libraries can live in one process: DeepEP's normal mode
+    (CUDA IPC only), torch and flashinfer beside DeepEP's low-latency mode; but never two
+    low-latency-mode DeepEP buffers in one process (NVSHMEM is set up per buffer: deepep_auto and
+    the masking job, whose buffer has ``enable_shrink``, get their own worlds)."""
     fi = "flashinfer_nvlink_two_sided"
     if scale == "reduced":
         return _vllm_jobs("A", device, scale) + [
-                _layer_job("deepep_ll", 2, "B", device, scale, 120),
-                _layer_job("deepep_auto", 2, "B", device, scale, 120),
-                _layer_job("torch", 4, "B", device, scale, 120),
-                _mask_job("nixl_ep", "A", device, 120),
-                _fault_job("torch", "kill", "B", device, ep=2, margin_s=30, pg_timeout_s=20)]
+            _layer_job(["deepep_ll", "torch"], 2, "B", device, scale, 120),
+            _layer_job(["deepep_auto"], 2, "B", device, scale, 120),
+            _layer_job(["torch"], 4, "B", device, scale, 120),
+            _mask_job("nixl_ep", "A", device, 120),
+            _fault_job("torch", "kill", "B", device, ep=2, margin_s=30, pg_timeout_s=20)]
     ep8 = 600.0 if device == "cuda" else 300.0
     out = _vllm_jobs("A", device, scale)
-    out += [_layer_job("nixl_ep", 2, "A", device, scale, 240),
-            _layer_job("nixl_ep", 4, "A", device, scale, 300),
-            _mask_job("nixl_ep", "A", device, 180),
+    out += [_layer_job(["nixl_ep"], 2, "A", device, scale, 240),
+            _layer_job(["nixl_ep"], 4, "A", device, scale, 300),
             _fault_job("nixl_ep", "refuse", "A", device),
             _fault_job("nixl_ep", "kill", "A", device)]
-    out += [_layer_job(b, ep, "B", device, scale, 240 if ep == 2 else 300)
-            for ep in (2, 4) for b in ("deepep_ll", "deepep_ht", "deepep_auto")]
-    out += [_layer_job("torch", 4, "B", device, scale, 240),
-            _layer_job(fi, 2, "B", device, scale, 240),
-            _layer_job(fi, 4, "B", device, scale, 300),
-            _mask_job("deepep_ll", "B", device, 180)]
-    out += [_layer_job(b, 8, "B", device, scale, ep8)
-            for b in ("deepep_ll", "deepep_ht", "deepep_auto")]
+    out += [_layer_job(["deepep_ll", "deepep_ht", fi], 2, "B", device, scale, 300,
+                       name="layer/deepep_ll+deepep_ht+flashinfer/ep2"),
+            _layer_job(["deepep_ll", "deepep_ht", "torch", fi], 4, "B", device, scale, 420,
+                       name="layer/deepep_ll+deepep_ht+torch+flashinfer/ep4"),
+            _layer_job(["deepep_auto"], 2, "B", device, scale, 240),
+            _layer_job(["deepep_auto"], 4, "B", device, scale, 300),
+            _mask_job("deepep_ll", "B", device, 180),
+            _layer_job(["deepep_ll", "deepep_ht"], 8, "B", device, scale, ep8),
+            _layer_job(["deepep_auto"], 8, "B", device, scale, ep8)]
     out += [_fault_job(b, k, "B", device) for b in ("torch", "deepep_ll", "deepep_ht")
             for k in ("refuse", "kill")]
     return out
@@ -188,7 +198,8 @@ def _rows_of(job: Job, run: Any) -> list[dict]:
     for o in run.outcomes:
         for r in o.results:
             if isinstance(r, dict) and "case" in r:
-                reported.setdefault((r["case"], r["quant"], r["tp"]), []).append((o.rank, r))
+                key = (r.get("backend") or job.backend, r["case"], r["quant"], r["tp"])
+                reported.setdefault(key, []).append((o.rank, r))
     rows = []
     for key, base in zip(job.rows, job.row_keys()):
         got = reported.get(key, [])
@@ -307,7 +318,8 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
                 + (f" STRAY {rec['stray']}" if rec["stray"] else ""))
         for r in job_rows:
             rel = "" if r["max_rel_err"] is None else f" rel {r['max_rel_err']:.2e}"
-            log(f"   {r['status']:9s} {r['case']:12s} {r['quant']:12s} tp{r['tp']}{rel}"
+            log(f"   {r['status']:9s} {r['backend'][:12]:12s} {r['case']:12s} {r['quant']:12s} "
+                f"tp{r['tp']}{rel}"
                 + ("" if r["status"] == "passed" else f"  {r['detail'][:400]}"))
         if record is not None:
             _write(record, rows)

@@ -57,7 +57,8 @@ QUANTS = {"bf16": QuantSpec(), "fp8_block128": QuantSpec(QuantScheme.FP8_BLOCK12
 @dataclass(frozen=True)
 class Case:
     """One row of the layer path: ``name`` (``ragged``, ``auto-ll``, ``auto-normal``, ``eplb``
-    (also yields the ``rebalance`` row), ``row_scatter``, ``sp``); ``quant`` (``bf16``,
+    (also yields the ``rebalance`` row), ``row_scatter``, ``sp``, ``mask`` (yields
+    ``mask-before``, ``mask``, ``unmask``: :func:`mask_job`'s calls)); ``quant`` (``bf16``,
     ``fp8_block128``, ``ue8m0``: FP8 with packed UE8M0 scales for experts that ask for them);
     ``tp`` (2: dp = ep / 2 x tp 2); ``offset`` into the ragged token counts."""
 
@@ -68,7 +69,8 @@ class Case:
 
     @property
     def rows(self) -> tuple[str, ...]:
-        return ("eplb", "rebalance") if self.name == "eplb" else (self.name,)
+        return {"eplb": ("eplb", "rebalance"),
+                "mask": ("mask-before", "mask", "unmask")}.get(self.name, (self.name,))
 
     def tokens(self, dp_rank: int) -> int:
         counts = AUTO_LL_TOKENS if self.name == "auto-ll" else RAGGED
@@ -165,8 +167,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[b
 
 
 def _row(case: str, quant: str, tp: int, status: str, rel: Optional[float] = None,
-         detail: str = "", **extra: Any) -> dict:
-    return dict(case=case, quant=quant, tp=tp, status=status,
+         detail: str = "", backend: Optional[str] = None, **extra: Any) -> dict:
+    return dict(backend=backend, case=case, quant=quant, tp=tp, status=status,
                 max_rel_err=None if rel is None else round(rel, 6), detail=detail, **extra)
 
 
@@ -242,6 +244,8 @@ def _run_case(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> 
     from moe_plugins.registry import BackendSelectionError
 
     dev, backend = layers.dev, layers.backend
+    if case.name == "mask":
+        return _mask_rows(layers, rank, world, world - 1, seed)
     quant = QUANTS[case.quant]
     layout = ParallelLayout(world // case.tp, case.tp, True)
     dp = layout.dp_rank(rank)
@@ -284,34 +288,41 @@ def _run_case(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> 
     return rows
 
 
-def layer_job(rank: int, world: int, backend: str, device: str, cases: list[Case],
+def layer_job(rank: int, world: int, device: str, plan: list[tuple[str, list[Case]]],
               seed: int = 0) -> list[dict]:
-    """Every case of ``cases`` through ``backend`` on this rank (see the module doc); returns
-    the rows it reported."""
-    from moe_plugins.groups import cached_dist_context  # noqa: F401 (import before the vendor)
-
+    """Every case of every backend of ``plan`` ([(backend, cases)], in order) on this rank (see
+    the module doc); returns the rows it reported. Several backends share one world (one
+    process start-up, and each library's buffers set up once); each backend's layers live until
+    the end of the job."""
     out: list[dict] = []
-    step(f"{backend}: import the library")
-    with vendor(backend, device):
-        layers = _Layers(backend, world, device)
-        try:
-            for case in cases:
-                step(f"{backend} {case.name} {case.quant} tp{case.tp}")
-                try:
-                    rows = _run_case(layers, rank, world, case, seed)
-                except BaseException as e:
-                    for r in case.rows:
-                        row = _row(r, case.quant, case.tp, "failed", None,
-                                   f"raised {_refusal(e)}")
+    held: list[_Layers] = []
+    try:
+        for backend, cases in plan:
+            step(f"{backend}: import the library")
+            with vendor(backend, device):
+                layers = _Layers(backend, world, device)
+                held.append(layers)
+                for case in cases:
+                    step(f"{backend} {case.name} {case.quant} tp{case.tp}")
+                    try:
+                        rows = _run_case(layers, rank, world, case, seed)
+                    except BaseException as e:
+                        for r in case.rows:
+                            row = _row(r, case.quant, case.tp, "failed", None,
+                                       f"raised {_refusal(e)}")
+                            row["backend"] = backend
+                            result(row)
+                            out.append(row)
+                        raise
+                    for row in rows:
+                        row["backend"] = backend
                         result(row)
                         out.append(row)
-                    raise
-                for row in rows:
-                    result(row)
-                    out.append(row)
-            step(f"{backend}: teardown")
-        finally:
-            layers.destroy()
+        step("teardown")
+    finally:
+        for layers in reversed(held):
+            with vendor(layers.backend, device):
+                layers.destroy()
     return out
 
 
@@ -330,53 +341,63 @@ def _without(weights: MoEWeights, ranks: list[int], world: int) -> MoEWeights:
     return dataclasses.replace(weights, w2=w2)
 
 
-def mask_job(rank: int, world: int, backend: str, device: str, victim: int,
-             seed: int = 0) -> list[dict]:
+def _mask_rows(layers: _Layers, rank: int, world: int, victim: int, seed: int,
+               options: Any = None) -> list[dict]:
     """Masking on the real library, one layer, three calls: all ranks live (the full
     reference); then ``victim`` masked by every other rank while it masks all of them (a
     partition: nobody waits for a peer that does not send, so no kernel times out), each side
     against the reference without the other side's experts; then every mask cleared, the full
-    reference again. deepep_ll needs DeepEP's mask buffer (``enable_shrink``)."""
+    reference again."""
+    backend = layers.backend
+    rows: list[dict] = []
+    weights = MoEWeights.random(CFG, seed)
+    step(f"{backend}: build the masking layer")
+    layer = layers.build(CFG, weights, 1, None, QUANTS["bf16"], options=options)
+    manager = layer.pf.manager
+    n = RAGGED[(rank + 1) % len(RAGGED)] or 5
+    x = demo_inputs(CFG, n, rank, seed)
+    step(f"{backend}: call 1, nobody masked")
+    full = reference_moe(x, weights)
+    rows.append(_check("mask-before", "bf16", 1, _forward(layer, x, layers.dev), full, n,
+                       f"masked {manager.masked_ranks()}", backend=backend))
+    others = [r for r in range(world) if r != victim]
+    step(f"{backend}: mask (rank {victim} <-> ranks {others})")
+    for r in ([victim] if rank != victim else others):
+        manager.set_rank_masked(r, True)
+    masked = manager.masked_ranks()
+    if layers.dev.type == "cuda":
+        torch.cuda.synchronize()
+    step(f"{backend}: call 2, masked {masked}")
+    ref = reference_moe(x, _without(weights, masked, world))
+    rows.append(_check("mask", "bf16", 1, _forward(layer, x, layers.dev), ref, n,
+                       f"masked {masked}; reference without their experts' terms",
+                       backend=backend))
+    step(f"{backend}: unmask")
+    for r in masked:
+        manager.set_rank_masked(r, False)
+    if layers.dev.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()  # every rank unmasked before anyone sends again
+    step(f"{backend}: call 3, masks cleared {manager.masked_ranks()}")
+    rows.append(_check("unmask", "bf16", 1, _forward(layer, x, layers.dev), full, n,
+                       f"masked {manager.masked_ranks()} after unmasking", backend=backend))
+    return rows
+
+
+def mask_job(rank: int, world: int, backend: str, device: str, victim: int,
+             seed: int = 0) -> list[dict]:
+    """:func:`_mask_rows` in a world of its own; deepep_ll needs DeepEP's mask buffer
+    (``enable_shrink``), hence another buffer than the other deepep_ll layers'."""
     opts = {"enable_shrink": True} if backend == "deepep_ll" else {}
     rows: list[dict] = []
     step(f"{backend}: import the library")
     with vendor(backend, device):
         layers = _Layers(backend, world, device)
         try:
-            weights = MoEWeights.random(CFG, seed)
-            step(f"{backend}: build the layer ({opts or 'default options'})")
-            layer = layers.build(CFG, weights, 1, None, QUANTS["bf16"],
-                                 options=backend_options(backend, world, device, **opts))
-            manager = layer.pf.manager
-            n = RAGGED[(rank + 1) % len(RAGGED)] or 5
-            x = demo_inputs(CFG, n, rank, seed)
-            step(f"{backend}: call 1, nobody masked")
-            full = reference_moe(x, weights)
-            rows.append(_check("mask-before", "bf16", 1, _forward(layer, x, layers.dev), full, n,
-                               f"masked {manager.masked_ranks()}"))
-            result(rows[-1])
-            others = [r for r in range(world) if r != victim]
-            step(f"{backend}: mask (rank {victim} <-> ranks {others})")
-            for r in ([victim] if rank != victim else others):
-                manager.set_rank_masked(r, True)
-            masked = manager.masked_ranks()
-            if layers.dev.type == "cuda":
-                torch.cuda.synchronize()
-            step(f"{backend}: call 2, masked {masked}")
-            ref = reference_moe(x, _without(weights, masked, world))
-            rows.append(_check("mask", "bf16", 1, _forward(layer, x, layers.dev), ref, n,
-                               f"masked {masked}; reference without their experts' terms"))
-            result(rows[-1])
-            step(f"{backend}: unmask")
-            for r in masked:
-                manager.set_rank_masked(r, False)
-            if layers.dev.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()  # every rank unmasked before anyone sends again
-            step(f"{backend}: call 3, masks cleared {manager.masked_ranks()}")
-            rows.append(_check("unmask", "bf16", 1, _forward(layer, x, layers.dev), full, n,
-                               f"masked {manager.masked_ranks()} after unmasking"))
-            result(rows[-1])
+            for row in _mask_rows(layers, rank, world, victim, seed,
+                                  backend_options(backend, world, device, **opts)):
+                result(row)
+                rows.append(row)
             step(f"{backend}: teardown")
         finally:
             layers.destroy()

@@ -20,6 +20,8 @@ why (NCCL refuses two ranks on one device):
   per GPU. vLLM's ``reduce_scatter`` needs PyNccl, so the SP case reduces attention as
   Qwen3-MoE does (all_reduce, then vLLM's ``sequence_parallel_chunk_impl``), not as DeepSeek-V2
   (reduce_scatter); both orders are run on CPU by tests/vllm_glue/test_vllm_sequence_parallel.py.
+- vLLM's config refuses a TP world larger than the node's GPUs: while it is built, the CUDA
+  platform's device count answers the number of ranks (:func:`_ranks_as_gpus`).
 - all ranks are ``local_rank`` 0 (one device); vLLM's CUDA platform, stand-ins for its compiled
   extension (benchmarks/vllm_stand_ins.py), routing and experts in torch (as
   benchmarks/vllm_cuda_layer.py: vLLM's ``topk_softmax`` / ``silu_and_mul`` live in the
@@ -39,6 +41,7 @@ steps around the kernel, ours equal to in-tree and to the reference.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -62,28 +65,31 @@ GRAPH_TOKENS = 16
 _ROOT = Path(__file__).resolve().parents[2]
 
 
+def _cases(backend: str, ep: int) -> list[tuple[str, str]]:
+    cases = [("ours=in-tree", "bf16")]
+    if backend in BATCHED:
+        cases += [("ours=in-tree", "fp8_block128"), ("dbo", "bf16")]
+        if ep == 2:
+            cases.append(("graph", "bf16"))
+    return cases
+
+
 def matrix_jobs(job_cls: Any, half: str, device: str, scale: str) -> list[Any]:
-    """The vLLM-path jobs of tests/gpu/ep_matrix.py."""
-    if scale == "reduced":  # the normal suite's CPU run: one small world of each kind
-        cases = [("ours=in-tree", "bf16"), ("dbo", "bf16")]
-        return [job_cls("vllm/deepep_ll/ep2", half, "vllm", "deepep_ll", 2, vllm_job,
-                        ("deepep_ll", device, 1, cases), 120.0,
-                        tuple((c, q, 1) for c, q in cases))]
-    jobs = []
-    for backend in ("deepep_ll", "nixl_ep", "deepep_ht"):
-        for ep in (2, 4):
-            cases = [("ours=in-tree", "bf16")]
-            if backend in BATCHED:
-                cases += [("ours=in-tree", "fp8_block128"), ("dbo", "bf16")]
-                if ep == 2:
-                    cases.append(("graph", "bf16"))
-            jobs.append(job_cls(f"vllm/{backend}/ep{ep}", half, "vllm", backend, ep, vllm_job,
-                                (backend, device, 1, cases), 300.0,
-                                tuple((c, q, 1) for c, q in cases)))
-        jobs.append(job_cls(f"vllm/{backend}/ep4-sp", half, "vllm", backend, 4, vllm_job,
-                            (backend, device, 2, [("sp", "bf16")]), 300.0,
-                            (("sp", "bf16", 2),)))
-    return jobs
+    """The vLLM-path jobs of tests/gpu/ep_matrix.py: one world per (EP size, TP) running the
+    three backends in turn on one vLLM state (DeepEP's low-latency, then normal mode, then NIXL
+    EP: rows already reported stay if a later library fails in the same process)."""
+    def job(name: str, ep: int, tp: int, plan: list, bound: float) -> Any:
+        rows = tuple((b, c, q, tp) for b, cases in plan for c, q in cases)
+        return job_cls(name, half, "vllm", "+".join(b for b, _ in plan), ep, vllm_job,
+                       (device, tp, plan), bound, rows)
+
+    if scale == "reduced":  # the normal suite's CPU run: one small world
+        return [job("vllm/ep2", 2, 1, [("deepep_ll", [("ours=in-tree", "bf16"), ("dbo", "bf16")])],
+                    120.0)]
+    order = ("deepep_ll", "deepep_ht", "nixl_ep")
+    return [job("vllm/ep2", 2, 1, [(b, _cases(b, 2)) for b in order], 360.0),
+            job("vllm/ep4", 4, 1, [(b, _cases(b, 4)) for b in order], 420.0),
+            job("vllm/ep4-sp", 4, 2, [(b, [("sp", "bf16")]) for b in order], 360.0)]
 
 
 @contextlib.contextmanager
@@ -123,7 +129,9 @@ def _import_vllm(device: str) -> None:
 @contextlib.contextmanager
 def vllm_state(rank: int, world: int, tp: int, backend: str, device: str,
                dbo: bool) -> Iterator[Any]:
-    """vLLM's config and groups for this rank (see the module doc); yields the VllmConfig."""
+    """vLLM's config and groups for this rank (see the module doc); yields the VllmConfig.
+    ``backend``: the ``--all2all-backend`` the config names (layers of our other names are built
+    on the same state, see :class:`Sides`)."""
     from vllm.distributed import parallel_state as ps
 
     from tests.vllm_glue.vllm_dist import vllm_parallel_state
@@ -132,10 +140,12 @@ def vllm_state(rank: int, world: int, tp: int, backend: str, device: str,
     if dev.type == "cuda":
         ps.set_custom_all_reduce(False)  # one device: no CUDA-IPC all-reduce between ranks
     dp = world // tp
-    with vllm_parallel_state(rank % tp, tp, tp, OURS[backend], backend="gloo",
-                             data_parallel_size=dp, data_parallel_rank=rank // tp,
-                             enable_dbo=dbo, local_rank=0 if dev.type == "cuda" else None
-                             ) as config:
+    with contextlib.ExitStack() as stack:
+        with _ranks_as_gpus(world):  # only while vLLM builds and checks its config
+            config = stack.enter_context(vllm_parallel_state(
+                rank % tp, tp, tp, OURS[backend], backend="gloo", data_parallel_size=dp,
+                data_parallel_rank=rank // tp, enable_dbo=dbo,
+                local_rank=0 if dev.type == "cuda" else None))
         from vllm.v1.worker import workspace
 
         if dbo and not config.parallel_config.enable_dbo and dev.type == "cpu":
@@ -145,6 +155,26 @@ def vllm_state(rank: int, world: int, tp: int, backend: str, device: str,
 
         workspace.init_workspace_manager(dev, num_ubatches=2 if dbo else None)
         yield config
+
+
+@contextlib.contextmanager
+def _ranks_as_gpus(world: int) -> Iterator[None]:
+    """vLLM's ParallelConfig refuses a TP x PP world larger than the node's GPUs ("World size
+    ... is larger than the number of available GPUs"); here ``world`` ranks share one GPU on
+    purpose, so while the config is built the CUDA platform's device count answers at least
+    ``world``. Platforms without that check (CPU) are left alone."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    original = cls.__dict__.get("device_count")
+    if original is None:
+        yield
+        return
+    cls.device_count = classmethod(lambda c: max(world, original.__func__(c)))  # type: ignore
+    try:
+        yield
+    finally:
+        cls.device_count = original  # type: ignore[method-assign]
 
 
 # -- experts ---------------------------------------------------------------------------------------
@@ -230,6 +260,10 @@ class Sides:
         parallel = FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=1, dp_size_=dp,
                                                sp_size_=tp if sp else 1,
                                                vllm_parallel_config=config.parallel_config)
+        # one vLLM state serves our three names: each layer's own --all2all-backend (vLLM's
+        # factory and our hook read the layer's parallel config; our all2all manager of the EP
+        # group builds any of our backends)
+        parallel = dataclasses.replace(parallel, all2all_backend=OURS[backend])
         self.cfg = CFG
         num_local = CFG.num_experts // world
         self.moe = FusedMoEConfig(
@@ -249,8 +283,15 @@ class Sides:
         self.shared_w = type(shared_w)(shared_w.w13.to(self.dev), shared_w.w2.to(self.dev),
                                        None if shared_w.gate is None else shared_w.gate.to(self.dev),
                                        partial=shared_w.partial)
-        self.dbo = dbo
-        ours_pf = all2all_utils.maybe_make_prepare_finalize(self.moe, self.qc)
+        # DBO only for the micro-batch-safe (low-latency) names; deepep_ht's layer is built
+        # as under a config without it (vLLM's DBO check refuses it), on the same state
+        self.dbo = dbo and backend in BATCHED
+        parallel_config = config.parallel_config
+        saved, parallel_config.enable_dbo = parallel_config.enable_dbo, self.dbo
+        try:
+            ours_pf = all2all_utils.maybe_make_prepare_finalize(self.moe, self.qc)
+        finally:
+            parallel_config.enable_dbo = saved
         assert ours_pf is not None, "our plugin's hook built no prepare/finalize"
         self.ours = self._side(OURS[backend], ours_pf)
         self.in_tree = self._side(IN_TREE[backend], self._in_tree_pf(ours_pf))
@@ -347,8 +388,8 @@ def _equal_detail(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
 
 
 def _row(case: str, quant: str, tp: int, status: str, rel: Optional[float], detail: str,
-         **extra: Any) -> dict:
-    return dict(case=case, quant=quant, tp=tp, status=status,
+         backend: Optional[str] = None, **extra: Any) -> dict:
+    return dict(backend=backend, case=case, quant=quant, tp=tp, status=status,
                 max_rel_err=None if rel is None else round(rel, 6), detail=detail, **extra)
 
 
@@ -501,47 +542,53 @@ def _case_sp(s: Sides) -> dict:
                 f"{s.ours.kernel.output_is_reduced()}")
 
 
-def vllm_job(rank: int, world: int, backend: str, device: str, tp: int,
-             cases: list[tuple[str, str]]) -> list[dict]:
-    """Every (case, quant) of ``cases`` with vLLM's state for ``world`` ranks (``tp`` TP ranks
-    per DP rank): one row per case, reported as it comes. A refused build (config, library)
-    is recorded as such; a case that raises ends the job."""
+def vllm_job(rank: int, world: int, device: str, tp: int,
+             plan: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
+    """Every (case, quant) of every backend of ``plan`` ([(backend, cases)], in order) with
+    vLLM's state for ``world`` ranks (``tp`` TP ranks per DP rank): one row per case, reported
+    as it comes. A refused build (config, library) is recorded as such; a case that raises
+    ends the job."""
     rows: list[dict] = []
     step("import vLLM")
+    first = plan[0][0]
     with vendor("vllm", device), _emulated_gpu_backends(device):
         _import_vllm(device)
-        dbo = any(c == "dbo" for c, _ in cases)
-        step(f"vLLM state: dp {world // tp} x tp {tp}, {OURS[backend]}" + (", DBO" if dbo else ""))
-        with vllm_state(rank, world, tp, backend, device, dbo) as config:
-            sides: dict[str, Sides] = {}
+        dbo = any(c == "dbo" for _, cases in plan for c, _ in cases)
+        step(f"vLLM state: dp {world // tp} x tp {tp}, {OURS[first]}" + (", DBO" if dbo else ""))
+        with vllm_state(rank, world, tp, first, device, dbo) as config:
             try:
-                for case, quant in cases:
-                    step(f"vllm {backend} {case} {quant}")
-                    try:
-                        if quant not in sides:
-                            sides[quant] = Sides(rank, world, tp, backend, quant, device, dbo,
-                                                 config)
-                    except (ValueError, TypeError, RuntimeError, ImportError,
-                            AssertionError) as e:
-                        msg = " ".join(str(e).split())[:600]
-                        row = _row(case, quant, tp, "refused", None,
-                                   f"building the kernels: {type(e).__name__}: {msg}")
+                for backend, cases in plan:
+                    sides: dict[str, Sides] = {}
+                    for case, quant in cases:
+                        step(f"vllm {backend} {case} {quant}")
+                        try:
+                            if quant not in sides:
+                                sides[quant] = Sides(rank, world, tp, backend, quant, device,
+                                                     dbo, config)
+                        except (ValueError, TypeError, RuntimeError, ImportError,
+                                AssertionError) as e:
+                            msg = " ".join(str(e).split())[:600]
+                            row = _row(case, quant, tp, "refused", None,
+                                       f"building the kernels: {type(e).__name__}: {msg}",
+                                       backend=backend)
+                            result(row)
+                            rows.append(row)
+                            continue
+                        s = sides[quant]
+                        try:
+                            row = {"ours=in-tree": lambda: _case_equal(s, quant),
+                                   "dbo": lambda: _case_dbo(s),
+                                   "graph": lambda: _case_graph(s),
+                                   "sp": lambda: _case_sp(s)}[case]()
+                        except BaseException as e:
+                            msg = " ".join(str(e).split())[:600]
+                            row = _row(case, quant, tp, "failed", None,
+                                       f"raised {type(e).__name__}: {msg}", backend=backend)
+                            result(row)
+                            raise
+                        row["backend"] = backend
                         result(row)
                         rows.append(row)
-                        continue
-                    s = sides[quant]
-                    try:
-                        row = {"ours=in-tree": lambda: _case_equal(s, quant),
-                               "dbo": lambda: _case_dbo(s), "graph": lambda: _case_graph(s),
-                               "sp": lambda: _case_sp(s)}[case]()
-                    except BaseException as e:
-                        msg = " ".join(str(e).split())[:600]
-                        row = _row(case, quant, tp, "failed", None,
-                                   f"raised {type(e).__name__}: {msg}")
-                        result(row)
-                        raise
-                    result(row)
-                    rows.append(row)
                 step("teardown")
             finally:
                 from moe_plugins.lowlat.vendor import destroy_all_buffers

@@ -54,23 +54,28 @@ def test_the_full_matrix_covers_the_issue():
     full = jobs("cuda")
     names = [j.name for j in full]
     assert len(names) == len(set(names))
-    layer = {(j.backend, j.world) for j in full if j.path == "layer" and j.kind == "rows"}
+    layer = {(r[0], j.world) for j in full if j.path == "layer" and j.kind == "rows"
+             for r in j.rows}
     want = {("deepep_ll", e) for e in (2, 4, 8)} | {("deepep_ht", e) for e in (2, 4, 8)} \
         | {("deepep_auto", e) for e in (2, 4, 8)} | {("nixl_ep", 2), ("nixl_ep", 4)} \
         | {("flashinfer_nvlink_two_sided", 2), ("flashinfer_nvlink_two_sided", 4)} \
         | {("torch", 4)}
     assert want <= layer, want - layer
-    vllm = {(j.backend, j.world) for j in full if j.path == "vllm"}
+    vllm = {(r[0], j.world) for j in full if j.path == "vllm" for r in j.rows}
     assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep") for e in (2, 4)} <= vllm
-    faults = {(j.backend, j.rows[0][0]) for j in full if j.kind == "fault"}
+    faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}
     assert {("deepep_ll", "fault-refuse"), ("deepep_ll", "fault-kill")} <= faults
     assert {j.half for j in full} == {"A", "B"}
     assert all(j.bound_s <= 600 for j in full)
     rows = [(j.name, c) for j in full for c in j.rows]
     assert len(rows) == len(set(rows))
-    cases = {c[0] for j in full for c in j.rows}
+    cases = {c[1] for j in full for c in j.rows}
     assert {"eplb", "rebalance", "mask", "unmask", "row_scatter", "sp", "ours=in-tree", "dbo",
             "graph"} <= cases
+    masked = {r[0] for j in full for r in j.rows if r[1] == "mask"}
+    assert masked == {"deepep_ll", "nixl_ep"}
+    quants = {(r[0], r[2]) for j in full for r in j.rows}
+    assert {("deepep_ll", "ue8m0"), ("nixl_ep", "ue8m0"), ("deepep_ht", "fp8_block128")} <= quants
 
 
 def test_record_as_markdown(tmp_path, capsys):

@@ -188,7 +188,8 @@ class RankOutcome:
             return f"rank {self.rank} returned"
         if self.status == "error":
             assert self.error is not None
-            return f"rank {self.rank} raised{at}: {_summary(self.rank, self.error[0], self.error[1])}"
+            return (f"rank {self.rank} raised{at}: "
+                    f"{_summary(self.rank, self.error[0], self.error[1])}")
         if self.status == "died":
             return f"rank {self.rank} died{at} ({self.cause})"
         return f"rank {self.rank} {self.status.replace('_', ' ')}{at}"

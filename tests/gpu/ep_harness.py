@@ -196,7 +196,8 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, device: str = "cud
                             init=functools.partial(_rank_init, device, rank_env),
                             ready_timeout_s=timeout_s)
         except Exception as e:  # the ranks did not start (or not in time): nothing is left
-            run.start_error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            run.start_error = f"{type(e).__name__}: {first}"
             return run
         pids = [p.pid for p in pool._procs if p.pid is not None]
         left = max(1.0, timeout_s - (time.monotonic() - start))

@@ -280,8 +280,8 @@ class Sides:
         self.w13, self.w2 = local.w13.to(self.dev), local.w2.to(self.dev)
         self.expert_map = contiguous_expert_map(CFG.num_experts, world, rank).to(self.dev)
         shared_w = self.weights.shared(1, 0) if sp else self.weights.shared(tp, rank % tp)
-        self.shared_w = type(shared_w)(shared_w.w13.to(self.dev), shared_w.w2.to(self.dev),
-                                       None if shared_w.gate is None else shared_w.gate.to(self.dev),
+        gate = None if shared_w.gate is None else shared_w.gate.to(self.dev)
+        self.shared_w = type(shared_w)(shared_w.w13.to(self.dev), shared_w.w2.to(self.dev), gate,
                                        partial=shared_w.partial)
         # DBO only for the micro-batch-safe (low-latency) names; deepep_ht's layer is built
         # as under a config without it (vLLM's DBO check refuses it), on the same state
@@ -329,8 +329,8 @@ class Sides:
         from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExperts
 
         if self.backend in BATCHED:
-            sys.path.insert(0, str(_ROOT / "benchmarks")) if str(_ROOT / "benchmarks") \
-                not in sys.path else None
+            if str(_ROOT / "benchmarks") not in sys.path:
+                sys.path.insert(0, str(_ROOT / "benchmarks"))
             import vllm_cuda_layer
 
             experts = vllm_cuda_layer._experts_base()(
@@ -339,11 +339,12 @@ class Sides:
         else:
             experts = _standard_experts_cls()(self.moe, self.qc)
         kernel = mk.FusedMoEKernel(pf, experts)
-        shared = SharedExperts(_SharedMLP(self.shared_w), self.moe, enable_dbo=self.dbo,
-                               mk_can_overlap_shared_experts=lambda: kernel.can_overlap_shared_experts)
+        shared = SharedExperts(
+            _SharedMLP(self.shared_w), self.moe, enable_dbo=self.dbo,
+            mk_can_overlap_shared_experts=lambda: kernel.can_overlap_shared_experts)
         return Side(name, kernel, shared)
 
-    # -- calls --------------------------------------------------------------------------------------
+    # -- calls ----------------------------------------------------------------------------------
     def inputs(self, n: int, seed: int, dp_rank: Optional[int] = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This DP rank's n tokens (CPU, bf16) and their routing (the reference's router, on

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.overlap import OverlapConfig
@@ -57,3 +59,33 @@ def library_masks_a_slow_peer(rank: int, world: int, backend: str, victim: int) 
         finally:
             layer.pf.reset_call_state()
             layer.destroy()
+
+
+def layer_refusal_on_one_rank(rank: int, world: int, victim: int) -> dict:
+    """The matrix's refuse fault on the torch backend (the one with a host exchange): call 1
+    on every rank; call 2 with an input of the wrong hidden size on ``victim`` (refused by its
+    own ``MoELayer`` before anything is sent); call 3 on every rank with good inputs, as a
+    caller that handles the error goes on. Returns each call's outcome on this rank: (status,
+    error type, seconds) and for call 3 whether the output is the reference."""
+    import time
+
+    weights = MoEWeights.random(CFG, 0)
+    layer = MoELayer(weights, cached_dist_context(ParallelLayout(world, 1, True)),
+                     get_backend("torch"), None, overlap=OverlapConfig(overlap=False),
+                     max_tokens_per_rank=8)
+    x = demo_inputs(CFG, 6, rank, 0)
+    full = reference_moe(x, weights)
+    calls: dict[int, Any] = {}
+    for call in (1, 2, 3):
+        arg = x
+        if call == 2 and rank == victim:
+            arg = torch.zeros(6, CFG.hidden + 128, dtype=CFG.dtype)
+        t0 = time.monotonic()
+        try:
+            out = layer(arg)
+            calls[call] = ("returned", compare(out, full, CFG.dtype)[0],
+                           round(time.monotonic() - t0, 2))
+        except Exception as e:  # noqa: BLE001 - the outcome is the result
+            calls[call] = ("raised", type(e).__name__, round(time.monotonic() - t0, 2))
+    layer.destroy()
+    return calls

@@ -7,6 +7,11 @@ fails today and is marked xfail with the reason; the fixes belong to the product
    record it on the GPU (fault/nixl_ep/refuse: the peers' kernels time out after ``timeout_ms``,
    mask the refusing rank and return). Under vLLM the engine polls the mask
    (``query_fault``, --enable-fault-tolerance); ``MoELayer`` / the prepare/finalize never look.
+2. A bad input refused by ``MoELayer`` itself on one rank (fault/torch/refuse: a wrong hidden
+   size) is not carried in the torch backend's host exchange: the refusing rank's layer marks
+   itself broken (its next call: LayerBrokenError at once), its peers wait in the exchange until
+   the process-group timeout (CollectiveError after 15 s here, 30 s in the matrix, 300 s by
+   default) and are broken afterwards too.
 """
 from __future__ import annotations
 
@@ -35,3 +40,26 @@ def test_a_peer_masked_by_the_library_during_a_call_is_an_error_not_a_partial_re
             f"rank {rank}: call 2 returned (full reference: {r.get('full')}, reference without "
             f"rank {victim}'s experts: {r.get('without_victim')}, library mask now "
             f"{r.get('masked')}) instead of raising")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "defect: MoELayer.forward (moe_plugins/runner/layer.py) refuses a bad input (wrong hidden "
+    "size, non-float) on its own rank before the torch backend's host exchange, so the refusal "
+    "does not travel in the exchange's status word (moe_plugins/faults.py, rule 1): the peers "
+    "wait in the exchange until the process-group timeout (CollectiveError) and the layer is "
+    "broken on every rank after it (LayerBrokenError); README 'Faults' promises PeerInputError "
+    "on the peers and a right next call"))
+def test_a_layer_refusal_on_one_rank_reaches_its_peers_and_the_next_call_is_right():
+    from tests.gpu.ep_harness import run_world
+
+    run = run_world(fns.layer_refusal_on_one_rank, 2, 1, device="cpu", timeout_s=60,
+                    pg_timeout_s=15)
+    assert run.ok, run.summary()
+    peer, victim = run.values
+    assert peer[1][0] == "returned" and peer[1][1] and victim[1][0] == "returned"
+    assert victim[2][:2] == ("raised", "ValueError")
+    # what the README promises for a bad input on one rank (torch backend)
+    assert peer[2][:2] == ("raised", "PeerInputError") and peer[2][2] < 5, (
+        f"rank 0, call 2: {peer[2]}")
+    assert peer[3][:2] == ("returned", True) and victim[3][:2] == ("returned", True), (
+        f"call 3: rank 0 {peer[3]}, rank 1 {victim[3]}")

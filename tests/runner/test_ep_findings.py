@@ -10,7 +10,7 @@ fails today and is marked xfail with the reason; the fixes belong to the product
 2. A bad input refused by ``MoELayer`` itself on one rank (fault/torch/refuse: a wrong hidden
    size) is not carried in the torch backend's host exchange: the refusing rank's layer marks
    itself broken (its next call: LayerBrokenError at once), its peers wait in the exchange until
-   the process-group timeout (CollectiveError after 15 s here, 30 s in the matrix, 300 s by
+   the process-group timeout (CollectiveError after 5 s here, 30 s in the matrix, 300 s by
    default) and are broken afterwards too.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_a_layer_refusal_on_one_rank_reaches_its_peers_and_the_next_call_is_righ
     from tests.gpu.ep_harness import run_world
 
     run = run_world(fns.layer_refusal_on_one_rank, 2, 1, device="cpu", timeout_s=60,
-                    pg_timeout_s=15)
+                    pg_timeout_s=5)
     assert run.ok, run.summary()
     peer, victim = run.values
     assert peer[1][0] == "returned" and peer[1][1] and victim[1][0] == "returned"

@@ -206,6 +206,7 @@ class BoundedRun:
     elapsed_s: float
     timed_out: bool
     exitcodes: list[Optional[int]]
+    stalled_s: Optional[float] = None  # set when the run was ended for reporting nothing
 
     @property
     def ok(self) -> bool:
@@ -218,7 +219,8 @@ class BoundedRun:
     def summary(self) -> str:
         if self.ok:
             return f"all {len(self.outcomes)} ranks returned in {self.elapsed_s:.1f} s"
-        head = (f"did not finish within {self.deadline_s:g} s" if self.timed_out
+        head = (f"no rank reported anything for {self.stalled_s:g} s" if self.stalled_s
+                else f"did not finish within {self.deadline_s:g} s" if self.timed_out
                 else f"failed after {self.elapsed_s:.1f} s")
         return head + ": " + "; ".join(o.describe() for o in self.outcomes if o.status != "ok")
 
@@ -340,7 +342,8 @@ class RankPool(Generic[T]):
         return self._collect(lambda status: status == "ok")
 
     def run_bounded(self, fn: Callable[..., Any], *args: Any, deadline_s: float,
-                    stop_on_death: bool = True, **kwargs: Any) -> BoundedRun:
+                    stop_on_death: bool = True, stall_s: Optional[float] = None,
+                    **kwargs: Any) -> BoundedRun:
         """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank, for at most
         ``deadline_s`` seconds, and say how each rank's call ended (:class:`BoundedRun`);
         nothing a rank does is raised here. Each rank's :func:`report_step` and
@@ -349,7 +352,9 @@ class RankPool(Generic[T]):
         Ranks still running at the deadline are killed (their status ``timed_out``), and so
         are all ranks once one died, after a second for the others to report, unless
         ``stop_on_death`` is False: then the survivors run on until they answer or the
-        deadline (a fault test that needs the survivors' own errors and times). Whenever a
+        deadline (a fault test that needs the survivors' own errors and times). ``stall_s``:
+        also end the run (as at the deadline) when no rank sent anything (a step, a result, an
+        answer) for that long: a hang costs that, not the whole bound. Whenever a
         rank was killed or died, the whole pool is ended and every process reaped before this
         returns; an exception in this process (KeyboardInterrupt included) ends it too. If
         every rank answered, the pool keeps serving."""
@@ -361,6 +366,8 @@ class RankPool(Generic[T]):
         end = start + deadline_s
         pending = set(range(n))
         death_seen: Optional[float] = None
+        last_heard = start
+        stalled = False
         try:
             for q in self._tasks:
                 q.put((fn, args, kwargs))
@@ -368,6 +375,9 @@ class RankPool(Generic[T]):
                 now = time.monotonic()
                 if now >= end or (death_seen is not None and stop_on_death
                                   and now >= death_seen + _GRACE_S):
+                    break
+                if stall_s is not None and now - last_heard >= stall_s:
+                    stalled = True
                     break
                 try:
                     rank, status, payload = self._results.get(timeout=min(_POLL_S, end - now))
@@ -381,6 +391,7 @@ class RankPool(Generic[T]):
                             pending.discard(r)
                             death_seen = death_seen or time.monotonic()
                     continue
+                last_heard = time.monotonic()
                 o = outcomes[rank]
                 if status == "step":
                     o.steps.append(payload)
@@ -404,7 +415,7 @@ class RankPool(Generic[T]):
             raise
         return BoundedRun(outcomes, deadline_s, round(time.monotonic() - start, 3),
                           bool(pending) and (death_seen is None or not stop_on_death),
-                          [p.exitcode for p in self._procs])
+                          [p.exitcode for p in self._procs], stall_s if stalled else None)
 
     @property
     def alive(self) -> bool:

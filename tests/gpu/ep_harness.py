@@ -109,7 +109,9 @@ class WorldRun:
         if self.bounded is None:
             return f"{self.name}: the {self.world} ranks did not start: {self.start_error}"
         if self.bounded.timed_out:
-            text = (f"{self.name}: did not finish within {self.timeout_s:g} s: "
+            why = (f"no rank reported anything for {self.bounded.stalled_s:g} s"
+                   if self.bounded.stalled_s else f"did not finish within {self.timeout_s:g} s")
+            text = (f"{self.name}: {why}: "
                     + "; ".join(o.describe() for o in self.outcomes if o.status != "ok"))
         else:
             text = f"{self.name}: {self.bounded.summary()}"
@@ -133,6 +135,7 @@ class WorldRun:
         return {"name": self.name, "world": self.world, "device": self.device,
                 "timeout_s": self.timeout_s, "elapsed_s": round(self.elapsed_s, 2),
                 "timed_out": self.timed_out, "start_error": self.start_error,
+                "stalled_s": self.bounded.stalled_s if self.bounded is not None else None,
                 "stray": self.stray,
                 "exitcodes": self.bounded.exitcodes if self.bounded is not None else None,
                 "ranks": ranks}
@@ -173,13 +176,14 @@ def _alive(pids: Sequence[int]) -> list[int]:
 def run_world(fn: Callable[..., Any], world: int, *args: Any, device: str = "cuda",
               timeout_s: float = 300.0, pg_timeout_s: Optional[float] = None,
               stop_on_death: bool = True, name: Optional[str] = None,
-              env: Optional[dict[str, str]] = None) -> WorldRun:
+              env: Optional[dict[str, str]] = None, stall_s: Optional[float] = None) -> WorldRun:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes sharing ``device``
     (``cuda``: all on cuda:0; ``cpu``) under one bound of ``timeout_s`` seconds, start-up
     included. ``pg_timeout_s``: the gloo group's collective timeout (and
     ``MOE_PLUGINS_TIMEOUT_S`` in the ranks; default the bound). ``stop_on_death``: end the other
     ranks a second after one dies (False: let them run on to their own error or the bound).
-    Never raises for what the ranks do; every rank process is gone when it returns."""
+    ``stall_s``: end the run early when no rank reported anything for that long (a hang then
+    costs that, not the whole bound). Never raises for what the ranks do; every rank process is gone when it returns."""
     name = name or getattr(fn, "__name__", "run")
     rank_env = dict(GPU_ENV) if device.startswith("cuda") else {}
     # vLLM's CPU communicator names its shared-memory segments after this (its CPU worker sets
@@ -201,7 +205,8 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, device: str = "cud
             return run
         pids = [p.pid for p in pool._procs if p.pid is not None]
         left = max(1.0, timeout_s - (time.monotonic() - start))
-        run.bounded = pool.run_bounded(fn, *args, deadline_s=left, stop_on_death=stop_on_death)
+        run.bounded = pool.run_bounded(fn, *args, deadline_s=left, stop_on_death=stop_on_death,
+                                       stall_s=stall_s)
         return run
     finally:
         if pool is not None:

@@ -71,6 +71,10 @@ class Job:
     pg_timeout_s: Optional[float] = None
     stop_on_death: bool = True
     victim: Optional[int] = None
+    #: end the world when no rank reports anything for this long (None: only the bound); set
+    #: above the slowest single step seen (a library buffer's set-up, an EP 8 call: 20-40 s);
+    #: doubled at EP 8
+    stall_s: Optional[float] = 180.0
 
     def row_keys(self) -> list[dict]:
         return [dict(backend=backend, path=self.path, ep=self.world, tp=tp, quant=quant,
@@ -135,7 +139,7 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     bound = (pg if device == "cpu" else lib) + margin_s
     return Job(f"fault/{backend}/{kind}/ep{ep}", half, "layer", backend, ep, ep_ranks.fault_job,
                (backend, device, kind, victim), bound, ((backend, f"fault-{kind}", "bf16", 1),),
-               kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim)
+               kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None)
 
 
 def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
@@ -277,9 +281,10 @@ def run_job(job: Job, device: str, bound_s: Optional[float] = None) -> tuple[lis
     from tests.gpu.ep_harness import run_world
 
     bound = job.bound_s if bound_s is None else bound_s
+    stall = None if job.stall_s is None else job.stall_s * (2 if job.world >= 8 else 1)
     run = run_world(job.fn, job.world, *job.args, device=device, timeout_s=bound,
                     pg_timeout_s=job.pg_timeout_s or min(bound, 300.0),
-                    stop_on_death=job.stop_on_death, name=job.name)
+                    stop_on_death=job.stop_on_death, name=job.name, stall_s=stall)
     rows = _fault_row(job, run) if job.kind == "fault" else _rows_of(job, run)
     return rows, run.record()
 

@@ -566,8 +566,7 @@ def vllm_job(rank: int, world: int, device: str, tp: int,
                             if quant not in sides:
                                 sides[quant] = Sides(rank, world, tp, backend, quant, device,
                                                      dbo, config)
-                        except (ValueError, TypeError, RuntimeError, ImportError,
-                                AssertionError) as e:
+                        except ValueError as e:  # a configuration refused before any call
                             msg = " ".join(str(e).split())[:600]
                             row = _row(case, quant, tp, "refused", None,
                                        f"building the kernels: {type(e).__name__}: {msg}",
@@ -575,6 +574,12 @@ def vllm_job(rank: int, world: int, device: str, tp: int,
                             result(row)
                             rows.append(row)
                             continue
+                        except BaseException as e:  # ranks may be out of step: end the job
+                            msg = " ".join(str(e).split())[:600]
+                            result(_row(case, quant, tp, "failed", None,
+                                        f"building the kernels raised {type(e).__name__}: {msg}",
+                                        backend=backend))
+                            raise
                         s = sides[quant]
                         try:
                             row = {"ours=in-tree": lambda: _case_equal(s, quant),

@@ -132,3 +132,14 @@ def test_an_interrupted_parent_leaves_no_rank_behind(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_stall_ends_the_run_long_before_its_bound():
+    """No rank reports anything for ``stall_s``: the run ends then (a hang costs that, not the
+    whole bound), as a timed-out run naming where each rank stopped."""
+    run = run_world(fns.hang, 2, "sleep", device="cpu", timeout_s=300, stall_s=4)
+    assert run.timed_out and run.bounded.stalled_s == 4
+    assert run.bounded.elapsed_s < 15 and run.stray == []
+    assert (run.outcomes[1].status, run.outcomes[1].last_step) == ("timed_out", "sleep forever")
+    assert "no rank reported anything for 4 s" in run.summary()
+    assert run.record()["stalled_s"] == 4

@@ -69,6 +69,8 @@ ARGS=()
 for p in ${ONLY:-}; do ARGS+=(--only "$p"); done
 for p in ${SKIP:-}; do ARGS+=(--skip "$p"); done
 LEFT=$(( CALL_S - ($(date +%s) - T0) ))
+# every process the matrix starts inherits this: afterwards none may be left
+export EP_MATRIX_TAG="ep-matrix-$$-$T0"
 python3 -m tests.gpu.ep_matrix --device "$DEVICE" --half "$HALF" --list "${ARGS[@]}"
 # SIGINT first: the harness then kills and reaps every rank; SIGKILL 10 s later at the latest
 timeout -k 10 -s INT "$LEFT" python3 -m tests.gpu.ep_matrix --device "$DEVICE" --half "$HALF" \
@@ -80,7 +82,10 @@ echo "matrix rc=$rc ($(( $(date +%s) - T0 )) s since the call started)"
 if [ -f "$OUT/ep_one_gpu_$HALF.json" ]; then
   python3 -m tests.gpu.ep_matrix --markdown "$OUT/ep_one_gpu_$HALF.json" | tail -1
 fi
-ps -eo pid,ppid,etimes,cmd | grep -E "multiprocessing.spawn|tests.gpu.ep_matrix" | grep -v grep \
-  && echo "!! processes left (above)" || echo "no rank process left"
+# (the search itself runs without the tag; /proc/PID/environ is a process's start-up env)
+left=$(env -u EP_MATRIX_TAG sh -c 'grep -lsz "^EP_MATRIX_TAG=$1\$" /proc/[0-9]*/environ \
+  2>/dev/null | cut -d/ -f3 | tr "\n" " "' sh "$EP_MATRIX_TAG")
+for pid in $left; do [ -d "/proc/$pid" ] && ps -o pid,ppid,etimes,cmd -p "$pid" | tail -1; done
+[ -n "${left// /}" ] && echo "!! processes of the matrix left: $left" || echo "no process of the matrix left"
 pack
 exit 0

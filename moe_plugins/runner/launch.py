@@ -188,8 +188,8 @@ class RankOutcome:
             return f"rank {self.rank} returned"
         if self.status == "error":
             assert self.error is not None
-            return (f"rank {self.rank} raised{at}: "
-                    f"{_summary(self.rank, self.error[0], self.error[1])}")
+            lines = self.error[1].strip().splitlines()
+            return f"rank {self.rank} raised{at}: {self.error[0]}: {lines[0] if lines else ''}"
         if self.status == "died":
             return f"rank {self.rank} died{at} ({self.cause})"
         return f"rank {self.rank} {self.status.replace('_', ' ')}{at}"

@@ -406,6 +406,14 @@ def mask_job(rank: int, world: int, backend: str, device: str, victim: int,
 
 
 # -- faults ----------------------------------------------------------------------------------------
+def _first_line(e: BaseException) -> str:
+    """The error's first line without a C++ source prefix ("[/path/file.cc:129] ")."""
+    import re
+
+    lines = str(e).strip().splitlines()
+    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", lines[0])[:400] if lines else ""
+
+
 def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victim: int,
               seed: int = 0) -> dict:
     """One layer call with a fault on rank ``victim``; every rank reports what happened to it
@@ -449,8 +457,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                 out = _forward(layer, call_x, layers.dev)
             except BaseException as e:  # what this rank saw, then the harness records it
                 report = {"call": 2, "outcome": "raised", "type": type(e).__name__,
-                          "message": str(e).strip().splitlines()[0][:400] if str(e).strip()
-                          else "", "seconds": round(time.monotonic() - t0, 2)}
+                          "message": _first_line(e), "seconds": round(time.monotonic() - t0, 2)}
                 result(report)
                 step(f"{backend}: call 2 raised {type(e).__name__}")
                 return report

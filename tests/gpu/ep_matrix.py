@@ -90,7 +90,8 @@ def _layer_cases(backend: str, ep: int, scale: str) -> list[Any]:
                 "deepep_auto": [Case("auto-ll", "bf16", offset=1),
                                 Case("auto-normal", "fp8_block128", offset=0)],
                 "torch": [Case("ragged", "fp8_block128", offset=3)] if ep == 2 else
-                [Case("sp", "bf16", tp=2, offset=3)]}.get(backend, [])
+                [Case("sp", "bf16", tp=2, offset=3)],
+                "nixl_ep": [Case("mask")]}.get(backend, [])
     if backend == "deepep_auto":
         cases = [Case("auto-ll", "bf16", offset=0), Case("auto-normal", "bf16", offset=0)]
         if ep < 8:
@@ -162,8 +163,7 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
         return _vllm_jobs("A", device, scale) + [
             _layer_job(["deepep_ll", "torch"], 2, "B", device, scale, 120),
             _layer_job(["deepep_auto"], 2, "B", device, scale, 120),
-            _layer_job(["torch"], 4, "B", device, scale, 120),
-            _mask_job("nixl_ep", "A", device, 120),
+            _layer_job(["torch", "nixl_ep"], 4, "B", device, scale, 120),
             _fault_job("torch", "kill", "B", device, ep=2, margin_s=30, pg_timeout_s=20)]
     ep8 = 600.0 if device == "cuda" else 300.0
     out = _vllm_jobs("A", device, scale)

@@ -165,16 +165,20 @@ def _ranks_as_gpus(world: int) -> Iterator[None]:
     ``world``. Platforms without that check (CPU) are left alone."""
     from vllm.platforms import current_platform
 
-    cls = type(current_platform)
-    original = cls.__dict__.get("device_count")
-    if original is None:
+    cls = type(current_platform)  # e.g. NvmlCudaPlatform; device_count is CudaPlatformBase's
+    if not any("device_count" in k.__dict__ for k in cls.__mro__):
         yield
         return
-    cls.device_count = classmethod(lambda c: max(world, original.__func__(c)))  # type: ignore
+    real = int(current_platform.device_count())
+    own = cls.__dict__.get("device_count")
+    cls.device_count = classmethod(lambda c: max(world, real))  # type: ignore[method-assign]
     try:
         yield
     finally:
-        cls.device_count = original  # type: ignore[method-assign]
+        if own is not None:
+            cls.device_count = own  # type: ignore[method-assign]
+        else:
+            del cls.device_count
 
 
 # -- experts ---------------------------------------------------------------------------------------

@@ -3,6 +3,13 @@
 ``RankPool(world_size)`` starts the ranks once and runs any number of picklable functions on all
 of them (``pool.run(fn, *args, **kwargs)`` calls ``fn(rank, world_size, *args, **kwargs)`` on every rank and returns
 the per-rank results in rank order). Tests keep one pool per world size; the demo uses one.
+
+``pool.run_bounded(fn, *args, deadline_s=...)`` is the same call under a wall-clock bound that
+never raises for what the ranks do: it returns a :class:`BoundedRun` saying, per rank, every
+step the rank announced (:func:`report_step`), every result it sent on the way
+(:func:`report_result`) and how it ended (returned, raised, died, or still running at the
+deadline, when every rank is killed and reaped). The GPU harness (tests/gpu/ep_harness.py) runs
+its ranks this way.
 """
 from __future__ import annotations
 
@@ -16,11 +23,13 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
 
-__all__ = ["RankPool", "RankError", "RankDiedError", "run_ranks"]
+__all__ = ["RankPool", "RankError", "RankDiedError", "run_ranks", "report_step", "report_result",
+           "BoundedRun", "RankOutcome"]
 
 T = TypeVar("T")
 
@@ -96,9 +105,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# In a rank process: where report_step/report_result send (the pool's result queue) and when the
+# current task started; None outside a pool's rank, where both are no-ops.
+_REPORT: Optional[Callable[[str, Any], None]] = None
+_TASK_T0 = [0.0]
+
+
+def report_step(name: str) -> None:
+    """Tell the parent that this rank starts step ``name`` (recorded with the seconds since the
+    task started): where a rank stopped is then known even when it hangs or dies. In a process
+    that is not a :class:`RankPool` rank this does nothing."""
+    if _REPORT is not None:
+        _REPORT("step", (str(name), round(time.monotonic() - _TASK_T0[0], 3)))
+
+
+def report_result(payload: Any) -> None:
+    """Send ``payload`` (picklable) to the parent now, before the task ends: kept even when a
+    later step of the task hangs or the rank dies. A no-op outside a :class:`RankPool` rank."""
+    if _REPORT is not None:
+        _REPORT("result", payload)
+
+
 def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]",
             timeout_s: float, init: Optional[Callable[[int], None]]) -> None:
+    global _REPORT
     _die_with_parent()
+    _REPORT = lambda kind, payload: results.put((rank, kind, payload))  # noqa: E731
     import torch.distributed as dist
 
     if init is not None:
@@ -117,11 +149,80 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue[Any]", resul
         if task is None:
             break
         fn, args, kwargs = task
+        _TASK_T0[0] = time.monotonic()
         try:
             results.put((rank, "ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException as e:  # report, keep serving: the parent decides what is fatal
             results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
     dist.destroy_process_group()
+
+
+@dataclass
+class RankOutcome:
+    """How one rank's task of a :meth:`RankPool.run_bounded` ended.
+
+    status: ``ok`` (returned ``value``), ``error`` (raised: ``error`` is (type, message,
+    traceback)), ``died`` (its process ended: ``cause``), ``timed_out`` (still running at the
+    deadline; killed), ``stopped`` (still running when another rank died; killed).
+    steps: (name, seconds since the task started) of every :func:`report_step`, in order;
+    results: every :func:`report_result` payload, in order; ended_s: seconds from the start of
+    the run to this rank's answer (or to when its death was seen)."""
+
+    rank: int
+    status: str = "running"
+    value: Any = None
+    error: Optional[tuple[str, str, str]] = None
+    cause: Optional[str] = None
+    steps: list[tuple[str, float]] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)
+    ended_s: Optional[float] = None
+
+    @property
+    def last_step(self) -> Optional[str]:
+        return self.steps[-1][0] if self.steps else None
+
+    def describe(self) -> str:
+        """One line: how the rank ended and where."""
+        at = f" at step {self.last_step!r}" if self.last_step else " before its first step"
+        if self.status == "ok":
+            return f"rank {self.rank} returned"
+        if self.status == "error":
+            assert self.error is not None
+            lines = self.error[1].strip().splitlines()
+            return f"rank {self.rank} raised{at}: {self.error[0]}: {lines[0] if lines else ''}"
+        if self.status == "died":
+            return f"rank {self.rank} died{at} ({self.cause})"
+        return f"rank {self.rank} {self.status.replace('_', ' ')}{at}"
+
+
+@dataclass
+class BoundedRun:
+    """What :meth:`RankPool.run_bounded` saw: one :class:`RankOutcome` per rank, the bound, the
+    seconds it ran, whether the deadline ended it, and the exit code of every rank process once
+    it was reaped (None: still alive, i.e. the pool still serves)."""
+
+    outcomes: list[RankOutcome]
+    deadline_s: float
+    elapsed_s: float
+    timed_out: bool
+    exitcodes: list[Optional[int]]
+    stalled_s: Optional[float] = None  # set when the run was ended for reporting nothing
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status == "ok" for o in self.outcomes)
+
+    @property
+    def values(self) -> list[Any]:
+        return [o.value for o in self.outcomes]
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"all {len(self.outcomes)} ranks returned in {self.elapsed_s:.1f} s"
+        head = (f"no rank reported anything for {self.stalled_s:g} s" if self.stalled_s
+                else f"did not finish within {self.deadline_s:g} s" if self.timed_out
+                else f"failed after {self.elapsed_s:.1f} s")
+        return head + ": " + "; ".join(o.describe() for o in self.outcomes if o.status != "ok")
 
 
 class RankPool(Generic[T]):
@@ -134,9 +235,12 @@ class RankPool(Generic[T]):
     pool terminates the other ranks. Ranks die with the parent process (Linux)."""
 
     def __init__(self, world_size: int, timeout_s: Optional[float] = None,
-                 init: Optional[Callable[[int], None]] = None):
+                 init: Optional[Callable[[int], None]] = None,
+                 ready_timeout_s: Optional[float] = None):
         """``init(rank)`` (picklable) runs first in every rank process, before it joins the
-        process group (environment, logging, thread settings)."""
+        process group (environment, logging, thread settings, the device). ``ready_timeout_s``:
+        how long to wait for every rank to join (default: the collective timeout + 30 s); on
+        any failure to start, every rank process is ended before the error is raised."""
         from moe_plugins.groups import timeout_seconds
 
         if world_size < 1:
@@ -150,20 +254,42 @@ class RankPool(Generic[T]):
                                                          self._results, self.timeout_s, init),
                                   daemon=True)
                        for r in range(world_size)]
-        for p in self._procs:
-            p.start()
-        self._collect(lambda status: status == "ready")
+        self._reports: dict[int, dict[str, list[Any]]] = {}
+        try:
+            for p in self._procs:
+                p.start()
+            self._collect(lambda status: status == "ready", ready_timeout_s)
+        except BaseException:
+            self.terminate()  # nothing of a half-started pool outlives the error
+            raise
 
     def _dead(self) -> list[int]:
         return [r for r, p in enumerate(self._procs) if p.exitcode is not None]
 
-    def _collect(self, accept: Callable[[str], bool]) -> list[Any]:
+    def _note(self, rank: int, status: str, payload: Any) -> bool:
+        """Keep a step/result report of a plain :meth:`run` (:attr:`reports`); True if it was
+        one (not a rank's answer)."""
+        if status not in ("step", "result"):
+            return False
+        self._reports.setdefault(rank, {"steps": [], "results": []})[status + "s"].append(payload)
+        return True
+
+    @property
+    def reports(self) -> dict[int, dict[str, list[Any]]]:
+        """The :func:`report_step` / :func:`report_result` messages of the last :meth:`run`,
+        per rank: ``{"steps": [(name, seconds)], "results": [...]}``."""
+        return self._reports
+
+    def _collect(self, accept: Callable[[str], bool],
+                 wait_s: Optional[float] = None) -> list[Any]:
         got: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + self.timeout_s + 30.0
+        wait_s = self.timeout_s + 30.0 if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
         while len(got) < self.world_size:
             try:
                 rank, status, payload = self._results.get(timeout=_POLL_S)
-                got[rank] = (status, payload)
+                if not self._note(rank, status, payload):
+                    got[rank] = (status, payload)
                 continue
             except queue.Empty:
                 pass
@@ -175,7 +301,7 @@ class RankPool(Generic[T]):
                 errors = self._errors(got)
                 self.close()
                 raise TimeoutError(
-                    f"ranks {missing} did not answer in {self.timeout_s + 30:.0f}s (process-group "
+                    f"ranks {missing} did not answer in {wait_s:.0f}s (process-group "
                     f"timeout {self.timeout_s:g}s); pool closed"
                     + (f"; {'; '.join(_summary(r, t, m) for r, t, m, _ in errors)}" if errors else ""))
         errors = self._errors(got)
@@ -197,7 +323,8 @@ class RankPool(Generic[T]):
         while time.monotonic() < end and len(got) + len(self._dead()) < self.world_size:
             try:
                 r, status, payload = self._results.get(timeout=0.05)
-                got[r] = (status, payload)
+                if not self._note(r, status, payload):
+                    got[r] = (status, payload)
             except queue.Empty:
                 pass
         self.terminate()
@@ -209,9 +336,86 @@ class RankPool(Generic[T]):
         that failed first on its own named first); a rank that dies, :class:`RankDiedError`."""
         if not self.alive:
             raise RuntimeError("rank pool is closed")
+        self._reports = {}
         for q in self._tasks:
             q.put((fn, args, kwargs))
         return self._collect(lambda status: status == "ok")
+
+    def run_bounded(self, fn: Callable[..., Any], *args: Any, deadline_s: float,
+                    stop_on_death: bool = True, stall_s: Optional[float] = None,
+                    **kwargs: Any) -> BoundedRun:
+        """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank, for at most
+        ``deadline_s`` seconds, and say how each rank's call ended (:class:`BoundedRun`);
+        nothing a rank does is raised here. Each rank's :func:`report_step` and
+        :func:`report_result` messages are kept as they come.
+
+        Ranks still running at the deadline are killed (their status ``timed_out``), and so
+        are all ranks once one died, after a second for the others to report, unless
+        ``stop_on_death`` is False: then the survivors run on until they answer or the
+        deadline (a fault test that needs the survivors' own errors and times). ``stall_s``:
+        also end the run (as at the deadline) when no rank sent anything (a step, a result, an
+        answer) for that long: a hang costs that, not the whole bound. Whenever a
+        rank was killed or died, the whole pool is ended and every process reaped before this
+        returns; an exception in this process (KeyboardInterrupt included) ends it too. If
+        every rank answered, the pool keeps serving."""
+        if not self.alive:
+            raise RuntimeError("rank pool is closed")
+        n = self.world_size
+        outcomes = [RankOutcome(r) for r in range(n)]
+        start = time.monotonic()
+        end = start + deadline_s
+        pending = set(range(n))
+        death_seen: Optional[float] = None
+        last_heard = start
+        stalled = False
+        try:
+            for q in self._tasks:
+                q.put((fn, args, kwargs))
+            while pending:
+                now = time.monotonic()
+                if now >= end or (death_seen is not None and stop_on_death
+                                  and now >= death_seen + _GRACE_S):
+                    break
+                if stall_s is not None and now - last_heard >= stall_s:
+                    stalled = True
+                    break
+                try:
+                    rank, status, payload = self._results.get(timeout=min(_POLL_S, end - now))
+                except queue.Empty:
+                    for r in sorted(pending):
+                        code = self._procs[r].exitcode
+                        if code is not None:
+                            o = outcomes[r]
+                            o.status, o.cause = "died", _exit_cause(code)
+                            o.ended_s = round(time.monotonic() - start, 3)
+                            pending.discard(r)
+                            death_seen = death_seen or time.monotonic()
+                    continue
+                last_heard = time.monotonic()
+                o = outcomes[rank]
+                if status == "step":
+                    o.steps.append(payload)
+                elif status == "result":
+                    o.results.append(payload)
+                elif status in ("ok", "error") and rank in pending:
+                    o.status = status
+                    if status == "ok":
+                        o.value = payload
+                    else:
+                        o.error = tuple(payload)  # type: ignore[assignment]
+                    o.ended_s = round(time.monotonic() - start, 3)
+                    pending.discard(rank)
+            for r in pending:
+                outcomes[r].status = "timed_out" if death_seen is None or not stop_on_death \
+                    else "stopped"
+            if pending or death_seen is not None:
+                self.terminate()
+        except BaseException:
+            self.terminate()
+            raise
+        return BoundedRun(outcomes, deadline_s, round(time.monotonic() - start, 3),
+                          bool(pending) and (death_seen is None or not stop_on_death),
+                          [p.exitcode for p in self._procs], stall_s if stalled else None)
 
     @property
     def alive(self) -> bool:

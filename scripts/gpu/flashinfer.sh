@@ -93,37 +93,15 @@ fi
 # ---------------------------------------------------------------- on the GPU machine
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-stage() { echo "== $(date +%T) $*"; }
+. scripts/gpu/setup_stages.sh  # stages 2-3: setup_flashinfer (shared with ep_matrix.sh)
 exec > >(tee -a "$OUT/flashinfer_run.log") 2>&1
 
 stage "1/4 install moe-plugins (entry points), before PYTHONPATH holds the carried wheels"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1 \
-  || { tail -20 "$OUT/pip_install.log"; exit 1; }
+setup_moe_plugins || exit 1
 
-stage "2/4 install flashinfer 0.7.2.post1 (stripped) and its missing dependencies into /tmp/fisite"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
-  .gpu17/flashinfer/*.whl > "$OUT/fi_pip.log" 2>&1 || { tail -30 "$OUT/fi_pip.log"; exit 1; }
+setup_flashinfer || exit 1
 export PYTHONPATH=/tmp/fisite PYTHONUNBUFFERED=1
-export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
-export PATH=/usr/local/cuda/bin:$PATH CUDA_HOME=/usr/local/cuda
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-nvidia-smi -q | grep -iE "fabric|clique|imex" | head -8 || true
-
-stage "3/4 import flashinfer and JIT-build the all-to-all module (build log: fi_jit.log)"
-python3 - > "$OUT/fi_jit.log" 2>&1 <<'PY'
-import time, torch, flashinfer
-print("torch", torch.__version__, "flashinfer", flashinfer.__version__, flashinfer.__file__)
-from flashinfer.comm.trtllm_alltoall import MnnvlMoe, get_comm_alltoall_module  # noqa: F401
-t = time.time()
-get_comm_alltoall_module()
-print(f"comm module built and loaded in {time.time() - t:.1f} s")
-PY
-rc=$?; tail -25 "$OUT/fi_jit.log"
-if [ $rc -ne 0 ]; then
-  find /tmp/fi_ws -name '*.log' -o -name 'build.ninja' 2>/dev/null | head -5
-  cp "$(find /tmp/fi_ws -name build.ninja | head -1)" "$OUT/fi_build.ninja" 2>/dev/null
-  echo "JIT build failed (see fi_jit.log)"; exit 1
-fi
 
 stage "4/4 GPU tests (two processes on cuda:0)"
 if [ $# -eq 0 ]; then set -- tests/gpu/test_flashinfer_gpu.py; fi

@@ -12,26 +12,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-stage() { echo "== $(date +%T) $*"; }
+. scripts/gpu/setup_stages.sh  # the set-up stages (shared with nixl_ep.sh, flashinfer.sh, ep_matrix.sh)
 
-stage "install carried wheels and vLLM's Python"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .gpu/whl/*.whl || exit 1
-mkdir -p /tmp/vsrc && tar -xzf .gpu/vllm_py.tgz -C /tmp/vsrc || exit 1
-mkdir -p /tmp/vsrc/vllm-0.33.0.dist-info
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n' > /tmp/vsrc/vllm-0.33.0.dist-info/METADATA
-
-stage "build DeepEP V1 567632d (a copy in /tmp: a carried folder is replaced on the next call)"
-if [ ! -d /tmp/deepep/deep_ep ] || ! ls /tmp/deepep/deep_ep_cpp*.so >/dev/null 2>&1; then
-  rm -rf /tmp/deepep && mkdir -p /tmp/deepep && tar -xzf .gpu/deepep-567632d.tgz -C /tmp/deepep
-  (cd /tmp/deepep && CPATH=/usr/local/cuda/include/cccl${CPATH:+:$CPATH} TORCH_CUDA_ARCH_LIST=9.0 \
-    MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
-    || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; exit 1; }
-fi
-
-stage "install moe-plugins (entry points)"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip_install.log 2>&1 \
-  || { tail -20 /tmp/pip_install.log; exit 1; }
+setup_vllm_py || exit 1
+setup_deepep || exit 1
+setup_moe_plugins || exit 1
 export PYTHONPATH=/tmp/deepep:/tmp/vsrc:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, deep_ep; print('torch', torch.__version__, 'deep_ep', deep_ep.__file__)"

@@ -72,15 +72,17 @@ def _executor_init_method() -> str:
 @contextlib.contextmanager
 def vllm_parallel_state(rank: int, world: int, tp: int, all2all_backend: str,
                         backend: str = "gloo", additional_config: Optional[dict] = None,
-                        cpu_shm: Optional[bool] = None, **parallel: Any) -> Iterator[Any]:
+                        cpu_shm: Optional[bool] = None, local_rank: Optional[int] = None,
+                        **parallel: Any) -> Iterator[Any]:
     """Inside: vLLM's current config (``ParallelConfig(tensor_parallel_size=tp,
     enable_expert_parallel=True, all2all_backend=..., **parallel)``, ``--additional-config``
     ``additional_config``) and its model-parallel groups over the ``world`` ranks of the default
     process group; with ``data_parallel_size`` > 1 vLLM counts ``rank`` and ``world`` within
     the DP rank ``data_parallel_rank`` (its world spans all DP ranks). ``cpu_shm``: vLLM's CPU
     shared-memory communicator on the TP group as vLLM decides (None), or on / off (the module
-    docstring; needs tp > 1). Yields the VllmConfig; destroys vLLM's groups and restores
-    ``VLLM_DIST_IDENT`` on exit."""
+    docstring; needs tp > 1). ``local_rank``: the device index vLLM binds the groups to
+    (default: ``rank`` on gloo, 0 otherwise; several ranks sharing one GPU pass 0). Yields the
+    VllmConfig; destroys vLLM's groups and restores ``VLLM_DIST_IDENT`` on exit."""
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.plugins import load_general_plugins
@@ -100,8 +102,9 @@ def vllm_parallel_state(rank: int, world: int, tp: int, all2all_backend: str,
                         else f"{init_method}-rank{dist.get_rank()}")
     try:
         with set_current_vllm_config(config):
-            ps.init_distributed_environment(world, rank, init_method,
-                                            local_rank=rank if backend == "gloo" else 0,
+            if local_rank is None:
+                local_rank = rank if backend == "gloo" else 0
+            ps.init_distributed_environment(world, rank, init_method, local_rank=local_rank,
                                             backend=backend)
             try:
                 ps.initialize_model_parallel(tp, backend=backend)

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The one-GPU EP matrix (issue 26): every backend at EP > 1 on its real library, N processes
+# sharing cuda:0 over a gloo world (tests/gpu/ep_harness.py), through our layer and through
+# vLLM's MoE kernel beside vLLM's in-tree classes, plus faults (tests/gpu/ep_matrix.py says what
+# each job checks). Two device calls, each < 10 minutes, because the carries of both halves do not
+# fit one call's 64 MiB:
+#
+#   HALF=A bash scripts/gpu/ep_matrix.sh   carry .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
+#                                                .gpu17/nixl
+#          vLLM's path (deepep_ll, nixl_ep, deepep_ht at EP 2/4, SP at dp2 x tp2, DBO, CUDA graph),
+#          nixl_ep through our layer (EP 2/4, masking), nixl_ep faults
+#   HALF=B bash scripts/gpu/ep_matrix.sh   carry .gpu/deepep-567632d.tgz .gpu17/flashinfer
+#          deepep_ll / deepep_ht / deepep_auto through our layer at EP 2/4/8 (+ deepep_ll masking),
+#          torch over gloo at EP 4, flashinfer two-sided at EP 2/4, faults of torch / DeepEP
+#
+# Each half builds what it needs with the shared set-up stages (scripts/gpu/setup_stages.sh),
+# then runs its jobs in order inside what is left of CALL_S (default 570 s: the call's 10
+# minutes less a margin to pack up); each job is bounded, a job that cannot get its time is
+# recorded "timed_out: not started", and the record is rewritten after every job. Back in $OUT:
+#   ep_one_gpu_<HALF>.json   the record: rows backend/path/ep/tp/quant/case/status/max_rel_err/detail
+#   ep_logs_<HALF>.tgz       this script's log, where every rank of every job stopped
+#                            (ep_runs_<HALF>.json), set-up and build logs
+# Then on the CPU machine: python -m tests.gpu.ep_matrix --merge A.json B.json -o
+# tests/gpu/results/ep_one_gpu.json and --markdown tests/gpu/results/ep_one_gpu.json.
+#
+# Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
+# ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45),
+# DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script).
+# Never under CUDA MPS (DeepEP's low-latency kernels fail there); no latency is reported.
+set -uo pipefail
+T0=$(date +%s)
+OUT=${OUT:-/tmp/gpu-out}
+HALF=${HALF:-A}
+DEVICE=${DEVICE:-cuda}
+CALL_S=${CALL_S:-570}
+LOGS=$OUT/ep_logs_$HALF
+mkdir -p "$LOGS"
+exec > >(tee -a "$LOGS/ep_matrix_$HALF.log") 2>&1
+. scripts/gpu/setup_stages.sh
+case $HALF in A|B) ;; *) echo "HALF must be A or B, got $HALF"; exit 2 ;; esac
+
+pack() {  # everything but the record into one file: the device tool returns at most 8
+  tar -czf "$OUT/ep_logs_$HALF.tgz" -C "$OUT" "ep_logs_$HALF" && rm -rf "$LOGS"
+}
+
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv,noheader
+  if pgrep -f nvidia-cuda-mps >/dev/null 2>&1 || [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo "!! CUDA MPS seems active: DeepEP's low-latency kernels fail under MPS (not changed here)"
+  fi
+  if [ "$HALF" = A ]; then
+    OUT=$LOGS setup_vllm_py && OUT=$LOGS setup_deepep && OUT=$LOGS setup_moe_plugins \
+      && OUT=$LOGS setup_nixl
+    ok=$?
+    PP=$(gpu_pythonpath deepep vllm nixl)
+  else
+    # moe-plugins first: pip must not see the carried flashinfer wheels (flashinfer.sh)
+    OUT=$LOGS setup_moe_plugins && OUT=$LOGS setup_deepep && OUT=$LOGS setup_flashinfer
+    ok=$?
+    PP=$(gpu_pythonpath deepep flashinfer)
+  fi
+  if [ $ok -ne 0 ]; then echo "!! set-up failed; nothing ran"; pack; exit 1; fi
+  export PYTHONPATH=$PP PYTHONUNBUFFERED=1
+  python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+fi
+
+stage "EP matrix half $HALF on $DEVICE"
+ARGS=()
+for p in ${ONLY:-}; do ARGS+=(--only "$p"); done
+for p in ${SKIP:-}; do ARGS+=(--skip "$p"); done
+LEFT=$(( CALL_S - ($(date +%s) - T0) ))
+# every process the matrix starts inherits this: afterwards none may be left
+export EP_MATRIX_TAG="ep-matrix-$$-$T0"
+python3 -m tests.gpu.ep_matrix --device "$DEVICE" --half "$HALF" --list "${ARGS[@]}"
+# SIGINT first: the harness then kills and reaps every rank; SIGKILL 10 s later at the latest
+timeout -k 10 -s INT "$LEFT" python3 -m tests.gpu.ep_matrix --device "$DEVICE" --half "$HALF" \
+  --budget-s $(( LEFT - 15 )) --min-job-s "${MIN_JOB_S:-45}" "${ARGS[@]}" \
+  --record "$OUT/ep_one_gpu_$HALF.json" --runs "$LOGS/ep_runs_$HALF.json" > "$LOGS/matrix_$HALF.txt" 2>&1
+rc=$?
+grep -E "^== |^   (passed|failed|timed_out|refused)|^   [0-9.]+ s" "$LOGS/matrix_$HALF.txt" | cut -c1-220
+echo "matrix rc=$rc ($(( $(date +%s) - T0 )) s since the call started)"
+if [ -f "$OUT/ep_one_gpu_$HALF.json" ]; then
+  python3 -m tests.gpu.ep_matrix --markdown "$OUT/ep_one_gpu_$HALF.json" | tail -1
+fi
+# (the search itself runs without the tag; /proc/PID/environ is a process's start-up env)
+left=$(env -u EP_MATRIX_TAG sh -c 'grep -lsz "^EP_MATRIX_TAG=$1\$" /proc/[0-9]*/environ \
+  2>/dev/null | cut -d/ -f3 | tr "\n" " "' sh "$EP_MATRIX_TAG")
+for pid in $left; do [ -d "/proc/$pid" ] && ps -o pid,ppid,etimes,cmd -p "$pid" | tail -1; done
+[ -n "${left// /}" ] && echo "!! processes of the matrix left: $left" || echo "no process of the matrix left"
+pack
+exit 0

@@ -1,0 +1,173 @@
+# shellcheck shell=bash
+# The set-up stages of the GPU scripts, as functions (sourced, not run): h200.sh, nixl_ep.sh,
+# flashinfer.sh and ep_matrix.sh call them, so none of them carries a copy. Each function
+# prints its stage line, does what the script it came from did, and returns non-zero on failure
+# (the caller decides whether to stop). The GPU machine: torch 2.11+cu130, CUDA 13, Python 3.12,
+# no vLLM / DeepEP / NIXL / flashinfer; carried inputs are made on the CPU machine by
+# scripts/gpu/prepare.sh (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/).
+#
+#   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py.tgz -> /tmp/vsrc (vLLM 0.33.0's
+#                        Python without its compiled extension; benchmarks/vllm_stand_ins.py)
+#   setup_deepep         .gpu/deepep-567632d.tgz built in /tmp/deepep (kept across calls on a
+#                        warm machine: a carried folder would be replaced on the next call)
+#   setup_moe_plugins    pip install -e . (the entry points the registry reads)
+#   setup_nixl           .gpu17/nixl: NIXL EP's extension built against this torch into
+#                        /tmp/nixl_site/nixl_ep (nixl_ep.sh's stages 1-4; log nixl_build.log)
+#   setup_flashinfer     .gpu17/flashinfer -> /tmp/fisite, its comm module JIT-built
+#                        (flashinfer.sh's stages 2-3; log fi_jit.log)
+#   gpu_pythonpath PARTS...   the PYTHONPATH for the parts set up (deepep vllm nixl flashinfer)
+#
+# OUT must be set (logs go there). Stage lines: "== HH:MM:SS <what>".
+
+stage() { echo "== $(date +%T) $*"; }
+
+setup_vllm_py() {
+  stage "install carried wheels and vLLM's Python"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .gpu/whl/*.whl || return 1
+  mkdir -p /tmp/vsrc && tar -xzf .gpu/vllm_py.tgz -C /tmp/vsrc || return 1
+  mkdir -p /tmp/vsrc/vllm-0.33.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n' > /tmp/vsrc/vllm-0.33.0.dist-info/METADATA
+}
+
+setup_deepep() {
+  stage "build DeepEP V1 567632d (a copy in /tmp: a carried folder is replaced on the next call)"
+  if [ ! -d /tmp/deepep/deep_ep ] || ! ls /tmp/deepep/deep_ep_cpp*.so >/dev/null 2>&1; then
+    rm -rf /tmp/deepep && mkdir -p /tmp/deepep && tar -xzf .gpu/deepep-567632d.tgz -C /tmp/deepep
+    (cd /tmp/deepep && CPATH=/usr/local/cuda/include/cccl${CPATH:+:$CPATH} TORCH_CUDA_ARCH_LIST=9.0 \
+      MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
+      || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; return 1; }
+  fi
+}
+
+setup_moe_plugins() {
+  stage "install moe-plugins (entry points)"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip_install.log 2>&1 \
+    || { tail -20 /tmp/pip_install.log; cp /tmp/pip_install.log "$OUT/" 2>/dev/null; return 1; }
+}
+
+# NIXL EP (issue 17, run 1): our setup.py around nixl's sources (CUDAExtension, C++20, sm_90,
+# UCX's GDAKI device headers removed so only the cuda_ipc device path is compiled; nixl_ep's
+# configs.cuh include of <infiniband/mlx5dv.h> dropped where the image lacks rdma-core headers).
+# See scripts/gpu/nixl_ep.sh for the why of each step. Sets NIXL_SITE, NIXL_LIBS.
+setup_nixl() {
+  local SITE=/tmp/nixl_site BUILD=/tmp/nixl_build
+  export PATH=/usr/local/cuda/bin:$PATH CUDA_HOME=/usr/local/cuda
+  stage "nixl 1/4 unpack the stripped wheel, nixl_ep sources and UCX headers into /tmp"
+  rm -rf "$SITE" "$BUILD" && mkdir -p "$SITE" "$BUILD"
+  tar -xzf .gpu17/nixl/nixl_min.tgz -C "$SITE" || { echo "unpack wheel failed"; return 1; }
+  tar -xzf .gpu17/nixl/nixl_ep_src.tgz -C "$BUILD" || { echo "unpack nixl source failed"; return 1; }
+  tar -xzf .gpu17/nixl/ucx_headers.tgz -C "$BUILD" || { echo "unpack UCX headers failed"; return 1; }
+  local LIBS=$SITE/.nixl_cu13.mesonpy.libs DEPLIBS=$SITE/nixl_cu13.libs
+  NIXL_SITE=$SITE NIXL_LIBS=$LIBS
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -2
+  ls /usr/include/infiniband/mlx5dv.h 2>/dev/null && echo "image has rdma-core headers" || echo "image has no rdma-core headers"
+  echo "(the wheel's prebuilt nixl_ep .so files, torch 2.12-2.14 ABI, were left out)"
+
+  stage "nixl 2/4 prepare the build tree (changes to the /tmp copy are listed)"
+  local EP=$BUILD/nixl/examples/device/ep
+  rm -fv "$BUILD"/ucx/uct/ib/mlx5/gdaki/gdaki.cuh "$BUILD"/ucx/uct/ib/mlx5/gdaki/d2p.cuh
+  if [ ! -f /usr/include/infiniband/mlx5dv.h ]; then
+    sed -i 's|^#include <infiniband/mlx5dv.h>|// (nixl_ep.sh) dropped: #include <infiniband/mlx5dv.h>|' \
+      "$EP/csrc/kernels/configs.cuh"
+    grep -n "dropped" "$EP/csrc/kernels/configs.cuh"
+  fi
+  local MM UCP UCT UCS UCM
+  MM=$(python3 -c "import torch; print(''.join(torch.__version__.split('.')[:2]))")
+  UCP=$(basename "$DEPLIBS"/libucp-*.so.0.0.0) UCT=$(basename "$DEPLIBS"/libuct-*.so.0.0.0)
+  UCS=$(basename "$DEPLIBS"/libucs-*.so.0.0.0) UCM=$(basename "$DEPLIBS"/libucm-*.so.0.0.0)
+  cat > "$EP/setup_gpu17.py" <<PY
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+inc = ["csrc", "csrc/kernels"] + ["$BUILD/nixl/src/" + d for d in (
+    "api/cpp", "api/cpp/backend", "infra", "core", "core/telemetry", "api/gpu/ucx")] + ["$BUILD/ucx"]
+defs = ["-DHAVE_CUDA", "-DTORCH_EXTENSION_NAME=nixl_ep_cpp_torch$MM", "-DTOPK_IDX_BITS=32"]
+warn = ["-Wno-deprecated-declarations", "-Wno-unused-variable", "-Wno-sign-compare",
+        "-Wno-reorder", "-Wno-attributes"]
+setup(name="nixl_ep_gpu17", ext_modules=[CUDAExtension(
+    "nixl_ep_cpp_torch$MM",
+    ["csrc/nixl_ep.cpp", "csrc/vmm.cpp", "csrc/kernels/nixl_ep_ll.cu", "csrc/kernels/nixl_ep_ht.cu",
+     "csrc/kernels/layout.cu", "csrc/kernels/runtime.cu"],
+    include_dirs=inc,
+    library_dirs=["$LIBS", "$DEPLIBS", "/usr/local/cuda/lib64/stubs"],  # stubs: -lcuda at link
+    extra_compile_args={
+        "cxx": ["-O3", "-std=c++20"] + defs + warn,
+        "nvcc": ["-O3", "-std=c++20", "-gencode", "arch=compute_90,code=sm_90",
+                 "-DDISABLE_AGGRESSIVE_PTX_INSTRS", "--expt-relaxed-constexpr",
+                 "--ptxas-options=--register-usage-level=10"] + defs
+                + [f for w in warn for f in ("-Xcompiler", w)]},
+    extra_link_args=["-l:libnixl.so", "-l:$UCP", "-l:$UCT", "-l:$UCS", "-l:$UCM", "-lcuda",
+                     "-Wl,-rpath,$LIBS:$DEPLIBS"],
+)], cmdclass={"build_ext": BuildExtension})
+PY
+
+  stage "nixl 3/4 build nixl_ep_cpp_torch$MM (log: nixl_build.log)"
+  local T0 rc SO
+  T0=$(date +%s)
+  (cd "$EP" && CPATH=/usr/local/cuda/include/cccl${CPATH:+:$CPATH} MAX_JOBS=16 \
+    TORCH_CUDA_ARCH_LIST=9.0 python3 setup_gpu17.py build_ext --inplace > "$OUT/nixl_build.log" 2>&1)
+  rc=$?
+  echo "build rc=$rc in $(( $(date +%s) - T0 )) s"
+  if [ $rc -ne 0 ]; then
+    grep -n -m 20 -E "error|fatal|undefined" "$OUT/nixl_build.log"; tail -40 "$OUT/nixl_build.log"
+    return 1
+  fi
+  SO=$(ls "$EP"/nixl_ep_cpp_torch"$MM"*.so) || { echo "no .so produced"; return 1; }
+  readelf -d "$SO" | grep -E "NEEDED|RPATH|RUNPATH" | tee "$OUT/nixl_ep_so_deps.txt"
+
+  stage "nixl 4/4 assemble the nixl_ep package (the wheel's Python + the new extension) and import it"
+  mkdir -p "$SITE/nixl_ep" && cp "$SITE"/nixl_ep_cu13/*.py "$SITE/nixl_ep/" && cp "$SO" "$SITE/nixl_ep/"
+  export NIXL_PLUGIN_DIR=$LIBS/plugins
+  # One GPU, no RDMA NIC: UCX over shared memory, CUDA copy/IPC and TCP (logged, not required).
+  export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-warn}
+  PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 - <<'PY' 2>&1 | tee "$OUT/nixl_import.log" || true
+import torch, nixl_ep
+print("nixl_ep", nixl_ep.__file__, "topk_idx_t", getattr(nixl_ep, "topk_idx_t", None),
+      "sm90", nixl_ep._nixl_ep_cpp.is_sm90_compiled())
+PY
+  PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 -c "import nixl_ep" || { echo "import nixl_ep failed"; return 1; }
+}
+
+# flashinfer 0.7.2.post1 (issue 17, run 2): the stripped wheel and the wheels it imports, then
+# its all-to-all module JIT-built with the image's nvcc. Install moe-plugins before PYTHONPATH
+# holds these wheels (flashinfer.sh: pip itself must not see them).
+setup_flashinfer() {
+  stage "install flashinfer 0.7.2.post1 (stripped) and its missing dependencies into /tmp/fisite"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
+    .gpu17/flashinfer/*.whl > "$OUT/fi_pip.log" 2>&1 || { tail -30 "$OUT/fi_pip.log"; return 1; }
+  export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+  export PATH=/usr/local/cuda/bin:$PATH CUDA_HOME=/usr/local/cuda
+  nvidia-smi -q | grep -iE "fabric|clique|imex" | head -8 || true
+
+  stage "import flashinfer and JIT-build the all-to-all module (build log: fi_jit.log)"
+  local rc
+  PYTHONPATH=/tmp/fisite${PYTHONPATH:+:$PYTHONPATH} python3 - > "$OUT/fi_jit.log" 2>&1 <<'PY'
+import time, torch, flashinfer
+print("torch", torch.__version__, "flashinfer", flashinfer.__version__, flashinfer.__file__)
+from flashinfer.comm.trtllm_alltoall import MnnvlMoe, get_comm_alltoall_module  # noqa: F401
+t = time.time()
+get_comm_alltoall_module()
+print(f"comm module built and loaded in {time.time() - t:.1f} s")
+PY
+  rc=$?; tail -25 "$OUT/fi_jit.log"
+  if [ $rc -ne 0 ]; then
+    find /tmp/fi_ws -name '*.log' -o -name 'build.ninja' 2>/dev/null | head -5
+    cp "$(find /tmp/fi_ws -name build.ninja | head -1)" "$OUT/fi_build.ninja" 2>/dev/null
+    echo "JIT build failed (see fi_jit.log)"; return 1
+  fi
+}
+
+gpu_pythonpath() {
+  local parts=() p
+  for p in "$@"; do
+    case $p in
+      deepep) parts+=(/tmp/deepep) ;;
+      vllm) parts+=(/tmp/vsrc /tmp/site) ;;
+      nixl) parts+=(/tmp/nixl_site) ;;
+      flashinfer) parts+=(/tmp/fisite) ;;
+    esac
+  done
+  local IFS=:
+  echo "${parts[*]}"
+}

@@ -1,0 +1,416 @@
+"""The one-GPU EP matrix: every backend at EP > 1 on its real library, N processes sharing one
+device (tests/gpu/ep_harness.py), through our layer (tests/gpu/ep_ranks.py) and through vLLM's
+own MoE kernel beside vLLM's in-tree classes (tests/gpu/ep_vllm_ranks.py), plus faults.
+
+A job is one world of ranks (one bounded :func:`ep_harness.run_world`) that yields one or more
+rows of the record. The record is a JSON list of rows with keys ``backend``, ``path``
+(``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
+``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case`` and ``job``. A row's
+status: ``passed`` when every rank reported it passed; ``failed`` when a rank reported a
+mismatch, or raised or died before reporting it; ``refused`` when the backend or library refused
+the configuration before running it (the same on every rank); ``timed_out`` when the job's bound
+ran out before every rank reported it (the detail names where each rank stopped), including
+jobs never started because the call's time budget was spent. Where each rank of each job
+stopped (steps with times, errors) goes to a second file (``--runs``).
+
+Usage (from the repository root):
+
+    python -m tests.gpu.ep_matrix --device cuda --half A --record $OUT/ep_one_gpu_A.json
+    python -m tests.gpu.ep_matrix --device cpu --record /tmp/ep_cpu.json      # CPU dry run
+    python -m tests.gpu.ep_matrix --markdown a.json [b.json ...]              # README table
+    python -m tests.gpu.ep_matrix --merge a.json b.json -o tests/gpu/results/ep_one_gpu.json
+
+``--half A``: vLLM's path and nixl_ep (carry .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
+.gpu17/nixl); ``--half B``: DeepEP's three backends, torch and flashinfer (carry
+.gpu/deepep-567632d.tgz .gpu17/flashinfer): the carries of both do not fit one call's 64 MiB.
+``--only``/``--skip`` take job-name substrings; ``--budget-s`` the seconds this process may take
+(jobs run in order, each bounded by its own bound and what is left; a job that cannot get
+``--min-job-s`` is not started and its rows are recorded ``timed_out``). ``--scale reduced`` is
+the small CPU run of the normal test suite (tests/runner/test_ep_matrix_cpu.py).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["Job", "jobs", "run_job", "run_matrix", "rows_to_markdown", "STATUSES"]
+
+STATUSES = ("passed", "failed", "timed_out", "refused")
+LIB_TIMEOUT_S = {  # the library's own bound on a peer that never answers (fault jobs)
+    "deepep_ll": 100.0,  # NUM_TIMEOUT_CYCLES 200G cycles (~100 s), then trap (567632d)
+    "deepep_ht": 100.0,  # NUM_CPU_TIMEOUT_SECS / NUM_TIMEOUT_CYCLES (567632d)
+    "nixl_ep": 20.0,  # timeout_ms=20000 given to the Buffer in the fault jobs
+    "torch": 30.0,  # the gloo process group's timeout in the fault jobs
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One world of ``world`` ranks running ``fn(rank, world, *args)`` within ``bound_s``
+    seconds; ``rows``: the rows it is expected to report, (backend, case, quant, tp), matched
+    against what the ranks report (several backends may share one world: one process start-up
+    and one set-up of each library); ``kind``: ``rows`` (each rank reports rows) or ``fault``
+    (each rank reports what happened to it, judged by :func:`_fault_row`)."""
+
+    name: str
+    half: str
+    path: str
+    backend: str
+    world: int
+    fn: Callable[..., Any]
+    args: tuple
+    bound_s: float
+    rows: tuple[tuple[str, str, str, int], ...]  # (backend, case, quant, tp)
+    kind: str = "rows"
+    pg_timeout_s: Optional[float] = None
+    stop_on_death: bool = True
+    victim: Optional[int] = None
+    #: end the world when no rank reports anything for this long (None: only the bound); set
+    #: above the slowest single step seen (a library buffer's set-up, an EP 8 call: 20-40 s);
+    #: doubled at EP 8
+    stall_s: Optional[float] = 180.0
+
+    def row_keys(self) -> list[dict]:
+        return [dict(backend=backend, path=self.path, ep=self.world, tp=tp, quant=quant,
+                     case=case, job=self.name) for backend, case, quant, tp in self.rows]
+
+
+# -- the matrix -----------------------------------------------------------------------------------
+def _layer_cases(backend: str, ep: int, scale: str) -> list[Any]:
+    from tests.gpu.ep_ranks import LL, Case
+
+    if scale == "reduced":
+        return {"deepep_ll": [Case("ragged", "bf16", offset=1), Case("ragged", "ue8m0", offset=0)],
+                "deepep_auto": [Case("auto-ll", "bf16", offset=1),
+                                Case("auto-normal", "fp8_block128", offset=0)],
+                "torch": [Case("ragged", "fp8_block128", offset=3)] if ep == 2 else
+                [Case("sp", "bf16", tp=2, offset=3)],
+                "nixl_ep": [Case("mask")]}.get(backend, [])
+    if backend == "deepep_auto":
+        cases = [Case("auto-ll", "bf16", offset=0), Case("auto-normal", "bf16", offset=0)]
+        if ep < 8:
+            cases += [Case("auto-ll", "fp8_block128", offset=3),
+                      Case("auto-normal", "fp8_block128", offset=3)]
+    else:
+        cases = [Case("ragged", "bf16", offset=0), Case("ragged", "fp8_block128", offset=3)]
+        if backend in LL and ep < 8:
+            cases.append(Case("ragged", "ue8m0", offset=5))
+    cases.append(Case("eplb", "bf16", offset=1))  # refused where the backend has no placements
+    if ep == 4:
+        cases += [Case("row_scatter", "bf16", tp=2, offset=2), Case("sp", "bf16", tp=2, offset=3)]
+        if backend == "nixl_ep":  # its buffer always has a mask: the same world
+            cases.append(Case("mask"))
+    return cases
+
+
+def _layer_job(backends: Sequence[str], ep: int, half: str, device: str, scale: str,
+               bound_s: float, name: Optional[str] = None) -> Job:
+    from tests.gpu import ep_ranks
+
+    plan = [(b, _layer_cases(b, ep, scale)) for b in backends]
+    rows = tuple((b, r, c.quant, c.tp) for b, cases in plan for c in cases for r in c.rows)
+    label = "+".join(backends)
+    return Job(name or f"layer/{label}/ep{ep}", half, "layer", label, ep, ep_ranks.layer_job,
+               (device, plan), bound_s, rows)
+
+
+def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4) -> Job:
+    from tests.gpu import ep_ranks
+
+    return Job(f"mask/{backend}/ep{ep}", half, "layer", backend, ep, ep_ranks.mask_job,
+               (backend, device, ep - 1), bound_s,
+               tuple((backend, c, "bf16", 1) for c in ("mask-before", "mask", "unmask")))
+
+
+def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
+               margin_s: float = 60.0, pg_timeout_s: Optional[float] = None) -> Job:
+    from tests.gpu import ep_ranks
+
+    lib = LIB_TIMEOUT_S.get(backend, 60.0)
+    # torch and, on CPU, every emulated library wait in gloo: its timeout is the bound there
+    pg = pg_timeout_s or (LIB_TIMEOUT_S["torch"] if backend == "torch" or device == "cpu"
+                          else 300.0)
+    victim = 2 if kind == "refuse" else 1
+    bound = (pg if device == "cpu" else lib) + margin_s
+    return Job(f"fault/{backend}/{kind}/ep{ep}", half, "layer", backend, ep, ep_ranks.fault_job,
+               (backend, device, kind, victim), bound, ((backend, f"fault-{kind}", "bf16", 1),),
+               kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None)
+
+
+def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
+    try:
+        from tests.gpu import ep_vllm_ranks
+    except ImportError:
+        return []
+    return ep_vllm_ranks.matrix_jobs(Job, half, device, scale)
+
+
+def jobs(device: str, scale: str = "full") -> list[Job]:
+    """Every job of the matrix, in the order they run (``half`` says which device call).
+
+    Backends share a world where their libraries can live in one process: DeepEP's normal mode
+    (CUDA IPC only), torch and flashinfer beside DeepEP's low-latency mode; but never two
+    low-latency-mode DeepEP buffers in one process (NVSHMEM is set up per buffer: deepep_auto and
+    the masking job, whose buffer has ``enable_shrink``, get their own worlds)."""
+    fi = "flashinfer_nvlink_two_sided"
+    if scale == "reduced":
+        return _vllm_jobs("A", device, scale) + [
+            _layer_job(["deepep_ll", "torch"], 2, "B", device, scale, 120),
+            _layer_job(["deepep_auto"], 2, "B", device, scale, 120),
+            _layer_job(["torch", "nixl_ep"], 4, "B", device, scale, 120),
+            _fault_job("torch", "kill", "B", device, ep=2, margin_s=30, pg_timeout_s=20)]
+    ep8 = 600.0 if device == "cuda" else 300.0
+    out = _vllm_jobs("A", device, scale)
+    out += [_layer_job(["nixl_ep"], 2, "A", device, scale, 240),
+            _layer_job(["nixl_ep"], 4, "A", device, scale, 300),
+            _fault_job("nixl_ep", "refuse", "A", device),
+            _fault_job("nixl_ep", "kill", "A", device)]
+    out += [_layer_job(["deepep_ll", "deepep_ht", fi], 2, "B", device, scale, 300,
+                       name="layer/deepep_ll+deepep_ht+flashinfer/ep2"),
+            _layer_job(["deepep_ll", "deepep_ht", "torch", fi], 4, "B", device, scale, 420,
+                       name="layer/deepep_ll+deepep_ht+torch+flashinfer/ep4"),
+            _layer_job(["deepep_auto"], 2, "B", device, scale, 240),
+            _layer_job(["deepep_auto"], 4, "B", device, scale, 300),
+            _mask_job("deepep_ll", "B", device, 180),
+            # one fault on each kind of transport before the slow EP 8 worlds
+            _fault_job("torch", "kill", "B", device),
+            _fault_job("deepep_ll", "kill", "B", device),
+            _layer_job(["deepep_ll", "deepep_ht"], 8, "B", device, scale, ep8),
+            _layer_job(["deepep_auto"], 8, "B", device, scale, ep8)]
+    out += [_fault_job("torch", "refuse", "B", device),
+            _fault_job("deepep_ll", "refuse", "B", device),
+            _fault_job("deepep_ht", "kill", "B", device),
+            _fault_job("deepep_ht", "refuse", "B", device)]
+    return out
+
+
+# -- rows out of a run ----------------------------------------------------------------------------
+def _first_line(text: str) -> str:
+    text = (text or "").strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _where(run: Any) -> str:
+    if run.bounded is None:
+        return f"the ranks did not start: {run.start_error}"
+    return ("; ".join(o.describe() for o in run.outcomes if o.status != "ok")
+            or "every rank returned")
+
+
+def _rows_of(job: Job, run: Any) -> list[dict]:
+    reported: dict[tuple, list[tuple[int, dict]]] = {}
+    for o in run.outcomes:
+        for r in o.results:
+            if isinstance(r, dict) and "case" in r:
+                key = (r.get("backend") or job.backend, r["case"], r["quant"], r["tp"])
+                reported.setdefault(key, []).append((o.rank, r))
+    rows = []
+    for key, base in zip(job.rows, job.row_keys()):
+        got = reported.get(key, [])
+        rels = [r["max_rel_err"] for _, r in got if r.get("max_rel_err") is not None]
+        row = dict(base, status="", max_rel_err=max(rels) if rels else None, detail="")
+        failed = [(rk, r) for rk, r in got if r["status"] == "failed"]
+        if failed:
+            row["status"] = "failed"
+            row["detail"] = "; ".join(f"rank {rk}: {r['detail']}" for rk, r in failed[:4])
+        elif got and all(r["status"] == "refused" for _, r in got):
+            row["status"] = "refused"
+            row["detail"] = got[0][1]["detail"]
+        elif len(got) == job.world and all(r["status"] == "passed" for _, r in got):
+            row["status"] = "passed"
+            worst = max(got, key=lambda g: g[1].get("max_rel_err") or 0)
+            row["detail"] = f"{job.world} ranks within tolerance (worst rank {worst[0]}: " \
+                            f"{worst[1]['detail']})"
+        else:
+            row["status"] = "timed_out" if run.timed_out else "failed"
+            missing = sorted(set(range(job.world)) - {rk for rk, _ in got})
+            row["detail"] = (f"no result from ranks {missing}: " if missing else "") + _where(run)
+        rows.append(row)
+    return rows
+
+
+def _fault_row(job: Job, run: Any) -> list[dict]:
+    """Invariants of a fault: no rank returns a wrong result, every rank but the victim ends
+    (an error, or the right output) within the job's bound, no process outlives the run."""
+    base = job.row_keys()[0]
+    parts, wrong, late = [], [], []
+    for o in run.outcomes:
+        reports = [r for r in o.results if isinstance(r, dict) and r.get("call") == 2]
+        rep = reports[-1] if reports else None
+        if o.rank == job.victim:
+            what = (f"victim ({o.status}" + (f": {o.cause}" if o.cause else "")
+                    + (f", {rep['type']}: {rep['message']}" if rep and rep.get("type") else "")
+                    + ")")
+        elif rep is None:
+            late.append(o.rank)
+            what = o.describe()
+        elif rep["outcome"] == "raised":
+            what = f"{rep['type']} after {rep['seconds']} s: {rep['message']}"
+        else:
+            what = f"returned after {rep['seconds']} s, " + (
+                "the correct output" if rep["correct"] else
+                "a WRONG output" + (" (the reference without the victim's experts)"
+                                    if rep.get("matches_reference_without_victim") else ""))
+            if not rep["correct"]:
+                wrong.append(o.rank)
+        parts.append(f"rank {o.rank}: {what}")
+    if run.bounded is None:
+        status, head = ("timed_out" if run.timed_out else "failed"), _where(run)
+    elif wrong or run.stray:
+        status = "failed"
+        head = (f"ranks {wrong} returned a wrong result" if wrong else "") + \
+               (f"; stray processes {run.stray}" if run.stray else "")
+    elif late:
+        status = "timed_out"
+        head = f"ranks {late} did not end within {job.bound_s:g} s"
+    else:
+        status = "passed"
+        head = f"every other rank ended within {job.bound_s:g} s, no wrong result, no stray process"
+    return [dict(base, status=status, max_rel_err=None,
+                 detail=f"{head}. " + "; ".join(parts))]
+
+
+def run_job(job: Job, device: str, bound_s: Optional[float] = None) -> tuple[list[dict], dict]:
+    """Run one job; returns its rows and the harness's record of the run."""
+    from tests.gpu.ep_harness import run_world
+
+    bound = job.bound_s if bound_s is None else bound_s
+    stall = None if job.stall_s is None else job.stall_s * (2 if job.world >= 8 else 1)
+    run = run_world(job.fn, job.world, *job.args, device=device, timeout_s=bound,
+                    pg_timeout_s=job.pg_timeout_s or min(bound, 300.0),
+                    stop_on_death=job.stop_on_death, name=job.name, stall_s=stall)
+    rows = _fault_row(job, run) if job.kind == "fault" else _rows_of(job, run)
+    return rows, run.record()
+
+
+def _not_started(job: Job, why: str) -> list[dict]:
+    return [dict(k, status="timed_out", max_rel_err=None, detail=f"not started: {why}")
+            for k in job.row_keys()]
+
+
+def _select(all_jobs: Sequence[Job], half: Optional[str], only: Sequence[str],
+            skip: Sequence[str]) -> list[Job]:
+    def hit(name: str, pats: Sequence[str]) -> bool:
+        return any(p in name or fnmatch.fnmatch(name, p) for p in pats)
+
+    return [j for j in all_jobs if (half is None or j.half == half)
+            and (not only or hit(j.name, only)) and not hit(j.name, skip)]
+
+
+def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = (),
+               skip: Sequence[str] = (), budget_s: float = 1e9, min_job_s: float = 45.0,
+               scale: str = "full", record: Optional[Path] = None,
+               runs: Optional[Path] = None, log: Callable[[str], None] = print) -> list[dict]:
+    """Run the selected jobs in order within ``budget_s``; write the rows to ``record`` (and the
+    harness records to ``runs``) after every job, so a call that is cut short still leaves what
+    it did. Returns the rows."""
+    start = time.monotonic()
+    rows: list[dict] = []
+    run_records: list[dict] = []
+    for job in _select(jobs(device, scale), half, only, skip):
+        left = budget_s - (time.monotonic() - start)
+        # a fault job needs its whole bound (the library's own timeout is what it measures)
+        if left < (job.bound_s if job.kind == "fault" else min(job.bound_s, min_job_s)):
+            job_rows, rec = _not_started(job, f"{left:.0f} s of the call's budget left, the job "
+                                              f"needs up to {job.bound_s:g} s"), None
+        else:
+            bound = min(job.bound_s, left)
+            log(f"== {time.strftime('%H:%M:%S')} {job.name} ({job.world} ranks, "
+                f"bound {bound:.0f} s)")
+            job_rows, rec = run_job(job, device, bound)
+        rows += job_rows
+        if rec is not None:
+            run_records.append(rec)
+            log(f"   {rec['elapsed_s']} s" + (" TIMED OUT" if rec["timed_out"] else "")
+                + (f" STRAY {rec['stray']}" if rec["stray"] else ""))
+        for r in job_rows:
+            rel = "" if r["max_rel_err"] is None else f" rel {r['max_rel_err']:.2e}"
+            log(f"   {r['status']:9s} {r['backend'][:12]:12s} {r['case']:12s} {r['quant']:12s} "
+                f"tp{r['tp']}{rel}"
+                + ("" if r["status"] == "passed" else f"  {r['detail'][:400]}"))
+        if record is not None:
+            _write(record, rows)
+        if runs is not None:
+            _write(runs, run_records)
+    return rows
+
+
+def _write(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+# -- the README table -------------------------------------------------------------------------
+def rows_to_markdown(rows: Sequence[dict]) -> str:
+    """The record as a markdown table (tests/gpu/README.md), one line per row, then the counts."""
+    head = "| path | backend | ep | tp | quant | case | status | max rel err | detail |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rel = "" if r.get("max_rel_err") is None else f"{r['max_rel_err']:.2e}"
+        detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")
+        if len(detail) > 240:
+            detail = detail[:237] + "..."
+        lines.append(f"| {r['path']} | {r['backend']} | {r['ep']} | {r['tp']} | {r['quant']} | "
+                     f"{r.get('case', '')} | {r['status']} | {rel} | {detail} |")
+    counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    lines.append("")
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" ({len(rows)} rows)")
+    return "\n".join(lines)
+
+
+def _load_rows(paths: Sequence[str]) -> list[dict]:
+    rows: list[dict] = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if not isinstance(data, list):
+            raise SystemExit(f"{p}: not a record (a JSON list of rows)")
+        rows += data
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.gpu.ep_matrix", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--half", choices=["A", "B"], default=None)
+    ap.add_argument("--only", action="append", default=[])
+    ap.add_argument("--skip", action="append", default=[])
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--min-job-s", type=float, default=45.0)
+    ap.add_argument("--scale", choices=["full", "reduced"], default="full")
+    ap.add_argument("--record", type=Path, default=None)
+    ap.add_argument("--runs", type=Path, default=None)
+    ap.add_argument("--list", action="store_true", help="print the selected jobs and exit")
+    ap.add_argument("--markdown", nargs="+", metavar="RECORD", default=None)
+    ap.add_argument("--merge", nargs="+", metavar="RECORD", default=None)
+    ap.add_argument("-o", "--output", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if a.markdown:
+        print(rows_to_markdown(_load_rows(a.markdown)))
+        return 0
+    if a.merge:
+        if a.output is None:
+            ap.error("--merge needs -o")
+        _write(a.output, _load_rows(a.merge))
+        return 0
+    if a.list:
+        for j in _select(jobs(a.device, a.scale), a.half, a.only, a.skip):
+            print(f"{j.half} {j.name:36s} {j.world} ranks, bound {j.bound_s:g} s, "
+                  f"{len(j.rows)} rows")
+        return 0
+    rows = run_matrix(a.device, a.half, a.only, a.skip, a.budget_s, a.min_job_s, a.scale,
+                      a.record, a.runs)
+    print(rows_to_markdown(rows))
+    return 1 if any(r["status"] == "failed" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The one-GPU EP matrix (tests/gpu/ep_matrix.py) on CPU, with the emulated libraries: the same
+rank functions and harness the GPU runs use, reduced to a few small worlds (2-4 ranks) so it
+fits the normal suite; the whole matrix on CPU is ``python -m tests.gpu.ep_matrix --device cpu``
+(or ``DEVICE=cpu bash scripts/gpu/ep_matrix.sh``). Also: the two-process DeepEP normal-mode rank
+function of tests/gpu/test_deepep_ht_gpu.py on the emulated deep_ep, the matrix's coverage and
+its markdown table."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.gpu import deepep_ht_ranks
+from tests.gpu.ep_harness import run_world, verdict
+from tests.gpu.ep_matrix import STATUSES, jobs, main, rows_to_markdown, run_matrix
+
+pytestmark = pytest.mark.multirank
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_reduced_matrix_passes_on_cpu(tmp_path):
+    record, runs = tmp_path / "ep.json", tmp_path / "runs.json"
+    rows = run_matrix("cpu", scale="reduced", record=record, runs=runs,
+                      skip=() if HAS_VLLM else ("vllm/",), log=lambda line: None)
+    assert json.loads(record.read_text()) == rows
+    bad = [r for r in rows if r["status"] != "passed"]
+    assert not bad, rows_to_markdown(bad)
+    paths = {(r["path"], r["backend"]) for r in rows}
+    assert ("layer", "deepep_ll") in paths and ("layer", "torch") in paths
+    if HAS_VLLM:
+        assert ("vllm", "deepep_ll") in paths
+    cases = {r["case"] for r in rows}
+    assert {"ragged", "auto-ll", "auto-normal", "sp", "mask", "unmask", "fault-kill"} <= cases
+    assert any(r["quant"] == "ue8m0" for r in rows)
+    for rec in json.loads(runs.read_text()):
+        assert rec["stray"] == [] and not rec["timed_out"], rec["name"]
+        for rank in rec["ranks"]:
+            assert rank["steps"], f"{rec['name']} rank {rank['rank']} reported no step"
+
+
+@pytest.mark.parametrize("backend", ["deepep_ht", "deepep_auto"])
+def test_two_process_normal_mode_rank_function_on_cpu(backend):
+    """What tests/gpu/test_deepep_ht_gpu.py runs on the GPU, on the emulated deep_ep."""
+    run = run_world(deepep_ht_ranks.run_ht, 2, backend, "cpu", device="cpu", timeout_s=120)
+    verdict(run, backend)
+    deepep_ht_ranks.check_results(backend, run.values)
+    assert [s[0] for s in run.outcomes[0].steps][-1] == "teardown"
+
+
+def test_the_full_matrix_covers_the_issue():
+    """Every backend at the EP sizes the issue names, both halves, bounds inside one call."""
+    full = jobs("cuda")
+    names = [j.name for j in full]
+    assert len(names) == len(set(names))
+    layer = {(r[0], j.world) for j in full if j.path == "layer" and j.kind == "rows"
+             for r in j.rows}
+    want = {("deepep_ll", e) for e in (2, 4, 8)} | {("deepep_ht", e) for e in (2, 4, 8)} \
+        | {("deepep_auto", e) for e in (2, 4, 8)} | {("nixl_ep", 2), ("nixl_ep", 4)} \
+        | {("flashinfer_nvlink_two_sided", 2), ("flashinfer_nvlink_two_sided", 4)} \
+        | {("torch", 4)}
+    assert want <= layer, want - layer
+    vllm = {(r[0], j.world) for j in full if j.path == "vllm" for r in j.rows}
+    assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep") for e in (2, 4)} <= vllm
+    faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}
+    assert {("deepep_ll", "fault-refuse"), ("deepep_ll", "fault-kill")} <= faults
+    assert {j.half for j in full} == {"A", "B"}
+    assert all(j.bound_s <= 600 for j in full)
+    rows = [(j.name, c) for j in full for c in j.rows]
+    assert len(rows) == len(set(rows))
+    cases = {c[1] for j in full for c in j.rows}
+    assert {"eplb", "rebalance", "mask", "unmask", "row_scatter", "sp", "ours=in-tree", "dbo",
+            "graph"} <= cases
+    masked = {r[0] for j in full for r in j.rows if r[1] == "mask"}
+    assert masked == {"deepep_ll", "nixl_ep"}
+    quants = {(r[0], r[2]) for j in full for r in j.rows}
+    assert {("deepep_ll", "ue8m0"), ("nixl_ep", "ue8m0"), ("deepep_ht", "fp8_block128")} <= quants
+
+
+def test_record_as_markdown(tmp_path, capsys):
+    rows = [dict(backend="deepep_ll", path="layer", ep=4, tp=1, quant="bf16", case="ragged",
+                 status="passed", max_rel_err=0.0061, detail="4 ranks | within", job="j"),
+            dict(backend="nixl_ep", path="vllm", ep=2, tp=1, quant="bf16", case="graph",
+                 status="timed_out", max_rel_err=None, detail="not started", job="k")]
+    table = rows_to_markdown(rows)
+    assert table.splitlines()[0].startswith("| path | backend | ep | tp | quant | case | status")
+    line = "| layer | deepep_ll | 4 | 1 | bf16 | ragged | passed | 6.10e-03 | 4 ranks \\| within |"
+    assert line in table
+    assert table.splitlines()[-1] == "1 passed, 1 timed_out (2 rows)"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(rows[:1]))
+    b.write_text(json.dumps(rows[1:]))
+    out = tmp_path / "merged.json"
+    assert main(["--merge", str(a), str(b), "-o", str(out)]) == 0
+    assert json.loads(out.read_text()) == rows
+    assert main(["--markdown", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == table
+    assert set(STATUSES) == {"passed", "failed", "timed_out", "refused"}

@@ -55,6 +55,7 @@ import torch
 T = TypeVar("T")
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
+           "PeerMaskedError",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "HEADER_WORDS",
            "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
            "is_in_step", "owes_call", "is_owed_call", "layer_name"]
@@ -89,6 +90,11 @@ class PeerInputError(ValueError):
 
 class CollectiveError(RuntimeError):
     """A collective did not complete: timed out, or a peer went away."""
+
+
+class PeerMaskedError(RuntimeError):
+    """The library masked a peer on its own during a call (its kernels timed out waiting for
+    it): the call's result lacks that peer's experts and is not returned."""
 
 
 def config_digest(*parts: object) -> int:

@@ -122,6 +122,7 @@ class LowLatencyManager(ABC):
                self.max_tokens_per_rank, self.num_experts, switches)
         self.buffer = buffer_cache().acquire(key, self._create_logged, self._destroy_buffer)
         self._key: Optional[tuple] = key
+        self._buffer_key = key  # the buffer's, shared with the other managers of its key
         if self.padded and key not in _PADDING_LOGGED:
             _PADDING_LOGGED.add(key)
             logger.info("%s: hidden %d is not a kernel size; activations are zero-padded to %d "
@@ -214,6 +215,21 @@ class LowLatencyManager(ABC):
             raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
         self._check_can_mask(rank)
         getattr(self.buffer, self.update_mask_method)(rank, masked)
+        chosen = _CALLER_MASKED.setdefault(self._buffer_key, set())
+        if masked:
+            chosen.add(rank)
+        else:
+            chosen.discard(rank)
+
+    def masked_by_library(self) -> list[int]:
+        """EP ranks masked in the buffer that no caller masked (:meth:`set_rank_masked`): the
+        library masked them itself, a peer whose kernels did not answer within its timeout
+        (NIXL EP always; DeepEP with ``enable_shrink``). A call since then left their experts
+        out of its result. One host sync; [] for a buffer without a mask."""
+        if not self.can_mask():
+            return []
+        chosen = _CALLER_MASKED.get(self._buffer_key, set())
+        return [r for r in self.masked_ranks() if r not in chosen]
 
     def masked_ranks(self) -> list[int]:
         """EP ranks currently masked in the library's mask buffer."""
@@ -239,6 +255,7 @@ class LowLatencyManager(ABC):
         _synchronize(self.ctx.device)
         getattr(self.buffer, self.clean_mask_method)()
         _synchronize(self.ctx.device)
+        _CALLER_MASKED.pop(self._buffer_key, None)
 
     def _check_can_mask(self, rank: Optional[int]) -> None:
         """Raise ValueError when this buffer cannot mask ``rank`` (None: cannot mask at all)."""
@@ -251,6 +268,11 @@ class LowLatencyManager(ABC):
         if self._key is not None:
             key, self._key = self._key, None
             buffer_cache().release(key)
+
+
+# The ranks callers masked (set_rank_masked), per buffer (cache key): a mask the library set on
+# its own is one not in here.
+_CALLER_MASKED: dict[tuple, set[int]] = {}
 
 
 def _synchronize(device: torch.device) -> None:

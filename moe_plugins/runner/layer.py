@@ -11,9 +11,10 @@ import torch.distributed as dist
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.runner.experts import TorchExperts
-from moe_plugins.faults import group_faults, in_step, is_in_step, is_owed_call
+from moe_plugins.faults import (PeerMaskedError, group_faults, in_step, is_in_step,
+                                is_owed_call)
 from moe_plugins.groups import DistContext, all_gather_tensor
-from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget
+from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget, capturing
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
 from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.placement import ExpertPlacement
@@ -107,6 +108,11 @@ class MoELayer:
                 backend_options=backend_options, placement=self.placement))
 
         self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
+        # the library's own masks, watched where the buffer has a mask (see _check_library_masks)
+        manager = getattr(self.pf, "manager", None)
+        can_mask = getattr(manager, "can_mask", None)
+        self._masks_by_library = (manager.masked_by_library
+                                  if can_mask is not None and can_mask() else None)
         key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type,
                self.placement.kind)
         if key not in _LOGGED:
@@ -182,7 +188,10 @@ class MoELayer:
                 topk_ids = self.placement.to_physical(topk_ids)
             if self.pf is None:
                 return self._forward_no_dispatch(x, topk_weights, topk_ids)
-            return self._forward_dispatch(x, topk_weights, topk_ids)
+            out = self._forward_dispatch(x, topk_weights, topk_ids)
+            if self._masks_by_library is not None and not capturing():
+                self._check_library_masks()
+            return out
         except BaseException as e:
             if is_owed_call(e) and self.ctx.layout.tp == 1:
                 # the backend refused this rank's tokens and its peers are in the call; with one
@@ -191,6 +200,21 @@ class MoELayer:
             if not is_in_step(e):
                 self.faults.mark_broken(f"{self.name} raised on this rank", e)
             raise
+
+    def _check_library_masks(self) -> None:
+        """A backend whose library masks a peer on its own (a kernel timeout: NIXL EP, DeepEP
+        with ``enable_shrink``) returns results without that peer's experts and no error: after
+        each call (one host sync; not during a CUDA-graph capture) such a mask is an error."""
+        assert self._masks_by_library is not None
+        lost = self._masks_by_library()
+        if lost:
+            raise PeerMaskedError(
+                f"{self.name}: the library masked EP rank(s) {lost} during this call (their "
+                "kernels did not answer within the library's timeout), so its result lacks "
+                "their experts and is not returned; once they are back, clean the buffers "
+                "(layer.pf.manager.clean_buffers()) on every rank and rebuild the layer on new "
+                "process groups, or mask them on purpose (set_rank_masked) to serve without "
+                "them")
 
     def _input_error(self, x: object) -> Optional[Exception]:
         """Why this rank refuses the layer input ``x`` (None: it does not)."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from moe_plugins.faults import clear_group_faults
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.overlap import OverlapConfig
@@ -59,6 +60,8 @@ def library_masks_a_slow_peer(rank: int, world: int, backend: str, victim: int) 
         finally:
             layer.pf.reset_call_state()
             layer.destroy()
+            # every rank is past both calls: the pool's group is forgotten for the next test
+            clear_group_faults(layer.ctx.ep_group)
 
 
 def layer_refusal_on_one_rank(rank: int, world: int, victim: int) -> dict:

@@ -71,6 +71,7 @@ class Job:
     pg_timeout_s: Optional[float] = None
     stop_on_death: bool = True
     victim: Optional[int] = None
+    fault: Optional[str] = None  # fault jobs: "refuse" or "kill"
     #: end the world when no rank reports anything for this long (None: only the bound); set
     #: above the slowest single step seen (a library buffer's set-up, an EP 8 call: 20-40 s);
     #: doubled at EP 8
@@ -140,7 +141,8 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     bound = (pg if device == "cpu" else lib) + margin_s
     return Job(f"fault/{backend}/{kind}/ep{ep}", half, "layer", backend, ep, ep_ranks.fault_job,
                (backend, device, kind, victim), bound, ((backend, f"fault-{kind}", "bf16", 1),),
-               kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None)
+               kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None,
+               fault=kind)
 
 
 def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
@@ -239,8 +241,12 @@ def _fault_row(job: Job, run: Any) -> list[dict]:
     """Invariants of a fault: no rank returns a wrong result, every rank but the victim ends
     (an error, or the right output) within the job's bound, no process outlives the run."""
     base = job.row_keys()[0]
-    parts, wrong, late = [], [], []
+    parts, wrong, late, unusable = [], [], [], []
     for o in run.outcomes:
+        if job.fault == "refuse":  # call 3: every rank's good input, right everywhere
+            third = [r for r in o.results if isinstance(r, dict) and r.get("call") == 3]
+            if not third or third[-1]["outcome"] != "returned" or not third[-1]["correct"]:
+                unusable.append(o.rank)
         reports = [r for r in o.results if isinstance(r, dict) and r.get("call") == 2]
         rep = reports[-1] if reports else None
         if o.rank == job.victim:
@@ -269,9 +275,14 @@ def _fault_row(job: Job, run: Any) -> list[dict]:
     elif late:
         status = "timed_out"
         head = f"ranks {late} did not end within {job.bound_s:g} s"
+    elif unusable:
+        status = "failed"
+        head = f"ranks {unusable}: the next call after the refusal was not right"
     else:
         status = "passed"
         head = f"every other rank ended within {job.bound_s:g} s, no wrong result, no stray process"
+        if job.fault == "refuse":
+            head += "; the next call right on every rank"
     return [dict(base, status=status, max_rel_err=None,
                  detail=f"{head}. " + "; ".join(parts))]
 

@@ -422,7 +422,9 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
     reference (a returned output that is not is a WRONG result). ``kind``: ``refuse`` (the
     victim's input is refused by its own layer before anything is sent: a wrong hidden size)
     or ``kill`` (the victim's process is killed between dispatch and combine: inside its
-    experts). Call 1 (nobody faulty) runs first, so buffers and connections are up."""
+    experts). Call 1 (nobody faulty) runs first, so buffers and connections are up; after a
+    refusal, call 3 (every rank's good input) must be right everywhere: the layer stays
+    usable.""" 
     step(f"{backend}: import the library")
     with vendor(backend, device):
         layers = _Layers(backend, world, device)
@@ -460,16 +462,25 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                           "message": _first_line(e), "seconds": round(time.monotonic() - t0, 2)}
                 result(report)
                 step(f"{backend}: call 2 raised {type(e).__name__}")
-                return report
-            ok, _, rel = compare(out, full, CFG.dtype)
-            report = {"call": 2, "outcome": "returned", "seconds": round(time.monotonic() - t0, 2),
-                      "correct": ok, "max_rel_err": rel}
-            if not ok and rank != victim:
-                masked_ok, _, _ = compare(out, reference_moe(x, _without(weights, [victim], world)),
-                                          CFG.dtype)
-                report["matches_reference_without_victim"] = masked_ok
-            result(report)
-            step(f"{backend}: call 2 returned")
+            else:
+                ok, _, rel = compare(out, full, CFG.dtype)
+                report = {"call": 2, "outcome": "returned",
+                          "seconds": round(time.monotonic() - t0, 2), "correct": ok,
+                          "max_rel_err": rel}
+                if not ok and rank != victim:
+                    masked_ok, _, _ = compare(
+                        out, reference_moe(x, _without(weights, [victim], world)), CFG.dtype)
+                    report["matches_reference_without_victim"] = masked_ok
+                result(report)
+                step(f"{backend}: call 2 returned")
+            if kind == "refuse":  # a refused input must leave the layer usable on every rank
+                step(f"{backend}: call 3 (every rank's good input)")
+                try:
+                    ok3 = compare(_forward(layer, x, layers.dev), full, CFG.dtype)[0]
+                    result({"call": 3, "outcome": "returned", "correct": ok3})
+                except BaseException as e:
+                    result({"call": 3, "outcome": "raised", "type": type(e).__name__,
+                            "message": _first_line(e)})
             return report
         finally:
             # No teardown: after a fault the library may be unable to (a trapped kernel ends

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU EP matrix (issue 26): every backend at EP > 1 on its real library, N processes
+# The one-GPU EP matrix: every backend at EP > 1 on its real library, N processes
 # sharing cuda:0 over a gloo world (tests/gpu/ep_harness.py), through our layer and through
 # vLLM's MoE kernel beside vLLM's in-tree classes, plus faults (tests/gpu/ep_matrix.py says what
 # each job checks). Two device calls, each < 10 minutes, because the carries of both halves do not
@@ -24,7 +24,8 @@
 # tests/gpu/results/ep_one_gpu.json and --markdown tests/gpu/results/ep_one_gpu.json.
 #
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
-# ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45),
+# ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), GPU_TESTS_S (> 0: the
+# one-rank GPU tests of the half's libraries first, bounded to that many seconds),
 # DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script).
 # Never under CUDA MPS (DeepEP's low-latency kernels fail there); no latency is reported.
 set -uo pipefail
@@ -62,6 +63,17 @@ if [ "$DEVICE" = cuda ]; then
   if [ $ok -ne 0 ]; then echo "!! set-up failed; nothing ran"; pack; exit 1; fi
   export PYTHONPATH=$PP PYTHONUNBUFFERED=1
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+fi
+
+if [ "$DEVICE" = cuda ] && [ "${GPU_TESTS_S:-0}" -gt 0 ]; then
+  # the one-rank GPU tests of this half's libraries first, bounded (the matrix gets the rest)
+  stage "one-rank GPU tests (${GPU_TESTS_S} s at most)"
+  if [ "$HALF" = A ]; then SEL=(tests/gpu/test_deepep_ll_gpu.py tests/gpu/test_overlap_gpu.py
+      tests/gpu/test_vllm_cuda.py tests/gpu/test_vllm_dbo_cuda.py tests/gpu/test_nixl_ep_gpu.py)
+  else SEL=(tests/gpu/test_deepep_ll_gpu.py tests/gpu/test_overlap_gpu.py); fi
+  timeout -k 10 "$GPU_TESTS_S" python3 -m pytest -q -p no:cacheprovider -rs -m gpu "${SEL[@]}" \
+    > "$LOGS/pytest_gpu_$HALF.log" 2>&1
+  echo "one-rank GPU tests rc=$?"; tail -4 "$LOGS/pytest_gpu_$HALF.log"
 fi
 
 stage "EP matrix half $HALF on $DEVICE"

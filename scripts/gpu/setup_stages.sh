@@ -46,7 +46,7 @@ setup_moe_plugins() {
     || { tail -20 /tmp/pip_install.log; cp /tmp/pip_install.log "$OUT/" 2>/dev/null; return 1; }
 }
 
-# NIXL EP (issue 17, run 1): our setup.py around nixl's sources (CUDAExtension, C++20, sm_90,
+# NIXL EP: our setup.py around nixl's sources (CUDAExtension, C++20, sm_90,
 # UCX's GDAKI device headers removed so only the cuda_ipc device path is compiled; nixl_ep's
 # configs.cuh include of <infiniband/mlx5dv.h> dropped where the image lacks rdma-core headers).
 # See scripts/gpu/nixl_ep.sh for the why of each step. Sets NIXL_SITE, NIXL_LIBS.
@@ -129,7 +129,7 @@ PY
   PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 -c "import nixl_ep" || { echo "import nixl_ep failed"; return 1; }
 }
 
-# flashinfer 0.7.2.post1 (issue 17, run 2): the stripped wheel and the wheels it imports, then
+# flashinfer 0.7.2.post1: the stripped wheel and the wheels it imports, then
 # its all-to-all module JIT-built with the image's nvcc. Install moe-plugins before PYTHONPATH
 # holds these wheels (flashinfer.sh: pip itself must not see them).
 setup_flashinfer() {

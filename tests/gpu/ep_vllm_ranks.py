@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
 from tests.gpu.ep_harness import rank_device, result, step
 from tests.gpu.ep_ranks import CFG, MAX_TOKENS, RAGGED, compare, vendor
@@ -182,41 +181,12 @@ def _ranks_as_gpus(world: int) -> Iterator[None]:
 
 
 # -- experts ---------------------------------------------------------------------------------------
-def _standard_experts_cls() -> type:
-    """Standard-format SwiGLU experts in torch on the tokens' device: GLOBAL topk ids mapped by
-    ``expert_map`` (vLLM's convention), the router-weighted sum over this rank's experts (the
-    finalize's weight-and-reduce is then a no-op), every local expert on every row (no host
-    sync)."""
-    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
-        TopKWeightAndReduceNoOP)
-
+def _torch_experts() -> type:
+    """The standard-format torch experts of the CPU vLLM tests (on the tokens' device, no host
+    sync, so a CUDA graph can capture them), imported here: vLLM is imported on the ranks."""
     from tests.vllm_glue.vllm_modular_kernel_ranks import TorchExpertsModular
 
-    class DeviceStandardExperts(TorchExpertsModular):
-        def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
-            return TopKWeightAndReduceNoOP()
-
-        def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
-                  w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  activation: Any, global_num_experts: int,
-                  expert_map: Optional[torch.Tensor], a1q_scale: Optional[torch.Tensor],
-                  a2_scale: Optional[torch.Tensor], workspace13: torch.Tensor,
-                  workspace2: torch.Tensor, expert_tokens_meta: Any,
-                  apply_router_weight_on_input: bool) -> None:
-            assert a1q_scale is None, "bf16 rows only"
-            ids = topk_ids.long()
-            if expert_map is not None:
-                ids = torch.where(ids >= 0, expert_map[ids.clamp(min=0)].long(), -1)
-            x = hidden_states.float()
-            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for e in range(w1.shape[0]):
-                w = (topk_weights.float() * (ids == e)).sum(dim=1)
-                g, u = (x @ w1[e].float().t()).chunk(2, dim=-1)
-                acc += ((F.silu(g) * u) @ w2[e].float().t()) * w[:, None]
-            output.copy_(acc.to(output.dtype))
-
-    return DeviceStandardExperts
+    return TorchExpertsModular
 
 
 class _SharedMLP(torch.nn.Module):
@@ -341,7 +311,7 @@ class Sides:
                 self.moe, self.qc, max_num_tokens=pf.max_num_tokens_per_rank(),
                 num_dispatchers=pf.num_dispatchers())
         else:
-            experts = _standard_experts_cls()(self.moe, self.qc)
+            experts = _torch_experts()(self.moe, self.qc)
         kernel = mk.FusedMoEKernel(pf, experts)
         shared = SharedExperts(
             _SharedMLP(self.shared_w), self.moe, enable_dbo=self.dbo,

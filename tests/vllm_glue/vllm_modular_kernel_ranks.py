@@ -33,9 +33,9 @@ from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 
 
 class TorchExpertsModular(mk.FusedMoEExpertsModular):
-    """Unquantized SwiGLU experts in float32 torch. Takes GLOBAL topk ids and maps them with
-    ``expert_map`` (vLLM's convention); writes the router-weighted sum over this rank's experts
-    (so finalize's weight-and-reduce is a no-op)."""
+    """Unquantized SwiGLU experts in float32 torch, on the tokens' device. Takes GLOBAL topk ids
+    and maps them with ``expert_map`` (vLLM's convention); writes the router-weighted sum over
+    this rank's experts (so finalize's weight-and-reduce is a no-op)."""
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:
@@ -77,18 +77,17 @@ class TorchExpertsModular(mk.FusedMoEExpertsModular):
               workspace2: torch.Tensor, expert_tokens_meta: Any,
               apply_router_weight_on_input: bool) -> None:
         assert a1q_scale is None
-        ids = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
+        ids = topk_ids.long()
+        if expert_map is not None:  # -1 (no expert) stays -1
+            ids = torch.where(ids >= 0, expert_map[ids.clamp(min=0)].long(), -1)
         x = hidden_states.float()
-        acc = torch.zeros(x.shape, dtype=torch.float32)
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        # every local expert on every row, weighted by the row's router weight for it (0 where
+        # not routed): no data-dependent shapes, so no host sync (a CUDA graph can capture it)
         for e in range(w1.shape[0]):
-            hit = ids == e
-            rows = hit.any(dim=1).nonzero(as_tuple=True)[0]
-            if rows.numel() == 0:
-                continue
-            g, u = (x[rows] @ w1[e].float().t()).chunk(2, dim=-1)
-            y = (F.silu(g) * u) @ w2[e].float().t()
-            w = (topk_weights.float() * hit).sum(dim=1)[rows]
-            acc.index_add_(0, rows, y * w[:, None])
+            w = (topk_weights.float() * (ids == e)).sum(dim=1)
+            g, u = (x @ w1[e].float().t()).chunk(2, dim=-1)
+            acc += ((F.silu(g) * u) @ w2[e].float().t()) * w[:, None]
         output.copy_(acc.to(output.dtype))
 
 

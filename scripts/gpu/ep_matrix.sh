@@ -24,7 +24,8 @@
 # tests/gpu/results/ep_one_gpu.json and --markdown tests/gpu/results/ep_one_gpu.json.
 #
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
-# ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), GPU_TESTS_S (> 0: the
+# ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), EP_MATRIX_FAULT_MARGIN_S
+# (a fault job's bound beyond the library's own timeout, default 60), GPU_TESTS_S (> 0: the
 # one-rank GPU tests of the half's libraries first, bounded to that many seconds),
 # DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script).
 # Never under CUDA MPS (DeepEP's low-latency kernels fail there); no latency is reported.

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     from tests.gpu import ep_ranks
 
     lib = LIB_TIMEOUT_S.get(backend, 60.0)
+    margin_s = float(os.environ.get("EP_MATRIX_FAULT_MARGIN_S", margin_s))  # beyond the library's
     # torch and, on CPU, every emulated library wait in gloo: its timeout is the bound there
     pg = pg_timeout_s or (LIB_TIMEOUT_S["torch"] if backend == "torch" or device == "cpu"
                           else 300.0)

@@ -25,7 +25,8 @@
 #
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
 # ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), EP_MATRIX_FAULT_MARGIN_S
-# (a fault job's bound beyond the library's own timeout, default 60), GPU_TESTS_S (> 0: the
+# (a fault job's bound beyond the library's own timeout, default 60), FLASHINFER=0 (half B
+# without flashinfer's set-up, for ONLY= runs of DeepEP jobs), GPU_TESTS_S (> 0: the
 # one-rank GPU tests of the half's libraries first, bounded to that many seconds),
 # DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script).
 # Never under CUDA MPS (DeepEP's low-latency kernels fail there); no latency is reported.
@@ -57,9 +58,15 @@ if [ "$DEVICE" = cuda ]; then
     PP=$(gpu_pythonpath deepep vllm nixl)
   else
     # moe-plugins first: pip must not see the carried flashinfer wheels (flashinfer.sh)
-    OUT=$LOGS setup_moe_plugins && OUT=$LOGS setup_deepep && OUT=$LOGS setup_flashinfer
-    ok=$?
-    PP=$(gpu_pythonpath deepep flashinfer)
+    if [ "${FLASHINFER:-1}" = 1 ]; then
+      OUT=$LOGS setup_moe_plugins && OUT=$LOGS setup_deepep && OUT=$LOGS setup_flashinfer
+      ok=$?
+      PP=$(gpu_pythonpath deepep flashinfer)
+    else  # jobs that need DeepEP only (ONLY=...): no flashinfer set-up
+      OUT=$LOGS setup_moe_plugins && OUT=$LOGS setup_deepep
+      ok=$?
+      PP=$(gpu_pythonpath deepep)
+    fi
   fi
   if [ $ok -ne 0 ]; then echo "!! set-up failed; nothing ran"; pack; exit 1; fi
   export PYTHONPATH=$PP PYTHONUNBUFFERED=1

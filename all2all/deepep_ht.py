@@ -101,8 +101,9 @@ class DeepEPHTManager:
     same EP group and sizes (collective on creation), or ``buffer`` when the caller owns one that
     also has normal-mode bytes (``deepep_auto``'s combined buffer; then :meth:`destroy` leaves it).
 
-    Attributes: ``num_ranks``/``rank`` (EP group), ``num_experts``, ``num_local_experts``,
-    ``experts_per_rank`` (same), ``hidden``, ``bytes`` (:class:`NormalModeBytes`), ``buffer``.
+    Attributes: ``num_ranks``/``rank`` (EP group), ``placement`` (the config's, linear by
+    default), ``num_experts`` (physical experts), ``num_local_experts``, ``experts_per_rank``
+    (same), ``hidden``, ``bytes`` (:class:`NormalModeBytes`), ``buffer``.
     """
 
     backend_name = "deepep_ht"
@@ -117,11 +118,14 @@ class DeepEPHTManager:
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         _check_ranks(self.num_ranks, self.backend_name)
-        if cfg.num_experts % self.num_ranks:
+        if cfg.placement is None and cfg.num_experts % self.num_ranks:
             raise ValueError(f"{self.backend_name}: num_experts={cfg.num_experts} is not divisible "
                              f"by the EP size {self.num_ranks}; pick an EP size that divides it")
-        self.num_experts = cfg.num_experts
-        self.num_local_experts = self.experts_per_rank = cfg.num_experts // self.num_ranks
+        # The kernels send expert id p to rank p // num_local_experts: the placement's physical
+        # ids (EPLB's redundant copies included) are what they dispatch, as in low-latency mode.
+        self.placement = cfg.placement_for(self.num_ranks)
+        self.num_experts = self.placement.num_physical
+        self.num_local_experts = self.experts_per_rank = self.placement.num_local
         if self.num_local_experts > MAX_LOCAL_EXPERTS:
             raise ValueError(f"{self.backend_name}: {self.num_local_experts} experts per rank "
                              f"exceed the normal-mode kernels' {MAX_LOCAL_EXPERTS}; use more EP "

@@ -224,7 +224,8 @@ def deepep_spec(name: str, prepare_finalize: type[PrepareFinalize], manager: typ
     return BackendSpec(
         name=name, prepare_finalize=prepare_finalize, manager=manager,
         capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
-                                  recv_hook=True, activation_format=ActivationFormat.STANDARD),
+                                  recv_hook=True, activation_format=ActivationFormat.STANDARD,
+                                  placements=True),
         quants=HT_QUANTS, required=(DEEPEP_PACKAGE,), needs_cuda=True, description=description,
         priority=priority, ep_sizes=EP_SIZES,
         dtypes=frozenset({torch.bfloat16}),  # the normal-mode combine reduces bf16 only

@@ -39,6 +39,14 @@ def _vendor(backend: str) -> Iterator[Optional[object]]:
     the layer is built with."""
     if backend == "torch":
         yield None
+    elif backend in ("deepep_ht", "deepep_auto"):
+        from all2all.deepep_auto import DeepEPAutoOptions
+        from tests.emulation import installed
+
+        with installed("deep_ep"):
+            # deepep_auto with a low-latency capacity below the tests' 9 tokens: normal mode
+            # through auto's own managers (its low-latency mode is deepep_ll's, tested as such)
+            yield DeepEPAutoOptions(ll_max_tokens_per_rank=4) if backend == "deepep_auto" else None
     elif backend == _FLASHINFER:
         from tests.emulation import flashinfer_two_sided as emu
 

@@ -87,7 +87,8 @@ def _cfg(dtype: torch.dtype, hidden: int) -> MoEConfig:
 # (backend, dtype, hidden): the low-latency kernels move bf16 at a kernel hidden size
 BACKENDS = [("torch", torch.float32, 128), ("deepep_ll", torch.bfloat16, 2048),
             ("nixl_ep", torch.bfloat16, 2048),
-            ("flashinfer_nvlink_two_sided", torch.bfloat16, 128)]
+            ("flashinfer_nvlink_two_sided", torch.bfloat16, 128),
+            ("deepep_ht", torch.bfloat16, 128), ("deepep_auto", torch.bfloat16, 2048)]
 LAYOUTS = [(ParallelLayout(2, 1, True), S.LOCAL),
            (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE)]
 
@@ -133,7 +134,8 @@ def test_round_robin_placement_matches_reference(rank_pool, backend):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS[:2], ids=[b[0] for b in BACKENDS[:2]])
+@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS[:2] + BACKENDS[4:5],
+                         ids=[b[0] for b in BACKENDS[:2] + BACKENDS[4:5]])
 def test_eplb_rebalance_between_passes_keeps_outputs(rank_pool, backend, dtype, hidden):
     """linear -> EPLB's (redundant copies) -> another EPLB map, on one layer: weights moved, map
     changed, every pass equals the reference and the first pass."""

@@ -28,6 +28,8 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
 
+from moe_plugins.watchdog import on_call_timeout
+
 __all__ = ["RankPool", "RankError", "RankDiedError", "run_ranks", "report_step", "report_result",
            "BoundedRun", "RankOutcome"]
 
@@ -144,6 +146,15 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue[Any]", resul
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     results.put((rank, "ready", None))
+
+    def report_call_timeout(error: BaseException) -> None:
+        # the watchdog ends this process next: the running task's error must reach the parent
+        # first (the queue's feeder thread sends it; closing and joining waits until it has)
+        results.put((rank, "error", (type(error).__name__, str(error), "")))
+        results.close()
+        results.join_thread()
+
+    on_call_timeout(report_call_timeout)
     while True:
         task = tasks.get()
         if task is None:

@@ -24,6 +24,7 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
                                   choose_strategy)
+from moe_plugins.watchdog import call_timeout_seconds, watch_call
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +43,19 @@ class MoELayer:
     returns the layer output [num_tokens, hidden] in ``x.dtype``. ``placement`` (EP on): where
     the physical experts are (None: linear); the router's logical ids are mapped to physical
     ones (a replica per token, as vLLM's EPLB router does) before dispatch, and
-    :meth:`rebalance` moves the experts between forward passes.
+    :meth:`rebalance` moves the experts between forward passes. ``call_timeout_s`` (None:
+    ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off): a call not complete within it ends this process
+    with a clear error (:mod:`moe_plugins.watchdog`: a peer died or hangs mid-call).
     """
 
     def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
                  strategy: Optional[ReductionStrategy] = None, quant: QuantSpec = QuantSpec(),
                  overlap: Optional[OverlapConfig] = None, max_tokens_per_rank: int = 256,
                  shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED,
-                 backend_options: Any = None, placement: Optional[ExpertPlacement] = None):
+                 backend_options: Any = None, placement: Optional[ExpertPlacement] = None,
+                 call_timeout_s: Optional[float] = None):
         cfg = weights.config
+        self._call_timeout = call_timeout_seconds(call_timeout_s)
         self.cfg, self.ctx, self.quant = cfg, ctx, quant
         self.overlap = overlap or OverlapConfig.from_env()
         layout = ctx.layout
@@ -100,6 +105,7 @@ class MoELayer:
         self.name = f"MoE layer ({backend.name}, {layout.describe()}, {strategy.value})"
         self.faults = group_faults(ctx.ep_group)
         self._destroyed = False
+        self._num_calls = 0
         self.pf: Optional[PrepareFinalize] = None
         if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
             self.pf = backend.build(ctx, DispatchConfig(
@@ -120,11 +126,12 @@ class MoELayer:
             off = overlap_off_reason(self.overlap, ctx.device, 0) if cfg.has_shared_expert \
                 else "no shared expert"
             logger.info("moe-plugins layer: backend=%s layout=%s placement=%s strategy=%s (%s) "
-                        "overlap=%s quant=%s%s", backend.name, layout.describe(),
+                        "overlap=%s quant=%s%s call bound=%s", backend.name, layout.describe(),
                         self.placement.describe(), strategy.value, reason,
                         f"off ({off})" if off else
                         f"on (up to {self.overlap.overlap_max_tokens} tokens per call)",
-                        quant.scheme.value, " (deferred)" if quant.defer_input_quant else "")
+                        quant.scheme.value, " (deferred)" if quant.defer_input_quant else "",
+                        "off" if self._call_timeout is None else f"{self._call_timeout:g} s")
 
     # -- counted TP collectives (the dispatch all-to-alls are counted by the backend) -----------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -179,6 +186,16 @@ class MoELayer:
         if self._destroyed:
             raise RuntimeError(f"{self.name} was destroyed; build a new MoELayer to run it again")
         self.faults.check(self.name)
+        self._num_calls += 1
+        watched = watch_call(self.name, self._num_calls, self._call_timeout)
+        if watched is None:
+            return self._call(x)
+        try:
+            return self._call(x)
+        finally:  # an error ends the watch too: it reached the caller
+            watched.end(self.ctx.device)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         refusal = self._input_error(x)
         if refusal is not None:
             self._refuse(refusal)

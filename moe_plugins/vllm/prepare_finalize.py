@@ -64,6 +64,7 @@ from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, nvfp4_global_scale, quant_scheme_of,
                                             receive_quantization)
+from moe_plugins.watchdog import call_timeout_seconds, watch_call
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ _FIRST_CALL_LOGGED: set[str] = set()
 # topk_weights: the routing handed to the backend's prepare, which its finalize must get;
 # owns_all: this TP rank owns every row, nothing to slice out of, or zero around, the output;
 # refusal: None, or the error of inputs this rank refused, raised by finalize once the call
-# went through without this rank's tokens).
+# went through without this rank's tokens; watched: the call under moe_plugins.watchdog, or None).
 _Call = tuple
 
 
@@ -165,6 +166,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # read once: only a per-call backend pays for reading vLLM's forward context per call
         self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}  # (see _Call)
+        # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.watchdog), None: off
+        self._call_timeout = call_timeout_seconds()
+        self._name = f"{backend_name} layer (EP rank {ctx.rank})"
         self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
         # our low-latency backends (every micro-batch's object): the adapter calls their send
         # and receive halves directly (dispatch_send, combine_send, combine_received)
@@ -526,7 +530,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
               blocking: bool) -> Any:
         """Register the call (a receive that raises leaves it for the next prepare to reset)
         and issue the backend's dispatch; returns vLLM's (hook, receiver) or receiver."""
-        self._calls[slot] = (rows, ids, weights, owns_all, refusal)
+        watched = watch_call(self._name, self.calls, self._call_timeout)
+        self._calls[slot] = (rows, ids, weights, owns_all, refusal, watched)
         try:
             if self._low_latency and (defer_input_quant or self._recv_quant is None):
                 # our low-latency backends' send, vLLM's result built from the receive buffers
@@ -543,6 +548,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         except BaseException as e:
             if is_in_step(e) or is_owed_call(e):  # nothing in flight: no call to reset later
                 del self._calls[slot]
+            if watched is not None:  # the error reached the caller
+                watched.end(self.ctx.device)
             raise
 
         def receiver() -> mk.PrepareResultType:
@@ -629,7 +636,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         call = self._calls.pop(slot, None)
         if call is None:
             raise RuntimeError("finalize called without a matching prepare on this layer")
-        rows, ids, weights, owns_all, refusal = call
+        rows, ids, weights, owns_all, refusal, watched = call
         backend = self._backends[slot]
         # As vLLM's in-tree LL class: receive what the other micro-batch left in flight before
         # this combine's send (no-op without dual-batch overlap).
@@ -676,6 +683,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         except BaseException:
             backend.reset_call_state()
             raise
+        finally:  # the combine is enqueued (a hang in a later receive stalls the next call)
+            if watched is not None:
+                watched.end(self.ctx.device)
 
         def receiver() -> None:
             if received is not None:

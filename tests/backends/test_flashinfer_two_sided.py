@@ -18,7 +18,7 @@ from moe_plugins.layout import ParallelLayout
 from moe_plugins.runner.model import MoEConfig
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import (BACKEND_EP_DP_TP_SUPPORT, BACKEND_SUPPORTED_QUANTS,
-                                  BackendSelectionError, get_backend, select_backend)
+                                  get_backend, select_backend)
 from moe_plugins.strategy import ReductionStrategy
 from prepare_finalize.flashinfer_nvlink_two_sided import SPEC
 

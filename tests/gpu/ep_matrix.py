@@ -131,7 +131,11 @@ def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4)
 
 
 def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
-               margin_s: float = 60.0, pg_timeout_s: Optional[float] = None) -> Job:
+               margin_s: float = 60.0, pg_timeout_s: Optional[float] = None,
+               call_timeout_s: Optional[float] = None) -> Job:
+    """A fault on one rank of ``ep`` (``kind``: refuse, kill, hang). ``call_timeout_s``: the
+    other ranks run under moe_plugins.watchdog with this bound (the case is then
+    ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``."""
     from tests.gpu import ep_ranks
 
     lib = LIB_TIMEOUT_S.get(backend, 60.0)
@@ -140,9 +144,12 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     pg = pg_timeout_s or (LIB_TIMEOUT_S["torch"] if backend == "torch" or device == "cpu"
                           else 300.0)
     victim = 2 if kind == "refuse" else 1
-    bound = (pg if device == "cpu" else lib) + margin_s
-    return Job(f"fault/{backend}/{kind}/ep{ep}", half, "layer", backend, ep, ep_ranks.fault_job,
-               (backend, device, kind, victim), bound, ((backend, f"fault-{kind}", "bf16", 1),),
+    bound = (call_timeout_s if call_timeout_s is not None
+             else pg if device == "cpu" else lib) + margin_s
+    case = f"fault-{kind}" + ("-watchdog" if call_timeout_s is not None else "")
+    return Job(f"fault/{backend}/{case[6:]}/ep{ep}", half, "layer", backend, ep,
+               ep_ranks.fault_job, (backend, device, kind, victim, 0, call_timeout_s), bound,
+               ((backend, case, "bf16", 1),),
                kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None,
                fault=kind)
 
@@ -168,7 +175,9 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             _layer_job(["deepep_ll", "torch"], 2, "B", device, scale, 120),
             _layer_job(["deepep_auto"], 2, "B", device, scale, 120),
             _layer_job(["torch", "nixl_ep"], 4, "B", device, scale, 120),
-            _fault_job("torch", "kill", "B", device, ep=2, margin_s=30, pg_timeout_s=20)]
+            _fault_job("torch", "kill", "B", device, ep=2, margin_s=30, pg_timeout_s=20),
+            _fault_job("torch", "hang", "B", device, ep=2, margin_s=30, pg_timeout_s=20,
+                       call_timeout_s=3)]
     ep8 = 600.0 if device == "cuda" else 300.0
     out = _vllm_jobs("A", device, scale)
     out += [_layer_job(["nixl_ep"], 2, "A", device, scale, 240),
@@ -189,6 +198,11 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             _layer_job(["deepep_auto"], 8, "B", device, scale, ep8)]
     out += [_fault_job("torch", "refuse", "B", device),
             _fault_job("deepep_ll", "refuse", "B", device),
+            # the bound of moe_plugins.watchdog instead of the library's own timeout (~100 s);
+            # a hung (not dead) peer on the torch backend holds gloo until its timeout otherwise
+            _fault_job("deepep_ll", "kill", "B", device, margin_s=30, call_timeout_s=15),
+            _fault_job("deepep_ht", "kill", "B", device, margin_s=30, call_timeout_s=15),
+            _fault_job("torch", "hang", "B", device, margin_s=30, call_timeout_s=15),
             _fault_job("deepep_ht", "kill", "B", device),
             _fault_job("deepep_ht", "refuse", "B", device)]
     return out

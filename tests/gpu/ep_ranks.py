@@ -190,7 +190,8 @@ class _Layers:
         self.built: list[Any] = []
 
     def build(self, cfg: MoEConfig, weights: MoEWeights, tp: int, strategy: Optional[str],
-              quant: QuantSpec, placement: Any = None, options: Any = None) -> Any:
+              quant: QuantSpec, placement: Any = None, options: Any = None,
+              call_timeout_s: Optional[float] = None) -> Any:
         from moe_plugins.groups import cached_dist_context
         from moe_plugins.layout import ParallelLayout
         from moe_plugins.overlap import OverlapConfig
@@ -204,7 +205,7 @@ class _Layers:
                          OverlapConfig(overlap=True), max_tokens_per_rank=MAX_TOKENS,
                          backend_options=options if options is not None else
                          backend_options(self.backend, self.world, self.device),
-                         placement=placement)
+                         placement=placement, call_timeout_s=call_timeout_s)
         self.built.append(layer)
         return layer
 
@@ -415,16 +416,18 @@ def _first_line(e: BaseException) -> str:
 
 
 def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victim: int,
-              seed: int = 0) -> dict:
+              seed: int = 0, call_timeout_s: Optional[float] = None) -> dict:
     """One layer call with a fault on rank ``victim``; every rank reports what happened to it
     (``ep_harness.result``): how its call ended (returned / raised: type, first line), the
     seconds from the call's start, and, if it returned, whether the output is the full
     reference (a returned output that is not is a WRONG result). ``kind``: ``refuse`` (the
     victim's input is refused by its own layer before anything is sent: a wrong hidden size)
     or ``kill`` (the victim's process is killed between dispatch and combine: inside its
-    experts). Call 1 (nobody faulty) runs first, so buffers and connections are up; after a
+    experts) or ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
+    ``call_timeout_s``: the other ranks' layers run under moe_plugins.watchdog with this bound
+    (the watchdog ends their processes: its error is reported as call 2's). Call 1 (nobody faulty) runs first, so buffers and connections are up; after a
     refusal, call 3 (every rank's good input) must be right everywhere: the layer stays
-    usable.""" 
+    usable."""
     step(f"{backend}: import the library")
     with vendor(backend, device):
         layers = _Layers(backend, world, device)
@@ -433,7 +436,8 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
             opts = {"timeout_ms": 20_000} if backend == "nixl_ep" else {}
             step(f"{backend}: build the layer")
             layer = layers.build(CFG, weights, 1, None, QUANTS["bf16"],
-                                 options=backend_options(backend, world, device, **opts))
+                                 options=backend_options(backend, world, device, **opts),
+                                 call_timeout_s=None if rank == victim else call_timeout_s)
             n = 8
             x = demo_inputs(CFG, n, rank, seed)
             full = reference_moe(x, weights)
@@ -453,8 +457,21 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                     os.kill(os.getpid(), signal.SIGKILL)
                     return inner(prep)
                 layer.experts.apply = die_between  # type: ignore[method-assign]
+            if rank == victim and kind == "hang":
+                def hang_between(prep: Any) -> Any:
+                    step(f"{backend}: victim hangs between dispatch and combine")
+                    # past the peers' bound, then gone (the run ends without its whole bound)
+                    time.sleep((call_timeout_s or 60.0) + 10.0)
+                    os._exit(0)
+                layer.experts.apply = hang_between  # type: ignore[method-assign]
             step(f"{backend}: call 2 ({kind} on rank {victim})")
             t0 = time.monotonic()
+            if call_timeout_s is not None and rank != victim:
+                from moe_plugins.watchdog import on_call_timeout
+
+                on_call_timeout(lambda e: result({
+                    "call": 2, "outcome": "raised", "type": type(e).__name__,
+                    "message": _first_line(e), "seconds": round(time.monotonic() - t0, 2)}))
             try:
                 out = _forward(layer, call_x, layers.dev)
             except BaseException as e:  # what this rank saw, then the harness records it

@@ -32,7 +32,11 @@ def test_reduced_matrix_passes_on_cpu(tmp_path):
     if HAS_VLLM:
         assert ("vllm", "deepep_ll") in paths
     cases = {r["case"] for r in rows}
-    assert {"ragged", "auto-ll", "auto-normal", "sp", "mask", "unmask", "fault-kill"} <= cases
+    assert {"ragged", "auto-ll", "auto-normal", "sp", "mask", "unmask", "fault-kill",
+            "fault-hang-watchdog"} <= cases
+    hang = next(r for r in rows if r["case"] == "fault-hang-watchdog")
+    # rank 0 ended by the 3 s watchdog, not by gloo's 20 s timeout
+    assert "rank 0: CallTimeoutError after 3." in hang["detail"], hang["detail"]
     assert any(r["quant"] == "ue8m0" for r in rows)
     for rec in json.loads(runs.read_text()):
         assert rec["stray"] == [] and not rec["timed_out"], rec["name"]
@@ -64,7 +68,8 @@ def test_the_full_matrix_covers_the_issue():
     vllm = {(r[0], j.world) for j in full if j.path == "vllm" for r in j.rows}
     assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep") for e in (2, 4)} <= vllm
     faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}
-    assert {("deepep_ll", "fault-refuse"), ("deepep_ll", "fault-kill")} <= faults
+    assert {("deepep_ll", "fault-refuse"), ("deepep_ll", "fault-kill"),
+            ("deepep_ll", "fault-kill-watchdog"), ("deepep_ht", "fault-kill-watchdog")} <= faults
     assert {j.half for j in full} == {"A", "B"}
     assert all(j.bound_s <= 600 for j in full)
     rows = [(j.name, c) for j in full for c in j.rows]

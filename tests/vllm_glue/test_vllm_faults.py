@@ -3,6 +3,8 @@ ranks): it never lets a peer return a result of another call, the peers learn of
 where the backend can tell them, and the layer stays usable."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -61,3 +63,26 @@ def test_low_latency_adapter_refusal_serves_the_peer_and_stays_usable(rank_pool)
     for r in results:
         assert r["second"][0] is None and r["broken"] is None, r["second"]
     assert_matches_reference(results, layout, LL_CFG, 3)
+
+
+def test_a_hung_peer_ends_the_watched_rank_within_its_call_bound():
+    """$MOE_PLUGINS_CALL_TIMEOUT_S=2 on rank 0 (moe_plugins.watchdog): its peer stops answering
+    (alive, not dead: the process group would wait its whole 60 s timeout), so rank 0's call 2
+    never completes; the watchdog ends rank 0's process with CallTimeoutError naming the layer
+    and the bound, about 2 s after the call began, not after the timeout. Call 1, under the
+    same bound, completed and was right."""
+    from moe_plugins.watchdog import EXIT_CODE
+    from tests.gpu.ep_harness import run_world
+
+    run = run_world(ranks.hung_peer_kernel_call, 2, 2.0, 6.0, device="cpu", timeout_s=60,
+                    pg_timeout_s=60, stop_on_death=False)
+    r0 = run.outcomes[0]
+    assert r0.status == "error" and r0.error[0] == "CallTimeoutError", r0.describe()
+    assert "torch layer (EP rank 0): call 2 did not complete within 2 s" in r0.error[1]
+    assert run.bounded.exitcodes[0] == EXIT_CODE
+    outs = [o.results[0]["out"] for o in run.outcomes]
+    assert_matches_reference([dict(out=o) for o in outs], ParallelLayout(2, 1, True), CFG, 5)
+    # the error came within the bound plus the watchdog's poll, far below the 60 s timeout
+    waited = float(re.search(r"started (\d+\.\d) s ago", r0.error[1]).group(1))
+    assert 2.0 <= waited < 2.0 + 1.0, r0.error[1]
+    assert r0.ended_s - dict(r0.steps)["call 2"] < 10, (r0.steps, r0.ended_s)

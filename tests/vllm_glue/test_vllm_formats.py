@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-
 from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.layout import ParallelLayout, owned_rows  # noqa: E402
 from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
-from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
+from moe_plugins.quant import QuantScheme  # noqa: E402
 from moe_plugins.runner.reference import reference_moe, tolerance_for  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]

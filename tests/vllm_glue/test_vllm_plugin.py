@@ -9,7 +9,6 @@ import importlib.metadata
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch

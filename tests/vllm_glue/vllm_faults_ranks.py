@@ -78,3 +78,49 @@ def refused_kernel_call(rank: int, world: int, backend_name: str, layout: Parall
                 destroy()
         return dict(first=first, second=second, outs=outs, broken=pf.faults.broken,
                     out=outs[-1] if second[0] is None else None)
+
+
+def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: float) -> dict:
+    """vLLM's FusedMoEKernel over our adapter (torch backend, dp 2), rank 0 under the call
+    watchdog (``$MOE_PLUGINS_CALL_TIMEOUT_S``, read when the adapter is built): call 1 on both
+    ranks, then rank 1 hangs for ``hang_s`` instead of its call 2, so rank 0's call 2 waits in
+    the backend's exchange. Rank 0's watchdog ends its process; each rank reports its steps."""
+    import os
+    import time
+
+    from tests.gpu.ep_harness import result, step
+
+    if rank == 0:
+        os.environ["MOE_PLUGINS_CALL_TIMEOUT_S"] = f"{call_timeout_s:g}"
+    layout, cfg = ParallelLayout(world, 1, True), MoEConfig(
+        hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)
+    ctx = make_dist_context(layout, timeout_s=60.0, fresh_ep_group=True)
+    backend = get_backend("torch").build(ctx, DispatchConfig(cfg.num_experts, cfg.hidden,
+                                                              cfg.num_topk, 64, cfg.dtype))
+    pf = MoEPluginsPrepareAndFinalize(backend, "torch", ctx,
+                                      StrategyChoice(ReductionStrategy.LOCAL, "test"),
+                                      OverlapConfig(overlap=False), cfg.num_experts,
+                                      QuantScheme.NONE)
+    kernel = _kernel(pf, _moe_config(cfg, layout, rank))
+    weights = MoEWeights.random(cfg, 0)
+    local = weights.local_experts(layout.ep_size, rank)
+    x = demo_inputs(cfg, 5, ctx.dp_rank, 0)
+    topk_weights, topk_ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+
+    def call() -> torch.Tensor:
+        routed = kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2,
+                              topk_weights=topk_weights,
+                              topk_ids=topk_ids.to(pf.topk_indices_dtype() or torch.int32),
+                              activation=MoEActivation.SILU, global_num_experts=cfg.num_experts,
+                              expert_map=contiguous_expert_map(cfg.num_experts, world, rank),
+                              apply_router_weight_on_input=False)
+        return _runner_reduce(kernel, routed, x, weights, layout)
+
+    step("call 1")
+    result({"call": 1, "out": call()})
+    step("call 2")
+    if rank == 1:
+        time.sleep(hang_s)
+        return {"hung": hang_s}
+    call()
+    return {"returned": True}

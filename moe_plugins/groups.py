@@ -56,6 +56,14 @@ class DistContext:
     device: torch.device
     timeout_s: Optional[float] = None
 
+    def __post_init__(self) -> None:
+        # "cuda" without an index is the current device; tensors always name theirs ("cuda:0"),
+        # so the layer's device checks compare against the indexed one
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        object.__setattr__(self, "device", device)
+
     @property
     def tp_rank(self) -> int:
         return self.layout.tp_rank(self.rank)

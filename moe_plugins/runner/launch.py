@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -101,10 +100,14 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(timeout_s: float) -> "torch.distributed.TCPStore":
+    """The pool's rendezvous: a TCPStore served by this (parent) process on a port the OS
+    picks and this process keeps, so two pools starting at once never race for one port (a
+    port probed free and then bound by rank 0 could be taken in between)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 # In a rank process: where report_step/report_result send (the pool's result queue) and when the
@@ -143,8 +146,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue[Any]", resul
     torch.set_num_threads(1)  # ranks share few cores; oversubscription makes gloo crawl
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[TIMEOUT_ENV] = f"{timeout_s:g}"  # groups made in this rank get the same bound
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     results.put((rank, "ready", None))
 
     def report_call_timeout(error: BaseException) -> None:
@@ -258,7 +263,8 @@ class RankPool(Generic[T]):
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_seconds(timeout_s)
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self._store = _rendezvous_store(self.timeout_s + 30.0)  # lives as long as the pool
+        port = self._store.port
         self._results: "mp.Queue[Any]" = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r],
@@ -455,6 +461,7 @@ class RankPool(Generic[T]):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2)
+        self._store = None  # the rendezvous port is free again
 
     def __enter__(self) -> "RankPool[T]":
         return self

@@ -422,8 +422,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         if key not in _FIRST_CALL_LOGGED:
             _FIRST_CALL_LOGGED.add(key)
             logger.info("moe-plugins: prepare/finalize of backend %s ran on EP rank %d of %d "
-                        "(strategy %s, first call %d tokens)", self.backend_name, self.ctx.rank,
-                        self.ctx.layout.ep_size, self.strategy.value, num_tokens)
+                        "(strategy %s, first call %d tokens, call bound %s)", self.backend_name,
+                        self.ctx.rank, self.ctx.layout.ep_size, self.strategy.value, num_tokens,
+                        "off" if self._call_timeout is None else f"{self._call_timeout:g} s")
 
     # -- prepare -------------------------------------------------------------------------------
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -589,7 +589,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """A prepare of micro-batch ``slot`` while its last call was never finalized. After an
         error that already broke the group (and surfaced), the call is dropped; otherwise prepare
         was called twice: its peers wait in the first call's combine, so the group breaks."""
-        del self._calls[slot]
+        watched = self._calls.pop(slot)[5]
+        if watched is not None:  # this call's error surfaces here, not by the watchdog
+            watched.end(self.ctx.device)
         backend = self._backends[slot]
         if self.faults.broken is None:
             msg = (f"{self.backend_name} layer: prepare called twice on micro-batch {slot} "

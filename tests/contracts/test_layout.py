@@ -104,3 +104,20 @@ def test_destination_map_equals_destination_ranks_and_flags_bad_ids(placement):
         assert torch.equal(hit[:r], destination_ranks(ids.to(dtype), placement).t())
         assert hit[r].tolist() == [bool((row == -1).any()) for row in ids]
         assert hit[r + 1].tolist() == [bool(((row < -1) | (row >= p)).any()) for row in ids]
+
+
+@pytest.mark.parametrize("given,current,expected", [
+    ("cuda", 1, "cuda:1"), (torch.device("cuda"), 0, "cuda:0"), ("cuda:3", 1, "cuda:3"),
+    ("cpu", 0, "cpu")])
+def test_a_context_names_its_cuda_device_by_index(monkeypatch, given, current, expected):
+    """Tensors name their CUDA device with its index; a context built on plain "cuda" (the
+    current device) compared unequal to every tensor, and MoELayer refused every call as "on
+    another device" (seen on the H200). The CUDA runtime's answers are stood in for here (no
+    GPU on this machine); the GPU tests build their contexts on "cuda"."""
+    from moe_plugins.groups import DistContext
+    from moe_plugins.layout import ParallelLayout
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    ctx = DistContext(ParallelLayout(1, 1, False), 0, None, None, given)
+    assert ctx.device == torch.device(expected)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -36,7 +37,8 @@ def test_reduced_matrix_passes_on_cpu(tmp_path):
             "fault-hang-watchdog"} <= cases
     hang = next(r for r in rows if r["case"] == "fault-hang-watchdog")
     # rank 0 ended by the 3 s watchdog, not by gloo's 20 s timeout
-    assert "rank 0: CallTimeoutError after 3." in hang["detail"], hang["detail"]
+    took = re.search(r"rank 0: CallTimeoutError after ([\d.]+) s", hang["detail"])
+    assert took and 3.0 <= float(took.group(1)) < 5.0, hang["detail"]
     assert any(r["quant"] == "ue8m0" for r in rows)
     for rec in json.loads(runs.read_text()):
         assert rec["stray"] == [] and not rec["timed_out"], rec["name"]

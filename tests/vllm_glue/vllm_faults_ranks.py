@@ -122,5 +122,9 @@ def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: 
     if rank == 1:
         time.sleep(hang_s)
         return {"hung": hang_s}
+    from moe_plugins.watchdog import on_call_timeout
+
+    t0 = time.monotonic()  # this rank's own clock: when the watchdog ends it, how long call 2 ran
+    on_call_timeout(lambda e: result({"call": 2, "seconds": time.monotonic() - t0}))
     call()
     return {"returned": True}

@@ -44,10 +44,11 @@ import contextlib
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
+from tests.gpu.cuda_graphs import capture
 from tests.gpu.ep_harness import rank_device, result, step
 from tests.gpu.ep_ranks import CFG, MAX_TOKENS, RAGGED, compare, vendor
 
@@ -434,19 +435,6 @@ def _case_dbo(s: Sides) -> dict:
                   f"our call slots {slots}")
 
 
-def _graph(fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def _case_graph(s: Sides) -> dict:
     if s.dev.type != "cuda":
         return _row("graph", "bf16", 1, "refused", None,
@@ -454,7 +442,7 @@ def _case_graph(s: Sides) -> dict:
     details, ok = [], True
     for side in (s.ours, s.in_tree):
         x, w, ids = (t.clone() for t in s.to_dev(*s.inputs(GRAPH_TOKENS, seed=21)))
-        graph, out = _graph(lambda side=side: s.forward(side, x, w, ids))
+        graph, out = capture(lambda side=side: s.forward(side, x, w, ids))
         worst = 0.0
         for seed in (22, 23):  # new inputs into the captured buffers
             nx, nw, nids = s.to_dev(*s.inputs(GRAPH_TOKENS, seed=seed))

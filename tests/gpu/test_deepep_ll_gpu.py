@@ -24,6 +24,7 @@ from moe_plugins.runner.layer import MoELayer  # noqa: E402
 from moe_plugins.overlap import OverlapConfig  # noqa: E402
 from moe_plugins.runner.reference import reference_moe  # noqa: E402
 from prepare_finalize.deepep_ll import SPEC  # noqa: E402
+from tests.gpu.cuda_graphs import capture  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -50,15 +51,7 @@ def test_whole_layer_replays_in_a_cuda_graph(ctx, weights, quant, num_tokens):
                      overlap=OverlapConfig(overlap=True), max_tokens_per_rank=MAX_TOKENS)
     try:
         static_x = demo_inputs(CFG, num_tokens, 0, 10).to(DEV)
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):  # CUDA graphs want warm-up calls off the capture stream
-            for _ in range(2):
-                layer(static_x)
-        torch.cuda.current_stream().wait_stream(warm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = layer(static_x)
+        graph, static_out = capture(lambda: layer(static_x))
         for seed in (11, 12):
             x = demo_inputs(CFG, num_tokens, 0, seed)
             static_x.copy_(x.to(DEV))

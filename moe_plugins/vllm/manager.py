@@ -63,6 +63,9 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         self.timeout_s = bound_vllm_timeout(cpu_group, self.device_group)
         self._store: Optional[dist.Store] = None
         self._last_mask: Optional[torch.Tensor] = None
+        # EP rank -> masked, as vLLM's sentinel set it (update_mask) since the last clean:
+        # applied to every backend manager, also those built later.
+        self._masks: dict[int, bool] = {}
         self.support_fault_tolerance = _fault_tolerance_wanted()
 
     @property
@@ -103,6 +106,9 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         manager = self._managers.get(key)
         if manager is None:
             manager = self._managers[key] = spec.manager(ctx, cfg)
+            if self._masks and manager in self._masking_managers():
+                for rank, masked in self._masks.items():
+                    manager.set_rank_masked(rank, masked)
         return spec.prepare_finalize(manager, cfg)
 
     def _not_served(self, *args: Any, **kwargs: Any) -> Any:
@@ -147,6 +153,30 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         for m in self._masking_managers():
             m.clean_buffers()
         self._last_mask = None
+        self._masks.clear()
+
+    def update_mask(self, rank: int, masked: bool = True) -> None:
+        """vLLM 0.34's fault-tolerance sentinel: after :meth:`clean_buffers` on a retry it masks
+        every dead EP rank again (and scale-down masks the ranks it removes); ``masked=False``
+        takes a rank back. Rank-local, like vLLM's in-tree DeepEP LL and NIXL EP managers: every
+        buffer our layers use stops (or resumes) sending to and receiving from ``rank`` (its
+        experts then count as zero in the combine, as the library defines), layers built later
+        get the same mask, and the recovery point takes it in, so :meth:`query_fault` reports
+        only masks the library sets by itself from here on."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"update_mask: rank must be an EP rank in [0, {self.world_size}), "
+                             f"got {rank!r}")
+        if not self.support_fault_tolerance:
+            raise ValueError(
+                "update_mask: this EP group's backend cannot mask ranks (or fault tolerance is "
+                "off); --enable-fault-tolerance serves our names whose backend has the "
+                "rank_masking capability (`moe-plugins list`)")
+        for m in self._masking_managers():
+            m.set_rank_masked(rank, masked)
+        self._masks[rank] = bool(masked)
+        if self._last_mask is None or self._last_mask.shape[0] != self.world_size:
+            self._last_mask = torch.zeros(self.world_size, dtype=torch.int32)
+        self._last_mask[rank] = int(masked)
 
     def destroy(self) -> None:
         for manager in self._managers.values():

@@ -198,7 +198,9 @@ def test_masked_rank_mid_run_is_left_out_and_recovery_restores(rank_pool, backen
     """Forward 1 with every rank; then the library masks rank 3 on ranks 0-2: vLLM's poll
     (query_fault) reports it there, and their outputs exclude rank 3's experts exactly as the
     library defines it (its experts' rows count as zero); vLLM's recovery (clean_buffers on
-    every rank) zeroes the buffers and unmasks: the poll is quiet and the output is forward 1's."""
+    every rank) zeroes the buffers and unmasks: the poll is quiet and the output is forward 1's.
+    Then vLLM 0.34's sentinel replays the mask through ``update_mask``: the same output as the
+    library's mask, no fault reported; ``masked=False`` restores forward 1's output."""
     world, cfg, dead = 4, dataclasses.replace(_cfg(), shared_intermediate=0), 3
     layout = ParallelLayout(world, 1, True)
     results = rank_pool(world).run(vllm_dbo_rank_fns.run_fault_tolerance, backend, cfg, 6, dead)
@@ -217,6 +219,13 @@ def test_masked_rank_mid_run_is_left_out_and_recovery_restores(rank_pool, backen
         assert r["rdma_zeroed"] and r["fault_after_clean"] is False
         assert r["mask_after_clean"] == [0, 0, 0, 0]
         torch.testing.assert_close(r["restored"], r["full"], rtol=0, atol=0)
+        # update_mask (vLLM 0.34's sentinel): the mask it replays is no new fault, the output
+        # leaves the rank out exactly as the library's own mask did; unmasking restores it
+        assert r["fault_after_update_mask"] is False and r["fault_after_unmask"] is False
+        assert r["mask_after_update_mask"] == r["mask"]
+        if rank != dead:
+            torch.testing.assert_close(r["remasked"], r["masked"], rtol=0, atol=0)
+        torch.testing.assert_close(r["unmasked"], r["full"], rtol=0, atol=0)
     if backend == "deepep_ll":
         assert all(r["enable_shrink"] for r in results)  # as vLLM builds its buffer for FT
 

@@ -146,8 +146,9 @@ def run_fault_tolerance(rank: int, world: int, backend_name: str, cfg: MoEConfig
     through it exactly as the glue builds it (no backend options: the manager's engine options),
     three forwards: all ranks live; after the library masked rank ``dead`` on every other rank
     (what its timeout does; here through the library's own mask call); after vLLM's recovery
-    (``clean_buffers`` on every rank). Returns the outputs and the manager's answers to vLLM's
-    polls."""
+    (``clean_buffers`` on every rank); then vLLM 0.34's sentinel masks rank ``dead`` again
+    through the manager (``update_mask`` on every other rank) and takes it back. Returns the
+    outputs and the manager's answers to vLLM's polls."""
     from moe_plugins.runner.experts import TorchExperts
     from moe_plugins.quant import QuantSpec
     from moe_plugins.vllm.manager import ep_manager
@@ -191,7 +192,19 @@ def run_fault_tolerance(rank: int, world: int, backend_name: str, cfg: MoEConfig
             polls["fault_after_clean"] = bool(manager.query_fault())
             polls["mask_after_clean"] = manager.query_active_mask().tolist()
             restored = forward()
-            return dict(full=full, masked=masked, restored=restored, **polls)
+            # vLLM 0.34's sentinel on a retry: after clean_buffers, every surviving rank masks
+            # the dead one again (update_mask); then takes it back (masked=False)
+            if rank != dead:
+                manager.update_mask(dead, masked=True)
+            polls["fault_after_update_mask"] = bool(manager.query_fault())
+            polls["mask_after_update_mask"] = manager.query_active_mask().tolist()
+            remasked = forward()
+            if rank != dead:
+                manager.update_mask(dead, masked=False)
+            polls["fault_after_unmask"] = bool(manager.query_fault())
+            unmasked = forward()
+            return dict(full=full, masked=masked, restored=restored, remasked=remasked,
+                        unmasked=unmasked, **polls)
         finally:
             backend.reset_call_state()
             manager.destroy()

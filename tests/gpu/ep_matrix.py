@@ -167,7 +167,7 @@ def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
 
 
 def jobs(device: str, scale: str = "full") -> list[Job]:
-    """Every job of the matrix, in the order they run (``half`` says which device call).
+    """Every job of the matrix, in the order they run (``half``: which of the two runs).
 
     Backends share a world where their libraries can live in one process: DeepEP's normal mode
     (CUDA IPC only), torch and flashinfer beside DeepEP's low-latency mode; but never two

@@ -78,3 +78,26 @@ def test_user_docs_name_no_unpublished_package_and_links_resolve(doc: Path):
         if "://" in target:
             continue
         assert (doc.parent / target).exists(), f"{doc}: link to {target} does not resolve"
+
+
+def test_gpu_readme_holds_the_current_ep_matrix_table():
+    """tests/gpu/README.md's EP-matrix table is the one --markdown prints from the record."""
+    import json
+
+    from tests.gpu.ep_matrix import rows_to_markdown
+
+    rows = json.loads((ROOT / "tests" / "gpu" / "results" / "ep_one_gpu.json").read_text())
+    assert all(r.get("from_run", {}).get("commit") for r in rows), "a row without from_run"
+    assert rows_to_markdown(rows) in (ROOT / "tests" / "gpu" / "README.md").read_text(), (
+        "regenerate it: python -m tests.gpu.ep_matrix --markdown tests/gpu/results/ep_one_gpu.json")
+
+
+SET_UP_WORDS = re.compile(r"\b(lent|carried|device calls?|device tool)\b", re.I)
+
+
+@pytest.mark.parametrize("path", [*USER_DOCS, *sorted((ROOT / "scripts" / "gpu").glob("*.sh"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_and_gpu_kit_are_written_for_a_users_host(path: Path):
+    hits = [f"{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            if SET_UP_WORDS.search(line)]
+    assert not hits, f"{path}: words of one test set-up, not of a user's host: {hits}"

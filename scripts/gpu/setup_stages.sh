@@ -5,7 +5,8 @@
 # whether to stop). They set up the offline kit on a GPU host with Python 3.12, a CUDA torch
 # and nvcc (CUDA 13 as written: /usr/local/cuda, sm_90) and none of vLLM / DeepEP / NIXL /
 # flashinfer; the kit is made on a machine with network access by scripts/gpu/prepare.sh
-# (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/).
+# (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/). DeepEP's build takes CUDA_HOME,
+# TORCH_CUDA_ARCH_LIST and MAX_JOBS from the environment (defaults /usr/local/cuda, 9.0, 16).
 #
 #   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py.tgz -> /tmp/vsrc (vLLM 0.33.0's
 #                        Python without its compiled extension; benchmarks/vllm_stand_ins.py)
@@ -35,8 +36,10 @@ setup_deepep() {
   stage "build DeepEP V1 567632d (in /tmp/deepep, kept for the next run)"
   if [ ! -d /tmp/deepep/deep_ep ] || ! ls /tmp/deepep/deep_ep_cpp*.so >/dev/null 2>&1; then
     rm -rf /tmp/deepep && mkdir -p /tmp/deepep && tar -xzf .gpu/deepep-567632d.tgz -C /tmp/deepep
-    (cd /tmp/deepep && CPATH=/usr/local/cuda/include/cccl${CPATH:+:$CPATH} TORCH_CUDA_ARCH_LIST=9.0 \
-      MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
+    # CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS: your toolkit, GPUs and cores (defaults: an H200 host)
+    (cd /tmp/deepep && CPATH=${CUDA_HOME:-/usr/local/cuda}/include/cccl${CPATH:+:$CPATH} \
+      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+      python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
       || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; return 1; }
   fi
 }

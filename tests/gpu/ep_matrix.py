@@ -398,7 +398,8 @@ def _write(path: Path, data: Any) -> None:
 
 # -- the README table -------------------------------------------------------------------------
 def rows_to_markdown(rows: Sequence[dict]) -> str:
-    """The record as a markdown table (tests/gpu/README.md), one line per row, then the counts."""
+    """The record as a markdown table (tests/gpu/README.md), one line per row, then the counts
+    and, for rows with ``from_run``, the commits they ran at (with any merge note)."""
     head = "| path | backend | ep | tp | quant | case | status | max rel err | detail |"
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

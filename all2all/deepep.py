@@ -34,9 +34,8 @@ __all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
 
 DEEPEP_PACKAGE = RequiredPackage(
     module="deep_ep",
-    install="DeepEP publishes no wheel: build its V1 line (commit 567632d, the last before the V2 "
-            "rewrite) from source against CUDA + NVSHMEM, see https://github.com/deepseek-ai/DeepEP, "
-            "then `pip install 'moe-plugins[deepep]'`",
+    install="DeepEP publishes no wheel: build its V1 line (commit 567632d) from source against "
+            "CUDA + NVSHMEM (moe-plugins' docs/backends.md)",
 )
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH

@@ -38,9 +38,11 @@ from moe_plugins.groups import DistContext
 logger = logging.getLogger(__name__)
 
 __all__ = ["TwoSidedApi", "FlashInferTwoSidedOptions", "Dispatched", "TorchGroupComm",
-           "pad_row_bytes", "FlashInferAll2AllManager", "detect_api", "INSTALL_HINT"]
+           "pad_row_bytes", "FlashInferAll2AllManager", "detect_api", "INSTALL_HINT",
+           "FLASHINFER_EXTRA"]
 
-INSTALL_HINT = "pip install 'moe-plugins[flashinfer]'"
+FLASHINFER_EXTRA = "flashinfer"  # moe-plugins' optional dependency (pyproject.toml)
+INSTALL_HINT = "pip install 'flashinfer-python>=0.7.2' (moe-plugins' [flashinfer] extra)"
 # Kernel limits (flashinfer csrc/trtllm_alltoall*.cu): moe_prepare checks expertCount % 4 == 0 and
 # 1 <= topK <= 32; moe_comm moves rows as 16-byte vectors.
 EXPERT_COUNT_MULTIPLE = 4

@@ -31,7 +31,8 @@ from moe_plugins.registry import RequiredPackage
 
 __all__ = ["NixlEPOptions", "NixlEPManager", "NIXL_PACKAGE"]
 
-NIXL_PACKAGE = RequiredPackage(module="nixl_ep", install="pip install 'moe-plugins[nixl]'")
+NIXL_PACKAGE = RequiredPackage(
+    module="nixl_ep", install="pip install 'nixl>=1.5' (moe-plugins' [nixl] extra)", extra="nixl")
 
 _NO_STORE = (
     "nixl_ep needs a tcp_store_group: a torch.distributed Store through which the ranks exchange "

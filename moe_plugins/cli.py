@@ -11,14 +11,15 @@ import re
 import sys
 from dataclasses import asdict
 import signal
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn, Sequence
 
 import torch
 
 if TYPE_CHECKING:
     from moe_plugins.planner.plan import Estimate, LayerPlan
+    from moe_plugins.registry import BackendSpec
 
-__all__ = ["main"]
+__all__ = ["main", "backends_markdown"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -37,6 +38,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    if args.markdown:
+        print(backends_markdown(registered_backends().values()))
+        return 0
     yn = {True: "yes", False: "no"}
     print(f"{'backend':<28} {'usable':<6} {'ep_dp':<5} {'dp':<3} {'tp':<3} {'sp':<3} "
           f"{'placements':<10} {'quants':<32} reason")
@@ -45,6 +49,48 @@ def _cmd_list(args: argparse.Namespace) -> int:
               f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {'any' if r['placements'] else 'linear':<10} "
               f"{','.join(r['quants']):<32} {r['reason'] or ''}")
     return 0
+
+
+def _needs(spec: "BackendSpec") -> str:
+    """What a backend needs, from its spec: GPU, activation dtypes, packages and their installs."""
+    parts = ["a CUDA GPU"] if spec.needs_cuda else []
+    if spec.dtypes is not None:
+        parts.append(", ".join(sorted(str(d).replace("torch.", "") for d in spec.dtypes))
+                     + " activations")
+    parts += [f"`{p.module}`: {p.install}" for p in spec.required]
+    return "; ".join(parts) or "torch only"
+
+
+def _layouts(spec: "BackendSpec") -> str:
+    """The capability matrix of a backend as a few words (the fields of ``Capabilities``)."""
+    c = spec.capabilities
+    parts = [name for name, on in (("EP over DP", c.ep_dp and c.dp), ("TP inside EP", c.tp),
+                                   ("SP", c.sp), ("row-scatter", c.row_scatter)) if on]
+    parts.append(f"{c.activation_format.name} format")
+    if spec.ep_sizes is not None:
+        parts.append("EP " + ", ".join(map(str, sorted(spec.ep_sizes))))
+    parts.append("any expert placement" if c.placements else "linear expert placement only")
+    parts += [what for what, on in (("receive hooks", c.recv_hook),
+                                    ("micro-batches (DBO)", c.micro_batch),
+                                    ("rank masking", c.rank_masking)) if on]
+    return ", ".join(parts)
+
+
+def backends_markdown(specs: "Iterable[BackendSpec]") -> str:
+    """The which-backend table of README.md (``moe-plugins list --markdown``), one row per spec.
+
+    Every cell comes from the spec: ``use_for``, what it needs (GPU, dtypes, required packages
+    and how to install them), the capability matrix, the quantizations it puts on the wire and
+    its place in ``auto`` selection (highest priority first, ties by name). No cell depends on
+    the machine it runs on, so the table is the same everywhere."""
+    ordered = sorted(specs, key=lambda s: (-s.priority, s.name))
+    lines = ["| backend | pick it for | needs | layouts | wire quants | auto order |",
+             "|---|---|---|---|---|---|"]
+    for i, spec in enumerate(ordered, 1):
+        cells = (f"`{spec.name}`", spec.use_for or spec.description, _needs(spec),
+                 _layouts(spec), ", ".join(sorted(q.value for q in spec.quants)), str(i))
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def _int_at_least(low: int) -> "Callable[[str], int]":
@@ -454,7 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one of {', '.join(_LOG_LEVELS)} (any case; default WARNING)")
     sub = p.add_subparsers(dest="cmd", required=True)
     lst = sub.add_parser("list", help="registered backends, capabilities, usable here or why not")
-    lst.add_argument("--json", action="store_true")
+    fmt = lst.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one object per backend, with usable/reason")
+    fmt.add_argument("--markdown", action="store_true",
+                     help="the which-backend table of README.md (the same on every machine)")
     lst.set_defaults(fn=_cmd_list)
     demo = sub.add_parser("demo", help="run a MoE layer on CPU ranks under every strategy")
     add_layout_args(demo)

@@ -80,10 +80,15 @@ class WireLayout:
 
 @dataclass(frozen=True)
 class RequiredPackage:
-    """An import the backend needs, and the pip extra (or instruction) that provides it."""
+    """An import the backend needs and how to install it.
+
+    module: the import name; install: the instruction a user follows (a pip command, or how to
+    build it); extra: the optional dependency of moe-plugins (``pyproject.toml``) that installs
+    it, "" when none does (DeepEP: built from source)."""
 
     module: str
     install: str
+    extra: str = ""
 
     def missing(self) -> str | None:
         try:
@@ -109,6 +114,8 @@ class BackendSpec:
     required: tuple[RequiredPackage, ...] = ()
     needs_cuda: bool = False
     description: str = ""
+    # when a user picks this backend, in a few words (`moe-plugins list --markdown`)
+    use_for: str = ""
     distribution: str = ""
     # auto-selection tries higher priority first (specialised GPU kernels before the reference)
     priority: int = 0

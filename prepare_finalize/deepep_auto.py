@@ -255,4 +255,6 @@ SPEC = deepep_spec(
     "DeepEP V1 low-latency for batches that fit its buffers and CUDA graphs, normal mode above "
     "and for prefill (one buffer); STANDARD format for both",
     # after deepep_ll (auto-selection keeps its choice), before flashinfer and the reference
-    priority=28, wire_format_for=planned_wire_format)
+    priority=28, wire_format_for=planned_wire_format,
+    use_for="decode and prefill on one DeepEP buffer: low-latency mode while a batch fits, "
+            "normal mode above it")

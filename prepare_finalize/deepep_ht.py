@@ -245,4 +245,4 @@ SPEC = deepep_spec(
     "DeepEP V1 normal (high-throughput) dispatch/combine: NVLink + RDMA forwarding, layout on "
     "the GPU, one row per (token, rank); prefill (no CUDA graphs)",
     # below deepep_ll: auto-selection cannot know the batch sizes; deepep_auto picks per call
-    priority=20)
+    priority=20, use_for="prefill: large batches, eager mode (no CUDA graphs)")

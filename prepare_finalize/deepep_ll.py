@@ -23,4 +23,6 @@ SPEC = low_latency_spec(
     "deepep_ll", DeepEPLLPrepareFinalize, DeepEPLLManager,
     "DeepEP V1 low-latency dispatch/combine (NVSHMEM/IBGDA, NVLink), receive hooks, FP8 block-128",
     priority=30,
+    use_for="decode: small batches, CUDA graphs, the shared expert between send and receive; "
+            "vLLM's dual-batch overlap and fault tolerance",
 )

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from all2all.flashinfer import (INSTALL_HINT, Dispatched, FlashInferAll2AllManager,
-                                pad_row_bytes)
+from all2all.flashinfer import (FLASHINFER_EXTRA, INSTALL_HINT, Dispatched,
+                                FlashInferAll2AllManager, pad_row_bytes)
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.faults import group_faults, layer_name
@@ -268,10 +268,12 @@ SPEC = BackendSpec(
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=False, row_scatter=True,
                               recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
-    required=(RequiredPackage("flashinfer", INSTALL_HINT),),
+    required=(RequiredPackage("flashinfer", INSTALL_HINT, FLASHINFER_EXTRA),),
     needs_cuda=True,
     wire_layout=_wire_layout,
     priority=25,  # after DeepEP LL (hooks overlap better), before NixlEP and the reference
     description="flashinfer MNNVL two-sided all-to-all-v (MnnvlMoe in 0.7.2.post1, moe_ep in "
                 "0.7.4+); shared expert overlaps on the side stream",
+    use_for="decode and prefill inside one NVLink domain (receive rows sized per call); "
+            "NVFP4 on the wire",
 )

@@ -24,4 +24,6 @@ SPEC = low_latency_spec(
     "NIXL EP low-latency dispatch/combine (UCX/NIXL device API), receive hooks, FP8 block-128, "
     "elastic rank masking",
     priority=20,
+    use_for="decode where NIXL (UCX) is the fabric or a failed peer must be masked (elastic EP); "
+            "vLLM's dual-batch overlap and fault tolerance",
 )

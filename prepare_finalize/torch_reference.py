@@ -473,4 +473,6 @@ SPEC = BackendSpec(
                               recv_hook=False, placements=True),
     quants=frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK128, QuantScheme.NVFP4}),
     description="reference all_to_all_single over torch.distributed (gloo on CPU, NCCL on GPU)",
+    use_for="CPU runs, tests and a reference to check the others against; any torch.distributed "
+            "backend",
 )

@@ -35,6 +35,21 @@ def test_list_json_has_the_documented_keys():
     assert torch_row["placements"] is True  # round-robin and EPLB placements
 
 
+def test_list_markdown_is_one_row_per_backend_from_the_registry():
+    """`list --markdown`: README's which-backend table, the same whatever this machine has."""
+    res = _run("list", "--markdown")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("| backend | pick it for | needs |") and lines[1].startswith("|---")
+    names = [line.split("|")[1].strip().strip("`") for line in lines[2:]]
+    assert {"torch", "deepep_ll", "nixl_ep"} <= set(names)
+    torch_row = lines[2 + names.index("torch")]
+    assert "torch only" in torch_row and "SP" in torch_row and "nvfp4" in torch_row
+    assert "usable" not in res.stdout  # no column depends on the machine
+    both = _run("list", "--markdown", "--json")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
 @pytest.mark.multirank
 def test_demo_ep_times_tp_uses_row_scatter_with_one_collective():
     res = _run("demo", "--ranks", "4", "--tp", "2", "--ep", "--json")

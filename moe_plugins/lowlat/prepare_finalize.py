@@ -446,7 +446,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
 
 def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize],
                      manager: type[LowLatencyManager], description: str,
-                     priority: int) -> BackendSpec:
+                     priority: int, use_for: str = "") -> BackendSpec:
     """The registry entry of a low-latency backend (both share capabilities and quants).
 
     sp follows vLLM's ``use_sequence_parallel_moe`` tuple, which lists deepep_low_latency and
@@ -465,6 +465,7 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
         required=(manager.required,),
         needs_cuda=True,
         description=description,
+        use_for=use_for,
         priority=priority,
         dtypes=frozenset({torch.bfloat16}),  # the kernels dispatch bf16 (and quantize to FP8)
         wire_layout=manager.wire_layout,

@@ -2,26 +2,29 @@
 # The one-GPU EP matrix: every backend at EP > 1 on its real library, N processes
 # sharing cuda:0 over a gloo world (tests/gpu/ep_harness.py), through our layer and through
 # vLLM's MoE kernel beside vLLM's in-tree classes, plus faults (tests/gpu/ep_matrix.py says what
-# each job checks). Two device calls, each < 10 minutes, because the carries of both halves do not
-# fit one call's 64 MiB:
+# each job checks). Two halves, each set up from its part of the offline kit (scripts/gpu/
+# prepare.sh and prepare17.sh, tests/gpu/README.md) and run on its own:
 #
-#   HALF=A bash scripts/gpu/ep_matrix.sh   carry .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
+#   HALF=A bash scripts/gpu/ep_matrix.sh   kit: .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
 #                                                .gpu17/nixl
 #          vLLM's path (deepep_ll, nixl_ep, deepep_ht at EP 2/4, SP at dp2 x tp2, DBO, CUDA graph),
 #          nixl_ep through our layer (EP 2/4, masking), nixl_ep faults
-#   HALF=B bash scripts/gpu/ep_matrix.sh   carry .gpu/deepep-567632d.tgz .gpu17/flashinfer
+#   HALF=B bash scripts/gpu/ep_matrix.sh   kit: .gpu/deepep-567632d.tgz .gpu17/flashinfer
 #          deepep_ll / deepep_ht / deepep_auto through our layer at EP 2/4/8 (+ deepep_ll masking),
 #          torch over gloo at EP 4, flashinfer two-sided at EP 2/4, faults of torch / DeepEP
 #
 # Each half builds what it needs with the shared set-up stages (scripts/gpu/setup_stages.sh),
-# then runs its jobs in order inside what is left of CALL_S (default 570 s: the call's 10
-# minutes less a margin to pack up); each job is bounded, a job that cannot get its time is
-# recorded "timed_out: not started", and the record is rewritten after every job. Back in $OUT:
-#   ep_one_gpu_<HALF>.json   the record: rows backend/path/ep/tp/quant/case/status/max_rel_err/detail
+# then runs its jobs in order inside what is left of its time budget CALL_S (default 570 s);
+# each job is bounded, a job that cannot get its time is recorded "timed_out: not started" (run
+# it later with ONLY=), and the record is rewritten after every job. In $OUT:
+#   ep_one_gpu_<HALF>.json   the record: rows backend/path/ep/tp/quant/case/status/max_rel_err/
+#                            detail, each with from_run.commit (MOE_PLUGINS_COMMIT names it
+#                            where the checkout has no git history)
 #   ep_logs_<HALF>.tgz       this script's log, where every rank of every job stopped
 #                            (ep_runs_<HALF>.json), set-up and build logs
-# Then on the CPU machine: python -m tests.gpu.ep_matrix --merge A.json B.json -o
-# tests/gpu/results/ep_one_gpu.json and --markdown tests/gpu/results/ep_one_gpu.json.
+# Then: python -m tests.gpu.ep_matrix --merge A.json B.json -o tests/gpu/results/ep_one_gpu.json
+# (--earlier OLD.json keeps an earlier run's rows where these have none, marked in from_run)
+# and --markdown tests/gpu/results/ep_one_gpu.json for tests/gpu/README.md.
 #
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
 # ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), EP_MATRIX_FAULT_MARGIN_S
@@ -43,7 +46,7 @@ exec > >(tee -a "$LOGS/ep_matrix_$HALF.log") 2>&1
 . scripts/gpu/setup_stages.sh
 case $HALF in A|B) ;; *) echo "HALF must be A or B, got $HALF"; exit 2 ;; esac
 
-pack() {  # everything but the record into one file: the device tool returns at most 8
+pack() {  # everything but the record into one file
   tar -czf "$OUT/ep_logs_$HALF.tgz" -C "$OUT" "ep_logs_$HALF" && rm -rf "$LOGS"
 }
 
@@ -58,7 +61,7 @@ if [ "$DEVICE" = cuda ]; then
     ok=$?
     PP=$(gpu_pythonpath deepep vllm nixl)
   else
-    # moe-plugins first: pip must not see the carried flashinfer wheels (flashinfer.sh)
+    # moe-plugins first: pip must not see the kit's flashinfer wheels (flashinfer.sh)
     if [ "${FLASHINFER:-1}" = 1 ]; then
       OUT=$LOGS setup_moe_plugins && OUT=$LOGS setup_deepep && OUT=$LOGS setup_flashinfer
       ok=$?

@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
-# flashinfer_nvlink_two_sided against the real flashinfer-python 0.7.2.post1 on
-# ONE H200 shared by two processes (our backend refuses a single rank). flashinfer JIT-compiles
-# its all-to-all kernels (csrc/trtllm_alltoall*.cu) with the image's nvcc on first use.
+# flashinfer_nvlink_two_sided against the real flashinfer-python 0.7.2.post1 on ONE GPU shared
+# by two processes (our backend refuses a single rank). flashinfer JIT-compiles its all-to-all
+# kernels (csrc/trtllm_alltoall*.cu) with the host's nvcc on first use. With network access,
+# `pip install 'flashinfer-python==0.7.2.post1'` and `pytest -m gpu tests/gpu/test_flashinfer_gpu.py`
+# do the same without this script.
 #
-# Carried (git-ignored, made by scripts/gpu/prepare17.sh on the CPU machine):
+# The offline kit's part (git-ignored, made by scripts/gpu/prepare17.sh on a machine with network
+# access):
 #   .gpu17/flashinfer/flashinfer_python-0.7.2.post1-py3-none-any.whl   re-zipped, stripped (below)
-#   .gpu17/flashinfer/*.whl   the wheels `import flashinfer` needs that the image lacks (--deps)
+#   .gpu17/flashinfer/*.whl   the wheels `import flashinfer` needs that a plain torch environment lacks (--deps)
 #
 # Left out of the flashinfer wheel (the MnnvlMoe all-to-all path never loads them):
 #   - flashinfer/data/csrc, data/include, data/cutlass, data/spdlog: every file EXCEPT
 #     the #include closure of csrc/trtllm_alltoall.cu and csrc/trtllm_alltoall_prepare.cu (the
 #     only sources of the JIT module "comm", flashinfer/jit/comm.py:gen_comm_alltoall_module),
 #     resolved over the JIT include path (data/include, data/csrc, data/cutlass/*, data/spdlog,
-#     data/cccl/*); headers outside the wheel (CUDA, tvm_ffi) come from the image / tvm_ffi wheel.
-#     data/cccl stays whole (macro includes). Checked on the CPU machine with pip's nvcc 13.0.88:
+#     data/cccl/*); headers outside the wheel (CUDA, tvm_ffi) come from the host / tvm_ffi wheel.
+#     data/cccl stays whole (macro includes). Checked without a GPU with pip's nvcc 13.0.88:
 #     both .cu files compile for sm_90 from the stripped tree with flashinfer's JIT flags.
 #   - non-Python kernel sources elsewhere (*.cu, *.cuh, *.c, *.h, *.md under flashinfer/
 #     experimental, moe_ep/kernel_src, fused_moe/backends, gdn_kernels, ...): JIT inputs of other
 #     kernels. Every *.py and *.json stays: `import flashinfer` imports nearly all modules.
 #
-# Modes:  flashinfer.sh --strip WHEEL OUTDIR   (CPU machine; used by prepare17.sh)
+# Modes:  flashinfer.sh --strip WHEEL OUTDIR   (the connected machine; used by prepare17.sh)
 #         flashinfer.sh --deps                 (prints the extra wheels to download)
-#         flashinfer.sh [pytest args...]       (GPU machine, repo root; results in $OUT)
-# Device tool: command "bash scripts/gpu/flashinfer.sh", carry [".gpu17/flashinfer"].
+#         flashinfer.sh [pytest args...]       (the GPU host, repo root; results in $OUT)
 set -uo pipefail
 
 # import flashinfer.comm.trtllm_alltoall needs tvm_ffi, requests, pynvml, cuda.bindings,
-# tabulate (seen on the CPU machine); the rest are its declared light dependencies.
+# tabulate (seen without a GPU); the rest are its declared light dependencies.
 # Versions: the newest on the index when prepare17.sh runs, except cuda-python/cuda-bindings held
-# to 13.0.x (the image's driver 580 is CUDA 13.0) and tvm-ffi to flashinfer's <0.2 bound.
+# to 13.0.x (for a driver of the 580 series, CUDA 13.0) and tvm-ffi to flashinfer's <0.2 bound.
 DEPS="apache-tvm-ffi>=0.1.11,<0.2 cuda-python>=13.0,<13.1 cuda-bindings>=13.0,<13.1 cuda-pathfinder
 requests urllib3 idna certifi charset-normalizer nvidia-ml-py tabulate einops click packaging tqdm
 ninja numpy"
@@ -90,13 +92,13 @@ PY
   exit 0
 fi
 
-# ---------------------------------------------------------------- on the GPU machine
+# ---------------------------------------------------------------- on the GPU host
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 . scripts/gpu/setup_stages.sh  # stages 2-3: setup_flashinfer (shared with ep_matrix.sh)
 exec > >(tee -a "$OUT/flashinfer_run.log") 2>&1
 
-stage "1/4 install moe-plugins (entry points), before PYTHONPATH holds the carried wheels"
+stage "1/4 install moe-plugins (entry points), before PYTHONPATH holds the kit's wheels"
 setup_moe_plugins || exit 1
 
 setup_flashinfer || exit 1

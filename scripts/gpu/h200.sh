@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Everything the GPU tests and benchmarks need on the lent H200 (torch 2.11+cu130, CUDA 13, pip
-# NVSHMEM; no vLLM, no DeepEP), then run them. Results go to $OUT (logs, JSON; build logs only
-# when a build fails: the device tool returns at most 8 files).
+# The offline kit's set-up on a GPU host, then the GPU tests (scripts/gpu/README in
+# tests/gpu/README.md, "Offline"): installs the kit's wheels and vLLM's Python files, builds DeepEP
+# V1 567632d, installs this package, then runs pytest. Written for a host whose torch differs
+# from the one vLLM's wheel wants (vLLM's compiled extension is left out; the stand-ins of
+# benchmarks/vllm_stand_ins.py take its place); an H200 (sm_90) with CUDA 13 by default:
+# CUDA_HOME and TORCH_CUDA_ARCH_LIST override. Logs and results go to $OUT.
 #
-# Carried from this checkout (git-ignored, made by scripts/gpu/prepare.sh on the CPU machine):
+# The kit (git-ignored, made by scripts/gpu/prepare.sh on a machine with network access, then
+# copied with this checkout):
 #   .gpu/vllm_py.tgz            vLLM 0.33.0's .py/.json files (its wheel without the .so files)
 #   .gpu/whl/*.whl              the 46 small wheels vLLM's MoE modules import (listed in
 #                               scripts/gpu/prepare.sh)
 #   .gpu/deepep-567632d.tgz     DeepEP's V1 line at commit 567632d (source, built here)
-# Usage (device tool): bash scripts/gpu/h200.sh [pytest args...]   (default: -m gpu tests/gpu)
+# Usage: bash scripts/gpu/h200.sh [pytest args...]   (default: -m gpu tests/gpu)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"

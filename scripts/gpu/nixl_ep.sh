@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Build NIXL EP's torch extension against the GPU image's torch (2.11; the
-# nixl-cu13 1.5.1 wheel ships it for torch 2.12-2.14 only) and run our nixl_ep backend on one
-# H200 (tests/gpu/test_nixl_ep_gpu.py, then benchmarks/deepep_ll_latency.py --backend nixl_ep).
+# Build NIXL EP's torch extension against the host's torch (the nixl-cu13 1.5.1 wheel ships it
+# for torch 2.12-2.14 only; this builds it for any, 2.11 included) and run our nixl_ep backend on
+# one GPU (tests/gpu/test_nixl_ep_gpu.py, then benchmarks/deepep_ll_latency.py --backend nixl_ep).
+# Where torch is 2.12-2.14, `pip install 'nixl>=1.5'` is simpler and this script is not needed.
 #
-# Carried (git-ignored, made by scripts/gpu/prepare17.sh on the CPU machine):
+# The offline kit's part (git-ignored, made by scripts/gpu/prepare17.sh on a machine with network
+# access):
 #   .gpu17/nixl/nixl_min.tgz     the nixl-cu13 1.5.1 wheel's libnixl, UCX plugin, UCX libraries
 #                                and transports, nixl_ep_cu13/*.py (wheel layout)
 #   .gpu17/nixl/nixl_ep_src.tgz  ai-dynamo/nixl examples/device/ep/csrc + nixl headers (main at
 #                                8770b655a: the v1.5.1 tag was not readable; see prepare17.sh)
 #   .gpu17/nixl/ucx_headers.tgz  UCX v1.22.x headers (device API; the wheel's UCX is 65e342a)
-# Device tool: command "bash scripts/gpu/nixl_ep.sh", carry [".gpu17/nixl"].
+# Usage: bash scripts/gpu/nixl_ep.sh [pytest args...]   (default: tests/gpu/test_nixl_ep_gpu.py)
 #
 # Build (our own setup.py in /tmp, torch.utils.cpp_extension.CUDAExtension; nixl builds it with
 # meson): the four .cu and two .cpp files of examples/device/ep/meson.build, its defines
@@ -19,10 +21,10 @@
 # the copy in /tmp, each printed: UCX's GDAKI (mlx5 GPU-initiated RDMA) device headers are
 # removed so UCX compiles the cuda_ipc device path only (GDAKI needs DOCA GPUNetIO headers, which
 # are not available; one GPU and no RDMA NIC never take that path), and nixl_ep's
-# kernels/configs.cuh #include <infiniband/mlx5dv.h> is dropped when the image has no rdma-core
-# headers (nothing in nixl_ep's sources uses it).
-# Checked on the CPU machine with pip's nvcc 13.0.88: the four .cu files compile for sm_90 against
-# the carried headers (the .cpp files need the image's CUDA/torch headers).
+# kernels/configs.cuh #include <infiniband/mlx5dv.h> is dropped when the host has no rdma-core
+# headers (nothing in nixl_ep's sources uses it). Hopper (sm_90) only, as written.
+# Checked without a GPU with pip's nvcc 13.0.88: the four .cu files compile for sm_90 against
+# the kit's headers (the .cpp files need the host's CUDA/torch headers).
 # Stage markers "== HH:MM:SS nixl N/4 ..." (scripts/gpu/setup_stages.sh: setup_nixl), then "5/6",
 # "6/6"; logs under $OUT (nixl_build.log, pytest_nixl.log, ...).
 set -uo pipefail

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# On the CPU machine: fetch what scripts/gpu/h200.sh carries to the GPU into .gpu/ (git-ignored;
-# about 41 MB): vLLM 0.33.0's Python files, the 46 wheels its MoE modules import there, and
-# DeepEP's V1 source (commit 567632d) from a local clone given as $1.
+# On a machine with network access: assemble the offline kit that scripts/gpu/h200.sh (and
+# run_all.sh, ep_matrix.sh half A, serve_attempt.sh) set up on a GPU host without it, into .gpu/
+# (git-ignored; about 41 MB): vLLM 0.33.0's Python files, the 46 wheels its MoE modules import
+# (for Python 3.12, manylinux x86_64), the wheels its API server imports, and DeepEP's V1 source
+# (commit 567632d) from a local clone given as $1. Copy the checkout with .gpu/ to the GPU host.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
@@ -33,8 +35,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   pydantic==2.14.4 pydantic-core==2.50.5 pydantic-extra-types==2.11.1 python-json-logger==4.2.0 \
   python-multipart==0.0.34 pyzmq==27.3.0 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.10.0 \
   truststore==0.10.5 typing-inspection==0.4.5 xgrammar==0.2.8
-# The serving stretch (scripts/gpu/serve_attempt.sh): what vLLM's API server imports beyond the
-# MoE modules (uvicorn, uvloop, aiohttp, ...), 14 MB; the carry is 64 MiB in all.
+# For scripts/gpu/serve_attempt.sh: what vLLM's API server imports beyond the MoE modules
+# (uvicorn, uvloop, aiohttp, ...), 14 MB.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux1_x86_64 --platform any -d .gpu/whl_serve \

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On the CPU machine: fetch and strip what scripts/gpu/nixl_ep.sh and scripts/gpu/flashinfer.sh
-# carry to the GPU into DEST (default: <this checkout>/.gpu17, git-ignored through
-# .git/info/exclude). Carry paths are relative to the checkout the device tool runs from, so run
-# this from that checkout (or pass its .gpu17 as DEST).
+# On a machine with network access: fetch and strip the NIXL EP and flashinfer parts of the
+# offline kit that scripts/gpu/nixl_ep.sh, scripts/gpu/flashinfer.sh and ep_matrix.sh set up on a
+# GPU host without network access, into DEST (default: <this checkout>/.gpu17, git-ignored
+# through .git/info/exclude). The scripts read the kit relative to the checkout they run in: copy
+# the checkout with .gpu17/ to the GPU host (or pass that checkout's .gpu17 as DEST).
 #
 #   DEST/nixl/       (nixl_ep.sh, ~14 MB) nixl_min.tgz: the nixl-cu13 1.5.1 wheel without what
 #                    nixl_ep's build and one-rank run do not load (the three prebuilt nixl_ep .so
@@ -11,21 +12,21 @@
 #                    headers it includes; ucx_headers.tgz: UCX v1.22.x headers (the device API).
 #   DEST/flashinfer/ (flashinfer.sh, ~57 MB) the flashinfer-python 0.7.2.post1 wheel re-zipped without the parts
 #                    the MnnvlMoe all-to-all never loads (listed in scripts/gpu/flashinfer.sh)
-#                    plus the small wheels it imports that the GPU image lacks.
+#                    plus the small wheels it imports that a plain torch environment lacks.
 #
 # Usage: scripts/gpu/prepare17.sh NIXL_GIT_DIR UCX_GIT_DIR [DEST]
-#   NIXL_GIT_DIR: a clone of ai-dynamo/nixl (the search tool's fetch gives a bare one)
+#   NIXL_GIT_DIR: a clone of ai-dynamo/nixl (a bare clone will do)
 #   UCX_GIT_DIR:  a clone of openucx/ucx
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NIXL_GIT=${1:?usage: prepare17.sh NIXL_GIT_DIR UCX_GIT_DIR [DEST]}
 UCX_GIT=${2:?usage: prepare17.sh NIXL_GIT_DIR UCX_GIT_DIR [DEST]}
 DEST=$(realpath -m "${3:-$PWD/.gpu17}")
-# nixl's v1.5.1 tag is not in the mirror we can read; main at 8770b655a (2026-08-21) is the
-# newest source there, and its nixl_ep/*.py differ from the 1.5.1 wheel's only in one docstring.
+# The default source revision of nixl_ep: main at 8770b655a (2026-08-21), whose nixl_ep/*.py differ
+# from the 1.5.1 wheel's only in one docstring (NIXL_REV=v1.5.1 where your clone has the tag).
 # The wheel's Python files are the ones installed; the C++/CUDA sources come from this commit.
 NIXL_REV=${NIXL_REV:-8770b655a}
-# The wheel's libucp says revision 65e342a (not in the mirror); it is on UCX's v1.22.x line.
+# The wheel's libucp says revision 65e342a, on UCX's v1.22.x line (UCX_REV=65e342a if you have it).
 UCX_REV=${UCX_REV:-v1.22.x}
 WHEEL=nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
 FI_WHEEL=flashinfer_python-0.7.2.post1-py3-none-any.whl

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call for the GPU tests and benchmarks of this repo on the lent H200 (each stage is
-# bounded so the whole call ends inside the device tool's 10 minutes; a failing stage does not
-# stop the next). Carry: .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz .gpu/tiny-qwen2-moe
-# .gpu/whl_serve. Stages can be left out: VLLM_LAYER=0 HOST_OVERHEAD=0 MULTI_GPU=0 HT=0 SERVE=0 (PROFILE=1 adds op tables).
+# The GPU tests and benchmarks of this repository on one GPU host with the offline kit, one stage
+# after another (each bounded in time; a failing stage does not stop the next). Needs the kit's
+# .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz, and for the serve stage .gpu/tiny-qwen2-moe
+# .gpu/whl_serve (tests/gpu/README.md, "Offline"). Stages can be left out: VLLM_LAYER=0
+# HOST_OVERHEAD=0 MULTI_GPU=0 HT=0 SERVE=0 (PROFILE=1 adds op tables).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 # the one-rank GPU tests (the two-process DeepEP normal-mode test has its own stage below)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Stretch goal: `vllm serve` of the tiny Qwen2-MoE checkpoint on the H200 with
-# our backend, without vLLM's compiled extension (Triton attention, custom ops off, eager).
-# Run after scripts/gpu/h200.sh (it installs the carried vLLM, DeepEP and moe-plugins).
-# Carried: .gpu/tiny-qwen2-moe (examples/vllm/tiny_qwen2_moe.py, 6 MB) and .gpu/whl_serve (the
-# wheels vLLM's API server imports beyond the MoE modules' 46: uvicorn, uvloop, aiohttp, ...;
+# `vllm serve` of the tiny Qwen2-MoE checkpoint on one GPU with our backend, without vLLM's
+# compiled extension (Triton attention, custom ops off, eager): how far vLLM's Python alone gets.
+# Run after scripts/gpu/h200.sh (it installs the kit's vLLM files, DeepEP and moe-plugins).
+# Needs the kit's .gpu/tiny-qwen2-moe (examples/vllm/tiny_qwen2_moe.py, 6 MB) and .gpu/whl_serve
+# (the wheels vLLM's API server imports beyond the MoE modules' 46: uvicorn, uvloop, aiohttp, ...;
 # made by scripts/gpu/prepare.sh, 14 MB). Logs to $OUT/serve.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -31,7 +31,7 @@ python3 -m vllm.entrypoints.cli.main serve .gpu/tiny-qwen2-moe --dtype bfloat16 
 pid=$!
 for _ in $(seq 1 90); do
   kill -0 $pid 2>/dev/null || break
-  # (the image may lack curl: Python's urllib asks)
+  # (the host may lack curl: Python's urllib asks)
   if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health', timeout=2)" 2>/dev/null; then
     python3 - "$OUT/serve_completion.json" <<'PY'
 import json, sys, urllib.request as u

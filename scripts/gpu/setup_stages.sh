@@ -1,15 +1,17 @@
 # shellcheck shell=bash
 # The set-up stages of the GPU scripts, as functions (sourced, not run): h200.sh, nixl_ep.sh,
-# flashinfer.sh and ep_matrix.sh call them, so none of them carries a copy. Each function
-# prints its stage line, does what the script it came from did, and returns non-zero on failure
-# (the caller decides whether to stop). The GPU machine: torch 2.11+cu130, CUDA 13, Python 3.12,
-# no vLLM / DeepEP / NIXL / flashinfer; carried inputs are made on the CPU machine by
-# scripts/gpu/prepare.sh (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/).
+# flashinfer.sh and ep_matrix.sh call them, so none of them holds a copy. Each function
+# prints its stage line, does its step, and returns non-zero on failure (the caller decides
+# whether to stop). They set up the offline kit on a GPU host with Python 3.12, a CUDA torch
+# and nvcc (CUDA 13 as written: /usr/local/cuda, sm_90) and none of vLLM / DeepEP / NIXL /
+# flashinfer; the kit is made on a machine with network access by scripts/gpu/prepare.sh
+# (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/). DeepEP's build takes CUDA_HOME,
+# TORCH_CUDA_ARCH_LIST and MAX_JOBS from the environment (defaults /usr/local/cuda, 9.0, 16).
 #
 #   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py.tgz -> /tmp/vsrc (vLLM 0.33.0's
 #                        Python without its compiled extension; benchmarks/vllm_stand_ins.py)
-#   setup_deepep         .gpu/deepep-567632d.tgz built in /tmp/deepep (kept across calls on a
-#                        warm machine: a carried folder would be replaced on the next call)
+#   setup_deepep         .gpu/deepep-567632d.tgz built in /tmp/deepep (kept between runs on the
+#                        same host: a second run skips the build)
 #   setup_moe_plugins    pip install -e . (the entry points the registry reads)
 #   setup_nixl           .gpu17/nixl: NIXL EP's extension built against this torch into
 #                        /tmp/nixl_site/nixl_ep (nixl_ep.sh's stages 1-4; log nixl_build.log)
@@ -22,7 +24,7 @@
 stage() { echo "== $(date +%T) $*"; }
 
 setup_vllm_py() {
-  stage "install carried wheels and vLLM's Python"
+  stage "install the kit's wheels and vLLM's Python"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .gpu/whl/*.whl || return 1
   mkdir -p /tmp/vsrc && tar -xzf .gpu/vllm_py.tgz -C /tmp/vsrc || return 1
@@ -31,11 +33,13 @@ setup_vllm_py() {
 }
 
 setup_deepep() {
-  stage "build DeepEP V1 567632d (a copy in /tmp: a carried folder is replaced on the next call)"
+  stage "build DeepEP V1 567632d (in /tmp/deepep, kept for the next run)"
   if [ ! -d /tmp/deepep/deep_ep ] || ! ls /tmp/deepep/deep_ep_cpp*.so >/dev/null 2>&1; then
     rm -rf /tmp/deepep && mkdir -p /tmp/deepep && tar -xzf .gpu/deepep-567632d.tgz -C /tmp/deepep
-    (cd /tmp/deepep && CPATH=/usr/local/cuda/include/cccl${CPATH:+:$CPATH} TORCH_CUDA_ARCH_LIST=9.0 \
-      MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
+    # CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS: your toolkit, GPUs and cores (defaults: an H200 host)
+    (cd /tmp/deepep && CPATH=${CUDA_HOME:-/usr/local/cuda}/include/cccl${CPATH:+:$CPATH} \
+      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+      python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
       || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; return 1; }
   fi
 }
@@ -48,7 +52,7 @@ setup_moe_plugins() {
 
 # NIXL EP: our setup.py around nixl's sources (CUDAExtension, C++20, sm_90,
 # UCX's GDAKI device headers removed so only the cuda_ipc device path is compiled; nixl_ep's
-# configs.cuh include of <infiniband/mlx5dv.h> dropped where the image lacks rdma-core headers).
+# configs.cuh include of <infiniband/mlx5dv.h> dropped where the host lacks rdma-core headers).
 # See scripts/gpu/nixl_ep.sh for the why of each step. Sets NIXL_SITE, NIXL_LIBS.
 setup_nixl() {
   local SITE=/tmp/nixl_site BUILD=/tmp/nixl_build
@@ -62,7 +66,7 @@ setup_nixl() {
   NIXL_SITE=$SITE NIXL_LIBS=$LIBS
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -2
-  ls /usr/include/infiniband/mlx5dv.h 2>/dev/null && echo "image has rdma-core headers" || echo "image has no rdma-core headers"
+  ls /usr/include/infiniband/mlx5dv.h 2>/dev/null && echo "host has rdma-core headers" || echo "host has no rdma-core headers"
   echo "(the wheel's prebuilt nixl_ep .so files, torch 2.12-2.14 ABI, were left out)"
 
   stage "nixl 2/4 prepare the build tree (changes to the /tmp copy are listed)"
@@ -130,7 +134,7 @@ PY
 }
 
 # flashinfer 0.7.2.post1: the stripped wheel and the wheels it imports, then
-# its all-to-all module JIT-built with the image's nvcc. Install moe-plugins before PYTHONPATH
+# its all-to-all module JIT-built with the host's nvcc. Install moe-plugins before PYTHONPATH
 # holds these wheels (flashinfer.sh: pip itself must not see them).
 setup_flashinfer() {
   stage "install flashinfer 0.7.2.post1 (stripped) and its missing dependencies into /tmp/fisite"

@@ -254,21 +254,21 @@ def test_options_reject_an_unknown_api():
 def test_requested_api_missing_names_the_extra():
     with emu.installed("0.7.4"), pytest.raises(ImportError) as e:
         SPEC.build(_ctx(EP2), _dcfg(backend_options=FlashInferTwoSidedOptions(api="mnnvl_moe")))
-    assert "only has ['moe_ep']" in str(e.value) and "moe-plugins[flashinfer]" in str(e.value)
+    assert "only has ['moe_ep']" in str(e.value) and "[flashinfer] extra" in str(e.value)
 
 
 def test_flashinfer_without_a_two_sided_api():
     with emu.installed("no_two_sided"), pytest.raises(ImportError) as e:
         SPEC.build(_ctx(EP2), _dcfg())
     assert "MnnvlMoe" in str(e.value) and "NVLinkTwoSidedAlltoAll" in str(e.value)
-    assert "moe-plugins[flashinfer]" in str(e.value)
+    assert "[flashinfer] extra" in str(e.value)
 
 
 # ---- without flashinfer; the capability row ----------------------------------------------------
 def test_without_flashinfer_construction_names_the_extra():
     with emu.not_installed(), pytest.raises(ImportError) as e:
         SPEC.build(_ctx(EP2), _dcfg())
-    assert "pip install 'moe-plugins[flashinfer]'" in str(e.value)
+    assert "pip install 'flashinfer-python>=0.7.2'" in str(e.value)
 
 
 @pytest.mark.parametrize("how", ["not_installed", "emulation_installed"])
@@ -279,7 +279,7 @@ def test_list_says_why_unusable(capsys, how):
     with ctx:
         assert cli_main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(NAME))
-    assert "package 'flashinfer' not installed (pip install 'moe-plugins[flashinfer]')" in row
+    assert "package 'flashinfer' not installed (pip install 'flashinfer-python>=0.7.2'" in row
     assert row.split()[1] == "no"
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU, none visible" in row

@@ -5,7 +5,9 @@ own MoE kernel beside vLLM's in-tree classes (tests/gpu/ep_vllm_ranks.py), plus 
 A job is one world of ranks (one bounded :func:`ep_harness.run_world`) that yields one or more
 rows of the record. The record is a JSON list of rows with keys ``backend``, ``path``
 (``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
-``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case`` and ``job``. A row's
+``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job`` and
+``from_run`` (``{"commit": ...}``: the code that ran it; a merge adds ``record``, and ``note`` for
+a row kept from an earlier record, see :func:`merge_records`). A row's
 status: ``passed`` when every rank reported it passed; ``failed`` when a rank reported a
 mismatch, or raised or died before reporting it; ``refused`` when the backend or library refused
 the configuration before running it (the same on every rank); ``timed_out`` when the job's bound
@@ -18,11 +20,11 @@ Usage (from the repository root):
     python -m tests.gpu.ep_matrix --device cuda --half A --record $OUT/ep_one_gpu_A.json
     python -m tests.gpu.ep_matrix --device cpu --record /tmp/ep_cpu.json      # CPU dry run
     python -m tests.gpu.ep_matrix --markdown a.json [b.json ...]              # README table
-    python -m tests.gpu.ep_matrix --merge a.json b.json -o tests/gpu/results/ep_one_gpu.json
+    python -m tests.gpu.ep_matrix --merge a.json b.json [--earlier old.json] \
+        -o tests/gpu/results/ep_one_gpu.json
 
-``--half A``: vLLM's path and nixl_ep (carry .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
-.gpu17/nixl); ``--half B``: DeepEP's three backends, torch and flashinfer (carry
-.gpu/deepep-567632d.tgz .gpu17/flashinfer): the carries of both do not fit one call's 64 MiB.
+``--half A``: vLLM's path and nixl_ep (the kit's vLLM, DeepEP and NIXL parts); ``--half B``:
+DeepEP's three backends, torch and flashinfer (the kit's DeepEP and flashinfer parts).
 ``--only``/``--skip`` take job-name substrings; ``--budget-s`` the seconds this process may take
 (jobs run in order, each bounded by its own bound and what is left; a job that cannot get
 ``--min-job-s`` is not started and its rows are recorded ``timed_out``). ``--scale reduced`` is
@@ -34,13 +36,15 @@ import argparse
 import fnmatch
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["Job", "jobs", "run_job", "run_matrix", "rows_to_markdown", "STATUSES"]
+__all__ = ["Job", "jobs", "run_job", "run_matrix", "rows_to_markdown", "merge_records",
+           "current_commit", "STATUSES"]
 
 STATUSES = ("passed", "failed", "timed_out", "refused")
 LIB_TIMEOUT_S = {  # the library's own bound on a peer that never answers (fault jobs)
@@ -163,7 +167,7 @@ def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
 
 
 def jobs(device: str, scale: str = "full") -> list[Job]:
-    """Every job of the matrix, in the order they run (``half`` says which device call).
+    """Every job of the matrix, in the order they run (``half``: which of the two runs).
 
     Backends share a world where their libraries can live in one process: DeepEP's normal mode
     (CUDA IPC only), torch and flashinfer beside DeepEP's low-latency mode; but never two
@@ -330,6 +334,20 @@ def _select(all_jobs: Sequence[Job], half: Optional[str], only: Sequence[str],
             and (not only or hit(j.name, only)) and not hit(j.name, skip)]
 
 
+def current_commit() -> str:
+    """The commit of the code that runs: ``$MOE_PLUGINS_COMMIT`` (a copy without git history:
+    a kit), else ``git rev-parse --short HEAD`` of this checkout, else ``unknown``."""
+    given = os.environ.get("MOE_PLUGINS_COMMIT", "").strip()
+    if given:
+        return given
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
 def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = (),
                skip: Sequence[str] = (), budget_s: float = 1e9, min_job_s: float = 45.0,
                scale: str = "full", record: Optional[Path] = None,
@@ -340,6 +358,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
     start = time.monotonic()
     rows: list[dict] = []
     run_records: list[dict] = []
+    commit = current_commit()
     for job in _select(jobs(device, scale), half, only, skip):
         left = budget_s - (time.monotonic() - start)
         # a fault job needs its whole bound (the library's own timeout is what it measures)
@@ -351,6 +370,8 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
             log(f"== {time.strftime('%H:%M:%S')} {job.name} ({job.world} ranks, "
                 f"bound {bound:.0f} s)")
             job_rows, rec = run_job(job, device, bound)
+        for r in job_rows:  # what ran it (merge_records adds the record's name)
+            r["from_run"] = {"commit": commit}
         rows += job_rows
         if rec is not None:
             run_records.append(rec)
@@ -377,7 +398,8 @@ def _write(path: Path, data: Any) -> None:
 
 # -- the README table -------------------------------------------------------------------------
 def rows_to_markdown(rows: Sequence[dict]) -> str:
-    """The record as a markdown table (tests/gpu/README.md), one line per row, then the counts."""
+    """The record as a markdown table (tests/gpu/README.md), one line per row, then the counts
+    and, for rows with ``from_run``, the commits they ran at (with any merge note)."""
     head = "| path | backend | ep | tp | quant | case | status | max rel err | detail |"
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -390,17 +412,64 @@ def rows_to_markdown(rows: Sequence[dict]) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     lines.append("")
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" ({len(rows)} rows)")
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        if "from_run" in r:
+            runs.setdefault(r["from_run"].get("commit", "unknown"), []).append(r)
+    if runs:
+        lines.append("")
+        lines.append("Commits: " + "; ".join(
+            f"{c}: {len(rs)} rows"
+            + "".join(f" ({n})" for n in sorted({x["from_run"]["note"] for x in rs
+                                                   if x["from_run"].get("note")}))
+            for c, rs in runs.items()))
     return "\n".join(lines)
 
 
+def _load_record(path: str) -> list[dict]:
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, list):
+        raise SystemExit(f"{path}: not a record (a JSON list of rows); give the files "
+                         "--record wrote")
+    return data
+
+
 def _load_rows(paths: Sequence[str]) -> list[dict]:
-    rows: list[dict] = []
-    for p in paths:
-        data = json.loads(Path(p).read_text())
-        if not isinstance(data, list):
-            raise SystemExit(f"{p}: not a record (a JSON list of rows)")
-        rows += data
-    return rows
+    return [row for p in paths for row in _load_record(p)]
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ("path", "backend", "ep", "tp", "quant", "case"))
+
+
+def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
+                  earlier: Sequence[tuple[str, Sequence[dict]]] = ()) -> list[dict]:
+    """One record out of several: the rows of ``records`` in order (a row of a later record
+    replaces an earlier row with the same path/backend/ep/tp/quant/case), then the rows of the
+    ``earlier`` records that no row of ``records`` replaces. Each input is (name, rows).
+
+    Every row gets ``from_run``: ``commit`` (what the run wrote, ``unknown`` for a record older
+    than the field), ``record`` (the input's name) and, for a row kept from ``earlier``,
+    ``note`` saying that it was not re-run with the others. Nothing else of a row changes."""
+    def stamped(row: dict, name: str, note: str = "") -> dict:
+        run = dict(row.get("from_run") or {"commit": "unknown"}, record=name)
+        if note:
+            run["note"] = note
+        return dict(row, from_run=run)
+
+    merged: dict[tuple, dict] = {}
+    for name, rows in records:
+        for row in rows:
+            merged[_row_key(row)] = stamped(row, name)
+    newer = sorted({r["from_run"]["commit"] for r in merged.values()})
+    names = ", ".join(name for name, _ in records)
+    for name, rows in earlier:
+        for row in rows:
+            if _row_key(row) not in merged:
+                merged[_row_key(row)] = stamped(
+                    row, name, f"kept from an earlier run: not in {names} "
+                               f"(commit {', '.join(newer) or 'none'})")
+    return list(merged.values())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -417,7 +486,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--runs", type=Path, default=None)
     ap.add_argument("--list", action="store_true", help="print the selected jobs and exit")
     ap.add_argument("--markdown", nargs="+", metavar="RECORD", default=None)
-    ap.add_argument("--merge", nargs="+", metavar="RECORD", default=None)
+    ap.add_argument("--merge", nargs="+", metavar="RECORD", default=None,
+                    help="records of one run (e.g. both halves) to merge into -o")
+    ap.add_argument("--earlier", nargs="+", metavar="RECORD", default=[],
+                    help="with --merge: records of an earlier run whose rows are kept where the "
+                    "merged records have none (marked in from_run.note)")
     ap.add_argument("-o", "--output", type=Path, default=None)
     a = ap.parse_args(argv)
     if a.markdown:
@@ -426,7 +499,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.merge:
         if a.output is None:
             ap.error("--merge needs -o")
-        _write(a.output, _load_rows(a.merge))
+        _write(a.output, merge_records([(Path(p).name, _load_record(p)) for p in a.merge],
+                                       [(Path(p).name, _load_record(p)) for p in a.earlier]))
         return 0
     if a.list:
         for j in _select(jobs(a.device, a.scale), a.half, a.only, a.skip):

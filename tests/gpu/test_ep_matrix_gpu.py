@@ -1,8 +1,8 @@
 """The one-GPU EP matrix (tests/gpu/ep_matrix.py) as pytest cases: one test per job of the half
-named by ``MOE_PLUGINS_EP_MATRIX`` (``A`` or ``B``; the carries of the two halves differ, see
+named by ``MOE_PLUGINS_EP_MATRIX`` (``A`` or ``B``; the two halves need different libraries, see
 scripts/gpu/ep_matrix.sh, which is the usual way to run it). Skipped without CUDA, and without
-that variable (the matrix takes two device calls of several minutes: ``-m gpu tests/gpu`` must not
-start it by accident).
+that variable (each half takes several minutes: ``-m gpu tests/gpu`` must not start it by
+accident).
 
 A job's rows go to ``MOE_PLUGINS_EP_RECORD`` (default ``tests/gpu/results/ep_one_gpu.json``,
 rows of the same job replaced). A failed row fails its test; a row that did not finish within the

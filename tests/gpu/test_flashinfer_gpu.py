@@ -3,7 +3,7 @@ shared by two processes: our backend refuses a single rank, so two gloo ranks (a
 both run on cuda:0, each mapping the other's MNNVL workspace (cuMemCreate memory shared as
 FABRIC handles, or on one host without FABRIC support as POSIX file descriptors).
 
-Needs a CUDA GPU and flashinfer (scripts/gpu/flashinfer.sh installs the carried wheel; its
+Needs a CUDA GPU and flashinfer (scripts/gpu/flashinfer.sh installs the kit's wheel; its
 all-to-all kernels are JIT-compiled with nvcc on first use); skipped cleanly otherwise. The rank
 functions are those of the emulation tests (tests/backends/flashinfer_two_sided_ranks.py) with the real library
 (``flavor=None``) on ``device="cuda:0"``; every output is compared element-wise with the

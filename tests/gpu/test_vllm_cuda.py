@@ -1,5 +1,5 @@
 """vLLM 0.33's CUDA path with our plugin, side by side with vLLM's in-tree DeepEP LL class
-(issue 11): one H200, DeepEP V1 (567632d) built there, vLLM's Python carried without its
+(issue 11): one H200, DeepEP V1 (567632d) built there, vLLM's Python files without its
 compiled extension (benchmarks/vllm_stand_ins.py says which three stand-ins that needs and why
 a MoE layer never uses them). The harness, and what in it is vLLM's and what is not (routing and
 batched experts are torch code, the same on both sides), is benchmarks/vllm_cuda_layer.py.
@@ -13,7 +13,7 @@ shared-expert overlap is engaged on both (``supports_async``); a CUDA graph of t
 replayed on new inputs equals eager; experts that ask for packed UE8M0 scales get from ours
 exactly what the in-tree class sends them.
 
-Run on the GPU machine: ``scripts/gpu/h200.sh`` (builds DeepEP, installs the carried vLLM).
+Run on a GPU host: ``scripts/gpu/h200.sh`` (builds DeepEP, installs the kit's vLLM files).
 """
 from __future__ import annotations
 

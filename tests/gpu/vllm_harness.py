@@ -25,7 +25,7 @@ def load() -> ModuleType:
     import vllm_stand_ins
 
     vllm_stand_ins.install()
-    pytest.importorskip("vllm", reason="needs vLLM 0.33's Python (scripts/gpu/h200.sh carries it)")
+    pytest.importorskip("vllm", reason="needs vLLM 0.33's Python (scripts/gpu/h200.sh installs it)")
     import vllm_cuda_layer
 
     return vllm_cuda_layer

@@ -26,6 +26,7 @@ def test_reduced_matrix_passes_on_cpu(tmp_path):
     rows = run_matrix("cpu", scale="reduced", record=record, runs=runs,
                       skip=() if HAS_VLLM else ("vllm/",), log=lambda line: None)
     assert json.loads(record.read_text()) == rows
+    assert all(r["from_run"]["commit"] for r in rows)  # the code that ran each row
     bad = [r for r in rows if r["status"] != "passed"]
     assert not bad, rows_to_markdown(bad)
     paths = {(r["path"], r["backend"]) for r in rows}
@@ -100,7 +101,43 @@ def test_record_as_markdown(tmp_path, capsys):
     b.write_text(json.dumps(rows[1:]))
     out = tmp_path / "merged.json"
     assert main(["--merge", str(a), str(b), "-o", str(out)]) == 0
-    assert json.loads(out.read_text()) == rows
+    # a record older than from_run: each row says which record it came from, commit unknown
+    assert json.loads(out.read_text()) == [
+        dict(rows[0], from_run={"commit": "unknown", "record": "a.json"}),
+        dict(rows[1], from_run={"commit": "unknown", "record": "b.json"})]
     assert main(["--markdown", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == table
+    assert capsys.readouterr().out.strip() == table + "\n\nCommits: unknown: 2 rows"
     assert set(STATUSES) == {"passed", "failed", "timed_out", "refused"}
+
+
+def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, capsys):
+    """Rows of an earlier run are kept where the merged records lack them, and say so in
+    from_run (commit, record, note), never in hand-written detail."""
+    def row(case: str, commit: str, status: str = "passed") -> dict:
+        return dict(backend="deepep_ll", path="layer", ep=4, tp=1, quant="bf16", case=case,
+                    status=status, max_rel_err=None, detail=f"{case} at {commit}", job="j",
+                    from_run={"commit": commit})
+
+    new_a, new_b = [row("ragged", "bbbbbbb")], [row("fault-refuse", "bbbbbbb")]
+    old = [row("ragged", "aaaaaaa", "failed"), row("fault-kill", "aaaaaaa", "timed_out")]
+    paths = {}
+    for name, rows in (("A.json", new_a), ("B.json", new_b), ("old.json", old)):
+        paths[name] = tmp_path / name
+        paths[name].write_text(json.dumps(rows))
+    out = tmp_path / "merged.json"
+    assert main(["--merge", str(paths["A.json"]), str(paths["B.json"]), "--earlier",
+                 str(paths["old.json"]), "-o", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [(r["case"], r["status"], r["from_run"]["commit"]) for r in merged] == [
+        ("ragged", "passed", "bbbbbbb"), ("fault-refuse", "passed", "bbbbbbb"),
+        ("fault-kill", "timed_out", "aaaaaaa")]
+    assert merged[0]["from_run"] == {"commit": "bbbbbbb", "record": "A.json"}
+    kept = merged[2]
+    assert kept["detail"] == "fault-kill at aaaaaaa"  # the row itself is unchanged
+    assert kept["from_run"] == {"commit": "aaaaaaa", "record": "old.json",
+                                "note": "kept from an earlier run: not in A.json, B.json "
+                                        "(commit bbbbbbb)"}
+    assert main(["--markdown", str(out)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "Commits: bbbbbbb: 2 rows; aaaaaaa: 1 rows (kept from an earlier run: not in A.json, "
+        "B.json (commit bbbbbbb))")

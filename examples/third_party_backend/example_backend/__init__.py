@@ -104,4 +104,5 @@ SPEC = BackendSpec(
                               placements=True),
     quants=frozenset({QuantScheme.NONE}),
     description="example third-party backend: all-gather dispatch, reduce-scatter combine",
+    use_for="an example to copy: the shortest backend that keeps the contract",
 )

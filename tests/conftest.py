@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -17,13 +16,13 @@ def _use_vllm_release() -> None:
     release = os.environ.get("MOE_PLUGINS_VLLM_RELEASE")
     if not release:
         return
-    from tests.vllm_releases import release_tree
+    from tests.vllm_releases import RELEASE_ON_CPU, release_tree
 
     tree = str(release_tree(release))
     sys.path.insert(0, tree)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (tree, os.environ.get("PYTHONPATH")) if p)
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.update(RELEASE_ON_CPU)
 
 
 _use_vllm_release()

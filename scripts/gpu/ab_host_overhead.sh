@@ -5,7 +5,7 @@
 # The earlier code: `git archive <commit> moe_plugins prepare_finalize all2all benchmarks
 # pyproject.toml | tar x -C .before` in this checkout (its own sys.path[0] makes its benchmark
 # import its own modules; the registry's entry points name modules, not files). Needs the offline
-# kit's .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz (scripts/gpu/h200.sh sets them up).
+# kit's .gpu/whl .gpu/vllm_py-<version>.tgz .gpu/deepep-567632d.tgz (scripts/gpu/h200.sh sets them up).
 # Usage: OUT=$OUT ROUNDS=2 [BACKENDS="deepep_ll torch"] [GPU_TESTS=0] bash scripts/gpu/ab_host_overhead.sh
 # (BACKENDS: host_overhead.py's --backends, default deepep_ll; GPU_TESTS=0 skips the tests)
 set -uo pipefail

@@ -5,7 +5,7 @@
 # each job checks). Two halves, each set up from its part of the offline kit (scripts/gpu/
 # prepare.sh and prepare17.sh, tests/gpu/README.md) and run on its own:
 #
-#   HALF=A bash scripts/gpu/ep_matrix.sh   kit: .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
+#   HALF=A bash scripts/gpu/ep_matrix.sh   kit: .gpu/whl .gpu/vllm_py-<version>.tgz .gpu/deepep-567632d.tgz
 #                                                .gpu17/nixl
 #          vLLM's path (deepep_ll, nixl_ep, deepep_ht at EP 2/4, SP at dp2 x tp2, DBO, CUDA graph),
 #          nixl_ep through our layer (EP 2/4, masking), nixl_ep faults

@@ -8,7 +8,7 @@
 #
 # The kit (git-ignored, made by scripts/gpu/prepare.sh on a machine with network access, then
 # copied with this checkout):
-#   .gpu/vllm_py.tgz            vLLM 0.33.0's .py/.json files (its wheel without the .so files)
+#   .gpu/vllm_py-<version>.tgz  vLLM's .py/.json files (its wheel without the .so files; VLLM_VERSION picks 0.34.0 or 0.33.0)
 #   .gpu/whl/*.whl              the 46 small wheels vLLM's MoE modules import (listed in
 #                               scripts/gpu/prepare.sh)
 #   .gpu/deepep-567632d.tgz     DeepEP's V1 line at commit 567632d (source, built here)

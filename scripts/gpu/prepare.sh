@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
 # On a machine with network access: assemble the offline kit that scripts/gpu/h200.sh (and
 # run_all.sh, ep_matrix.sh half A, serve_attempt.sh) set up on a GPU host without it, into .gpu/
-# (git-ignored; about 41 MB): vLLM 0.33.0's Python files, the 46 wheels its MoE modules import
+# (git-ignored; about 41 MB and 12 MB per vLLM release): the Python files of vLLM 0.34.0 and 0.33.0, the 46 wheels its MoE modules import
 # (for Python 3.12, manylinux x86_64), the wheels its API server imports, and DeepEP's V1 source
 # (commit 567632d) from a local clone given as $1. Copy the checkout with .gpu/ to the GPU host.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 mkdir -p .gpu
-if [ ! -f .gpu/vllm_py.tgz ]; then
-  python3 -m pip download -q --no-deps -d .gpu/dl vllm==0.33.0
-  python3 - <<'PY'
-import glob, zipfile
-z = zipfile.ZipFile(glob.glob(".gpu/dl/vllm-0.33.0-*.whl")[0])
+# VLLM_VERSIONS: the vLLM releases whose Python goes into the kit (.gpu/vllm_py-<version>.tgz);
+# the GPU scripts take one of them by VLLM_VERSION (default 0.34.0).
+for v in ${VLLM_VERSIONS:-0.34.0 0.33.0}; do
+  [ -f ".gpu/vllm_py-$v.tgz" ] && continue
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+    --python-version 3.12 -d .gpu/dl "vllm==$v"
+  rm -rf .gpu/vsrc
+  python3 - "$v" <<'PY'
+import glob, sys, zipfile
+z = zipfile.ZipFile(glob.glob(f".gpu/dl/vllm-{sys.argv[1]}-*.whl")[0])
 for n in z.namelist():
     if n.endswith((".py", ".json")):
         z.extract(n, ".gpu/vsrc")
 PY
-  tar -czf .gpu/vllm_py.tgz -C .gpu/vsrc vllm
-fi
+  tar -czf ".gpu/vllm_py-$v.tgz" -C .gpu/vsrc vllm
+done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_31_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -53,4 +58,4 @@ if [ ! -f .gpu/deepep-567632d.tgz ]; then
   git -C "${1:?usage: prepare.sh PATH_TO_A_DEEPEP_CLONE}" archive --format=tar.gz \
     -o "$PWD/.gpu/deepep-567632d.tgz" 567632d
 fi
-du -sh .gpu/whl .gpu/whl_serve .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz
+du -sh .gpu/whl .gpu/whl_serve .gpu/vllm_py-*.tgz .gpu/deepep-567632d.tgz

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks of this repository on one GPU host with the offline kit, one stage
 # after another (each bounded in time; a failing stage does not stop the next). Needs the kit's
-# .gpu/whl .gpu/vllm_py.tgz .gpu/deepep-567632d.tgz, and for the serve stage .gpu/tiny-qwen2-moe
+# .gpu/whl .gpu/vllm_py-<version>.tgz .gpu/deepep-567632d.tgz, and for the serve stage .gpu/tiny-qwen2-moe
 # .gpu/whl_serve (tests/gpu/README.md, "Offline"). Stages can be left out: VLLM_LAYER=0
 # HOST_OVERHEAD=0 MULTI_GPU=0 HT=0 SERVE=0 (PROFILE=1 adds op tables).
 set -uo pipefail

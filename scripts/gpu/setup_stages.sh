@@ -8,8 +8,9 @@
 # (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/). DeepEP's build takes CUDA_HOME,
 # TORCH_CUDA_ARCH_LIST and MAX_JOBS from the environment (defaults /usr/local/cuda, 9.0, 16).
 #
-#   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py.tgz -> /tmp/vsrc (vLLM 0.33.0's
-#                        Python without its compiled extension; benchmarks/vllm_stand_ins.py)
+#   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc
+#                        (VLLM_VERSION: 0.34.0 by default, or 0.33.0; that release's Python
+#                        without its compiled extension; benchmarks/vllm_stand_ins.py)
 #   setup_deepep         .gpu/deepep-567632d.tgz built in /tmp/deepep (kept between runs on the
 #                        same host: a second run skips the build)
 #   setup_moe_plugins    pip install -e . (the entry points the registry reads)
@@ -27,9 +28,11 @@ setup_vllm_py() {
   stage "install the kit's wheels and vLLM's Python"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .gpu/whl/*.whl || return 1
-  mkdir -p /tmp/vsrc && tar -xzf .gpu/vllm_py.tgz -C /tmp/vsrc || return 1
-  mkdir -p /tmp/vsrc/vllm-0.33.0.dist-info
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n' > /tmp/vsrc/vllm-0.33.0.dist-info/METADATA
+  local v=${VLLM_VERSION:-0.34.0}
+  rm -rf /tmp/vsrc && mkdir -p /tmp/vsrc && tar -xzf ".gpu/vllm_py-$v.tgz" -C /tmp/vsrc || return 1
+  mkdir -p "/tmp/vsrc/vllm-$v.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > "/tmp/vsrc/vllm-$v.dist-info/METADATA"
+  echo "vLLM $v's Python in /tmp/vsrc"
 }
 
 setup_deepep() {

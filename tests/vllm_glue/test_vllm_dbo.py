@@ -119,11 +119,8 @@ def platform_keeps_dbo(monkeypatch):
 def _dbo_config(name: str):
     from vllm.config import ParallelConfig, VllmConfig
 
-    from tests.vllm_glue.vllm_dist import vllm_config_stand_ins
-
-    with vllm_config_stand_ins():
-        return VllmConfig(parallel_config=ParallelConfig(
-            enable_dbo=True, enable_expert_parallel=True, all2all_backend=name))
+    return VllmConfig(parallel_config=ParallelConfig(
+        enable_dbo=True, enable_expert_parallel=True, all2all_backend=name))
 
 
 @pytest.mark.vllm

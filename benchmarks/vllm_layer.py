@@ -82,7 +82,12 @@ def main() -> None:
         print(f"| {r['quant']} | {r['mode']} | {r['tokens']} | {r['ours_us']} | "
               f"{r['in_tree_us']} | {r['ratio']} |")
     if args.json:
+        import importlib.metadata
+
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    vllm=importlib.metadata.version("vllm"),
+                    stood_in="vLLM's Python without its compiled extension "
+                             "(benchmarks/vllm_stand_ins.py); torch experts on both sides",
                     shape="hidden 7168, 32 local experts x intermediate 2048, top-8, "
                           "shared intermediate 2048, EP world 1", command=" ".join(sys.argv))
         args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -39,11 +39,12 @@ import torch
 from moe_plugins.vllm.patching import (_APPLIED, Patch, VllmPatchError, _announce, _field_owner,
                                        _install_property, _is_ours, _rebind,
                                        _current_all2all_backend, applied_symbols, check_signature,
-                                       resolve, revert_all)
+                                       resolve, revert_all, revert_patch)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PATCHES", "apply_all", "apply_patch", "BLOCKING_FINALIZE", "ids_through_expert_map"]
+__all__ = ["PATCHES", "apply_all", "apply_patch", "revert_patch", "apply_refusal", "REFUSAL",
+           "BLOCKING_FINALIZE", "ids_through_expert_map"]
 
 
 # --- 1. backend names --------------------------------------------------------------------------

@@ -29,6 +29,10 @@ def _cfg(dtype: torch.dtype = torch.float32) -> MoEConfig:
                      shared_intermediate=0, dtype=dtype)
 
 
+#: The formats every backend here carries in the model dtype and vLLM quantizes after the receive.
+AFTER_RECEIVE = ("int8_per_tensor_static", "int8_per_tensor_dynamic", "mxfp8")
+
+
 def _needs_vllm_quantizer(fmt: str) -> None:
     """Skip where the installed vLLM cannot quantize ``fmt`` on this CPU: the formats quantized
     after the receive run vLLM's compiled quantization kernels (``torch.ops._C``), which a
@@ -38,10 +42,11 @@ def _needs_vllm_quantizer(fmt: str) -> None:
 
     from moe_plugins.vllm.receive_quant import receive_quantization
 
-    qc = fmt_fns.quant_config(fmt)
-    recv = receive_quantization(qc) if qc.quant_dtype is not None else None
-    if recv is None:
+    if fmt not in AFTER_RECEIVE:
         return
+    qc = fmt_fns.quant_config(fmt)
+    recv = receive_quantization(qc)
+    assert recv is not None
     try:
         moe_kernel_quantize_input(
             torch.ones(2, 256), recv.input_scale(qc), recv.quant_dtype, recv.per_act_token_quant,

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from moe_plugins.planner.plan import Estimate, LayerPlan
+    from moe_plugins.planner.results import LayerPlan
+    from moe_plugins.planner.traffic import Estimate
 
 __all__ = ["main"]
 
@@ -318,7 +319,7 @@ def _plan_json(plan: "LayerPlan") -> list[dict]:
 
 
 def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
-    from moe_plugins.planner.plan import Estimate, expected_ranks_hit
+    from moe_plugins.planner.traffic import Estimate, expected_ranks_hit
 
     m, lay, w, ln = plan.model.moe, plan.layout, plan.wire, plan.link
     q = plan.quant.scheme.value + (" (deferred)" if plan.quant.defer_input_quant else "")

@@ -22,8 +22,10 @@ from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.planner.model_config import load_model_config, model_spec_from_dict
 from moe_plugins.planner.model_config import ModelSpec
-from moe_plugins.planner.plan import (Routing, decoder_tp_collectives, expected_ranks_hit, plan_layer,
-                              ranks_hit_bounds, recommend_strategy)
+from moe_plugins.planner.decoder import decoder_tp_collectives
+from moe_plugins.planner.plan import plan_layer
+from moe_plugins.planner.recommend import recommend_strategy
+from moe_plugins.planner.traffic import Routing, expected_ranks_hit, ranks_hit_bounds
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities, get_backend
 from moe_plugins.strategy import ReductionStrategy as S

@@ -54,10 +54,11 @@ from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.planner.recommend import recommend_strategy
 from moe_plugins.planner.results import (CollectivePlan, LayerPlan, RankPlan, StrategyPlan,
                                          TimeEstimate)
-from moe_plugins.planner.traffic import (Estimate, Routing, check_routing, itemsize, rank_traffic,
-                                         tokens_per_dp, wire_format)
+from moe_plugins.planner.traffic import (Estimate, Routing, check_routing, itemsize, node_traffic,
+                                         rank_traffic, tokens_per_dp, wire_format)
+from moe_plugins.planner.transport_time import all_to_all_us
 from moe_plugins.quant import QuantSpec
-from moe_plugins.registry import BackendSpec, WireLayout, refusal_reason
+from moe_plugins.registry import BackendSpec, Transport, WireLayout, refusal_reason
 from moe_plugins.runner.model import MoEConfig
 from moe_plugins.strategy import SharedPlacement, applicable_strategies, choose_strategy
 
@@ -125,6 +126,7 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
            else caps.activation_format)
     wire = wire_format(fmt, cfg, quant, wire_row)
     item = itemsize(cfg.dtype)
+    transport = backend.transport_at(max(owned))
 
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                               has_shared_expert=cfg.has_shared_expert,
@@ -137,6 +139,13 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
         check_routing(routing, owned, cfg.num_topk)
     sent, recv, recv_pairs, row_matrix = (
         rank_traffic(cfg, world, owned, wire, routing) if dispatching else ([], [], [], []))
+    disp = comb = 0.0
+    if dispatching:  # every dispatching strategy sends the same rows
+        nodes = (node_traffic(cfg, owned, link.gpus_per_node, routing)
+                 if transport is Transport.NORMAL else None)
+        disp = all_to_all_us(transport, "dispatch", row_matrix,
+                             wire.act_bytes + wire.sf_bytes + wire.meta_bytes, link, nodes)
+        comb = all_to_all_us(transport, "combine", row_matrix, wire.combine_bytes, link, nodes)
 
     def collectives(kinds: list[tuple[str, int]], r: int) -> tuple[CollectivePlan, ...]:
         group = layout.tp_group_ranks(layout.dp_rank(r))
@@ -176,21 +185,15 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                 recv_combine_bytes=s_rows.scaled(wire.combine_bytes),
                 tp_collectives=colls, shared_weight_bytes=shared_b,
                 expert_weight_bytes=routed_b, attention_collectives=attn))
-        if dispatches:
-            row_bytes = wire.act_bytes + wire.sf_bytes + wire.meta_bytes
-            disp = link.all_to_all_us([[v * row_bytes for v in row] for row in row_matrix])
-            comb = link.all_to_all_us([[row_matrix[s][d] * wire.combine_bytes for s in range(world)]
-                                       for d in range(world)])
-        else:
-            disp = comb = 0.0
         recommended = strategy is choice.strategy
         plans.append(StrategyPlan(strategy, recommended, choice.reason if recommended else "",
                                   dispatches, tuple(ranks),
-                                  TimeEstimate(disp, comb, tp_time, attn_time),
+                                  TimeEstimate(disp if dispatches else 0.0,
+                                               comb if dispatches else 0.0, tp_time, attn_time),
                                   default=strategy is default.strategy))
     plans = [_with_comparison(p, plans) for p in plans]
     return LayerPlan(spec, layout, tokens, backend.name, quant, link, wire, routing is not None,
-                     tuple(plans), placement if layout.ep else None)
+                     tuple(plans), placement if layout.ep else None, transport)
 
 
 def _with_comparison(p: StrategyPlan, plans: list[StrategyPlan]) -> StrategyPlan:

@@ -11,6 +11,7 @@ from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.planner.traffic import Estimate, WireFormat
 from moe_plugins.quant import QuantSpec
+from moe_plugins.registry import Transport
 from moe_plugins.strategy import ReductionStrategy
 
 __all__ = ["CollectivePlan", "RankPlan", "TimeEstimate", "StrategyPlan", "LayerPlan"]
@@ -83,9 +84,10 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class TimeEstimate:
-    """Communication time of one decoder layer (us): dispatch and combine all-to-alls, the MoE
-    block's TP collectives (``tp_us``) and the attention's reduction (``attention_us``).
-    Expected routing, or the measured one when the plan was given it."""
+    """Communication time of one decoder layer (us): dispatch and combine all-to-alls (the
+    busiest rank, timed by :mod:`moe_plugins.planner.transport_time` for the backend's
+    transport), the MoE block's TP collectives (``tp_us``) and the attention's reduction
+    (``attention_us``). Expected routing, or the measured one when the plan was given it."""
 
     dispatch_us: float
     combine_us: float
@@ -133,6 +135,7 @@ class LayerPlan:
     routing_given: bool
     strategies: tuple[StrategyPlan, ...]
     placement: Optional[ExpertPlacement] = None  # EP on: where the experts are (None: linear)
+    transport: Transport = Transport.NCCL  # how the dispatch and combine were timed
 
     @property
     def recommended(self) -> StrategyPlan:

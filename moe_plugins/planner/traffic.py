@@ -18,7 +18,8 @@ from moe_plugins.registry import WireLayout
 from moe_plugins.runner.model import MoEConfig
 
 __all__ = ["Estimate", "expected_ranks_hit", "ranks_hit_bounds", "WireFormat", "wire_format",
-           "itemsize", "Routing", "rank_traffic", "check_routing", "tokens_per_dp"]
+           "itemsize", "Routing", "rank_traffic", "node_traffic", "check_routing",
+           "tokens_per_dp"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,3 +229,21 @@ def tokens_per_dp(num_tokens: int | Sequence[int], dp: int) -> tuple[int, ...]:
                          f"got {num_tokens!r}")
     return tokens
 
+
+
+def node_traffic(cfg: MoEConfig, owned: Sequence[int], gpus_per_node: int,
+                 routing: Optional[Routing] = None) -> list[list[float]]:
+    """[src][node] rows each rank sends each node when a token goes once per destination node
+    (DeepEP's normal mode over RDMA); ranks ``[k * gpus_per_node, (k + 1) * gpus_per_node)`` are
+    node k. Uniform routing: the expected rows (a node is missed when all num_topk experts fall
+    on the other nodes). With ``routing``: an upper bound, min(owned, rows to the node's ranks),
+    exact when no token reaches two ranks of one node (measured routing counts ranks, not
+    nodes)."""
+    r = len(owned)
+    nodes = [list(range(k, min(k + gpus_per_node, r))) for k in range(0, r, gpus_per_node)]
+    if routing is not None:
+        return [[float(min(owned[s], sum(routing.tokens[s][d] for d in ranks)))
+                 for ranks in nodes] for s in range(r)]
+    e, k, per = cfg.num_experts, cfg.num_topk, cfg.num_experts // r
+    hit = [1 - Fraction(math.comb(e - per * len(ranks), k), math.comb(e, k)) for ranks in nodes]
+    return [[float(n * h) for h in hit] for n in owned]

@@ -3,6 +3,7 @@ on real multi-rank gloo runs; its routing statistics; the link model; model-conf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import subprocess
 import json
@@ -26,8 +27,9 @@ from moe_plugins.planner.decoder import decoder_tp_collectives
 from moe_plugins.planner.plan import plan_layer
 from moe_plugins.planner.recommend import recommend_strategy
 from moe_plugins.planner.traffic import Routing, expected_ranks_hit, ranks_hit_bounds
+from moe_plugins.planner.transport_time import FITTED, all_to_all_us
 from moe_plugins.quant import QuantScheme, QuantSpec
-from moe_plugins.registry import BackendSpec, Capabilities, get_backend
+from moe_plugins.registry import BackendSpec, Capabilities, Transport, get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 from moe_plugins.strategy import SharedPlacement, applicable_strategies, choose_strategy
 
@@ -320,12 +322,17 @@ def test_plan_errors_name_what_is_wrong():
 def test_link_model_times():
     link = LinkModel(nvlink_gbps=100.0, nvlink_latency_us=2.0, rdma_gbps=10.0, rdma_latency_us=5.0,
                      gpus_per_node=2)
-    # 4 ranks on 2 nodes; rank 0 sends 1e6 B to rank 1 (NVLink) and 1e6 B to rank 2 (RDMA)
+    # 4 ranks on 2 nodes; rank 0 sends 1e6 rows of 1 B to rank 1 (NVLink) and to rank 2 (RDMA);
+    # NCCL's combine is one exchange: the slowest link's latency + the busiest link's bytes
+    c = FITTED
     m = [[0.0] * 4 for _ in range(4)]
     m[0][0], m[0][1], m[0][2] = 5e9, 1e6, 1e6  # the self-send is free
-    assert link.all_to_all_us(m) == pytest.approx(5.0 + 1e6 / 10e3)
+    nccl = functools.partial(all_to_all_us, Transport.NCCL, "combine", row_bytes=1, link=link)
+    assert nccl(m) == pytest.approx(5.0 + 1e6 / (10e3 * c.normal_rdma_efficiency))
     m[0][2] = 0.0
-    assert link.all_to_all_us(m) == pytest.approx(2.0 + 1e6 / 100e3)
+    assert nccl(m) == pytest.approx(2.0 + 1e6 / (100e3 * c.normal_nvlink_efficiency))
+    # its dispatch adds the count exchange: one more latency
+    assert all_to_all_us(Transport.NCCL, "dispatch", m, 1, link) == pytest.approx(nccl(m) + 2.0)
     # ring all_reduce of 4e6 B over 2 ranks of one node: 2 steps of 2e6 B
     assert link.all_reduce_us(4e6, [0, 1]) == pytest.approx(2 * (2.0 + 2e6 / 100e3))
     # all_gather of 1e6 B each over 4 ranks spanning nodes: 3 RDMA steps

@@ -26,9 +26,12 @@ The families, from how their kernels move data:
   beyond ``LinkModel.gpus_per_node`` ranks is refused. Not calibrated: it uses the low-latency
   family's fixed cost and NVLink efficiency.
 - NCCL (the torch reference over NCCL): a count exchange, then one ``all_to_all_v`` of rows
-  (combine: one); each exchange costs the latency of the slowest link used plus the busiest
-  link's bytes. Not calibrated: it uses the normal mode's link efficiencies. The host sync of
-  the count exchange is not modelled.
+  (combine: one); each exchange costs a low-latency kernel's fixed cost and the latency of the
+  slowest link used, and the rows the busiest link's bytes. Not calibrated: it borrows the
+  low-latency fixed cost and the normal mode's link efficiencies. The host sync of the count
+  exchange is not modelled.
+
+:data:`CALIBRATED` names the families the published rows cover; the others borrow constants.
 
 Calibration: the constants in :data:`FITTED` were fitted on the published DeepEP V1 README rows
 (H800, one ConnectX-7 400 Gb/s per GPU) and nothing else; :mod:`moe_plugins.planner.calibration`
@@ -42,7 +45,7 @@ from typing import Optional, Sequence
 from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.registry import Transport
 
-__all__ = ["FittedConstants", "FITTED", "all_to_all_us"]
+__all__ = ["FittedConstants", "FITTED", "CALIBRATED", "all_to_all_us"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class FittedConstants:
 #: Fitted on the DeepEP V1 README rows only (see the module docstring and
 #: :mod:`moe_plugins.planner.calibration`).
 FITTED = FittedConstants()
+
+#: The transport families a published row was fitted on; the others borrow their constants.
+CALIBRATED = frozenset({Transport.LOW_LATENCY, Transport.NORMAL})
 
 _Matrix = Sequence[Sequence[float]]
 
@@ -171,7 +177,7 @@ def _nccl_us(rows: _Matrix, row_bytes: int, link: LinkModel, c: FittedConstants,
                     _gbps_us(b * row_bytes, link.rdma_gbps * c.normal_rdma_efficiency))
                 for a, b in zip(nv, rd)), default=0.0)
     lat = max((_latency(link, a, b) for a, b in zip(nv, rd)), default=0.0)
-    return exchanges * lat + data
+    return exchanges * (c.ll_fixed_us + lat) + data
 
 
 def all_to_all_us(transport: Transport, phase: str, rows: _Matrix, row_bytes: int,

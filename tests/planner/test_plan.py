@@ -323,16 +323,19 @@ def test_link_model_times():
     link = LinkModel(nvlink_gbps=100.0, nvlink_latency_us=2.0, rdma_gbps=10.0, rdma_latency_us=5.0,
                      gpus_per_node=2)
     # 4 ranks on 2 nodes; rank 0 sends 1e6 rows of 1 B to rank 1 (NVLink) and to rank 2 (RDMA);
-    # NCCL's combine is one exchange: the slowest link's latency + the busiest link's bytes
+    # NCCL's combine is one exchange: a fixed cost + the slowest link's latency + the busiest
+    # link's bytes
     c = FITTED
     m = [[0.0] * 4 for _ in range(4)]
     m[0][0], m[0][1], m[0][2] = 5e9, 1e6, 1e6  # the self-send is free
     nccl = functools.partial(all_to_all_us, Transport.NCCL, "combine", row_bytes=1, link=link)
-    assert nccl(m) == pytest.approx(5.0 + 1e6 / (10e3 * c.normal_rdma_efficiency))
+    assert nccl(m) == pytest.approx(c.ll_fixed_us + 5.0 + 1e6 / (10e3 * c.normal_rdma_efficiency))
     m[0][2] = 0.0
-    assert nccl(m) == pytest.approx(2.0 + 1e6 / (100e3 * c.normal_nvlink_efficiency))
-    # its dispatch adds the count exchange: one more latency
-    assert all_to_all_us(Transport.NCCL, "dispatch", m, 1, link) == pytest.approx(nccl(m) + 2.0)
+    assert nccl(m) == pytest.approx(c.ll_fixed_us + 2.0
+                                  + 1e6 / (100e3 * c.normal_nvlink_efficiency))
+    # its dispatch adds the count exchange
+    assert all_to_all_us(Transport.NCCL, "dispatch", m, 1, link) == pytest.approx(
+        nccl(m) + c.ll_fixed_us + 2.0)
     # ring all_reduce of 4e6 B over 2 ranks of one node: 2 steps of 2e6 B
     assert link.all_reduce_us(4e6, [0, 1]) == pytest.approx(2 * (2.0 + 2e6 / 100e3))
     # all_gather of 1e6 B each over 4 ranks spanning nodes: 3 RDMA steps

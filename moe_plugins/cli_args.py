@@ -80,7 +80,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=pos, default=2)
     p.add_argument("--intermediate", type=pos, default=64, help="routed expert intermediate size")
     p.add_argument("--shared-intermediate", type=nonneg, default=128, help="0: no shared expert")
-    p.add_argument("--backend", default="torch")
+    p.add_argument("--backend", default="torch",
+                   help="a registered backend (moe-plugins list); plan also takes auto: the "
+                   "fastest under its time model")
     p.add_argument("--quant", default="none", choices=["none", "fp8_block128", "nvfp4"])
     p.add_argument("--defer-input-quant", action="store_true")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))

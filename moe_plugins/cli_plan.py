@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from moe_plugins.cli_args import (DTYPES, add_layout_args, int_at_least, layout_from_args,
                                   nonnegative_float, positive_float, token_counts)
+from moe_plugins.planner.presets import LINK_PRESETS
 
 if TYPE_CHECKING:
     from moe_plugins.planner.results import LayerPlan
@@ -22,7 +23,6 @@ _SHAPE_FLAGS = ("hidden", "experts", "topk", "intermediate", "shared_intermediat
 def _plan_inputs(args: argparse.Namespace) -> tuple:
     """(ModelSpec, layout, QuantSpec, LinkModel) from the flags: an explicit shape flag overrides
     the --model-config value, which overrides demo's default."""
-    from moe_plugins.planner.link_model import LinkModel
     from moe_plugins.runner.model import MoEConfig
     from moe_plugins.planner.model_config import ModelSpec, load_model_config
     from moe_plugins.quant import QuantScheme, QuantSpec
@@ -55,9 +55,36 @@ def _plan_inputs(args: argparse.Namespace) -> tuple:
     sp_attention = args.sp_attention or (base.sp_attention if base else "reduce_scatter")
     model = ModelSpec(cfg, layers, base.name if base else "flags", sp_attention)
     quant = QuantSpec(QuantScheme(args.quant), args.defer_input_quant)
-    link = LinkModel(args.nvlink_gbps, args.nvlink_us, args.rdma_gbps, args.rdma_us,
-                     args.gpus_per_node)
-    return model, layout, quant, link
+    return model, layout, quant, _link(args)
+
+
+# flag -> LinkModel field; a flag given overrides the --link preset (or the default link model)
+_LINK_FLAGS = {"nvlink_gbps": "nvlink_gbps", "nvlink_us": "nvlink_latency_us",
+               "rdma_gbps": "rdma_gbps", "rdma_us": "rdma_latency_us",
+               "gpus_per_node": "gpus_per_node", "ll_nvlink": "ll_nvlink", "sms": "sms"}
+
+
+def _link(args: argparse.Namespace) -> Any:
+    """The LinkModel of --link (default: LinkModel's defaults), with the link flags given."""
+    from moe_plugins.planner.link_model import LinkModel
+    from moe_plugins.planner.presets import link_preset
+
+    over = {field: getattr(args, flag) for flag, field in _LINK_FLAGS.items()
+            if getattr(args, flag) is not None}
+    if "ll_nvlink" in over:
+        over["ll_nvlink"] = over["ll_nvlink"] == "on"
+    return link_preset(args.link, **over) if args.link else LinkModel(**over)
+
+
+def _link_json(link: Any) -> dict:
+    return dataclasses.asdict(link)
+
+
+def _link_text(ln: Any) -> str:
+    return (f"link model {ln.name or '(flags and defaults)'}: NVLink {ln.nvlink_gbps:g} GB/s + "
+            f"{ln.nvlink_latency_us:g} us, RDMA {ln.rdma_gbps:g} GB/s + {ln.rdma_latency_us:g} us, "
+            f"{ln.gpus_per_node} GPUs/node, low-latency over NVLink {'on' if ln.ll_nvlink else 'off'}"
+            f", normal-mode SMs {ln.sms}")
 
 
 def _est(e: "Estimate", fmt: str = "{:.1f}") -> str:
@@ -90,6 +117,8 @@ def _collective_detail(rk: tuple, name: str) -> list[dict]:
 
 
 def _plan_json(plan: "LayerPlan") -> list[dict]:
+    from moe_plugins.planner.transport_time import CALIBRATED
+
     rows = []
     for sp in plan.strategies:
         rk = sp.ranks
@@ -128,6 +157,11 @@ def _plan_json(plan: "LayerPlan") -> list[dict]:
             "wire_hidden": plan.wire.wire_hidden,
             "shared_weight_bytes": [r.shared_weight_bytes for r in rk],
             "expert_weight_bytes": [r.expert_weight_bytes for r in rk],
+            # the busiest rank's all-to-alls, per layer, on the backend's transport
+            "dispatch_us": sp.time.dispatch_us, "combine_us": sp.time.combine_us,
+            "transport": plan.transport.value,
+            "transport_calibrated": plan.transport in CALIBRATED,
+            "link": _link_json(plan.link),
             "time_us": {"dispatch": sp.time.dispatch_us, "combine": sp.time.combine_us,
                         "tp": sp.time.tp_us, "attention": sp.time.attention_us,
                         "total": sp.time.total_us},
@@ -138,6 +172,7 @@ def _plan_json(plan: "LayerPlan") -> list[dict]:
 
 def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
     from moe_plugins.planner.traffic import Estimate, expected_ranks_hit
+    from moe_plugins.planner.transport_time import CALIBRATED
 
     m, lay, w, ln = plan.model.moe, plan.layout, plan.wire, plan.link
     q = plan.quant.scheme.value + (" (deferred)" if plan.quant.defer_input_quant else "")
@@ -157,8 +192,11 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
         print(f"expert placement: {plan.placement.describe()}"
               + ("; uniform-routing rows assume no redundant copies, pass a measured routing"
                  if plan.placement.num_redundant and not plan.routing_given else ""))
-    print(f"link model: NVLink {ln.nvlink_gbps:g} GB/s + {ln.nvlink_latency_us:g} us, "
-          f"RDMA {ln.rdma_gbps:g} GB/s + {ln.rdma_latency_us:g} us; communication only")
+    print(_link_text(ln) + "; communication only")
+    print(f"all-to-all time: {plan.transport.value} transport, "
+          + ("fitted on DeepEP V1's published H800 rows (docs/planner.md)"
+             if plan.transport in CALIBRATED else
+             "not calibrated (borrows the fitted families' constants; docs/planner.md)"))
     if not w.per_pair and not plan.routing_given and any(s.dispatches for s in plan.strategies):
         hit = float(expected_ranks_hit(m.num_experts, m.num_topk, lay.ep_size))
         print(f"rows depend on routing: expected under uniform routing [exact min..max]; "
@@ -166,7 +204,7 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
     print("busiest rank per column:")
     print(f"{'strategy':<24} {'decoder TP collectives':<36} {'TP bytes':>11} {'pairs':>6} "
           f"{'rows sent':<20} {'dispatch sent':<26} {'x_sf sent':<26} {'combine sent':<26} "
-          f"{'shared W':>10} {'us/layer':>9} {'ms/fwd':>8}")
+          f"{'shared W':>10} {'disp us':>8} {'comb us':>8} {'us/layer':>9} {'ms/fwd':>8}")
 
     def busiest(sp, name: str):
         return max((getattr(r, name) for r in sp.ranks), key=lambda e: (e.expected, e.max))
@@ -181,7 +219,7 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
               f"{_est_bytes(busiest(sp, 'sf_bytes')):<26} "
               f"{_est_bytes(busiest(sp, 'combine_bytes')):<26} "
               f"{_est_bytes(Estimate.exact(max(r.shared_weight_bytes for r in rk))):>10} "
-              f"{sp.time.total_us:>9.1f} {sp.time.total_us * plan.model.num_moe_layers / 1e3:>8.3f}")
+              f"{sp.time.dispatch_us:>8.1f} {sp.time.combine_us:>8.1f} {sp.time.total_us:>9.1f} {sp.time.total_us * plan.model.num_moe_layers / 1e3:>8.3f}")
         if per_rank:
             for r in rk:
                 print(f"    rank {r.rank} (dp {r.dp_rank}, tp {r.tp_rank}): tokens {r.owned} "
@@ -194,7 +232,8 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
                       + f" | shared W {r.shared_weight_bytes} B, experts W {r.expert_weight_bytes} B")
     print(f"per decoder layer: the attention's TP reduction (under SP: "
           f"{plan.model.sp_attention}) + the MoE block's; TP bytes: contributed by the busiest "
-          f"rank; us/layer: dispatch + combine + TP collectives; ms/fwd: x "
+          f"rank; disp/comb us: the busiest rank's dispatch / combine; us/layer: dispatch + "
+          f"combine + TP collectives; ms/fwd: x "
           f"{plan.model.num_moe_layers} MoE layers")
     default = plan.default.strategy.value
     print(f"* = recommended; a layer left to itself runs {default}")
@@ -241,8 +280,9 @@ def _plan_tokens(args: argparse.Namespace, dp: int) -> "int | list[int]":
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from moe_plugins.overlap import OverlapConfig
+    from moe_plugins.planner.compare import compare_backends
     from moe_plugins.planner.plan import plan_layer
-    from moe_plugins.registry import get_backend
+    from moe_plugins.registry import AUTO, get_backend
     from moe_plugins.strategy import SharedPlacement
 
     model, layout, quant, link = _plan_inputs(args)
@@ -254,17 +294,121 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--shared-expert-budget-gb {args.shared_expert_budget_gb:g} is too "
                              "large to count in bytes; leave the flag out for no limit")
         budget = int(budget_bytes)
-    plan = plan_layer(model, layout, tokens, get_backend(args.backend), quant, link=link,
-                      shared_placement=SharedPlacement(args.shared_placement),
-                      single_collective=OverlapConfig.from_env().single_collective,
-                      shared_expert_budget_bytes=budget,
-                      placement=_expert_placement(args, model, layout))
+    kw = dict(link=link, shared_placement=SharedPlacement(args.shared_placement),
+              single_collective=OverlapConfig.from_env().single_collective,
+              shared_expert_budget_bytes=budget, placement=_expert_placement(args, model, layout))
+    if args.sweep_tokens is not None:
+        return _sweep(args, model, layout, quant, kw)
+    comparison = None
+    backend = args.backend
+    if backend == AUTO:
+        comparison = compare_backends(model, layout, tokens, quant, **kw)
+        if not comparison[0].usable:
+            raise ValueError("no registered backend can serve this layer: " + "; ".join(
+                f"{b.backend}: {b.reason}" for b in comparison))
+        backend = comparison[0].backend
+    plan = plan_layer(model, layout, tokens, get_backend(backend), quant, **kw)
     if args.json:
         for row in _plan_json(plan):
+            if comparison is not None:
+                row["backend_comparison"] = [_time_json(b) for b in comparison]
             print(json.dumps(row))
     else:
+        if comparison is not None:
+            _comparison_table(comparison)
         _plan_table(plan, args.per_rank)
     return 0
+
+
+def _time_json(b: Any) -> dict:
+    """One backend's times (``compare_backends``) as JSON."""
+    return {"backend": b.backend, "usable": b.usable, "reason": b.reason or None,
+            "transport": b.transport.value if b.transport else None,
+            "dispatch_us": b.dispatch_us, "combine_us": b.combine_us,
+            "total_us": b.total_us if b.usable else None}
+
+
+def _comparison_table(comparison: list) -> None:
+    """--backend auto: every backend's dispatch + combine, the fastest and by how much."""
+    from moe_plugins.planner.transport_time import CALIBRATED
+
+    print("backends at these tokens (busiest rank, per MoE layer, the recommended strategy):")
+    print(f"{'backend':<28} {'transport':<17} {'dispatch us':>11} {'combine us':>11} "
+          f"{'total us':>9}")
+    for b in comparison:
+        if b.usable:
+            note = "" if b.transport in CALIBRATED else "  (transport not calibrated)"
+            print(f"{b.backend:<28} {b.transport.value:<17} {b.dispatch_us:>11.1f} "
+                  f"{b.combine_us:>11.1f} {b.total_us:>9.1f}{note}")
+        else:
+            print(f"{b.backend:<28} cannot serve this layer: {b.reason}")
+    usable = [b for b in comparison if b.usable]
+    best = usable[0]
+    if len(usable) > 1:
+        nxt = usable[1]
+        print(f"fastest: {best.backend}, {nxt.total_us - best.total_us:.1f} us per layer "
+              f"({(nxt.total_us / best.total_us - 1) * 100:.0f}%) ahead of {nxt.backend}; its "
+              "plan follows")
+    else:
+        print(f"fastest: {best.backend}, the only backend that can serve this layer")
+
+
+def _sweep(args: argparse.Namespace, model: Any, layout: Any, quant: Any, kw: dict) -> int:
+    """--sweep-tokens: dispatch + combine per backend at each count, and the crossover."""
+    from moe_plugins.planner.compare import crossover_backends, crossover_tokens, sweep_tokens
+    from moe_plugins.registry import AUTO
+
+    if args.tokens is not None or args.tokens_per_dp is not None:
+        raise ValueError("--sweep-tokens sets the tokens of every DP group itself; leave out "
+                         "--tokens and --tokens-per-dp")
+    low, normal = crossover_backends()
+    names = None if args.backend == AUTO else list(dict.fromkeys(
+        n for n in (args.backend, low, normal) if n is not None))
+    counts = args.sweep_tokens
+    points = sweep_tokens(model, layout, counts, quant, names, **kw)
+    at, text = ((None, "no crossover: a low-latency and a normal-mode backend are needed")
+                if low is None or normal is None else crossover_tokens(counts, points, low, normal))
+    order = sorted({b.backend for b in points[0]})
+    if args.json:
+        print(json.dumps({
+            "layout": layout.describe(), "model": model.name, "quant": quant.scheme.value,
+            "link": _link_json(kw["link"]),
+            "sweep": [{"tokens_per_dp_group": n, "backends": [_time_json(b) for b in row]}
+                      for n, row in zip(counts, points)],
+            "crossover": {"low_latency": low, "normal": normal, "tokens_per_dp_group": at,
+                          "text": text}}))
+        return 0
+    print(f"layout {layout.describe()}, model {model.name}, quant {quant.scheme.value}")
+    print(_link_text(kw["link"]))
+    print("dispatch + combine us per MoE layer (busiest rank, the recommended strategy); "
+          "- : the backend cannot serve the layer")
+    print(f"{'tokens/DP group':>15} " + " ".join(f"{n:>28}" for n in order))
+    for n, row in zip(counts, points):
+        t = {b.backend: b for b in row}
+        print(f"{n:>15} " + " ".join(
+            f"{t[name].total_us:>28.1f}" if t[name].usable else f"{'-':>28}" for name in order))
+    for b in points[0]:
+        if not b.usable:
+            print(f"{b.backend}: {b.reason}")
+    print(text)
+    return 0
+
+
+def _preset_name(text: str) -> str:
+    """An argparse type: a name of :data:`LINK_PRESETS` (the error lists them)."""
+    if text not in LINK_PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown link preset {text!r}; expected one of "
+                                         f"{', '.join(sorted(LINK_PRESETS))}")
+    return text
+
+
+def _sweep_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated token counts >= 1, increasing."""
+    counts = token_counts(text)
+    if any(c < 1 for c in counts) or counts != sorted(set(counts)):
+        raise argparse.ArgumentTypeError(f"expected increasing token counts >= 1, got {text!r}; "
+                                         "e.g. 1,8,64,512,4096")
+    return counts
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -300,14 +444,27 @@ def add_plan_parser(sub: Any) -> None:
                       help="the attention's TP reduction under SP (default: from "
                       "--model-config's family, DeepSeek reduce_scatter, Qwen all_reduce; else "
                       "reduce_scatter)")
-    plan.add_argument("--nvlink-gbps", type=positive_float, default=450.0,
+    plan.add_argument("--link", metavar="PRESET", type=_preset_name,
+                      help=f"a named system ({', '.join(sorted(LINK_PRESETS))}; sources in "
+                      "docs/planner.md); the link flags below override its values (default: "
+                      "H100/H200 HGX links, 8 GPUs per node)")
+    plan.add_argument("--nvlink-gbps", type=positive_float,
                       help="NVLink GB/s per GPU and direction (H100/H200 NVLink4: 450)")
-    plan.add_argument("--nvlink-us", type=nonnegative_float, default=3.0,
-                      help="NVLink latency per message")
-    plan.add_argument("--rdma-gbps", type=positive_float, default=50.0,
+    plan.add_argument("--nvlink-us", type=nonnegative_float,
+                      help="NVLink latency per message (default 3)")
+    plan.add_argument("--rdma-gbps", type=positive_float,
                       help="RDMA GB/s per GPU (one 400 Gb/s NIC per GPU: 50)")
-    plan.add_argument("--rdma-us", type=nonnegative_float, default=5.0,
-                      help="RDMA latency per message")
-    plan.add_argument("--gpus-per-node", type=int_at_least(1), default=8)
+    plan.add_argument("--rdma-us", type=nonnegative_float,
+                      help="RDMA latency per message (default 5)")
+    plan.add_argument("--gpus-per-node", type=int_at_least(1),
+                      help="GPUs per node (NVLink domain), default 8")
+    plan.add_argument("--ll-nvlink", choices=["on", "off"],
+                      help="low-latency messages to the node's own ranks over NVLink (default "
+                      "on, as DeepEP's allow_nvlink_for_low_latency_mode)")
+    plan.add_argument("--sms", type=int_at_least(1),
+                      help="SMs of DeepEP's normal mode (default 20, DeepEP V1's)")
+    plan.add_argument("--sweep-tokens", type=_sweep_counts, metavar="N1,N2,...",
+                      help="dispatch + combine per backend at each count of tokens per DP group, "
+                      "and where the normal mode overtakes the low-latency one")
     plan.add_argument("--per-rank", action="store_true", help="table: a line per rank as well")
     plan.add_argument("--json", action="store_true", help="one JSON object per strategy and line")

@@ -356,6 +356,10 @@ def test_link_model_times():
     ("gpus_per_node", 0, ValueError, "gpus_per_node must be >= 1, got 0"),
     ("gpus_per_node", 8.0, TypeError, "gpus_per_node must be an int, got 8.0 (float)"),
     ("gpus_per_node", True, TypeError, "gpus_per_node must be an int, got True (bool)"),
+    ("ll_nvlink", "on", TypeError, "ll_nvlink must be a bool, got 'on' (str)"),
+    ("sms", 0, ValueError, "sms must be >= 1, got 0"),
+    ("sms", 20.0, TypeError, "sms must be an int, got 20.0 (float)"),
+    ("nodes", 0, ValueError, "nodes must be >= 1, got 0"),
 ])
 def test_link_model_refuses_what_is_not_a_link(field, value, error, message):
     with pytest.raises(error) as e:

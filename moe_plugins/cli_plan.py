@@ -219,7 +219,8 @@ def _plan_table(plan: "LayerPlan", per_rank: bool) -> None:
               f"{_est_bytes(busiest(sp, 'sf_bytes')):<26} "
               f"{_est_bytes(busiest(sp, 'combine_bytes')):<26} "
               f"{_est_bytes(Estimate.exact(max(r.shared_weight_bytes for r in rk))):>10} "
-              f"{sp.time.dispatch_us:>8.1f} {sp.time.combine_us:>8.1f} {sp.time.total_us:>9.1f} {sp.time.total_us * plan.model.num_moe_layers / 1e3:>8.3f}")
+              f"{sp.time.dispatch_us:>8.1f} {sp.time.combine_us:>8.1f} {sp.time.total_us:>9.1f} "
+              f"{sp.time.total_us * plan.model.num_moe_layers / 1e3:>8.3f}")
         if per_rank:
             for r in rk:
                 print(f"    rank {r.rank} (dp {r.dp_rank}, tp {r.tp_rank}): tokens {r.owned} "

@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "moe_plugins.backends"
 AUTO = "auto"
 
-__all__ = ["Transport", "Capabilities", "WireLayout", "RequiredPackage", "BackendSpec", "BackendSelectionError",
-           "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
+__all__ = ["Transport", "Capabilities", "WireLayout", "RequiredPackage", "BackendSpec",
+           "BackendSelectionError", "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
            "refusal_reason", "reload_backends"]
 
 

@@ -6,9 +6,12 @@ quant scheme, :func:`plan_layer` gives per EP rank and per decoder layer: the to
 prepare and the (token, expert) pairs dispatched, the rows on the wire and the bytes sent and
 received in dispatch (activations, ``x_sf`` and routing metadata separately) and combine, the TP
 collectives with their bytes, the shared-expert and routed-expert weight bytes a rank holds, and a
-communication time from :class:`moe_plugins.planner.link_model.LinkModel`. The recommended
-strategy is the one :func:`moe_plugins.planner.recommend.recommend_strategy` picks from the
-decoder-layer numbers and a shared-expert memory budget; the *default* is the one :func:`moe_plugins.strategy.choose_strategy` picks (what a
+communication time on a :class:`moe_plugins.planner.link_model.LinkModel` (the all-to-alls by
+:mod:`moe_plugins.planner.transport_time`, for the backend's transport; the TP collectives as
+rings). The recommended strategy is the one
+:func:`moe_plugins.planner.recommend.recommend_strategy` picks from the decoder-layer numbers and
+a shared-expert memory budget; the *default* is the one
+:func:`moe_plugins.strategy.choose_strategy` picks (what a
 :class:`moe_plugins.runner.layer.MoELayer` uses when it is not told).
 
 Counted per decoder layer, not per MoE block (docs/design.md, "Reduction strategies"): every TP

@@ -59,7 +59,7 @@ class FittedConstants:
     normal_fixed_us: fixed cost of a normal-mode dispatch or combine (us): the notify step and
         the data step, each assumed to cost one low-latency kernel's fixed cost. An assumption,
         not a fit: every published normal-mode row is at 4096 tokens per rank, where it is
-        2-7% of the time.
+        2-6% of the time.
     reference_sms: SMs of the published normal-mode runs (DeepEP's tests use 24).
     """
 

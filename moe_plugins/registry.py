@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import logging
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -33,8 +34,8 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "moe_plugins.backends"
 AUTO = "auto"
 
-__all__ = ["Capabilities", "WireLayout", "RequiredPackage", "BackendSpec", "BackendSelectionError",
-           "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
+__all__ = ["Transport", "Capabilities", "WireLayout", "RequiredPackage", "BackendSpec",
+           "BackendSelectionError", "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
            "refusal_reason", "reload_backends"]
 
 
@@ -98,6 +99,24 @@ class RequiredPackage:
         return None if found else f"package '{self.module}' not installed ({self.install})"
 
 
+class Transport(Enum):
+    """How a backend's all-to-alls move data, which sets how the planner times them
+    (:mod:`moe_plugins.planner.transport_time`).
+
+    LOW_LATENCY: GPU-initiated messages, one per (token, expert) pair, over RDMA (IBGDA) and,
+        where allowed, NVLink (DeepEP's low-latency mode, NIXL EP).
+    NORMAL: DeepEP's normal mode: one row per (token, destination node) over RDMA, forwarded
+        over NVLink to the ranks of the node; a set number of SMs copies.
+    NVLINK_TWO_SIDED: one row per (token, rank) inside one NVLink domain (FlashInfer).
+    NCCL: ``all_to_all_v`` over the process group (NCCL on GPUs): a count exchange, then rows.
+    """
+
+    LOW_LATENCY = "low_latency"
+    NORMAL = "normal"
+    NVLINK_TWO_SIDED = "nvlink_two_sided"
+    NCCL = "nccl"
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One registered backend.
@@ -127,11 +146,21 @@ class BackendSpec:
     # (token, expert) pair; STANDARD: per (token, rank)) of a call whose busiest rank hands
     # prepare this many rows; None: always the capabilities' activation format
     wire_format_for: Optional[Callable[[int], ActivationFormat]] = None
+    # how the all-to-alls move data (the planner's time model); a backend that picks its
+    # transport per call gives ``transport_for`` (rows of the busiest rank -> its transport)
+    transport: Transport = Transport.NCCL
+    transport_for: Optional[Callable[[int], Transport]] = None
 
     # The backend's own check of a layer config, raising what building it would raise (dtype,
     # hidden, topk limits), and the row its kernels put on the wire; needs no process group.
     # None: rows carry the layer's hidden and no header.
     wire_layout: Optional[Callable[["DispatchConfig"], WireLayout]] = None
+
+    def transport_at(self, max_rows_per_rank: int) -> Transport:
+        """The transport of a call whose busiest rank hands prepare ``max_rows_per_rank`` rows."""
+        if self.transport_for is not None:
+            return self.transport_for(max_rows_per_rank)
+        return self.transport
 
     def wire_layout_for(self, cfg: "DispatchConfig") -> WireLayout:
         """:attr:`wire_layout` of ``cfg``, or the layer's own hidden without a header."""

@@ -34,13 +34,14 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, Pre
                                    PrepareResult, RowScatterTarget, capturing,
                                    check_prepare_inputs)
 from moe_plugins.quant import QuantSpec
+from moe_plugins.registry import Transport
 from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, deepep_spec
 from prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeepEPAutoPrepareFinalize", "SPEC", "LOW_LATENCY", "NORMAL", "PLANNED_CAPACITY",
-           "planned_wire_format"]
+           "planned_wire_format", "planned_transport"]
 
 LOW_LATENCY = "low_latency"
 NORMAL = "normal"
@@ -54,6 +55,14 @@ def planned_wire_format(max_rows_per_rank: int) -> ActivationFormat:
     """The wire format `moe-plugins plan` counts for a call (see :data:`PLANNED_CAPACITY`)."""
     return (ActivationFormat.BATCHED if max_rows_per_rank <= PLANNED_CAPACITY
             else ActivationFormat.STANDARD)
+
+
+def planned_transport(max_rows_per_rank: int) -> Transport:
+    """The transport `moe-plugins plan` times a call with: low-latency up to
+    :data:`PLANNED_CAPACITY` rows on the busiest rank, normal mode above (as
+    :func:`planned_wire_format`)."""
+    return (Transport.LOW_LATENCY if max_rows_per_rank <= PLANNED_CAPACITY
+            else Transport.NORMAL)
 
 
 class DeepEPAutoPrepareFinalize(PrepareFinalize):
@@ -255,6 +264,6 @@ SPEC = deepep_spec(
     "DeepEP V1 low-latency for batches that fit its buffers and CUDA graphs, normal mode above "
     "and for prefill (one buffer); STANDARD format for both",
     # after deepep_ll (auto-selection keeps its choice), before flashinfer and the reference
-    priority=28, wire_format_for=planned_wire_format,
+    priority=28, wire_format_for=planned_wire_format, transport_for=planned_transport,
     use_for="decode and prefill on one DeepEP buffer: low-latency mode while a batch fits, "
             "normal mode above it")

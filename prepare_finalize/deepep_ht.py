@@ -38,7 +38,7 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMe
                                    capturing, check_finalize_routing, check_output,
                                    check_prepare_inputs, write_output)
 from moe_plugins.quant import QuantSpec, quantize_for_dispatch
-from moe_plugins.registry import BackendSpec, Capabilities, WireLayout
+from moe_plugins.registry import BackendSpec, Capabilities, Transport, WireLayout
 
 __all__ = ["DeepEPHTPrepareFinalize", "SPEC", "deepep_spec"]
 
@@ -229,7 +229,8 @@ def deepep_spec(name: str, prepare_finalize: type[PrepareFinalize], manager: typ
         quants=HT_QUANTS, required=(DEEPEP_PACKAGE,), needs_cuda=True, description=description,
         priority=priority, ep_sizes=EP_SIZES,
         dtypes=frozenset({torch.bfloat16}),  # the normal-mode combine reduces bf16 only
-        wire_layout=functools.partial(normal_mode_wire_layout, backend=name), **extra)
+        wire_layout=functools.partial(normal_mode_wire_layout, backend=name),
+        **{"transport": Transport.NORMAL, **extra})
 
 
 def normal_mode_wire_layout(cfg: DispatchConfig, backend: str) -> WireLayout:

@@ -35,7 +35,8 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, Pre
                                    check_output, check_prepare_inputs, write_output)
 from moe_plugins.layout import LocalIdMap, destination_ranks
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
-from moe_plugins.registry import BackendSpec, Capabilities, RequiredPackage, WireLayout
+from moe_plugins.registry import (BackendSpec, Capabilities, RequiredPackage, Transport,
+                                  WireLayout)
 
 __all__ = ["FlashInferNVLinkTwoSidedPrepareFinalize", "SPEC"]
 
@@ -271,6 +272,7 @@ SPEC = BackendSpec(
     required=(RequiredPackage("flashinfer", INSTALL_HINT, FLASHINFER_EXTRA),),
     needs_cuda=True,
     wire_layout=_wire_layout,
+    transport=Transport.NVLINK_TWO_SIDED,
     priority=25,  # after DeepEP LL (hooks overlap better), before NixlEP and the reference
     description="flashinfer MNNVL two-sided all-to-all-v (MnnvlMoe in 0.7.2.post1, moe_ep in "
                 "0.7.4+); shared expert overlaps on the side stream",

@@ -31,7 +31,7 @@ from moe_plugins.lowlat.limits import (LL_QUANTS, MSG_HEADER_BYTES, UE8M0_PACK, 
 from moe_plugins.lowlat.manager import LowLatencyManager
 from moe_plugins.lowlat.vendor import RuntimeCalls, first_method
 from moe_plugins.quant import FP8_BLOCK, QuantSpec
-from moe_plugins.registry import BackendSpec, Capabilities
+from moe_plugins.registry import BackendSpec, Capabilities, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -469,4 +469,5 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
         priority=priority,
         dtypes=frozenset({torch.bfloat16}),  # the kernels dispatch bf16 (and quantize to FP8)
         wire_layout=manager.wire_layout,
+        transport=Transport.LOW_LATENCY,
     )

@@ -1,3 +1,5 @@
-"""The planner: the analytic cost model of a decoder layer's communication (``plan``), the link
-model it prices transfers with (``link_model``) and the model-shape reader for Hugging Face
-configs (``model_config``)."""
+"""The planner: the analytic cost model of a decoder layer's communication. ``plan``
+(:func:`~moe_plugins.planner.plan.plan_layer`) puts together what the all-to-alls move
+(``traffic``), the decoder layer's TP collectives and weights (``decoder``) and the strategy
+recommendation (``recommend``) into the result types of ``results``; ``link_model`` prices the
+transfers; ``model_config`` reads model shapes from Hugging Face configs."""

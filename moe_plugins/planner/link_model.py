@@ -1,4 +1,5 @@
-"""A small link model: how long a transfer, an all-to-all or a TP collective takes on GPU nodes.
+"""The links of a GPU system and how long a transfer or a ring TP collective takes on them
+(the all-to-alls are timed per transport by :mod:`moe_plugins.planner.transport_time`).
 
 Two link kinds, each a bandwidth and a per-message latency: NVLink between GPUs of one node and
 RDMA between nodes. Ranks ``[k * gpus_per_node, (k + 1) * gpus_per_node)`` share node ``k`` (the
@@ -7,10 +8,18 @@ direction, latencies in microseconds.
 
 Defaults, for H100/H200 SXM nodes (DGX/HGX, 8 GPUs):
 - ``nvlink_gbps = 450``: NVLink 4, 18 links x 25 GB/s = 450 GB/s per direction (900 GB/s
-  bidirectional). All-to-all kernels reach roughly 40-80% of it; pass a measured value.
+  bidirectional). The time model scales it by fitted efficiencies.
 - ``nvlink_latency_us = 3``: order of magnitude of one small NCCL/NVSHMEM step inside a node.
 - ``rdma_gbps = 50``: one 400 Gb/s InfiniBand NDR / RoCE NIC per GPU (ConnectX-7).
 - ``rdma_latency_us = 5``: order of magnitude of one small GPU-initiated RDMA message.
+
+Three settings shape the all-to-all time model (:mod:`moe_plugins.planner.transport_time`):
+- ``ll_nvlink``: low-latency kernels may send to ranks of their own node over NVLink (DeepEP's
+  ``allow_nvlink_for_low_latency_mode``, on by default); off, every message goes through the NIC.
+- ``sms``: SMs DeepEP's normal mode copies with (DeepEP V1's ``Buffer.num_sms``, 20 by default).
+- ``nodes``: how many nodes the system has (None: as many as a layout needs).
+
+Named sets of these values for common systems are in :mod:`moe_plugins.planner.presets`.
 
 Only communication is modelled: no GEMM, no kernel launch, no overlap with the shared expert.
 Self-sends are local copies and cost nothing here.
@@ -19,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["LinkModel"]
 
@@ -34,6 +43,10 @@ class LinkModel:
     rdma_gbps: float = 50.0
     rdma_latency_us: float = 5.0
     gpus_per_node: int = 8
+    ll_nvlink: bool = True
+    sms: int = 20
+    nodes: Optional[int] = None
+    name: str = ""  # the preset these values come from, if any
 
     def __post_init__(self) -> None:
         for name, low, unit in (("nvlink_gbps", "> 0", "GB/s"), ("rdma_gbps", "> 0", "GB/s"),
@@ -52,6 +65,31 @@ class LinkModel:
                             f"{self.gpus_per_node!r} ({type(self.gpus_per_node).__name__})")
         if self.gpus_per_node < 1:
             raise ValueError(f"LinkModel.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if not isinstance(self.ll_nvlink, bool):
+            raise TypeError(f"LinkModel.ll_nvlink must be a bool, got {self.ll_nvlink!r} "
+                            f"({type(self.ll_nvlink).__name__})")
+        for name in ("sms", "nodes"):
+            value = getattr(self, name)
+            if value is None and name == "nodes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"LinkModel.{name} must be an int, got {value!r} "
+                                f"({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"LinkModel.{name} must be >= 1, got {value}")
+
+    def node(self, rank: int) -> int:
+        """The node rank ``rank`` sits on."""
+        return rank // self.gpus_per_node
+
+    def check_fits(self, num_ranks: int) -> None:
+        """ValueError when ``num_ranks`` GPUs need more nodes than the system has."""
+        need = -(-num_ranks // self.gpus_per_node)
+        if self.nodes is not None and need > self.nodes:
+            system = f"preset {self.name!r}" if self.name else "this link model"
+            raise ValueError(f"{num_ranks} ranks need {need} nodes of {self.gpus_per_node} GPUs; "
+                             f"{system} has {self.nodes}; pick a layout of at most "
+                             f"{self.nodes * self.gpus_per_node} ranks or a multi-node preset")
 
     def same_node(self, a: int, b: int) -> bool:
         return a // self.gpus_per_node == b // self.gpus_per_node
@@ -68,26 +106,6 @@ class LinkModel:
         if link == "nvlink":
             return self.nvlink_latency_us + num_bytes / (self.nvlink_gbps * 1e3)
         return self.rdma_latency_us + num_bytes / (self.rdma_gbps * 1e3)
-
-    def all_to_all_us(self, bytes_matrix: Sequence[Sequence[float]]) -> float:
-        """``bytes_matrix[s][d]``: bytes rank s sends rank d. Each rank sends (and receives) over
-        NVLink and RDMA at once; a rank is done when both its sends and its receives are; the
-        all-to-all ends with the slowest rank."""
-        n = len(bytes_matrix)
-        worst = 0.0
-        for r in range(n):
-            for direction in ((bytes_matrix[r][d], d) for d in range(n)), \
-                             ((bytes_matrix[s][r], s) for s in range(n)):
-                nv = rd = 0.0
-                for b, peer in direction:
-                    if peer == r:
-                        continue
-                    if self.same_node(r, peer):
-                        nv += b
-                    else:
-                        rd += b
-                worst = max(worst, self.transfer_us(nv, "nvlink"), self.transfer_us(rd, "rdma"))
-        return worst
 
     def all_reduce_us(self, num_bytes: float, ranks: Sequence[int]) -> float:
         """Ring all_reduce of a ``num_bytes`` tensor over ``ranks``: 2 (n - 1) steps of

@@ -4,9 +4,9 @@ switches (:class:`VllmLayerPlan`), decided once per layer and once for the engin
 Sequence parallelism is a model-level decision vLLM makes from
 ``ParallelConfig.use_sequence_parallel_moe`` before any layer exists; for our names the hook in
 :mod:`moe_plugins.vllm.patches` answers it with :func:`sequence_parallel_moe` (vLLM's rule, the
-backend's SP capability, and :func:`moe_plugins.planner.plan.recommend_strategy` on the engine
-config),
-and each layer then follows what vLLM built (``FusedMoEParallelConfig.is_sequence_parallel``).
+backend's SP capability, and :func:`moe_plugins.planner.recommend.recommend_strategy` on the
+engine config), and each layer then follows what vLLM built
+(``FusedMoEParallelConfig.is_sequence_parallel``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Optional
 from moe_plugins.interface import (ActivationFormat)
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.planner.model_config import ModelSpec, model_spec_from_dict
-from moe_plugins.planner.plan import recommend_strategy
+from moe_plugins.planner.recommend import recommend_strategy
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import AUTO, BackendSpec, select_backend
 from moe_plugins.strategy import (ReductionStrategy, StrategyChoice, applicable_strategies,
@@ -69,10 +69,10 @@ def plan_vllm_layer(backend: str, layout: ParallelLayout, settings: PluginSettin
     off, or a model without vLLM's SP path), SP_ALLGATHER does not apply. None: the decision
     itself, made from the engine config before any layer exists (what
     ``ParallelConfig.use_sequence_parallel_moe`` answers for our names): a strategy named in
-    ``--additional-config`` if any, else :func:`moe_plugins.planner.plan.recommend_strategy` for
-    ``model`` (None: a model whose shape moe-plugins cannot read) at ``num_tokens`` tokens per
-    DP group with the settings' shared-expert budget, wherever the layout and the backend's
-    capabilities allow SP."""
+    ``--additional-config`` if any, else
+    :func:`moe_plugins.planner.recommend.recommend_strategy` for ``model`` (None: a model whose
+    shape moe-plugins cannot read) at ``num_tokens`` tokens per DP group with the settings'
+    shared-expert budget, wherever the layout and the backend's capabilities allow SP."""
     spec = select_backend(layout, QuantScheme.NONE, backend, require_available=require_available)
     caps = spec.capabilities
     if sequence_parallel and not layout.sequence_parallel(caps.sp):

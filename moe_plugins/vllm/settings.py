@@ -29,7 +29,7 @@ class PluginSettings:
         expert's side stream is vLLM's, with its own threshold, so the glue warns that it is unused.
     shared_expert_budget_bytes: ``shared_expert_budget_gb`` (GiB, as ``moe-plugins plan
         --shared-expert-budget-gb``) in bytes: what the shared experts of all MoE layers may
-        take per rank when :func:`moe_plugins.planner.plan.recommend_strategy` weighs SP (replicated
+        take per rank when :func:`moe_plugins.planner.recommend.recommend_strategy` weighs SP (replicated
         shared experts) against row-scatter (TP-sharded ones); None: no limit.
     """
 

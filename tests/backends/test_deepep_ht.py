@@ -297,7 +297,8 @@ def test_wrong_options_type_is_a_type_error(rank_pool, backend):
 def test_plan_equals_measured_normal_mode(rank_pool, quant, layout, strategy):
     """deepep_ht: one row per (token, destination rank); with the routing prepare received,
     the plan's rows and bytes are exactly what the backend counted."""
-    from moe_plugins.planner.plan import Routing, plan_layer
+    from moe_plugins.planner.plan import plan_layer
+    from moe_plugins.planner.traffic import Routing
 
     cfg = _cfg(hidden=256, intermediate=16, shared_intermediate=32)
     tokens = (5,) * layout.dp

@@ -336,7 +336,8 @@ def test_plan_equals_the_backends_counters(rank_pool):
     from moe_plugins.runner.demo import demo_inputs
     from moe_plugins.layout import owned_rows
     from moe_plugins.runner.model import MoEWeights, route
-    from moe_plugins.planner.plan import Routing, plan_layer
+    from moe_plugins.planner.plan import plan_layer
+    from moe_plugins.planner.traffic import Routing
 
     layout, cfg, n, quant = ParallelLayout(2, 2, True), _cfg(), 7, QuantSpec(NVFP4)
     strategy = ReductionStrategy.ROW_SCATTER_ALLREDUCE

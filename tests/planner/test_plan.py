@@ -3,6 +3,7 @@ on real multi-rank gloo runs; its routing statistics; the link model; model-conf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import subprocess
 import json
@@ -22,10 +23,13 @@ from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.runner.model import MoEConfig, MoEWeights, route
 from moe_plugins.planner.model_config import load_model_config, model_spec_from_dict
 from moe_plugins.planner.model_config import ModelSpec
-from moe_plugins.planner.plan import (Routing, decoder_tp_collectives, expected_ranks_hit, plan_layer,
-                              ranks_hit_bounds, recommend_strategy)
+from moe_plugins.planner.decoder import decoder_tp_collectives
+from moe_plugins.planner.plan import plan_layer
+from moe_plugins.planner.recommend import recommend_strategy
+from moe_plugins.planner.traffic import Routing, expected_ranks_hit, ranks_hit_bounds
+from moe_plugins.planner.transport_time import FITTED, all_to_all_us
 from moe_plugins.quant import QuantScheme, QuantSpec
-from moe_plugins.registry import BackendSpec, Capabilities, get_backend
+from moe_plugins.registry import BackendSpec, Capabilities, Transport, get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 from moe_plugins.strategy import SharedPlacement, applicable_strategies, choose_strategy
 
@@ -318,12 +322,20 @@ def test_plan_errors_name_what_is_wrong():
 def test_link_model_times():
     link = LinkModel(nvlink_gbps=100.0, nvlink_latency_us=2.0, rdma_gbps=10.0, rdma_latency_us=5.0,
                      gpus_per_node=2)
-    # 4 ranks on 2 nodes; rank 0 sends 1e6 B to rank 1 (NVLink) and 1e6 B to rank 2 (RDMA)
+    # 4 ranks on 2 nodes; rank 0 sends 1e6 rows of 1 B to rank 1 (NVLink) and to rank 2 (RDMA);
+    # NCCL's combine is one exchange: a fixed cost + the slowest link's latency + the busiest
+    # link's bytes
+    c = FITTED
     m = [[0.0] * 4 for _ in range(4)]
     m[0][0], m[0][1], m[0][2] = 5e9, 1e6, 1e6  # the self-send is free
-    assert link.all_to_all_us(m) == pytest.approx(5.0 + 1e6 / 10e3)
+    nccl = functools.partial(all_to_all_us, Transport.NCCL, "combine", row_bytes=1, link=link)
+    assert nccl(m) == pytest.approx(c.ll_fixed_us + 5.0 + 1e6 / (10e3 * c.normal_rdma_efficiency))
     m[0][2] = 0.0
-    assert link.all_to_all_us(m) == pytest.approx(2.0 + 1e6 / 100e3)
+    assert nccl(m) == pytest.approx(c.ll_fixed_us + 2.0
+                                  + 1e6 / (100e3 * c.normal_nvlink_efficiency))
+    # its dispatch adds the count exchange
+    assert all_to_all_us(Transport.NCCL, "dispatch", m, 1, link) == pytest.approx(
+        nccl(m) + c.ll_fixed_us + 2.0)
     # ring all_reduce of 4e6 B over 2 ranks of one node: 2 steps of 2e6 B
     assert link.all_reduce_us(4e6, [0, 1]) == pytest.approx(2 * (2.0 + 2e6 / 100e3))
     # all_gather of 1e6 B each over 4 ranks spanning nodes: 3 RDMA steps
@@ -344,6 +356,10 @@ def test_link_model_times():
     ("gpus_per_node", 0, ValueError, "gpus_per_node must be >= 1, got 0"),
     ("gpus_per_node", 8.0, TypeError, "gpus_per_node must be an int, got 8.0 (float)"),
     ("gpus_per_node", True, TypeError, "gpus_per_node must be an int, got True (bool)"),
+    ("ll_nvlink", "on", TypeError, "ll_nvlink must be a bool, got 'on' (str)"),
+    ("sms", 0, ValueError, "sms must be >= 1, got 0"),
+    ("sms", 20.0, TypeError, "sms must be an int, got 20.0 (float)"),
+    ("nodes", 0, ValueError, "nodes must be >= 1, got 0"),
 ])
 def test_link_model_refuses_what_is_not_a_link(field, value, error, message):
     with pytest.raises(error) as e:

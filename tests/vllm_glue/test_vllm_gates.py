@@ -164,7 +164,7 @@ def test_sequence_parallel_moe_follows_the_recommendation(registered, qwen2_moe_
 def test_the_engine_decision_is_recommend_strategys(registered, qwen2_moe_dir):
     from moe_plugins.layout import ParallelLayout
     from moe_plugins.planner.model_config import model_spec_from_dict
-    from moe_plugins.planner.plan import recommend_strategy
+    from moe_plugins.planner.recommend import recommend_strategy
     from moe_plugins.vllm.layer_plan import parallel_config_plan
     from vllm.config import set_current_vllm_config
 

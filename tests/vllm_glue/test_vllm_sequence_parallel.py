@@ -4,7 +4,7 @@ process groups, SP decision, modular kernel, runner reductions and model SP step
 
 Held to: the single-process reference MoE (element-wise), the tokens vLLM handed the MoE (the
 owned chunk under SP: never sliced again), and the plan's decoder-layer TP collectives
-(:class:`moe_plugins.planner.plan.RankPlan.decoder_collectives`: kinds and bytes, in order)
+(:class:`moe_plugins.planner.results.RankPlan.decoder_collectives`: kinds and bytes, in order)
 against the collectives counted on vLLM's TP group from the attention's reduction to the end
 of the layer (torch.distributed's, and those of vLLM's CPU shared-memory communicator where it
 runs them). Both of vLLM's CPU communicators are held to it: the one this machine's processor

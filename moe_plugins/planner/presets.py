@@ -1,0 +1,50 @@
+"""Named link models for systems the planner knows (``moe-plugins plan --link NAME``), each
+with where its numbers come from. Bandwidths are per GPU and direction (GB/s), latencies
+per message (us). The link latencies are orders of magnitude, not measurements; the time
+model's fitted constants (:data:`moe_plugins.planner.transport_time.FITTED`) come from the
+H800 rows alone and are assumed to carry over to the other systems."""
+from __future__ import annotations
+
+import dataclasses
+
+from moe_plugins.planner.link_model import LinkModel
+
+__all__ = ["LINK_PRESETS", "link_preset"]
+
+_LATENCY = dict(nvlink_latency_us=3.0, rdma_latency_us=5.0)
+
+#: name -> link model. Sources:
+#: - h800-cx7: the set-up of DeepEP V1's published performance tables (its README): H800 SXM,
+#:   NVLink 400 GB/s bidirectional (8 NVLink 4 links, 200 GB/s per direction; the README
+#:   quotes ~160 GB/s reached), one ConnectX-7 400 Gb/s InfiniBand NIC per GPU (50 GB/s), 8
+#:   GPUs per node, 24 SMs for the normal mode as DeepEP's tests set. Low-latency messages to
+#:   the node's own ranks go over NVLink: the published EP 8 row moves about 86 GB/s of
+#:   remote bytes per GPU, more than its one 50 GB/s NIC can carry (docs/planner.md).
+#: - h100-cx7, h200-cx7: H100 / H200 SXM (NVIDIA's datasheets: NVLink 900 GB/s bidirectional,
+#:   18 NVLink 4 links, 450 GB/s per direction), one ConnectX-7 400 Gb/s NIC per GPU (50 GB/s),
+#:   8 GPUs per node (HGX), DeepEP V1's default of 20 SMs for the normal mode.
+#: - h200-nvlink: one HGX H200 node (8 GPUs, NVLink as above); no second node.
+LINK_PRESETS: dict[str, LinkModel] = {
+    "h800-cx7": LinkModel(nvlink_gbps=200.0, rdma_gbps=50.0, gpus_per_node=8, ll_nvlink=True,
+                          sms=24, name="h800-cx7", **_LATENCY),
+    "h100-cx7": LinkModel(nvlink_gbps=450.0, rdma_gbps=50.0, gpus_per_node=8, ll_nvlink=True,
+                          sms=20, name="h100-cx7", **_LATENCY),
+    "h200-cx7": LinkModel(nvlink_gbps=450.0, rdma_gbps=50.0, gpus_per_node=8, ll_nvlink=True,
+                          sms=20, name="h200-cx7", **_LATENCY),
+    "h200-nvlink": LinkModel(nvlink_gbps=450.0, rdma_gbps=50.0, gpus_per_node=8, ll_nvlink=True,
+                             sms=20, nodes=1, name="h200-nvlink", **_LATENCY),
+}
+
+
+def link_preset(name: str, **overrides: object) -> LinkModel:
+    """The preset ``name`` with ``overrides`` (LinkModel fields) applied; an overridden preset
+    is named ``'<name> (with <fields>)'``. ValueError lists the presets for an unknown name."""
+    if name not in LINK_PRESETS:
+        raise ValueError(f"unknown link preset {name!r}; expected one of "
+                         f"{', '.join(sorted(LINK_PRESETS))}")
+    base = LINK_PRESETS[name]
+    changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
+    if not changed:
+        return base
+    return dataclasses.replace(base, **changed,
+                               name=f"{name} (with {', '.join(sorted(changed))})")

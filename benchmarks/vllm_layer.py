@@ -84,8 +84,10 @@ def main() -> None:
     if args.json:
         import importlib.metadata
 
+        from tests.gpu.ep_matrix import current_commit
+
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    vllm=importlib.metadata.version("vllm"),
+                    vllm=importlib.metadata.version("vllm"), commit=current_commit(),
                     stood_in="vLLM's Python without its compiled extension "
                              "(benchmarks/vllm_stand_ins.py); torch experts on both sides",
                     shape="hidden 7168, 32 local experts x intermediate 2048, top-8, "

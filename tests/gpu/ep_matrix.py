@@ -453,39 +453,48 @@ def _load_rows(paths: Sequence[str]) -> list[dict]:
     return [row for p in paths for row in _load_record(p)]
 
 
+def _base_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ("path", "backend", "ep", "tp", "quant", "case"))
+
+
 def _row_key(row: dict) -> tuple:
     # vLLM's path runs once per vLLM release: its rows of two releases are both kept
-    vllm = row.get("vllm") if row.get("path") == "vllm" else None
-    return tuple(row.get(k) for k in ("path", "backend", "ep", "tp", "quant", "case")) + (vllm,)
+    return _base_key(row) + (row.get("vllm") if row.get("path") == "vllm" else None,)
 
 
 def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
                   earlier: Sequence[tuple[str, Sequence[dict]]] = ()) -> list[dict]:
     """One record out of several: the rows of ``records`` in order (a row of a later record
-    replaces an earlier row with the same path/backend/ep/tp/quant/case), then the rows of the
-    ``earlier`` records that no row of ``records`` replaces. Each input is (name, rows).
+    replaces an earlier row with the same path/backend/ep/tp/quant/case and, on vLLM's path,
+    vLLM release), then the rows of the ``earlier`` records that no row of ``records``
+    replaces. Each input is (name, rows).
 
     Every row gets ``from_run``: ``commit`` (what the run wrote, ``unknown`` for a record older
     than the field), ``record`` (the input's name) and, for a row kept from ``earlier``,
-    ``note`` saying that it was not re-run with the others. Nothing else of a row changes."""
+    ``note`` saying that it was not re-run with the others; and ``vllm`` (``unknown`` for a
+    record older than the field; an earlier row of unknown release on vLLM's path is replaced by
+    any newer row of the same case). Nothing else of a row changes."""
     def stamped(row: dict, name: str, note: str = "") -> dict:
         run = dict(row.get("from_run") or {"commit": "unknown"}, record=name)
         if note:
             run["note"] = note
-        return dict(row, from_run=run)
+        return dict(row, from_run=run, vllm=row.get("vllm", "unknown"))
 
     merged: dict[tuple, dict] = {}
     for name, rows in records:
         for row in rows:
-            merged[_row_key(row)] = stamped(row, name)
+            row = stamped(row, name)
+            merged[_row_key(row)] = row
     newer = sorted({r["from_run"]["commit"] for r in merged.values()})
+    newer_cases = {_base_key(r) for r in merged.values()}
     names = ", ".join(name for name, _ in records)
     for name, rows in earlier:
         for row in rows:
-            if _row_key(row) not in merged:
-                merged[_row_key(row)] = stamped(
-                    row, name, f"kept from an earlier run: not in {names} "
-                               f"(commit {', '.join(newer) or 'none'})")
+            row = stamped(row, name, f"kept from an earlier run: not in {names} "
+                                     f"(commit {', '.join(newer) or 'none'})")
+            if row["vllm"] == "unknown" and _base_key(row) in newer_cases:
+                continue
+            merged.setdefault(_row_key(row), row)
     return list(merged.values())
 
 

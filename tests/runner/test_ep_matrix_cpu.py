@@ -14,7 +14,8 @@ import pytest
 
 from tests.gpu import deepep_ht_ranks
 from tests.gpu.ep_harness import run_world, verdict
-from tests.gpu.ep_matrix import STATUSES, jobs, main, rows_to_markdown, run_matrix
+from tests.gpu.ep_matrix import (STATUSES, jobs, main, merge_records, rows_to_markdown,
+                                 run_matrix)
 
 pytestmark = pytest.mark.multirank
 
@@ -103,8 +104,8 @@ def test_record_as_markdown(tmp_path, capsys):
     assert main(["--merge", str(a), str(b), "-o", str(out)]) == 0
     # a record older than from_run: each row says which record it came from, commit unknown
     assert json.loads(out.read_text()) == [
-        dict(rows[0], from_run={"commit": "unknown", "record": "a.json"}),
-        dict(rows[1], from_run={"commit": "unknown", "record": "b.json"})]
+        dict(rows[0], from_run={"commit": "unknown", "record": "a.json"}, vllm="unknown"),
+        dict(rows[1], from_run={"commit": "unknown", "record": "b.json"}, vllm="unknown")]
     assert main(["--markdown", str(out)]) == 0
     assert capsys.readouterr().out.strip() == table + "\n\nCommits: unknown: 2 rows"
     assert set(STATUSES) == {"passed", "failed", "timed_out", "refused"}
@@ -141,3 +142,27 @@ def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, caps
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "Commits: bbbbbbb: 2 rows; aaaaaaa: 1 rows (kept from an earlier run: not in A.json, "
         "B.json (commit bbbbbbb))")
+
+
+def test_merge_keeps_vllms_path_per_release(tmp_path):
+    """vLLM's path of two releases: both kept, each row naming its release; an earlier row of
+    unknown release gives way to a newer row of the same case, whatever its release; rows of
+    our layer path are one case whatever vLLM was installed."""
+    def row(path: str, vllm, commit: str, case: str = "ours=in-tree") -> dict:
+        r = dict(backend="deepep_ll", path=path, ep=2, tp=1, quant="bf16", case=case,
+                 status="passed", max_rel_err=None, detail=commit, job="j",
+                 from_run={"commit": commit})
+        if vllm is not None:
+            r["vllm"] = vllm
+        return r
+
+    v34 = [row("vllm", "vllm 0.34.0", "c34"), row("layer", "vllm 0.34.0", "c34", "ragged")]
+    v33 = [row("vllm", "vllm 0.33.0", "c33")]
+    old = [row("vllm", None, "old"), row("vllm", None, "old", "dbo"),
+           row("layer", None, "old", "ragged")]
+    merged = merge_records([("34.json", v34), ("33.json", v33)], [("old.json", old)])
+    got = sorted((r["path"], r["case"], r["vllm"], r["from_run"]["commit"]) for r in merged)
+    assert got == [("layer", "ragged", "vllm 0.34.0", "c34"),
+                   ("vllm", "dbo", "unknown", "old"),
+                   ("vllm", "ours=in-tree", "vllm 0.33.0", "c33"),
+                   ("vllm", "ours=in-tree", "vllm 0.34.0", "c34")]

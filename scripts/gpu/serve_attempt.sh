@@ -20,10 +20,14 @@ sys.path.insert(0, "$PWD/benchmarks")
 import vllm_stand_ins
 vllm_stand_ins.install(vllm_stand_ins.SERVE_CAPABILITY_QUERIES)
 PY
-# vLLM's model runner V2 builds its request state on UVA buffers from a compiled op
-# (torch.ops._C.get_cuda_view_from_cpu_tensor, seen on the H200): use the V1 runner.
-export VLLM_USE_V2_MODEL_RUNNER=0
 export PYTHONPATH=/tmp/standins:/tmp/deepep:/tmp/vsrc:/tmp/site:/tmp/site_serve PYTHONUNBUFFERED=1
+# vLLM 0.33's model runner V2 builds its request state on UVA buffers from a compiled op
+# (torch.ops._C.get_cuda_view_from_cpu_tensor, seen on the H200): there, use the V1 runner.
+# vLLM 0.34 has no V1 runner (VLLM_USE_V2_MODEL_RUNNER=0 is an error there): it gets V2.
+if python3 -c "import sys, importlib.metadata as m; sys.exit(not m.version('vllm').startswith('0.33.'))" \
+    2>/dev/null; then
+  export VLLM_USE_V2_MODEL_RUNNER=0
+fi
 python3 -m vllm.entrypoints.cli.main serve .gpu/tiny-qwen2-moe --dtype bfloat16 \
   --enable-expert-parallel --all2all-backend moe_plugins_deepep_ll --enforce-eager \
   --attention-backend TRITON_ATTN --compilation-config '{"custom_ops": ["none"]}' \

@@ -116,3 +116,31 @@ def test_plugin_registers_in_release(probe, release):
     assert result["refusal"] == "ok"
     expected = [s for s, state in result["patches"].items() if state == "ok"]
     assert result["applied"] == expected and REFUSAL not in result["applied"]
+
+
+#: The releases whose Python the suite's vLLM tests also run under (beside the installed one).
+RUN_UNDER = ("0.34.0",)
+
+
+@pytest.mark.vllm
+@pytest.mark.multirank
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("release", RUN_UNDER)
+def test_vllm_tests_pass_under_release(release):
+    """The suite's vLLM tests (vLLM's own modular kernel over our prepare/finalize on gloo ranks
+    beside vLLM's in-tree classes: activation formats, DBO micro-batches, fault tolerance with
+    update_mask, sequence parallelism, the hooks) in a child pytest under ``release``'s Python
+    on vLLM's CPU platform (tests/conftest.py, MOE_PLUGINS_VLLM_RELEASE). Left out: the
+    `vllm serve` runs (a release's Python alone cannot serve: no compiled extension) and this
+    module. Skips of formats that need vLLM's compiled quantizer are listed in the output."""
+    release_tree(release)
+    here = Path(__file__).resolve()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-rs",
+         "-m", "not vllm_e2e", "--ignore", str(here), str(here.parent)],
+        cwd=ROOT, env=release_env(release), capture_output=True, text=True, timeout=1440)
+    tail = done.stdout[-6000:]
+    assert done.returncode == 0, \
+        f"vLLM {release}: the vLLM tests failed:\n{tail}\n{done.stderr[-3000:]}"
+    summary = [ln for ln in done.stdout.splitlines() if " passed" in ln]
+    assert summary and "failed" not in summary[-1], tail

@@ -415,15 +415,17 @@ def _write(path: Path, data: Any) -> None:
 def rows_to_markdown(rows: Sequence[dict]) -> str:
     """The record as a markdown table (tests/gpu/README.md), one line per row, then the counts
     and, for rows with ``from_run``, the commits they ran at (with any merge note)."""
-    head = "| path | backend | ep | tp | quant | case | status | max rel err | detail |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = "| path | vllm | backend | ep | tp | quant | case | status | max rel err | detail |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rel = "" if r.get("max_rel_err") is None else f"{r['max_rel_err']:.2e}"
         detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")
         if len(detail) > 240:
             detail = detail[:237] + "..."
-        lines.append(f"| {r['path']} | {r['backend']} | {r['ep']} | {r['tp']} | {r['quant']} | "
-                     f"{r.get('case', '')} | {r['status']} | {rel} | {detail} |")
+        # the vLLM release matters on vLLM's path only
+        vllm = str(r.get("vllm") or "").removeprefix("vllm ") if r["path"] == "vllm" else ""
+        lines.append(f"| {r['path']} | {vllm} | {r['backend']} | {r['ep']} | {r['tp']} | "
+                     f"{r['quant']} | {r.get('case', '')} | {r['status']} | {rel} | {detail} |")
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     lines.append("")
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" ({len(rows)} rows)")

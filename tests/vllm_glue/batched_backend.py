@@ -2,7 +2,8 @@
 packed per local expert as DeepEP low-latency hands them over.
 
 prepare returns x [num_local_experts, max_recv_tokens, hidden] (max_recv_tokens =
-max_tokens_per_rank x num_ranks, rows past each expert's count are zero) and expert_tokens_meta;
+max_tokens_per_rank x num_ranks, rows past each expert's count are NaN: stale data) and
+expert_tokens_meta;
 finalize takes the unweighted per-expert outputs in that layout, applies the router weights and
 sums per received row, then combines through the reference transport.
 """
@@ -71,7 +72,9 @@ class BatchedTorchPrepareFinalize(TorchPrepareFinalize):
             counts = torch.bincount(expert, minlength=e_local)
             starts = torch.cumsum(counts, 0) - counts
             slot = torch.arange(expert.numel()) - starts[expert]
-            x = std.x.new_zeros(e_local, capacity, std.x.shape[1])
+            # slots past each expert's count hold whatever an earlier call left there on the
+            # real kernels: NaN here, so a consumer that reads them shows it
+            x = std.x.new_full((e_local, capacity, std.x.shape[1]), float("nan"))
             x[expert, slot] = std.x[rows]
             self._packing = _Packing(expert, slot, rows, std.topk_weights[rows, ks].float(),
                                      std.x.shape[0])

@@ -143,13 +143,15 @@ def test_standard_backends_serve_every_format(rank_pool, backend, fmt, x_dtype, 
         assert all(r["seen"]["x_sf"].shape[1] == cfg.hidden // 16 for r in results)
 
 
-@pytest.mark.parametrize("backend", [FI, "deepep_ll"])
+@pytest.mark.parametrize("backend", [FI, "batched_test"])
 def test_per_tensor_dynamic_scale_ignores_rows_without_a_token(rank_pool, backend):
     """int8 per-tensor dynamic after the receive (vLLM's CPU quantizer runs it in float32). Rows
     of the receive buffer that carry no token are poisoned with NaN in the emulations, as
-    uninitialised or stale memory may hold: flashinfer's rows past its counts, and DeepEP
-    low-latency's batched slots past each expert's count (``expert_num_tokens[e]``: stale
-    tokens of an earlier call on the real kernel). They must not feed the per-tensor amax. So
+    uninitialised or stale memory may hold: flashinfer's rows past its counts, and the batched
+    slots past each expert's count (``expert_num_tokens[e]``: stale tokens of an earlier call on
+    DeepEP's and NIXL EP's low-latency kernels; tests/vllm_glue/batched_backend.py, the torch
+    transport in the batched format, in float32 as vLLM's CPU int8 quantizer wants). They must
+    not feed the per-tensor amax. So
     each EP rank's scale is exactly vLLM's dynamic scale over the token rows it received (every
     token of every DP rank routed to one of its experts; a token routed to two of its experts
     arrives twice, which leaves the amax as it is), and the output is the reference's with each

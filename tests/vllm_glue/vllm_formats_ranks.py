@@ -177,6 +177,9 @@ def run_format(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
     output only (no shared expert), LOCAL or ROW_SCATTER by tp."""
     qc = quant_config(fmt)
     wire = quant_scheme_of(qc)
+    # "batched_test": tests/vllm_glue/batched_backend.py (the torch transport, batched format)
+    batched_test = backend == "batched_test"
+    backend = "torch" if batched_test else backend
     spec = get_backend(backend)
     ctx = cached_dist_context(layout)
     n = tokens[ctx.dp_rank]
@@ -192,10 +195,18 @@ def run_format(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
         else:
             assert options is None, f"{backend} takes no options here"
             backend_options = None
-        pf_backend = spec.build(ctx, DispatchConfig(
+        dispatch = DispatchConfig(
             cfg.num_experts, cfg.hidden, cfg.num_topk, layer_max, cfg.dtype,
             QuantSpec(wire if wire in spec.quants else QuantScheme.NONE),
-            backend_options=backend_options))
+            backend_options=backend_options)
+        if batched_test:  # the torch transport, received rows packed per expert
+            from all2all.torch_manager import TorchAll2AllManager
+            from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
+
+            pf_backend: Any = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch),
+                                                          dispatch)
+        else:
+            pf_backend = spec.build(ctx, dispatch)
         strategy = ReductionStrategy.LOCAL if layout.tp == 1 else \
             ReductionStrategy.GATHER_PLUS_ALLREDUCE
         pf = MoEPluginsPrepareAndFinalize(pf_backend, backend, ctx,

@@ -172,7 +172,8 @@ class _CudaProgress:
         self.how = "none"
         self.words: Optional[ctypes.Array] = None
         self.dptr = 0
-        self._write: Optional[Callable[[int, int, int], int]] = None
+        self._fn: Callable[..., int] = lambda *args: -1
+        self._memset = False
         try:
             self._setup()
         except (OSError, AttributeError, RuntimeError) as e:
@@ -199,32 +200,33 @@ class _CudaProgress:
         self.words = (ctypes.c_uint32 * RING_SLOTS).from_address(ptr.value)
         ctypes.memset(ptr.value, 0, 4 * (RING_SLOTS + 1))
         self.dptr = dptr.value
-        candidates: list[tuple[str, Callable[[int, int, int], int]]] = []
         write = getattr(lib, "cuStreamWriteValue32_v2", None) or getattr(
             lib, "cuStreamWriteValue32", None)
-        if write is not None:
-            write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            candidates.append(("cuStreamWriteValue32",
-                               lambda stream, addr, value, f=write: f(stream, addr, value, 0)))
         memset = getattr(lib, "cuMemsetD32Async", None)
-        if memset is not None:
+        candidates = []
+        if write is not None:  # (stream, address, value, flags)
+            write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            candidates.append(("cuStreamWriteValue32", write, False))
+        if memset is not None:  # (address, value, count, stream)
             memset.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-            candidates.append(("cuMemsetD32Async",
-                               lambda stream, addr, value, f=memset: f(addr, value, 1, stream)))
+            candidates.append(("cuMemsetD32Async", memset, True))
         stream = _raw_stream(torch.cuda.current_device())
-        for how, fn in candidates:  # the probe: a write into the spare word after the ring
-            rc = fn(stream, self.dptr + 4 * RING_SLOTS, 1)
+        for how, fn, is_memset in candidates:  # the probe: a write into the spare last word
+            self._fn, self._memset = fn, is_memset
+            rc = self.write(stream, RING_SLOTS, 1)
             if rc == 0:
-                self.ok, self.how, self._write = True, how, fn
+                self.ok, self.how = True, how
                 logger.debug("moe-plugins watchdog: GPU progress writes by %s", how)
                 return
             logger.debug("moe-plugins watchdog: %s failed with CUresult %d", how, rc)
         raise RuntimeError("neither cuStreamWriteValue32 nor cuMemsetD32Async works here")
 
-    def write(self, stream: int, slot: int, value: int) -> bool:
-        """Enqueue on ``stream`` the write of ``value`` into ``slot``; False when it failed."""
-        assert self._write is not None
-        return self._write(stream, self.dptr + 4 * slot, value) == 0
+    def write(self, stream: int, slot: int, value: int) -> int:
+        """Enqueue on ``stream`` the write of ``value`` into ``slot``; the driver's CUresult
+        (0: done)."""
+        if self._memset:
+            return self._fn(self.dptr + 4 * slot, value, 1, stream)
+        return self._fn(stream, self.dptr + 4 * slot, value, 0)
 
 
 _GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -256,10 +258,19 @@ class WatchedCall:
         """The call's work is enqueued: on CUDA it completes when the GPU has written the
         call's progress word after that work (on the current stream); elsewhere it is complete
         now."""
-        if device.type == "cuda":
-            _WATCHDOG.end_on_gpu(self, device)
-        else:
+        wd = _WATCHDOG
+        if device is not wd.last_device:  # torch.device.type costs half a microsecond: once
+            if device.type != "cuda":
+                wd.last_device, wd.last_index = device, -1
+            elif device.index is not None:
+                wd.last_device, wd.last_index = device, device.index
+            else:  # "cuda": the current device, asked each time
+                wd.end_on_gpu(self, torch.cuda.current_device())
+                return
+        if wd.last_index < 0:
             self.done = self.seq
+        else:
+            wd.end_on_gpu(self, wd.last_index)
 
     def finished(self) -> bool:
         """The call (``seq``) completed: on the host, or its progress word arrived (host memory
@@ -303,6 +314,9 @@ class _Watchdog:
         self.cuda: Optional[_CudaProgress] = None
         self.words: Optional[ctypes.Array] = None  # cuda.words once it works
         self.capture: Optional[CapturedCalls] = None  # the open capture_calls() record
+        # the device of the last end(): its CUDA index, -1 when it is not a CUDA device
+        self.last_device: Optional[torch.device] = None
+        self.last_index = -1
         self.warned_capture = False
         self.last_error = -math.inf
 
@@ -317,7 +331,8 @@ class _Watchdog:
                                                daemon=True)
                 self.thread.start()
 
-    def end_on_gpu(self, call: WatchedCall, device: torch.device) -> None:
+    def end_on_gpu(self, call: WatchedCall, index: int) -> None:
+        """:meth:`WatchedCall.end` of a call on CUDA device ``index``."""
         cuda = self.cuda
         if cuda is None:
             with self.lock:
@@ -327,11 +342,11 @@ class _Watchdog:
             cuda = self.cuda
         seq = call.seq
         if cuda.ok:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            if cuda.write(_raw_stream(index), call.slot, seq & _U32):
+            rc = cuda.write(_raw_stream(index), call.slot, seq & _U32)
+            if rc == 0:
                 call.gpu = seq
                 return
-            self._error(RuntimeError(f"{cuda.how} failed on cuda:{index}"))
+            self._error(RuntimeError(f"{cuda.how} failed on cuda:{index} with CUresult {rc}"))
         call.done = seq  # no GPU path: watched until its host part returned
 
     def _run(self) -> None:

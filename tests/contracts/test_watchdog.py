@@ -129,7 +129,7 @@ def test_a_gpu_call_completes_when_its_progress_word_arrives(fresh, monkeypatch)
 
         def write(self, stream, slot, value):
             writes.append((stream, slot, value))
-            return True
+            return 0  # the driver's CUresult
 
     fresh.cuda, fresh.words = FakeProgress(), words
     monkeypatch.setattr(watchdog, "_raw_stream", lambda index: 1234 + index)
@@ -146,7 +146,7 @@ def test_a_failed_gpu_write_falls_back_to_the_host_end_and_says_so(fresh, monkey
         ok, how = True, "fake"
 
         def write(self, stream, slot, value):
-            return False
+            return 1  # CUDA_ERROR_INVALID_VALUE
 
     fresh.cuda = Broken()
     monkeypatch.setattr(watchdog, "_raw_stream", lambda index: 0)

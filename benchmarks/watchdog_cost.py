@@ -47,7 +47,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("--device cuda needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    on = CallBound("benchmark layer", 600.0, 600.0)
+    on = CallBound("benchmark layer", 600.0, 600.0, device=device)
     off = CallBound("benchmark layer", 0)
     ns_per_call(on, device, 1000)  # the thread, and on CUDA the progress buffer, start here
     samples: dict[str, list[float]] = {"on": [], "off": []}

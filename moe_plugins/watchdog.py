@@ -182,8 +182,11 @@ class _CudaProgress:
                          "their GPU work completes", e)
 
     def _setup(self) -> None:
-        name = ctypes.util.find_library("cuda") or "libcuda.so.1"
-        lib = ctypes.CDLL(name)
+        try:  # the driver torch loaded
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so")
+        self._context(lib)
         ptr = ctypes.c_void_p()
         # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP: pinned, mapped in every context
         lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
@@ -220,6 +223,24 @@ class _CudaProgress:
                 return
             logger.debug("moe-plugins watchdog: %s failed with CUresult %d", how, rc)
         raise RuntimeError("neither cuStreamWriteValue32 nor cuMemsetD32Async works here")
+
+    @staticmethod
+    def _context(lib: ctypes.CDLL) -> None:
+        """Make the current device's primary context current on this thread where none is
+        (torch makes it current lazily; the driver calls below need one)."""
+        lib.cuInit(0)
+        ctx = ctypes.c_void_p()
+        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            return
+        dev = ctypes.c_int()
+        rc = lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device())
+        if rc == 0:
+            rc = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+        if rc == 0:
+            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            rc = lib.cuCtxSetCurrent(ctx)
+        if rc:
+            raise RuntimeError(f"no CUDA context for the progress buffer (CUresult {rc})")
 
     def write(self, stream: int, slot: int, value: int) -> int:
         """Enqueue on ``stream`` the write of ``value`` into ``slot``; the driver's CUresult
@@ -331,15 +352,20 @@ class _Watchdog:
                                                daemon=True)
                 self.thread.start()
 
+    def prepare_cuda(self) -> _CudaProgress:
+        """The progress buffer and its driver call, made once (page-locked memory is allocated:
+        done where a layer is built, not during another thread's CUDA-graph capture)."""
+        with self.lock:
+            if self.cuda is None:
+                self.cuda = _CudaProgress()
+                self.words = self.cuda.words if self.cuda.ok else None
+            return self.cuda
+
     def end_on_gpu(self, call: WatchedCall, index: int) -> None:
         """:meth:`WatchedCall.end` of a call on CUDA device ``index``."""
         cuda = self.cuda
         if cuda is None:
-            with self.lock:
-                if self.cuda is None:
-                    self.cuda = _CudaProgress()
-                    self.words = self.cuda.words if self.cuda.ok else None
-            cuda = self.cuda
+            cuda = self.prepare_cuda()
         seq = call.seq
         if cuda.ok:
             rc = cuda.write(_raw_stream(index), call.slot, seq & _U32)
@@ -417,12 +443,18 @@ if hasattr(os, "register_at_fork"):
 _CUDA: list[bool] = []  # whether this process's torch has CUDA (asked once)
 
 
+def _has_cuda() -> bool:
+    """Whether this process's torch has a CUDA device (asked once; layers ask it when they are
+    built, so no capture is under way then)."""
+    if not _CUDA:
+        _CUDA.append(torch.cuda.is_available())
+    return _CUDA[0]
+
+
 def _capturing() -> bool:
     """Whether the caller's current CUDA stream is capturing a graph (the caller's thread asks
     its own stream: legal during any capture)."""
-    if not _CUDA:
-        _CUDA.append(torch.cuda.is_available())
-    return _CUDA[0] and torch.cuda.is_current_stream_capturing()
+    return (_CUDA[0] if _CUDA else _has_cuda()) and torch.cuda.is_current_stream_capturing()
 
 
 def watch_call(name: str, number: int, timeout_s: Optional[float],
@@ -496,17 +528,22 @@ class CallBound:
     """The bound of one layer's calls (the layer holds one): :meth:`watch` starts a call.
 
     ``timeout_s`` and ``first_timeout_s`` as resolved by :func:`call_timeout_seconds` and
-    :func:`first_call_timeout_seconds`. A call runs under the start-up bound until one of the
+    :func:`first_call_timeout_seconds`; ``device``: the layer's (on CUDA, with the bound on, the
+    progress buffer is made here, with a CUDA context current on this thread). A call runs under the start-up bound until one of the
     layer's calls after its first has completed (every peer entered that call, so every peer
     finished its first one); from then on under ``timeout_s``."""
 
     __slots__ = ("name", "timeout_s", "first_timeout_s", "_warm", "_proof", "_proof_seq")
 
     def __init__(self, name: str, call_timeout_s: Optional[float] = None,
-                 first_call_timeout_s: Optional[float] = None) -> None:
+                 first_call_timeout_s: Optional[float] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.name = name
         self.timeout_s = call_timeout_seconds(call_timeout_s)
         self.first_timeout_s = first_call_timeout_seconds(self.timeout_s, first_call_timeout_s)
+        if self.timeout_s is not None and _has_cuda() and device is not None \
+                and device.type == "cuda":
+            _WATCHDOG.prepare_cuda()  # now, not at a first call during a capture
         self._warm = self.timeout_s is None or self.first_timeout_s == self.timeout_s
         self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
         self._proof_seq = -1

@@ -57,7 +57,7 @@ class MoELayer:
                  backend_options: Any = None, placement: Optional[ExpertPlacement] = None,
                  call_timeout_s: Optional[float] = None):
         cfg = weights.config
-        self._bound = CallBound("MoE layer", call_timeout_s)  # named below
+        self._bound = CallBound("MoE layer", call_timeout_s, device=ctx.device)  # named below
         self.cfg, self.ctx, self.quant = cfg, ctx, quant
         self.overlap = overlap or OverlapConfig.from_env()
         layout = ctx.layout

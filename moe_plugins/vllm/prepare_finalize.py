@@ -168,7 +168,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._calls: dict[int, _Call] = {}  # (see _Call)
         self._name = f"{backend_name} layer (EP rank {ctx.rank})"
         # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.watchdog)
-        self._bound = CallBound(self._name)
+        self._bound = CallBound(self._name, device=ctx.device)
         self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
         # our low-latency backends (every micro-batch's object): the adapter calls their send
         # and receive halves directly (dispatch_send, combine_send, combine_received)

@@ -231,10 +231,11 @@ class MoELayer:
             raise PeerMaskedError(
                 f"{self.name}: the library masked EP rank(s) {lost} during this call (their "
                 "kernels did not answer within the library's timeout), so its result lacks "
-                "their experts and is not returned; once they are back, clean the buffers "
-                "(layer.pf.manager.clean_buffers()) on every rank and rebuild the layer on new "
-                "process groups, or mask them on purpose (set_rank_masked) to serve without "
-                "them")
+                "their experts and is not returned; this layer's EP group is broken (later "
+                "calls raise LayerBrokenError). If a masked rank's process died, restart every "
+                "rank of the EP group (under vLLM, the engine); if every rank lives (a slow "
+                "peer), clean the buffers (layer.pf.manager.clean_buffers()) on every rank and "
+                "rebuild the layer on new process groups on every rank")
 
     def _input_error(self, x: object) -> Optional[Exception]:
         """Why this rank refuses the layer input ``x`` (None: it does not)."""

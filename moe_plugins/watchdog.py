@@ -342,8 +342,11 @@ class _Watchdog:
         self.last_error = -math.inf
 
     def reset_after_fork(self) -> None:
-        """In a forked child: no thread (threads do not fork), no CUDA (it does not either)."""
+        """In a forked child: no thread (threads do not fork), no CUDA (it does not either);
+        the hooks stay."""
+        hooks = self.hooks
         self.__init__()  # type: ignore[misc]
+        self.hooks = hooks
 
     def start(self) -> None:
         with self.lock:

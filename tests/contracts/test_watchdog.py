@@ -222,3 +222,13 @@ def test_the_thread_logs_its_own_error_and_keeps_watching(monkeypatch, caplog):
     assert wd.thread.is_alive()
     assert any("internal error, still watching: RuntimeError: boom" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_forked_child_starts_afresh_and_keeps_the_hooks(fresh):
+    hook = lambda error: None  # noqa: E731
+    fresh.hooks.append(hook)
+    watch_call("layer", 1, 60.0)
+    fresh.thread = object()  # as if started
+    fresh.reset_after_fork()
+    assert fresh.thread is None and fresh.cuda is None and fresh.hooks == [hook]
+    assert fresh.tail == 1 and all(c.seq == -1 for c in fresh.ring)

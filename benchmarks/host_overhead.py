@@ -30,6 +30,9 @@ Paths (``path`` in the JSON rows):
   ``prepare`` / ``finalize``.
 - ``vllm_in_tree``: vLLM's ``DeepEPLLPrepareAndFinalize`` on the same ``deep_ep.Buffer``, driven
   the same way (there is no in-tree class for the ``torch`` transport).
+- ``adapter_bound`` / ``adapter_shared_bound`` (with ``--call-timeout-s``): ``adapter`` /
+  ``adapter_shared`` built with the call bound on (``MOE_PLUGINS_CALL_TIMEOUT_S``,
+  :mod:`moe_plugins.watchdog`), in the same process as the rows with it off.
 - ``adapter_shared`` / ``vllm_shared`` (DeepEP): the same two with a shared expert in the call
   (one that computes nothing), which vLLM runs between the combine's send and its receive.
   With the plugin's patch of vLLM's modular kernel (installed here as the plugin installs it),
@@ -49,6 +52,7 @@ import datetime
 import importlib
 import importlib.util
 import json
+import os
 import socket
 import statistics
 import sys
@@ -74,8 +78,8 @@ from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
 from moe_plugins.registry import get_backend  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice  # noqa: E402
 
-PATHS = ("runtime", "raw", "ours", "raw_hook", "ours_hook", "adapter", "vllm_in_tree",
-         "adapter_shared", "vllm_shared")
+PATHS = ("runtime", "raw", "ours", "raw_hook", "ours_hook", "adapter", "adapter_bound",
+         "vllm_in_tree", "adapter_shared", "adapter_shared_bound", "vllm_shared")
 QUANTS = {"bf16": QuantSpec(), "fp8": QuantSpec(QuantScheme.FP8_BLOCK128)}
 
 
@@ -157,14 +161,24 @@ def _quant_config(quant: str) -> Any:
 
 
 def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, experts: Any,
-             overlap: OverlapConfig) -> Any:
-    """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank)."""
+             overlap: OverlapConfig, call_timeout_s: Optional[float] = None) -> Any:
+    """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank); with
+    ``call_timeout_s``, under the call bound (read from the environment, as under vLLM)."""
     from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
+    from moe_plugins.watchdog import CALL_TIMEOUT_ENV
 
-    adapter = MoEPluginsPrepareAndFinalize(
-        spec.build(ctx, cfg), spec.name, ctx, StrategyChoice(ReductionStrategy.LOCAL, "one rank"),
-        overlap, cfg.num_experts,
-        QuantScheme.NONE if quant == "bf16" else QuantScheme.FP8_BLOCK128, spec.quants)
+    saved = os.environ.get(CALL_TIMEOUT_ENV)
+    os.environ[CALL_TIMEOUT_ENV] = "0" if call_timeout_s is None else f"{call_timeout_s:g}"
+    try:
+        adapter = MoEPluginsPrepareAndFinalize(
+            spec.build(ctx, cfg), spec.name, ctx,
+            StrategyChoice(ReductionStrategy.LOCAL, "one rank"), overlap, cfg.num_experts,
+            QuantScheme.NONE if quant == "bf16" else QuantScheme.FP8_BLOCK128, spec.quants)
+    finally:
+        if saved is None:
+            del os.environ[CALL_TIMEOUT_ENV]
+        else:
+            os.environ[CALL_TIMEOUT_ENV] = saved
     adapter.post_init_setup(experts)
     return adapter
 
@@ -278,6 +292,13 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
                                                       expert_out, out)
         paths["adapter_shared"] = _modular_kernel_round_trip(adapter, experts, x, w, ids,
                                                              args.experts, expert_out, out, True)
+        if args.call_timeout_s is not None:
+            bound = _adapter(spec, ctx, cfg, case.quant, experts, OverlapConfig(),
+                             args.call_timeout_s)
+            paths["adapter_bound"] = _modular_kernel_round_trip(bound, experts, x, w, ids,
+                                                                args.experts, expert_out, out)
+            paths["adapter_shared_bound"] = _modular_kernel_round_trip(
+                bound, experts, x, w, ids, args.experts, expert_out, out, True)
         try:
             in_tree = DeepEPLLPrepareAndFinalize(buffer=buffer,
                                                  max_tokens_per_rank=m.max_tokens_per_rank,
@@ -323,13 +344,18 @@ def torch_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
         class _Experts:
             expects_unquantized_inputs = True
 
-        adapter = _adapter(spec, ctx, cfg, "bf16", _Experts(), OverlapConfig(overlap=False))
+        def via(adapter: Any) -> Callable[[], None]:
+            def run() -> None:
+                prep = adapter.prepare(x, w, ids, args.experts, None, False, qc)
+                adapter.finalize(out, prep[0], w, ids, False, noop)
+            return run
 
-        def via_adapter() -> None:
-            prep = adapter.prepare(x, w, ids, args.experts, None, False, qc)
-            adapter.finalize(out, prep[0], w, ids, False, noop)
-
-        paths["adapter"] = via_adapter
+        paths["adapter"] = via(_adapter(spec, ctx, cfg, "bf16", _Experts(),
+                                        OverlapConfig(overlap=False)))
+        if args.call_timeout_s is not None:
+            paths["adapter_bound"] = via(_adapter(spec, ctx, cfg, "bf16", _Experts(),
+                                                  OverlapConfig(overlap=False),
+                                                  args.call_timeout_s))
     return paths
 
 
@@ -395,6 +421,8 @@ def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, fl
 RATIOS = (("ours/raw", "ours", "raw", None), ("ours/rt", "ours", "runtime", None),
           ("hook o/r", "ours_hook", "raw_hook", None),
           ("adapt/vllm", "adapter", "vllm_in_tree", None),
+          ("bound a/v", "adapter_bound", "vllm_in_tree", None),
+          ("bound/off", "adapter_bound", "adapter", None),
           ("added a/v", "adapter", "vllm_in_tree", "runtime"),
           ("shared a/v", "adapter_shared", "vllm_shared", None))
 
@@ -429,7 +457,8 @@ def print_table(rows: list[Row]) -> None:
           "adapter/vllm_in_tree: our vLLM adapter (shared-expert overlap on, the plugin's "
           "default) and vLLM's in-tree class, both driven by vLLM's FusedMoEKernelModularImpl "
           "with the plugin's patch (no shared expert: our combine is blocking); *_shared: the "
-          "same with a shared expert in the call (our combine in hook mode); added a/v: "
+          "same with a shared expert in the call (our combine in hook mode); *_bound: the adapter "
+          "with the call bound on (--call-timeout-s), bound/off: over it off; added a/v: "
           "(adapter - runtime) / (vllm_in_tree - runtime), the host time each adds above the "
           "library's C++ calls")
 
@@ -454,9 +483,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "machine runs it in well under a minute)")
     p.add_argument("--batch", type=int, default=20, help="round trips per eager sample")
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
+    p.add_argument("--call-timeout-s", type=float, metavar="S",
+                   help="also time the adapter with the call bound on at S seconds "
+                        "(adapter_bound rows; moe_plugins.watchdog), in the same process")
     p.add_argument("--profile", type=Path,
                    help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
+    if args.call_timeout_s is not None:
+        from moe_plugins.watchdog import call_timeout_seconds
+
+        try:
+            if call_timeout_seconds(args.call_timeout_s) is None:
+                raise ValueError("--call-timeout-s 0 turns the bound off; give the bound to "
+                                 "time, e.g. 60")
+        except ValueError as e:
+            print(f"--call-timeout-s: {e}", file=sys.stderr)
+            return 2
     if args.samples is None:
         args.samples = 120 if args.device == "cuda" else 60
     if args.torch_hidden is None:

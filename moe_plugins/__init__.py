@@ -3,14 +3,25 @@
 Importing this package needs torch alone; vendor libraries are imported by the backend that
 needs them. See docs/design.md in the project for the contracts.
 """
+from moe_plugins.faults import (CollectiveError, LayerBrokenError, OutOfStepError,
+                                PeerInputError, PeerMaskedError)
 from moe_plugins.interface import (ActivationFormat, PrepareFinalize, PrepareResult,
                                    RowScatterTarget, row_scatter_add)
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
 from moe_plugins.quant import QuantScheme, QuantSpec
+from moe_plugins.registry import BackendSelectionError
+from moe_plugins.runner.launch import RankDiedError, RankError
 from moe_plugins.strategy import ReductionStrategy, choose_strategy
+from moe_plugins.vllm.patching import VllmPatchError
+from moe_plugins.vllm.version import UnsupportedVllmError
+from moe_plugins.watchdog import CallTimeoutError
 
 __version__ = "0.1.0"
 
 __all__ = ["ActivationFormat", "PrepareFinalize", "PrepareResult", "RowScatterTarget",
            "row_scatter_add", "ParallelLayout", "owned_rows", "slice_owned", "QuantScheme",
-           "QuantSpec", "ReductionStrategy", "choose_strategy", "__version__"]
+           "QuantSpec", "ReductionStrategy", "choose_strategy", "__version__",
+           # every exception the package raises on purpose (docs/faults.md, "Errors")
+           "BackendSelectionError", "CallTimeoutError", "CollectiveError", "LayerBrokenError",
+           "OutOfStepError", "PeerInputError", "PeerMaskedError", "RankDiedError", "RankError",
+           "UnsupportedVllmError", "VllmPatchError"]

@@ -130,9 +130,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     dtype=DTYPES[args.dtype], renormalize=not args.no_renormalize)
     quant = QuantSpec(QuantScheme(args.quant), args.defer_input_quant)
     quant.check_hidden(cfg.hidden)
-    demo_preflight(layout, cfg, args.backend, quant)  # every user error before ranks start
+    # every user error before ranks start (the call bound's included: once, exit status 2)
+    bound = demo_preflight(layout, cfg, args.backend, quant, args.call_timeout_s)
     with RankPool(layout.world_size, args.timeout) as pool:
-        rows = run_demo(pool, layout, cfg, args.backend, args.tokens, quant, iters=args.iters)
+        rows = run_demo(pool, layout, cfg, args.backend, args.tokens, quant, iters=args.iters,
+                        call_timeout_s=bound)
     if args.json:
         for r in rows:
             print(json.dumps(asdict(r)))
@@ -178,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=positive_float, default=None,
                       help="seconds a collective may wait for its peers (default "
                       "$MOE_PLUGINS_TIMEOUT_S, else 300)")
+    demo.add_argument("--call-timeout-s", type=_nonnegative_float, default=None, metavar="S",
+                      help="bound on each layer call: a call not complete within S seconds "
+                      "ends its rank (moe_plugins.watchdog; default "
+                      "$MOE_PLUGINS_CALL_TIMEOUT_S, else off; 0: off)")
     demo.add_argument("--json", action="store_true", help="one JSON object per strategy and line")
     demo.set_defaults(fn=_cmd_demo)
     add_plan_parser(sub)

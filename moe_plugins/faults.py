@@ -94,7 +94,8 @@ class CollectiveError(RuntimeError):
 
 class PeerMaskedError(RuntimeError):
     """The library masked a peer on its own during a call (its kernels timed out waiting for
-    it): the call's result lacks that peer's experts and is not returned."""
+    it): the call's result lacks that peer's experts and is not returned; the EP group is broken
+    (later calls raise :class:`LayerBrokenError`)."""
 
 
 def config_digest(*parts: object) -> int:
@@ -127,9 +128,12 @@ class GroupFaults:
         if self.broken is not None:
             raise LayerBrokenError(
                 f"{layer}: this rank's EP group is out of step with its peers since an earlier "
-                f"call failed mid-way: {self.broken}. Every call on this group raises until the "
-                "layer is rebuilt on new process groups (moe_plugins.groups.make_dist_context; "
-                "under vLLM: restart the engine)") from self._first
+                f"call failed mid-way: {self.broken}. Every call on this group raises. If a "
+                "peer died or hangs (a CollectiveError, CallTimeoutError or PeerMaskedError "
+                "came first), restart every rank of the EP group (under vLLM, the engine: its "
+                "executor shuts down when a worker dies); if every rank lives, rebuild the "
+                "layer on new process groups on every rank (moe_plugins.groups."
+                "make_dist_context(..., fresh_ep_group=True))") from self._first
 
     def next_layer_index(self) -> int:
         """The creation index of a new layer's backend on this group: part of its digest, so

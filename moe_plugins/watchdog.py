@@ -8,45 +8,83 @@ ranks a peer may not even see the trap (docs/design.md, "Faults"). A spinning ke
 cancelled from the host, and the host thread that waits on it sits in the driver, where no Python
 exception reaches it. What a bounded failure can do is what NCCL's watchdog does for its own
 collectives (``TORCH_NCCL_ASYNC_ERROR_HANDLING``): a watchdog thread that sees a call overdue logs
-the error and ends the process, so the serving engine sees a dead worker in seconds and restarts
-the group. The same bound also covers the host-side waits of the ``torch`` backend (a peer that
-hangs without dying holds gloo/NCCL until the process group's timeout).
+the error and ends the process, so the serving engine sees a dead worker within the bound. The
+same bound also covers the host-side waits of the ``torch`` backend (a peer that hangs without
+dying holds gloo/NCCL until the process group's timeout).
 
-What is watched: each eager call of :class:`moe_plugins.runner.layer.MoELayer` and of the vLLM
-adapter, from its start on the host to the completion on the GPU of the work it enqueued (a CUDA
-event recorded after it; on CPU, when the call returns). CUDA-graph captures are not watched and
-neither are graph replays (the host issues no call there): the library's own timeout applies, and
-the first capture under a bound logs a WARNING saying so. The bound counts from the host's start
-of a call, so set it well above a forward step's time (the host may run ahead of the GPU by a
-step or more).
+How completion is seen, without disturbing CUDA. The watchdog thread makes no CUDA call at all:
+it reads host memory only. Each watched call takes a slot of a preallocated ring
+(:data:`RING_SLOTS`; no allocation and no lock per call). On CPU the call is complete when it
+returns (:meth:`WatchedCall.end` writes the slot on the host). On CUDA, :meth:`WatchedCall.end`
+enqueues on the call's stream, after the call's work, a 4-byte write of the call's sequence
+number into a page-locked host buffer mapped into the GPU's address space (the CUDA driver's
+``cuStreamWriteValue32``, else ``cuMemsetD32Async``; chosen once, by a probe, on the first CUDA
+call): the call is complete when the GPU has written it. No CUDA event, nothing per call that
+can leak. A CUDA call the watchdog thread made (``event.query()``, as before) would fail, and
+invalidate the capture, while any stream of the process captures a CUDA graph in the default
+(global) capture mode.
 
-Off by default. On with ``call_timeout_s`` (``MoELayer``) or ``$MOE_PLUGINS_CALL_TIMEOUT_S`` (the
-vLLM glue, and layers built without the argument). Cost when on: one CUDA event per call; a daemon
-thread polls every :data:`POLL_S` seconds.
+CUDA graphs. During a capture nothing is enqueued for the watchdog (the calls are recorded only),
+and nothing in a graph is watched by itself: the host makes no call per replay. A replay is
+bounded when its launcher says so: ``with capture_calls() as captured:`` around the capture
+records the calls captured; ``with expect_replay(captured):`` around each ``graph.replay()``
+watches the replay from its launch on the host to the completion on the GPU of everything it
+enqueued (one stream write after the replay: host runs ahead of the GPU by any number of
+replays and each is told apart), under the largest bound of the calls in it. vLLM replays its
+graphs itself, without this hook: under vLLM the bound covers eager calls (prefill, the
+profile run, eager mode) and not the replays of captured decode steps; the first capture under
+a bound logs one WARNING saying so.
+
+Start-up. A layer's first calls include JIT builds, vLLM's profile run and peers that are still
+compiling: until a call of the layer after its first has completed (then every peer has entered
+that call, so every peer finished its first), its calls run under the start-up bound
+(``first_call_timeout_s`` / ``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``, default
+``max(10 x bound, 600 s)``), stated in the layers' INFO line.
+
+Off by default. On with ``call_timeout_s`` (``MoELayer``) or ``$MOE_PLUGINS_CALL_TIMEOUT_S``
+(the vLLM glue, and layers built without the argument); 0 turns it off in either. Cost when on:
+about a microsecond of host time per call (``benchmarks/watchdog_cost.py``), 16 KiB of
+page-locked host memory per process, and a daemon thread that wakes every :data:`POLL_S` s.
 """
 from __future__ import annotations
 
-import collections
+import ctypes
+import ctypes.util
+import itertools
 import logging
 import math
 import os
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-__all__ = ["CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", "CallTimeoutError", "WatchedCall",
-           "call_timeout_seconds", "watch_call", "on_call_timeout"]
+__all__ = ["CALL_TIMEOUT_ENV", "FIRST_CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", "MIN_TIMEOUT_S",
+           "RING_SLOTS", "CallTimeoutError", "WatchedCall", "CallBound", "CapturedCalls",
+           "call_timeout_seconds", "first_call_timeout_seconds", "watch_call", "on_call_timeout",
+           "capture_calls", "expect_replay", "watchdog_alive"]
 
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_ENV = "MOE_PLUGINS_CALL_TIMEOUT_S"
+FIRST_CALL_TIMEOUT_ENV = "MOE_PLUGINS_FIRST_CALL_TIMEOUT_S"
 #: The exit status of a process the watchdog ended (BSD's EX_SOFTWARE): told apart from a crash.
 EXIT_CODE = 70
 #: Seconds between the watchdog's checks: the error comes at most this late after the bound.
 POLL_S = 0.2
+#: The smallest bound accepted (seconds): below it a healthy call on a busy host is overdue.
+MIN_TIMEOUT_S = 0.5
+#: Watched calls in flight at once before the oldest slot is reused (a power of two).
+RING_SLOTS = 4096
+_MASK = RING_SLOTS - 1
+_U32 = 0xFFFFFFFF
+#: Start-up bound when none is given: this many call bounds, and at least _FIRST_FLOOR_S.
+_FIRST_FACTOR, _FIRST_FLOOR_S = 10.0, 600.0
+_ERROR_EVERY_S = 60.0  # the watchdog's own errors: logged at most this often
 
 
 class CallTimeoutError(RuntimeError):
@@ -54,98 +92,340 @@ class CallTimeoutError(RuntimeError):
     its hooks before it ends the process)."""
 
 
-def call_timeout_seconds(given: Optional[float] = None) -> Optional[float]:
-    """``given``, else ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else None (off); a positive finite number
-    of seconds (ValueError/TypeError naming the source otherwise; 0 or "off" in the environment
-    turns it off)."""
-    source = "call_timeout_s"
-    if given is None:
-        raw = os.environ.get(CALL_TIMEOUT_ENV, "").strip()
-        if raw.lower() in ("", "0", "off", "none"):
+# -- settings -----------------------------------------------------------------------------------
+def _seconds(given: Union[float, int, str, None], source: str, off_hint: str) -> Optional[float]:
+    """``given`` seconds as a float: None and any zero (``0``, ``0.0``, ``-0``) are off (None);
+    otherwise a finite number >= MIN_TIMEOUT_S (ValueError/TypeError naming ``source``). Text is
+    parsed only from the environment (a ``source`` starting with ``$``)."""
+    if isinstance(given, str) and source.startswith("$"):
+        text = given.strip()
+        if text.lower() in ("", "off", "none"):
             return None
-        source = f"${CALL_TIMEOUT_ENV}"
         try:
-            given = float(raw)
+            given = float(text)
         except ValueError:
-            raise ValueError(f"{CALL_TIMEOUT_ENV}={raw!r} is not a number of seconds; give the "
-                             "bound on one layer call, e.g. 30, or 0 to turn it off") from None
+            raise ValueError(f"{source}={text!r} is not a number of seconds; give a bound in "
+                             f"seconds, e.g. 30, or 0 {off_hint}") from None
+    if given is None:
+        return None
     if isinstance(given, bool) or not isinstance(given, (int, float)):
         raise TypeError(f"{source} must be a number of seconds or None, got {given!r} "
                         f"({type(given).__name__})")
-    if not (given > 0 and math.isfinite(given)):
-        raise ValueError(f"{source}={given!r}: expected seconds > 0 and finite, e.g. 30 (None, "
-                         "or 0 in the environment, turns the bound off)")
+    if given == 0:  # 0, 0.0 and -0 alike
+        return None
+    if not math.isfinite(given) or given < 0:
+        raise ValueError(f"{source}={given!r}: expected a finite number of seconds >= "
+                         f"{MIN_TIMEOUT_S:g}, e.g. 30 (0 {off_hint})")
+    if given < MIN_TIMEOUT_S:
+        raise ValueError(f"{source}={given:g} s is below the floor of {MIN_TIMEOUT_S:g} s: the "
+                         f"watchdog checks every {POLL_S:g} s and a healthy call on a busy host "
+                         "takes longer, so such a bound would end healthy ranks while blaming a "
+                         f"peer; give a bound well above a forward step's time, e.g. 30 (0 "
+                         f"{off_hint})")
     return float(given)
 
 
+def call_timeout_seconds(given: Optional[float] = None) -> Optional[float]:
+    """The call bound in seconds, or None (off): ``given``, else ``$MOE_PLUGINS_CALL_TIMEOUT_S``,
+    else off. 0 (``0``, ``0.0``, ``-0``) turns it off in either (the argument's 0 overrides the
+    environment); ``off``/``none``/empty in the environment too. Anything else must be a finite
+    number of seconds >= :data:`MIN_TIMEOUT_S` (ValueError/TypeError naming its source)."""
+    if given is None:
+        return _seconds(os.environ.get(CALL_TIMEOUT_ENV, ""), f"${CALL_TIMEOUT_ENV}",
+                        "turns the bound off")
+    return _seconds(given, "call_timeout_s", "turns the bound off")
+
+
+def first_call_timeout_seconds(call_timeout_s: Optional[float],
+                               given: Optional[float] = None) -> Optional[float]:
+    """The start-up bound (seconds) of a layer whose call bound is ``call_timeout_s`` (None: off,
+    then this is None too): ``given``, else ``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``, else
+    ``max(10 x call_timeout_s, 600)``; 0 means no separate start-up bound (the call bound). It
+    must not be below the call bound (ValueError naming its source)."""
+    if call_timeout_s is None:
+        return None
+    source = "first_call_timeout_s"
+    if given is None:
+        raw = os.environ.get(FIRST_CALL_TIMEOUT_ENV, "").strip()
+        if not raw:
+            return max(_FIRST_FACTOR * call_timeout_s, _FIRST_FLOOR_S)
+        source, given = f"${FIRST_CALL_TIMEOUT_ENV}", raw  # type: ignore[assignment]
+    first = _seconds(given, source, "runs the first calls under the call bound")
+    if first is None:
+        return call_timeout_s
+    if first < call_timeout_s:
+        raise ValueError(f"{source}={first:g} s is below the call bound ({call_timeout_s:g} s): "
+                         "the start-up bound covers the slow first calls, so give at least the "
+                         "call bound, e.g. 600")
+    return first
+
+
+# -- the progress words the GPU writes ----------------------------------------------------------
+class _CudaProgress:
+    """A page-locked host buffer of ``RING_SLOTS`` uint32 words, mapped into every CUDA context
+    of the process, and the driver call that writes one of them on a stream (the GPU writes,
+    the watchdog thread reads host memory). Made on the first CUDA call, on the caller's
+    thread (a CUDA context is current there); ``ok`` False: no driver path works here."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.how = "none"
+        self.words: Optional[ctypes.Array] = None
+        self.dptr = 0
+        self._fn: Callable[..., int] = lambda *args: -1
+        self._memset = False
+        try:
+            self._setup()
+        except (OSError, AttributeError, RuntimeError) as e:
+            logger.error("moe-plugins watchdog: no CUDA driver path to mark a call's completion "
+                         "(%s); CUDA calls are watched until their host part returns, not until "
+                         "their GPU work completes", e)
+
+    def _setup(self) -> None:
+        try:  # the driver torch loaded
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so")
+        self._context(lib)
+        ptr = ctypes.c_void_p()
+        # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP: pinned, mapped in every context
+        lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                       ctypes.c_uint]
+        rc = lib.cuMemHostAlloc(ctypes.byref(ptr), 4 * (RING_SLOTS + 1), 0x01 | 0x02)
+        if rc:
+            raise RuntimeError(f"cuMemHostAlloc failed with CUresult {rc}")
+        dptr = ctypes.c_uint64()
+        get = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
+        get.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        rc = get(ctypes.byref(dptr), ptr, 0)
+        if rc:
+            raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {rc}")
+        self.words = (ctypes.c_uint32 * RING_SLOTS).from_address(ptr.value)
+        ctypes.memset(ptr.value, 0, 4 * (RING_SLOTS + 1))
+        self.dptr = dptr.value
+        write = getattr(lib, "cuStreamWriteValue32_v2", None) or getattr(
+            lib, "cuStreamWriteValue32", None)
+        memset = getattr(lib, "cuMemsetD32Async", None)
+        candidates = []
+        if write is not None:  # (stream, address, value, flags)
+            write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            candidates.append(("cuStreamWriteValue32", write, False))
+        if memset is not None:  # (address, value, count, stream)
+            memset.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+            candidates.append(("cuMemsetD32Async", memset, True))
+        stream = _raw_stream(torch.cuda.current_device())
+        for how, fn, is_memset in candidates:  # the probe: a write into the spare last word
+            self._fn, self._memset = fn, is_memset
+            rc = self.write(stream, RING_SLOTS, 1)
+            if rc == 0:
+                self.ok, self.how = True, how
+                logger.debug("moe-plugins watchdog: GPU progress writes by %s", how)
+                return
+            logger.debug("moe-plugins watchdog: %s failed with CUresult %d", how, rc)
+        raise RuntimeError("neither cuStreamWriteValue32 nor cuMemsetD32Async works here")
+
+    @staticmethod
+    def _context(lib: ctypes.CDLL) -> None:
+        """Make the current device's primary context current on this thread where none is
+        (torch makes it current lazily; the driver calls below need one)."""
+        lib.cuInit(0)
+        ctx = ctypes.c_void_p()
+        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            return
+        dev = ctypes.c_int()
+        rc = lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device())
+        if rc == 0:
+            rc = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+        if rc == 0:
+            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            rc = lib.cuCtxSetCurrent(ctx)
+        if rc:
+            raise RuntimeError(f"no CUDA context for the progress buffer (CUresult {rc})")
+
+    def write(self, stream: int, slot: int, value: int) -> int:
+        """Enqueue on ``stream`` the write of ``value`` into ``slot``; the driver's CUresult
+        (0: done)."""
+        if self._memset:
+            return self._fn(self.dptr + 4 * slot, value, 1, stream)
+        return self._fn(stream, self.dptr + 4 * slot, value, 0)
+
+
+_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(index: int) -> int:
+    """The handle of the current CUDA stream of device ``index`` (0: the legacy default)."""
+    if _GET_RAW_STREAM is not None:
+        return _GET_RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# -- the watched calls --------------------------------------------------------------------------
 class WatchedCall:
-    """One call under the watchdog: :meth:`end` when the call has enqueued all its work."""
+    """One call under the watchdog: :meth:`end` when the call has enqueued all its work.
 
-    __slots__ = ("name", "number", "started", "deadline", "event", "done")
+    The objects are preallocated, one per ring slot, and reused: ``seq`` (the process's call
+    count at its start) says which call a slot holds now."""
 
-    def __init__(self, name: str, number: int, timeout_s: float):
-        self.name, self.number = name, number
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout_s
-        self.event: Optional[torch.cuda.Event] = None
-        self.done = False
+    __slots__ = ("slot", "seq", "name", "number", "what", "started", "deadline", "done", "gpu")
+
+    def __init__(self, slot: int) -> None:
+        self.slot, self.seq = slot, -1
+        self.name, self.number, self.what = "", 0, "call"
+        self.started = self.deadline = 0.0
+        self.done = self.gpu = -1  # seq of the call ended on the host / whose GPU write is queued
 
     def end(self, device: torch.device) -> None:
-        """The call's work is enqueued: on CUDA it completes when an event recorded now on the
-        current stream does; elsewhere it is complete now."""
-        if device.type == "cuda" and not self.done:
-            event = torch.cuda.Event()
-            event.record()
-            self.event = event
+        """The call's work is enqueued: on CUDA it completes when the GPU has written the
+        call's progress word after that work (on the current stream); elsewhere it is complete
+        now."""
+        wd = _WATCHDOG
+        if device is not wd.last_device:  # torch.device.type costs half a microsecond: once
+            if device.type != "cuda":
+                wd.last_device, wd.last_index = device, -1
+            elif device.index is not None:
+                wd.last_device, wd.last_index = device, device.index
+            else:  # "cuda": the current device, asked each time
+                wd.end_on_gpu(self, torch.cuda.current_device())
+                return
+        if wd.last_index < 0:
+            self.done = self.seq
         else:
-            self.done = True
+            wd.end_on_gpu(self, wd.last_index)
 
     def finished(self) -> bool:
-        if not self.done and self.event is not None and self.event.query():
-            self.done = True
-        return self.done
+        """The call (``seq``) completed: on the host, or its progress word arrived (host memory
+        only: no CUDA call)."""
+        seq = self.seq
+        if self.done == seq:
+            return True
+        words = _WATCHDOG.words
+        return self.gpu == seq and words is not None and words[self.slot] == seq & _U32
+
+
+@dataclass
+class CapturedCalls:
+    """The watched calls captured into one CUDA graph (:func:`capture_calls`): (name, number,
+    bound in seconds) each; ``replays`` counts :func:`expect_replay`."""
+
+    calls: list[tuple[str, int, float]] = field(default_factory=list)
+    replays: int = 0
+    name: str = ""  # how the watchdog names its replays (made at the first)
+
+    @property
+    def timeout_s(self) -> Optional[float]:
+        """The bound of a replay: the largest of its calls' (None: no call under a bound)."""
+        return max((t for *_, t in self.calls), default=None)
+
+    def describe(self) -> str:
+        names = sorted({n for n, *_ in self.calls})
+        return f"{len(self.calls)} captured call(s) of {', '.join(names) or 'no layer'}"
 
 
 class _Watchdog:
-    """The process's watchdog thread and the calls it watches (oldest first)."""
+    """The process's watchdog thread and the ring of calls it watches."""
 
     def __init__(self) -> None:
-        self.calls: "collections.deque[WatchedCall]" = collections.deque()
+        self.ring = [WatchedCall(i) for i in range(RING_SLOTS)]
+        self.counter = itertools.count(1)  # next() is atomic: several calling threads are fine
+        self.tail = 1  # the oldest call that may still be in flight (the thread's own)
         self.hooks: list[Callable[[CallTimeoutError], None]] = []
         self.lock = threading.Lock()
         self.thread: Optional[threading.Thread] = None
-        self.pid = -1
+        self.cuda: Optional[_CudaProgress] = None
+        self.words: Optional[ctypes.Array] = None  # cuda.words once it works
+        self.capture: Optional[CapturedCalls] = None  # the open capture_calls() record
+        # the device of the last end(): its CUDA index, -1 when it is not a CUDA device
+        self.last_device: Optional[torch.device] = None
+        self.last_index = -1
+        self.warned_capture = False
+        self.last_error = -math.inf
 
-    def watch(self, call: WatchedCall) -> None:
-        self.calls.append(call)  # deque.append is atomic: no lock on the call path
-        if self.pid != os.getpid():  # first call here, or a forked child (threads do not fork)
-            with self.lock:
-                if self.pid != os.getpid():
-                    self.pid = os.getpid()
-                    self.thread = threading.Thread(target=self._run, name="moe-plugins-watchdog",
-                                                   daemon=True)
-                    self.thread.start()
+    def reset_after_fork(self) -> None:
+        """In a forked child: no thread (threads do not fork), no CUDA (it does not either);
+        the hooks stay."""
+        hooks = self.hooks
+        self.__init__()  # type: ignore[misc]
+        self.hooks = hooks
+
+    def start(self) -> None:
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="moe-plugins-watchdog",
+                                               daemon=True)
+                self.thread.start()
+
+    def prepare_cuda(self) -> _CudaProgress:
+        """The progress buffer and its driver call, made once (page-locked memory is allocated:
+        done where a layer is built, not during another thread's CUDA-graph capture)."""
+        with self.lock:
+            if self.cuda is None:
+                self.cuda = _CudaProgress()
+                self.words = self.cuda.words if self.cuda.ok else None
+            return self.cuda
+
+    def end_on_gpu(self, call: WatchedCall, index: int) -> None:
+        """:meth:`WatchedCall.end` of a call on CUDA device ``index``."""
+        cuda = self.cuda
+        if cuda is None:
+            cuda = self.prepare_cuda()
+        seq = call.seq
+        if cuda.ok:
+            rc = cuda.write(_raw_stream(index), call.slot, seq & _U32)
+            if rc == 0:
+                call.gpu = seq
+                return
+            self._error(RuntimeError(f"{cuda.how} failed on cuda:{index} with CUresult {rc}"))
+        call.done = seq  # no GPU path: watched until its host part returned
 
     def _run(self) -> None:
         while True:
             time.sleep(POLL_S)
-            calls = self.calls
-            while calls and calls[0].finished():
-                calls.popleft()
-            now = time.monotonic()
-            for call in list(calls):  # a copy: the caller's thread appends meanwhile
-                if not call.finished() and now > call.deadline:
+            try:
+                self.check(time.monotonic())
+            except Exception as e:  # never die silently: say so and keep watching
+                self._error(e)
+
+    def _error(self, e: BaseException) -> None:
+        now = time.monotonic()
+        if now - self.last_error >= _ERROR_EVERY_S:
+            self.last_error = now
+            logger.error("moe-plugins watchdog: internal error, still watching: %s: %s",
+                         type(e).__name__, e, exc_info=e)
+
+    def check(self, now: float) -> None:
+        """One look at every call in flight (host memory only): the finished ones at the tail
+        are dropped, an overdue one ends the process."""
+        seq, ring = self.tail, self.ring
+        at_tail = True
+        while True:
+            call = ring[seq & _MASK]
+            held = call.seq
+            if held < seq:  # not started yet (or being published): nothing beyond it
+                break
+            if held > seq:  # the ring reused this call's slot: every call up to held - RING
+                # started its successor in its slot too (no longer watched: documented)
+                seq = max(seq, held - RING_SLOTS)
+            elif not call.finished():
+                deadline = call.deadline
+                if now > deadline and call.seq == seq:  # still the same call
                     self._expire(call, now)
+                at_tail = False
+            if at_tail:
+                self.tail = seq + 1
+            seq += 1
 
     def _expire(self, call: WatchedCall, now: float) -> None:
         bound = call.deadline - call.started
         error = CallTimeoutError(
-            f"{call.name}: call {call.number} did not complete within {bound:g} s "
-            f"(call_timeout_s / ${CALL_TIMEOUT_ENV}; started {now - call.started:.1f} s ago): "
-            "a peer rank died or hangs in the middle of the call, or this rank's GPU work never "
-            "finished. Its kernels cannot be cancelled, so moe-plugins ends this process (exit "
-            f"status {EXIT_CODE}) instead of waiting for the library's own timeout; restart the "
-            "EP group (the serving engine restarts its workers)")
+            f"{call.name}: {call.what} {call.number} did not complete within {bound:g} s "
+            f"(started {now - call.started:.1f} s ago; ${CALL_TIMEOUT_ENV}, "
+            f"${FIRST_CALL_TIMEOUT_ENV} for a layer's first calls): a peer rank died or hangs "
+            "in the middle of the call, or this rank's own work took longer than the bound (a "
+            "bound below a forward step's time ends healthy ranks: raise it then). Its kernels "
+            f"cannot be cancelled, so moe-plugins ends this process (exit status {EXIT_CODE}) "
+            "instead of waiting for the library's own timeout; restart the EP group (under "
+            "vLLM, the engine: its executor shuts down when a worker dies)")
         logger.error("%s", error)
         for hook in reversed(self.hooks):  # last registered first, as atexit
             try:
@@ -161,25 +441,137 @@ class _Watchdog:
 
 
 _WATCHDOG = _Watchdog()
-_WARNED_CAPTURE: list[str] = []  # the capture warning is given once per process
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
+_CUDA: list[bool] = []  # whether this process's torch has CUDA (asked once)
 
 
-def watch_call(name: str, number: int, timeout_s: Optional[float]) -> Optional[WatchedCall]:
-    """Start watching call ``number`` of layer ``name`` (None when ``timeout_s`` is None or a
-    CUDA graph is being captured: nothing to watch)."""
+def _has_cuda() -> bool:
+    """Whether this process's torch has a CUDA device (asked once; layers ask it when they are
+    built, so no capture is under way then)."""
+    if not _CUDA:
+        _CUDA.append(torch.cuda.is_available())
+    return _CUDA[0]
+
+
+def _capturing() -> bool:
+    """Whether the caller's current CUDA stream is capturing a graph (the caller's thread asks
+    its own stream: legal during any capture)."""
+    return (_CUDA[0] if _CUDA else _has_cuda()) and torch.cuda.is_current_stream_capturing()
+
+
+def watch_call(name: str, number: int, timeout_s: Optional[float],
+               what: str = "call") -> Optional[WatchedCall]:
+    """Start watching call ``number`` of layer ``name`` under ``timeout_s`` seconds (None: off,
+    nothing watched). During a CUDA-graph capture nothing is watched (None): the call is recorded
+    for :func:`capture_calls`, and no CUDA call is made for it. ``what`` names it in the
+    error ("call", "start-up call", "CUDA-graph replay")."""
     if timeout_s is None:
         return None
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        if not _WARNED_CAPTURE:
-            _WARNED_CAPTURE.append(name)
-            logger.warning("%s: the call bound (%g s) does not cover CUDA-graph replays of this "
-                           "capture (the host makes no call per replay): a peer that dies "
-                           "during a replay ends this rank only by the library's own timeout",
-                           name, timeout_s)
+    if _capturing():
+        _captured(name, number, timeout_s)
         return None
-    call = WatchedCall(name, number, timeout_s)
-    _WATCHDOG.watch(call)
+    wd = _WATCHDOG
+    seq = next(wd.counter)
+    call = wd.ring[seq & _MASK]
+    call.name, call.number, call.what = name, number, what
+    call.started = now = time.monotonic()
+    call.deadline = now + timeout_s
+    call.seq = seq  # published last: the thread reads seq first
+    if wd.thread is None:
+        wd.start()
     return call
+
+
+def _captured(name: str, number: int, timeout_s: float) -> None:
+    record = _WATCHDOG.capture
+    if record is not None:
+        record.calls.append((name, number, timeout_s))
+    elif not _WATCHDOG.warned_capture:
+        _WATCHDOG.warned_capture = True
+        logger.warning("%s: captured into a CUDA graph under a call bound (%g s); its replays "
+                       "are bounded only where the code that replays the graph wraps each "
+                       "replay in moe_plugins.watchdog.expect_replay (vLLM's graph runner does "
+                       "not): otherwise a peer that dies during a replay ends this rank only by "
+                       "the library's own timeout", name, timeout_s)
+
+
+@contextmanager
+def capture_calls() -> Iterator[CapturedCalls]:
+    """Around a CUDA-graph capture: records the watched calls captured (yielded, filled when
+    the block ends), to hand to :func:`expect_replay` at each replay."""
+    record = CapturedCalls()
+    outer, _WATCHDOG.capture = _WATCHDOG.capture, record
+    try:
+        yield record
+    finally:
+        _WATCHDOG.capture = outer
+
+
+@contextmanager
+def expect_replay(captured: CapturedCalls,
+                  device: Optional[torch.device] = None) -> Iterator[Optional[WatchedCall]]:
+    """Around one ``graph.replay()`` of a graph whose capture ``captured`` recorded: the replay
+    is watched from here to the completion on the GPU of what it enqueued, under the largest
+    bound of its calls (nothing is watched when none was under a bound). ``device``: the
+    graph's (default: the current CUDA device)."""
+    bound = captured.timeout_s
+    captured.replays += 1
+    if not captured.name:
+        captured.name = captured.describe()
+    call = watch_call(captured.name, captured.replays, bound, "CUDA-graph replay")
+    try:
+        yield call
+    finally:
+        if call is not None:
+            call.end(device or torch.device("cuda", torch.cuda.current_device()))
+
+
+class CallBound:
+    """The bound of one layer's calls (the layer holds one): :meth:`watch` starts a call.
+
+    ``timeout_s`` and ``first_timeout_s`` as resolved by :func:`call_timeout_seconds` and
+    :func:`first_call_timeout_seconds`; ``device``: the layer's (on CUDA, with the bound on, the
+    progress buffer is made here, with a CUDA context current on this thread). A call runs under the start-up bound until one of the
+    layer's calls after its first has completed (every peer entered that call, so every peer
+    finished its first one); from then on under ``timeout_s``."""
+
+    __slots__ = ("name", "timeout_s", "first_timeout_s", "_warm", "_proof", "_proof_seq")
+
+    def __init__(self, name: str, call_timeout_s: Optional[float] = None,
+                 first_call_timeout_s: Optional[float] = None,
+                 device: Optional[torch.device] = None) -> None:
+        self.name = name
+        self.timeout_s = call_timeout_seconds(call_timeout_s)
+        self.first_timeout_s = first_call_timeout_seconds(self.timeout_s, first_call_timeout_s)
+        if self.timeout_s is not None and _has_cuda() and device is not None \
+                and device.type == "cuda":
+            _WATCHDOG.prepare_cuda()  # now, not at a first call during a capture
+        self._warm = self.timeout_s is None or self.first_timeout_s == self.timeout_s
+        self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
+        self._proof_seq = -1
+
+    def describe(self) -> str:
+        """For the layers' INFO line: ``off``, or the bound and the start-up bound."""
+        if self.timeout_s is None:
+            return "off"
+        return f"{self.timeout_s:g} s (first calls {self.first_timeout_s:g} s)"
+
+    def watch(self, number: int) -> Optional[WatchedCall]:
+        """Watch call ``number`` of the layer (None: not watched)."""
+        if self._warm:
+            return watch_call(self.name, number, self.timeout_s)
+        return self._watch_starting(number)
+
+    def _watch_starting(self, number: int) -> Optional[WatchedCall]:
+        proof = self._proof
+        if proof is not None and (proof.seq != self._proof_seq or proof.finished()):
+            self._warm = True  # completed (or lapped by the ring: long since done)
+            return watch_call(self.name, number, self.timeout_s)
+        call = watch_call(self.name, number, self.first_timeout_s, "start-up call")
+        if proof is None and call is not None and number >= 2:
+            self._proof, self._proof_seq = call, call.seq
+        return call
 
 
 def on_call_timeout(hook: Callable[[CallTimeoutError], None]) -> Callable[[], None]:
@@ -192,3 +584,9 @@ def on_call_timeout(hook: Callable[[CallTimeoutError], None]) -> Callable[[], No
         if hook in _WATCHDOG.hooks:
             _WATCHDOG.hooks.remove(hook)
     return remove
+
+
+def watchdog_alive() -> bool:
+    """Whether this process's watchdog thread runs (False before the first watched call)."""
+    thread = _WATCHDOG.thread
+    return thread is not None and thread.is_alive()

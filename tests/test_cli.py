@@ -86,6 +86,8 @@ def test_demo_rejects_dp_without_ep():
     (("demo", "--ranks", "x"), "argument --ranks: expected an integer, got 'x'"),
     (("demo", "--timeout", "0"), "argument --timeout: must be > 0, got 0"),
     (("plan", "--layers", "0"), "argument --layers: must be >= 1, got 0"),
+    (("demo", "--call-timeout-s", "bad"), "argument --call-timeout-s: expected a number, got 'bad'"),
+    (("demo", "--ep", "--call-timeout-s", "0.01"), "0.01 s is below the floor of 0.5 s"),
     (("demo", "--ranks", "2", "--ep", "--experts", "7"),
      "--experts 7 is not divisible by the EP size 2"),
     # issue 28: each through the console script; the neighbours in-process below
@@ -227,3 +229,18 @@ def test_good_flag_values_parse(argv, attr, value):
 
     assert getattr(build_parser().parse_args(argv), attr) == value
 
+
+@pytest.mark.parametrize("raw,message", [
+    ("soon", "$MOE_PLUGINS_CALL_TIMEOUT_S='soon' is not a number of seconds"),
+    ("0.001", "$MOE_PLUGINS_CALL_TIMEOUT_S=0.001 s is below the floor of 0.5 s"),
+])
+def test_a_bad_call_bound_in_the_environment_is_one_line_before_ranks_start(raw, message):
+    """Checked once in the demo's process, before any rank starts (not once per rank after
+    they started, with exit status 1)."""
+    env = {**cli_env(), "MOE_PLUGINS_CALL_TIMEOUT_S": raw}
+    res = subprocess.run([str(BIN), "demo", "--ranks", "2", "--ep"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert "0 turns the bound off" in lines[0] and res.stdout == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.runner.reference import reference_moe, within_tolerance
 from moe_plugins.registry import get_backend, select_backend
 from moe_plugins.strategy import ReductionStrategy, applicable_strategies, choose_strategy
+from moe_plugins.watchdog import call_timeout_seconds, first_call_timeout_seconds
 
 __all__ = ["DemoRow", "demo_inputs", "demo_preflight", "run_demo", "strategies_for"]
 
@@ -49,9 +51,14 @@ def strategies_for(layout: ParallelLayout, backend: str, cfg: MoEConfig) -> list
                                  has_shared_expert=cfg.has_shared_expert)
 
 
-def demo_preflight(layout: ParallelLayout, cfg: MoEConfig, backend: str, quant: QuantSpec) -> None:
+def demo_preflight(layout: ParallelLayout, cfg: MoEConfig, backend: str, quant: QuantSpec,
+                   call_timeout_s: Optional[float] = None) -> Optional[float]:
     """Every configuration error a demo rank would hit, raised here before ranks start
-    (ValueError / BackendSelectionError naming the value and the fix)."""
+    (ValueError / BackendSelectionError naming the value and the fix). Returns the call bound
+    (``call_timeout_s``, else ``$MOE_PLUGINS_CALL_TIMEOUT_S``; None: off), its start-up bound
+    checked too."""
+    bound = call_timeout_seconds(call_timeout_s)
+    first_call_timeout_seconds(bound)
     select_backend(layout, quant.scheme, backend, dtype=cfg.dtype)
     if layout.ep and cfg.num_experts % layout.ep_size:
         raise ValueError(f"--experts {cfg.num_experts} is not divisible by the EP size "
@@ -61,18 +68,20 @@ def demo_preflight(layout: ParallelLayout, cfg: MoEConfig, backend: str, quant: 
         if size % layout.tp:
             raise ValueError(f"{flag} {size} is not divisible by --tp {layout.tp} (TP shards "
                              "it); give a multiple of the TP size")
+    return bound
 
 
 def _demo_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, backend: str,
                strategy: ReductionStrategy, num_tokens: int, quant: QuantSpec, seed: int,
-               iters: int) -> dict:
+               iters: int, call_timeout_s: float = 0.0) -> dict:
     ctx = cached_dist_context(layout)
     weights = MoEWeights.random(cfg, seed)
     x = demo_inputs(cfg, num_tokens, ctx.dp_rank, seed)
     # CPU ranks: the shared expert runs inline; the CLI says so once instead of every rank
     # warning (the layer warns when overlap is requested without CUDA).
     layer = MoELayer(weights, ctx, get_backend(backend), strategy, quant,
-                     OverlapConfig.from_env(overlap=False), max_tokens_per_rank=max(num_tokens, 1))
+                     OverlapConfig.from_env(overlap=False), max_tokens_per_rank=max(num_tokens, 1),
+                     call_timeout_s=call_timeout_s)
     out = layer(x)  # the counted call
     stats = layer.dispatch_stats
     counted = dict(collectives=list(layer.collectives.records), pairs=stats.pairs,
@@ -89,8 +98,11 @@ def _demo_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, ba
 
 def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: str, num_tokens: int,
              quant: QuantSpec = QuantSpec(), seed: int = 0, iters: int = 3,
-             strategies: list[ReductionStrategy] | None = None) -> list[DemoRow]:
-    """Run every applicable strategy (or ``strategies``) and compare each rank with the reference."""
+             strategies: list[ReductionStrategy] | None = None,
+             call_timeout_s: Optional[float] = None) -> list[DemoRow]:
+    """Run every applicable strategy (or ``strategies``) and compare each rank with the
+    reference. ``call_timeout_s``: the layers' call bound (:mod:`moe_plugins.watchdog`; None:
+    off)."""
     caps = select_backend(layout, quant.scheme, backend, dtype=cfg.dtype).capabilities
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                               has_shared_expert=cfg.has_shared_expert,
@@ -100,7 +112,8 @@ def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: st
             for d in range(layout.dp)]
     rows = []
     for strategy in strategies or strategies_for(layout, backend, cfg):
-        per_rank = pool.run(_demo_rank, layout, cfg, backend, strategy, num_tokens, quant, seed, iters)
+        per_rank = pool.run(_demo_rank, layout, cfg, backend, strategy, num_tokens, quant, seed,
+                            iters, call_timeout_s or 0.0)
         checks = [within_tolerance(r["out"], refs[layout.dp_rank(i)]) for i, r in enumerate(per_rank)]
         colls = per_rank[0]["collectives"]
         rows.append(DemoRow(

@@ -24,7 +24,7 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.watchdog import call_timeout_seconds, watch_call
+from moe_plugins.watchdog import CallBound
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,10 @@ class MoELayer:
     the physical experts are (None: linear); the router's logical ids are mapped to physical
     ones (a replica per token, as vLLM's EPLB router does) before dispatch, and
     :meth:`rebalance` moves the experts between forward passes. ``call_timeout_s`` (None:
-    ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off): a call not complete within it ends this process
-    with a clear error (:mod:`moe_plugins.watchdog`: a peer died or hangs mid-call).
+    ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off): a call not complete within it ends this
+    process with a clear error (:mod:`moe_plugins.watchdog`: a peer died or hangs mid-call); the
+    layer's first calls run under the longer start-up bound
+    (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
     """
 
     def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
@@ -55,7 +57,7 @@ class MoELayer:
                  backend_options: Any = None, placement: Optional[ExpertPlacement] = None,
                  call_timeout_s: Optional[float] = None):
         cfg = weights.config
-        self._call_timeout = call_timeout_seconds(call_timeout_s)
+        self._bound = CallBound("MoE layer", call_timeout_s, device=ctx.device)  # named below
         self.cfg, self.ctx, self.quant = cfg, ctx, quant
         self.overlap = overlap or OverlapConfig.from_env()
         layout = ctx.layout
@@ -103,6 +105,7 @@ class MoELayer:
         self.router = weights.router
         self.collectives = CollectiveLog()
         self.name = f"MoE layer ({backend.name}, {layout.describe()}, {strategy.value})"
+        self._bound.name = self.name
         self.faults = group_faults(ctx.ep_group)
         self._destroyed = False
         self._num_calls = 0
@@ -131,7 +134,7 @@ class MoELayer:
                         f"off ({off})" if off else
                         f"on (up to {self.overlap.overlap_max_tokens} tokens per call)",
                         quant.scheme.value, " (deferred)" if quant.defer_input_quant else "",
-                        "off" if self._call_timeout is None else f"{self._call_timeout:g} s")
+                        self._bound.describe())
 
     # -- counted TP collectives (the dispatch all-to-alls are counted by the backend) -----------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +190,7 @@ class MoELayer:
             raise RuntimeError(f"{self.name} was destroyed; build a new MoELayer to run it again")
         self.faults.check(self.name)
         self._num_calls += 1
-        watched = watch_call(self.name, self._num_calls, self._call_timeout)
+        watched = self._bound.watch(self._num_calls)
         if watched is None:
             return self._call(x)
         try:
@@ -228,10 +231,11 @@ class MoELayer:
             raise PeerMaskedError(
                 f"{self.name}: the library masked EP rank(s) {lost} during this call (their "
                 "kernels did not answer within the library's timeout), so its result lacks "
-                "their experts and is not returned; once they are back, clean the buffers "
-                "(layer.pf.manager.clean_buffers()) on every rank and rebuild the layer on new "
-                "process groups, or mask them on purpose (set_rank_masked) to serve without "
-                "them")
+                "their experts and is not returned; this layer's EP group is broken (later "
+                "calls raise LayerBrokenError). If a masked rank's process died, restart every "
+                "rank of the EP group (under vLLM, the engine); if every rank lives (a slow "
+                "peer), clean the buffers (layer.pf.manager.clean_buffers()) on every rank and "
+                "rebuild the layer on new process groups on every rank")
 
     def _input_error(self, x: object) -> Optional[Exception]:
         """Why this rank refuses the layer input ``x`` (None: it does not)."""

@@ -64,7 +64,7 @@ from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, nvfp4_global_scale, quant_scheme_of,
                                             receive_quantization)
-from moe_plugins.watchdog import call_timeout_seconds, watch_call
+from moe_plugins.watchdog import CallBound
 
 logger = logging.getLogger(__name__)
 
@@ -166,9 +166,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # read once: only a per-call backend pays for reading vLLM's forward context per call
         self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}  # (see _Call)
-        # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.watchdog), None: off
-        self._call_timeout = call_timeout_seconds()
         self._name = f"{backend_name} layer (EP rank {ctx.rank})"
+        # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.watchdog)
+        self._bound = CallBound(self._name, device=ctx.device)
         self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
         # our low-latency backends (every micro-batch's object): the adapter calls their send
         # and receive halves directly (dispatch_send, combine_send, combine_received)
@@ -424,7 +424,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             logger.info("moe-plugins: prepare/finalize of backend %s ran on EP rank %d of %d "
                         "(strategy %s, first call %d tokens, call bound %s)", self.backend_name,
                         self.ctx.rank, self.ctx.layout.ep_size, self.strategy.value, num_tokens,
-                        "off" if self._call_timeout is None else f"{self._call_timeout:g} s")
+                        self._bound.describe())
 
     # -- prepare -------------------------------------------------------------------------------
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -531,7 +531,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
               blocking: bool) -> Any:
         """Register the call (a receive that raises leaves it for the next prepare to reset)
         and issue the backend's dispatch; returns vLLM's (hook, receiver) or receiver."""
-        watched = watch_call(self._name, self.calls, self._call_timeout)
+        watched = self._bound.watch(self.calls)
         self._calls[slot] = (rows, ids, weights, owns_all, refusal, watched)
         try:
             if self._low_latency and (defer_input_quant or self._recv_quant is None):

@@ -1,32 +1,59 @@
-"""moe_plugins.watchdog's settings: the bound comes from the argument, else the environment, and
-anything that is not a positive finite number of seconds is a clear error naming its source.
-(The watchdog ending a process is tested on real ranks: tests/vllm_glue/test_vllm_faults.py and
-the reduced EP matrix's fault-hang-watchdog job; on the GPU, the matrix's kill faults.)"""
+"""moe_plugins.watchdog: its settings (argument, environment, floor, start-up bound), the ring of
+watched calls, completion read from host memory only, the start-up bound, CUDA-graph captures and
+replays, and a watchdog thread that survives its own errors. (The watchdog ending a process is
+tested on real ranks: tests/runner/test_watchdog_ranks.py, tests/vllm_glue/test_vllm_faults.py
+and the reduced EP matrix's fault-hang-watchdog job; on the GPU, tests/gpu/test_watchdog_gpu.py
+and the matrix's kill faults.)"""
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
+import threading
 
 import pytest
+import torch
 
-from moe_plugins.watchdog import CALL_TIMEOUT_ENV, call_timeout_seconds, watch_call
+from moe_plugins import watchdog
+from moe_plugins.watchdog import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV, MIN_TIMEOUT_S,
+                                  RING_SLOTS, CallBound, call_timeout_seconds, capture_calls,
+                                  expect_replay, first_call_timeout_seconds, watch_call)
+
+CPU = torch.device("cpu")
 
 
+@pytest.fixture
+def fresh(monkeypatch):
+    """A watchdog of its own for the test, whose thread is never started (the test calls its
+    check itself) and whose expiry is recorded instead of ending the process."""
+    wd = watchdog._Watchdog()
+    expired: list = []
+    monkeypatch.setattr(wd, "start", lambda: None)
+    monkeypatch.setattr(wd, "_expire", lambda call, now: expired.append((call.name, call.number)))
+    monkeypatch.setattr(watchdog, "_WATCHDOG", wd)
+    wd.expired = expired  # type: ignore[attr-defined]
+    return wd
+
+
+# -- settings -----------------------------------------------------------------------------------
 def test_the_argument_wins_over_the_environment(monkeypatch):
     monkeypatch.setenv(CALL_TIMEOUT_ENV, "30")
     assert call_timeout_seconds(5) == 5.0
     assert call_timeout_seconds() == 30.0
+    assert call_timeout_seconds(0) is None  # the argument's 0 turns it off despite the env
 
 
-@pytest.mark.parametrize("raw", ["", "0", "off", "None"])
-def test_off_by_default_and_by_the_environment(monkeypatch, raw):
+@pytest.mark.parametrize("raw", ["", "0", "0.0", "00", "-0", "+0", "off", "None"])
+def test_zero_in_any_spelling_turns_the_bound_off(monkeypatch, raw):
     monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
     assert call_timeout_seconds() is None
     assert watch_call("layer", 1, None) is None  # nothing watched, no thread needed
 
 
 @pytest.mark.parametrize("given,error,match", [
-    (0, ValueError, "call_timeout_s=0"), (-1.5, ValueError, "expected seconds > 0"),
+    (-1.5, ValueError, "expected a finite number of seconds >= 0.5"),
     (math.inf, ValueError, "finite"), (math.nan, ValueError, "finite"),
+    (0.001, ValueError, "0.001 s is below the floor of 0.5 s"),
     ("30", TypeError, "number of seconds or None, got '30'"), (True, TypeError, "bool"),
 ])
 def test_a_bad_argument_is_a_clear_error(given, error, match):
@@ -36,37 +63,172 @@ def test_a_bad_argument_is_a_clear_error(given, error, match):
 
 @pytest.mark.parametrize("raw,match", [("soon", "is not a number of seconds"),
                                        ("-3", r"\$MOE_PLUGINS_CALL_TIMEOUT_S=-3.0"),
+                                       ("0.01", "below the floor"),
                                        ("inf", "finite")])
-def test_a_bad_environment_value_names_the_variable(monkeypatch, raw, match):
+def test_a_bad_environment_value_names_the_variable_and_says_0_is_off(monkeypatch, raw, match):
     monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as e:
         call_timeout_seconds()
+    assert "0 turns the bound off" in str(e.value)
 
 
-def test_a_completed_call_is_no_longer_watched():
-    """A call that ended on CPU is finished at once; the watchdog drops it at its next poll."""
-    import torch
+def test_the_floor_is_accepted():
+    assert call_timeout_seconds(MIN_TIMEOUT_S) == MIN_TIMEOUT_S
 
+
+def test_the_start_up_bound(monkeypatch):
+    monkeypatch.delenv(FIRST_CALL_TIMEOUT_ENV, raising=False)
+    assert first_call_timeout_seconds(None) is None
+    assert first_call_timeout_seconds(5.0) == 600.0
+    assert first_call_timeout_seconds(100.0) == 1000.0
+    assert first_call_timeout_seconds(5.0, 20) == 20.0
+    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "90")
+    assert first_call_timeout_seconds(5.0) == 90.0
+    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "0")
+    assert first_call_timeout_seconds(5.0) == 5.0  # 0: the first calls under the call bound
+    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "2")
+    with pytest.raises(ValueError, match=r"FIRST_CALL_TIMEOUT_S=2 s is below the call bound"):
+        first_call_timeout_seconds(5.0)
+    assert CallBound("layer", 5.0, 30.0).describe() == "5 s (first calls 30 s)"
+    assert CallBound("layer", 0).describe() == "off"
+
+
+# -- the ring and completion --------------------------------------------------------------------
+def test_calls_take_preallocated_slots_and_complete_on_the_host_on_cpu(fresh):
+    first = watch_call("layer", 1, 60.0)
+    assert first is not None and not first.finished()
+    first.end(CPU)
+    assert first.finished()
+    for n in range(RING_SLOTS - 1):
+        watch_call("layer", n + 2, 60.0).end(CPU)
+    again = watch_call("layer", RING_SLOTS + 1, 60.0)
+    assert again is first and not again.finished()  # the same object, another call now
+    fresh.check(0.0)
+    assert fresh.tail == again.seq  # everything before the open call was dropped
+
+
+def test_an_overdue_call_is_found_by_reading_host_memory_only(fresh):
+    done = watch_call("done", 1, 1.0)
+    done.end(CPU)
+    late = watch_call("late", 7, 1.0)
+    fresh.check(late.started + 0.5)
+    assert fresh.expired == []
+    fresh.check(late.started + 1.5)
+    assert fresh.expired == [("late", 7)]
+
+
+def test_a_gpu_call_completes_when_its_progress_word_arrives(fresh, monkeypatch):
+    """end() on a CUDA device enqueues the write of the call's number into its slot of the
+    mapped host buffer (a driver call on the caller's stream, faked here); the call is complete
+    when that word holds it: read from host memory, with no CUDA call."""
+    words = (ctypes.c_uint32 * (RING_SLOTS + 1))()
+    writes: list = []
+
+    class FakeProgress:
+        ok, how = True, "fake"
+
+        def write(self, stream, slot, value):
+            writes.append((stream, slot, value))
+            return 0  # the driver's CUresult
+
+    fresh.cuda, fresh.words = FakeProgress(), words
+    monkeypatch.setattr(watchdog, "_raw_stream", lambda index: 1234 + index)
     call = watch_call("layer", 1, 60.0)
-    assert call is not None and not call.finished()
-    call.end(torch.device("cpu"))
+    call.end(torch.device("cuda", 3))
+    assert writes == [(1237, call.slot, call.seq)]
+    assert not call.finished()
+    words[call.slot] = call.seq  # what the GPU writes once the call's work is done
     assert call.finished()
 
 
-def test_a_capture_under_the_bound_is_not_watched_and_says_so_once(monkeypatch, caplog):
-    """CUDA-graph replays make no host call: a capture is not watched, and the one WARNING says
-    that the bound does not cover its replays (the CUDA runtime's answer stood in on CPU)."""
-    import logging
+def test_a_failed_gpu_write_falls_back_to_the_host_end_and_says_so(fresh, monkeypatch, caplog):
+    class Broken:
+        ok, how = True, "fake"
 
-    import torch
+        def write(self, stream, slot, value):
+            return 1  # CUDA_ERROR_INVALID_VALUE
 
-    from moe_plugins import watchdog
+    fresh.cuda = Broken()
+    monkeypatch.setattr(watchdog, "_raw_stream", lambda index: 0)
+    call = watch_call("layer", 1, 60.0)
+    with caplog.at_level(logging.ERROR, logger="moe_plugins.watchdog"):
+        call.end(torch.device("cuda", 0))
+    assert call.finished()
+    assert any("internal error" in r.getMessage() for r in caplog.records)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+# -- start-up -----------------------------------------------------------------------------------
+def test_first_calls_run_under_the_start_up_bound_until_a_later_call_completed(fresh):
+    bound = CallBound("layer", 2.0, 40.0)
+    c1 = bound.watch(1)
+    assert c1.deadline - c1.started == 40.0 and c1.what == "start-up call"
+    c2 = bound.watch(2)  # started before call 1 completed (a peer may still be in call 1)
+    assert c2.deadline - c2.started == 40.0
+    c1.end(CPU)
+    c3 = bound.watch(3)  # call 2 not complete yet: a peer may still be in its first call
+    assert c3.deadline - c3.started == 40.0
+    c2.end(CPU)
+    c3.end(CPU)
+    c4 = bound.watch(4)
+    assert c4.deadline - c4.started == 2.0 and c4.what == "call"
+
+
+# -- CUDA graphs --------------------------------------------------------------------------------
+def test_a_capture_is_recorded_without_cuda_calls_and_replays_are_watched(fresh, monkeypatch):
+    """During a capture (the CUDA runtime's answer stood in on CPU) a watched call is recorded,
+    not watched; expect_replay watches each replay under the largest bound of its calls."""
+    monkeypatch.setattr(watchdog, "_CUDA", [True])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(watchdog, "_WARNED_CAPTURE", [])
+    with capture_calls() as captured:
+        assert watch_call("layer A", 3, 30.0) is None
+        assert watch_call("layer B", 3, 45.0) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert captured.calls == [("layer A", 3, 30.0), ("layer B", 3, 45.0)]
+    for n in (1, 2):
+        with expect_replay(captured, CPU) as replay:
+            assert replay.deadline - replay.started == 45.0 and replay.number == n
+            assert "2 captured call(s) of layer A, layer B" in replay.name
+            assert not replay.finished()
+        assert replay.finished()
+
+
+def test_a_capture_without_the_replay_hook_says_once_that_replays_are_not_bounded(
+        fresh, monkeypatch, caplog):
+    monkeypatch.setattr(watchdog, "_CUDA", [True])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with caplog.at_level(logging.WARNING, logger="moe_plugins.watchdog"):
         assert watch_call("layer", 1, 30.0) is None
         assert watch_call("layer", 2, 30.0) is None
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "does not cover CUDA-graph replays" in warnings[0], warnings
+    assert len(warnings) == 1 and "expect_replay" in warnings[0], warnings
+
+
+# -- the thread ---------------------------------------------------------------------------------
+def test_the_thread_logs_its_own_error_and_keeps_watching(monkeypatch, caplog):
+    wd = watchdog._Watchdog()
+    looked = threading.Event()
+    errors = iter([RuntimeError("boom")])
+
+    def check(now: float) -> None:
+        err = next(errors, None)
+        if err is not None:
+            raise err
+        looked.set()
+
+    monkeypatch.setattr(wd, "check", check)
+    with caplog.at_level(logging.ERROR, logger="moe_plugins.watchdog"):
+        wd.start()
+        assert looked.wait(30), "the watchdog did not look again after its error"
+    assert wd.thread.is_alive()
+    assert any("internal error, still watching: RuntimeError: boom" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_forked_child_starts_afresh_and_keeps_the_hooks(fresh):
+    hook = lambda error: None  # noqa: E731
+    fresh.hooks.append(hook)
+    watch_call("layer", 1, 60.0)
+    fresh.thread = object()  # as if started
+    fresh.reset_after_fork()
+    assert fresh.thread is None and fresh.cuda is None and fresh.hooks == [hook]
+    assert fresh.tail == 1 and all(c.seq == -1 for c in fresh.ring)

@@ -19,8 +19,9 @@ run means anything; none is reported as a latency. Never under CUDA MPS (DeepEP'
 kernels fail there).
 
 How tests use it (:func:`verdict`): a run that did not finish inside its bound may be an expected
-failure naming the step (``pytest.xfail``); a rank that raised or died, or a numerical mismatch
-(the rank function reports it as a result), is a failure.
+failure naming the step (``pytest.xfail``), but never a fault run (ranks that must end after a
+fault and did not: a failure); a rank that raised or died, or a numerical mismatch (the rank
+function reports it as a result), is a failure.
 """
 from __future__ import annotations
 
@@ -218,14 +219,18 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, device: str = "cud
         run.stray = _alive(pids)
 
 
-def verdict(run: WorldRun, what: str) -> None:
+def verdict(run: WorldRun, what: str, fault: bool = False) -> None:
     """pytest's answer to a run: a bound that ran out (or ranks that could not start in time)
-    is an expected failure naming where each rank stopped; a rank that raised or died, or a
-    stray process, is a failure. Returns when every rank returned."""
+    is an expected failure naming where each rank stopped, except in a ``fault`` run (one that
+    shows that ranks end after a fault), where it is a failure; a rank that raised or died, or
+    a stray process, is a failure. Returns when every rank returned."""
     import pytest
 
     if run.stray:
         pytest.fail(f"{what}: rank processes {run.stray} outlived the run")
+    if run.timed_out and fault:
+        pytest.fail(f"{what}: ranks did not end within {run.timeout_s:g} s after the fault: "
+                    + run.summary())
     if run.timed_out:
         pytest.xfail(f"{what} did not finish within {run.timeout_s:g} s: " + run.summary())
     if not run.ok:

@@ -6,14 +6,17 @@ A job is one world of ranks (one bounded :func:`ep_harness.run_world`) that yiel
 rows of the record. The record is a JSON list of rows with keys ``backend``, ``path``
 (``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
 ``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
-``vllm`` (the vLLM distribution and version the run imported, or null) and ``from_run``
+``vllm`` (the vLLM distribution and version the run imported, or null), ``from_run``
 (``{"commit": ...}``: the code that ran it; a merge adds ``record``, and ``note`` for a row kept
-from an earlier record, see :func:`merge_records`). A row's
+from an earlier record, see :func:`merge_records`) and, in a fault row, ``settings`` (the victim,
+the fault, the call bound and start-up bound, the process group's and the library's timeouts and
+the job's bound). A row's
 status: ``passed`` when every rank reported it passed; ``failed`` when a rank reported a
 mismatch, or raised or died before reporting it; ``refused`` when the backend or library refused
 the configuration before running it (the same on every rank); ``timed_out`` when the job's bound
 ran out before every rank reported it (the detail names where each rank stopped), including
-jobs never started because the call's time budget was spent. Where each rank of each job
+jobs never started because the call's time budget was spent; except in a fault job, where a
+survivor that did not end within the bound is ``failed``. Where each rank of each job
 stopped (steps with times, errors) goes to a second file (``--runs``).
 
 Usage (from the repository root):
@@ -82,6 +85,8 @@ class Job:
     #: above the slowest single step seen (a library buffer's set-up, an EP 8 call: 20-40 s);
     #: doubled at EP 8
     stall_s: Optional[float] = 180.0
+    #: fault jobs: the settings the fault ran under, (name, value) pairs copied into its row
+    settings: tuple[tuple[str, Any], ...] = ()
 
     def row_keys(self) -> list[dict]:
         return [dict(backend=backend, path=self.path, ep=self.world, tp=tp, quant=quant,
@@ -141,6 +146,7 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     """A fault on one rank of ``ep`` (``kind``: refuse, kill, hang). ``call_timeout_s``: the
     other ranks run under moe_plugins.watchdog with this bound (the case is then
     ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``."""
+    from moe_plugins.watchdog import first_call_timeout_seconds
     from tests.gpu import ep_ranks
 
     lib = LIB_TIMEOUT_S.get(backend, 60.0)
@@ -156,7 +162,13 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                ep_ranks.fault_job, (backend, device, kind, victim, 0, call_timeout_s), bound,
                ((backend, case, "bf16", 1),),
                kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None,
-               fault=kind)
+               fault=kind, settings=(
+                   ("victim", victim), ("fault", kind),
+                   ("call_timeout_s", call_timeout_s),
+                   ("first_call_timeout_s", None if call_timeout_s is None else
+                    first_call_timeout_seconds(call_timeout_s)),
+                   ("pg_timeout_s", pg), ("library_timeout_s", None if device == "cpu" else lib),
+                   ("job_bound_s", bound)))
 
 
 def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
@@ -260,7 +272,9 @@ def _rows_of(job: Job, run: Any) -> list[dict]:
 
 def _fault_row(job: Job, run: Any) -> list[dict]:
     """Invariants of a fault: no rank returns a wrong result, every rank but the victim ends
-    (an error, or the right output) within the job's bound, no process outlives the run."""
+    (an error, or the right output) within the job's bound, no process outlives the run. A
+    survivor that did not end within the bound makes the row ``failed`` (what the fault job is
+    there to show); the row carries the job's ``settings``."""
     base = job.row_keys()[0]
     parts, wrong, late, unusable = [], [], [], []
     for o in run.outcomes:
@@ -293,8 +307,8 @@ def _fault_row(job: Job, run: Any) -> list[dict]:
         status = "failed"
         head = (f"ranks {wrong} returned a wrong result" if wrong else "") + \
                (f"; stray processes {run.stray}" if run.stray else "")
-    elif late:
-        status = "timed_out"
+    elif late:  # what a fault job exists to show: a failure, never an expected one
+        status = "failed"
         head = f"ranks {late} did not end within {job.bound_s:g} s"
     elif unusable:
         status = "failed"
@@ -304,7 +318,7 @@ def _fault_row(job: Job, run: Any) -> list[dict]:
         head = f"every other rank ended within {job.bound_s:g} s, no wrong result, no stray process"
         if job.fault == "refuse":
             head += "; the next call right on every rank"
-    return [dict(base, status=status, max_rel_err=None,
+    return [dict(base, status=status, max_rel_err=None, settings=dict(job.settings),
                  detail=f"{head}. " + "; ".join(parts))]
 
 
@@ -420,6 +434,9 @@ def rows_to_markdown(rows: Sequence[dict]) -> str:
     for r in rows:
         rel = "" if r.get("max_rel_err") is None else f"{r['max_rel_err']:.2e}"
         detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")
+        if r.get("settings"):  # a fault row: what it ran under first
+            detail = "[" + ", ".join(f"{k}={v}" for k, v in r["settings"].items()
+                                     if v is not None) + "] " + detail
         if len(detail) > 240:
             detail = detail[:237] + "..."
         # the vLLM release matters on vLLM's path only

@@ -62,6 +62,9 @@ def test_a_hang_is_bounded_reported_with_its_step_and_leaves_no_process(where):
     assert "did not finish within 8 s" in run.summary()
     with pytest.raises(pytest.xfail.Exception, match="sleep|all_reduce"):
         verdict(run, "hang")
+    # after a fault, ranks that did not end in time are what the run is there to catch
+    with pytest.raises(pytest.fail.Exception, match="did not end within 8 s after the fault"):
+        verdict(run, "hang", fault=True)
 
 
 def test_a_mismatch_is_a_failure_not_an_expected_failure():

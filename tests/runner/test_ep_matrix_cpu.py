@@ -169,3 +169,26 @@ def test_merge_keeps_vllms_path_per_release(tmp_path):
                    ("vllm", "dbo", "unknown", "old"),
                    ("vllm", "ours=in-tree", "vllm 0.33.0", "c33"),
                    ("vllm", "ours=in-tree", "vllm 0.34.0", "c34")]
+
+
+def test_a_fault_row_whose_survivors_did_not_end_is_failed_and_carries_its_settings():
+    """A fault job exists to show that the survivors end: one that did not end within the
+    job's bound is ``failed`` (never an expected failure), and the row says what the fault ran
+    under (victim, fault, bounds, timeouts)."""
+    from types import SimpleNamespace
+
+    from tests.gpu.ep_matrix import _fault_job, _fault_row
+
+    job = _fault_job("deepep_ll", "kill", "B", "cuda", margin_s=30, call_timeout_s=15)
+    survivor = SimpleNamespace(rank=0, status="timed_out", cause=None, results=[],
+                               describe=lambda: "rank 0 timed out at step 'call 2'")
+    victim = SimpleNamespace(rank=1, status="died", cause="killed by signal SIGKILL",
+                             results=[], describe=lambda: "rank 1 died")
+    run = SimpleNamespace(bounded=object(), timed_out=True, stray=[],
+                          outcomes=[survivor, victim])
+    (row,) = _fault_row(job, run)
+    assert row["status"] == "failed" and "ranks [0] did not end within 45 s" in row["detail"]
+    assert row["settings"] == {"victim": 1, "fault": "kill", "call_timeout_s": 15,
+                               "first_call_timeout_s": 600.0, "pg_timeout_s": 300.0,
+                               "library_timeout_s": 100.0, "job_bound_s": 45.0}
+    assert "[victim=1, fault=kill, call_timeout_s=15" in rows_to_markdown([row])

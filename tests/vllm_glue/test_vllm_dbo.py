@@ -23,7 +23,7 @@ from moe_plugins.layout import ParallelLayout  # noqa: E402
 from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
-vllm_dbo_rank_fns = pytest.importorskip("tests.vllm_glue.vllm_dbo_ranks")
+from tests.vllm_glue import vllm_dbo_ranks as vllm_dbo_rank_fns  # noqa: E402
 
 BACKENDS = ["deepep_ll", "nixl_ep"]
 BF16_CASES = [

@@ -17,7 +17,7 @@ from tests.checks import assert_matches_reference  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
-ranks = pytest.importorskip("tests.vllm_glue.vllm_faults_ranks")
+from tests.vllm_glue import vllm_faults_ranks as ranks  # noqa: E402
 
 TIMEOUT_S = 4.0
 CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)

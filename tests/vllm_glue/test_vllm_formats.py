@@ -19,7 +19,7 @@ from moe_plugins.runner.reference import reference_moe, tolerance_for  # noqa: E
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
-fmt_fns = pytest.importorskip("tests.vllm_glue.vllm_formats_ranks")
+from tests.vllm_glue import vllm_formats_ranks as fmt_fns  # noqa: E402
 
 FI = "flashinfer_nvlink_two_sided"
 

@@ -70,7 +70,7 @@ CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=2, intermediate=64, shared_
 @pytest.mark.multirank
 @pytest.mark.parametrize("vllm_store_group", [True, False], ids=["cuda-communicator", "no-store"])
 def test_nixl_ep_builds_from_vllms_communicator(rank_pool, vllm_store_group):
-    fns = pytest.importorskip("tests.vllm_glue.vllm_gates_ranks")
+    from tests.vllm_glue import vllm_gates_ranks as fns
     results = rank_pool(2).run(fns.run_nixl_through_vllm_manager, CFG, 3, vllm_store_group)
     weights = MoEWeights.random(CFG, 0)
     for rank, res in enumerate(results):

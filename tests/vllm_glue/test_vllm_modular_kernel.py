@@ -18,7 +18,7 @@ from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
-vllm_rank_fns = pytest.importorskip("tests.vllm_glue.vllm_modular_kernel_ranks")
+from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns  # noqa: E402
 
 
 def _cfg(dtype: torch.dtype = torch.float32) -> MoEConfig:
@@ -216,7 +216,7 @@ def test_vllm_kernel_with_deepep_normal_mode(rank_pool, backend, layout, strateg
     """Standard-format experts for both: deepep_ht's rows, and deepep_auto's low-latency receive
     presented as rows (9 tokens fit its default capacity)."""
     cfg = _bf16_cfg()
-    vllm_deepep_rank_fns = pytest.importorskip("tests.vllm_glue.vllm_modular_kernel_deepep_ranks")
+    from tests.vllm_glue import vllm_modular_kernel_deepep_ranks as vllm_deepep_rank_fns
     results = rank_pool(layout.world_size).run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg,
                                                strategy, 9, backend)
     assert all(not r["batched"] and r["async_"] for r in results)
@@ -229,7 +229,7 @@ def test_vllm_deepep_ht_equals_vllm_in_tree(rank_pool):
     """Ours and vLLM's in-tree DeepEPHTPrepareAndFinalize, same emulated deep_ep, same experts,
     same inputs: the same output, bit for bit."""
     layout, cfg = ParallelLayout(2, 1, True), _bf16_cfg()
-    vllm_deepep_rank_fns = pytest.importorskip("tests.vllm_glue.vllm_modular_kernel_deepep_ranks")
+    from tests.vllm_glue import vllm_modular_kernel_deepep_ranks as vllm_deepep_rank_fns
     pool = rank_pool(2)
     ours = pool.run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg, S.LOCAL, 9, "deepep_ht")
     theirs = pool.run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg, S.LOCAL, 9, "deepep_ht",
@@ -250,7 +250,7 @@ def test_vllm_forward_context_picks_deepep_auto_mode(rank_pool, runtime_mode, dp
     from all2all.deepep_auto import DeepEPAutoOptions
 
     layout, cfg = ParallelLayout(2, 1, True), _bf16_cfg()
-    vllm_deepep_rank_fns = pytest.importorskip("tests.vllm_glue.vllm_modular_kernel_deepep_ranks")
+    from tests.vllm_glue import vllm_modular_kernel_deepep_ranks as vllm_deepep_rank_fns
     results = rank_pool(2).run(vllm_deepep_rank_fns.run_vllm_deepep, layout, cfg, S.LOCAL, 9,
                                "deepep_auto", DeepEPAutoOptions(ll_max_tokens_per_rank=64), False,
                                dp_tokens, runtime_mode)

@@ -28,7 +28,7 @@ from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
-fns = pytest.importorskip("tests.vllm_glue.vllm_sequence_parallel_ranks")
+from tests.vllm_glue import vllm_sequence_parallel_ranks as fns  # noqa: E402
 from tests.vllm_glue.vllm_dist import cpu_shm_unavailable  # noqa: E402
 
 CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)

@@ -15,7 +15,7 @@ from moe_plugins.runner.model import MoEConfig  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
-vllm_ll_rank_fns = pytest.importorskip("tests.vllm_glue.vllm_wire_format_ranks")
+from tests.vllm_glue import vllm_wire_format_ranks as vllm_ll_rank_fns  # noqa: E402
 
 # hidden 2048: vLLM's in-tree class takes kernel sizes only (ours would pad others).
 CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=0,

@@ -1,0 +1,73 @@
+"""Host time of the call bound per watched call: ``watch_call`` + ``WatchedCall.end`` (what a
+layer adds per call with ``MOE_PLUGINS_CALL_TIMEOUT_S`` set), against the same loop with the
+bound off. One process, no ranks; the watchdog thread runs as it does in a layer.
+
+- ``--device cpu``: the call completes at its end (a host write).
+- ``--device cuda``: ``end`` enqueues the GPU's write of the call's progress word on the
+  current stream (the driver call), as after a layer's kernels.
+
+    python benchmarks/watchdog_cost.py --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moe_plugins.watchdog import CallBound  # noqa: E402
+
+
+def ns_per_call(bound: CallBound, device: torch.device, calls: int) -> float:
+    """Wall time per ``bound.watch`` + ``end`` (ns), over ``calls`` calls."""
+    watch = bound.watch
+    t0 = time.perf_counter_ns()
+    for n in range(calls):
+        call = watch(n)
+        if call is not None:
+            call.end(device)
+    return (time.perf_counter_ns() - t0) / calls
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--calls", type=int, default=20000, help="calls per sample")
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--json", type=Path, help="write the result here")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    on = CallBound("benchmark layer", 600.0, 600.0, device=device)
+    off = CallBound("benchmark layer", 0)
+    ns_per_call(on, device, 1000)  # the thread, and on CUDA the progress buffer, start here
+    samples: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(args.samples):  # interleaved: drift of a shared machine hits both alike
+        samples["off"].append(ns_per_call(off, device, args.calls))
+        samples["on"].append(ns_per_call(on, device, args.calls))
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    result = {"device": args.device, "calls_per_sample": args.calls, "samples": args.samples,
+              "ns_per_call_on": round(med["on"], 1), "ns_per_call_off": round(med["off"], 1),
+              "added_ns_per_call": round(med["on"] - med["off"], 1)}
+    print(f"call bound on: {med['on']:.0f} ns per call, off: {med['off']:.0f} ns; "
+          f"added by the bound: {med['on'] - med['off']:.0f} ns per call (median of "
+          f"{args.samples} samples of {args.calls} calls, {args.device})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The call bound on CPU ranks (gloo, torch backend): a slow start-up ends no healthy rank, and
+a peer that hangs later is ended by the bound (moe_plugins.watchdog)."""
+from __future__ import annotations
+
+import pytest
+
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.watchdog import EXIT_CODE
+from tests.checks import assert_matches_reference
+from tests.gpu.ep_harness import run_world
+from tests.runner import watchdog_ranks as ranks
+
+pytestmark = pytest.mark.multirank
+
+BOUND_S = 2.0
+LATE_S = 4 * BOUND_S  # a peer 4 x the bound late in its first call, and again before its second
+SLACK_S = 2.5  # the watchdog's poll (0.2 s) and two shared cores
+
+
+def test_a_late_start_ends_nobody_and_a_later_hang_ends_the_rest_within_the_bound():
+    world, victim = 4, 1
+    run = run_world(ranks.slow_start_then_hang, world, victim, BOUND_S, LATE_S, device="cpu",
+                    timeout_s=120, pg_timeout_s=120, stop_on_death=False)
+    for rank, o in enumerate(run.outcomes):
+        calls = {r["call"]: r for r in o.results}
+        # the slow start-up: calls 1-3 returned on every rank, none was ended
+        assert {1, 2, 3} <= set(calls), f"rank {rank}: {o.describe()}"
+        if rank == victim:
+            continue
+        assert o.status == "error" and o.error[0] == "CallTimeoutError", o.describe()
+        # reported by the watchdog's hook, just before its exit (status 70 unless still exiting)
+        assert run.bounded.exitcodes[rank] in (None, EXIT_CODE)
+        assert f"call 4 did not complete within {BOUND_S:g} s" in calls[4]["error"]
+        assert BOUND_S <= calls[4]["seconds"] < BOUND_S + SLACK_S, calls[4]
+    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 3]
+    assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.CFG, 6)
+    assert not run.stray

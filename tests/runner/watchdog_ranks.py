@@ -1,0 +1,59 @@
+"""Rank functions of the call bound on CPU ranks (moe_plugins.watchdog): a slow start-up that
+must end nobody, then a peer that hangs mid-call, which the bound must end."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from moe_plugins.groups import make_dist_context
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.overlap import OverlapConfig
+from moe_plugins.quant import QuantSpec
+from moe_plugins.registry import get_backend
+from moe_plugins.runner.demo import demo_inputs
+from moe_plugins.runner.layer import MoELayer
+from moe_plugins.runner.model import MoEConfig, MoEWeights
+from tests.gpu.ep_harness import result, step
+
+CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32, shared_intermediate=64)
+
+
+def slow_start_then_hang(rank: int, world: int, victim: int, call_timeout_s: float,
+                         late_s: float) -> dict:
+    """EP ``world``, torch backend, every layer under ``call_timeout_s`` (the start-up bound at
+    its default). Rank ``victim`` enters its first call ``late_s`` late and is ``late_s`` slow
+    again between its first and second calls (a peer still compiling: its peers wait for it in
+    their first and in their second call); nobody may be ended. Calls 1-3 are reported
+    (``result``) with their outputs. Then the victim hangs in call 4 (alive, in its experts,
+    between dispatch and combine) for the bound plus 10 s: every other rank's watchdog must
+    end it (reported by its call-timeout hook: the seconds from the start of call 4)."""
+    from moe_plugins.watchdog import on_call_timeout
+
+    ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=120.0, fresh_ep_group=True)
+    layer = MoELayer(MoEWeights.random(CFG, 0), ctx, get_backend("torch"), None, QuantSpec(),
+                     OverlapConfig(overlap=False), max_tokens_per_rank=8,
+                     call_timeout_s=call_timeout_s)
+    x = demo_inputs(CFG, 6, rank, 0)
+    for call in (1, 2, 3):
+        if rank == victim and call in (1, 2):
+            step(f"late by {late_s:g} s before call {call}")
+            time.sleep(late_s)
+        step(f"call {call}")
+        result({"call": call, "out": layer(x)})
+    if rank == victim:
+        inner = layer.experts.apply
+
+        def hang(prep: object) -> torch.Tensor:
+            step("victim hangs in call 4")
+            time.sleep(call_timeout_s + 10.0)
+            os._exit(0)
+            return inner(prep)  # never reached
+        layer.experts.apply = hang  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    on_call_timeout(lambda e: result({"call": 4, "seconds": time.monotonic() - t0,
+                                      "error": str(e)}))
+    step("call 4")
+    layer(x)
+    return {"returned": True}

@@ -12,7 +12,7 @@ import signal
 from typing import TYPE_CHECKING, Any, Iterable, NoReturn, Sequence
 
 from moe_plugins.cli_args import (DTYPES, add_layout_args, int_at_least, layout_from_args,
-                                  positive_float)
+                                  nonnegative_float, positive_float)
 from moe_plugins.cli_plan import add_plan_parser
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=positive_float, default=None,
                       help="seconds a collective may wait for its peers (default "
                       "$MOE_PLUGINS_TIMEOUT_S, else 300)")
-    demo.add_argument("--call-timeout-s", type=_nonnegative_float, default=None, metavar="S",
+    demo.add_argument("--call-timeout-s", type=nonnegative_float, default=None, metavar="S",
                       help="bound on each layer call: a call not complete within S seconds "
                       "ends its rank (moe_plugins.watchdog; default "
                       "$MOE_PLUGINS_CALL_TIMEOUT_S, else off; 0: off)")

@@ -1,33 +1,35 @@
 """Faults of a layer call across ranks: never a wrong answer, never an unbounded wait.
 
-The rule (docs/design.md, "Faults"). A check that raises on one rank only makes that rank skip the
-collectives its peers make; their next collectives then pair with the wrong ones and return
-results that belong to another batch, with no error. So:
+The rules, named as in docs/design.md, "Faults" (code cites them by name). A check that raises on
+one rank only makes that rank skip the collectives its peers make; their next collectives then
+pair with the wrong ones and return results that belong to another batch, with no error. So:
 
-1. What can be validated before the first collective is validated **identically on every
-   rank**: configuration at construction (the same on all ranks), and, where a backend has a
-   host exchange at the start of a call (the ``torch`` backend's split-size all-to-all), the
-   per-rank input checks travel *in* that exchange as a status word, so every rank learns that
-   some rank rejected its inputs and all of them raise at the same point (:func:`check_peers`).
-2. The same exchange carries a per-group **call sequence number** and the **layer-config
-   digest**: a peer that skipped a call, or is in another layer's call, is detected at once on
-   every rank (:class:`OutOfStepError`) instead of pairing the wrong buffers.
-3. A call that fails **mid-way** (after its first collective, or on a backend without a host
-   exchange) leaves this rank's collectives out of step with its peers'. The EP group's
-   :class:`GroupFaults` is then broken: every later call on it raises
-   :class:`LayerBrokenError` naming the first failure, until the layer is rebuilt on new
-   process groups (:func:`moe_plugins.groups.make_dist_context`); reusing the group could pair
-   this rank's next collective with a peer's pending one.
-4. Every collective a backend waits on runs under a bounded process-group timeout
-   (:func:`moe_plugins.groups.default_timeout`); :func:`collective_error` turns the transport's
-   error (timeout, peer gone) into :class:`CollectiveError` naming the layer, the collective
-   and the peers, and breaks the group.
+1. **Validated everywhere.** What can be validated before the first collective is validated
+   **identically on every rank**: configuration at construction (the same on all ranks), and,
+   where a backend has a host exchange at the start of a call (the ``torch`` backend's
+   split-size all-to-all), the per-rank input checks travel *in* that exchange as a status
+   word, so every rank learns that some rank rejected its inputs and all of them raise at the
+   same point (:func:`check_peers`).
+2. **Out of step.** The same exchange carries a per-group **call sequence number** and the
+   **layer-config digest**: a peer that skipped a call, or is in another layer's call, is
+   detected at once on every rank (:class:`OutOfStepError`) instead of pairing the wrong buffers.
+3. **Mid-way failures.** A call that fails **mid-way** (after its first collective, or on a
+   backend without a host exchange) leaves this rank's collectives out of step with its peers'.
+   The EP group's :class:`GroupFaults` is then broken: every later call on it raises
+   :class:`LayerBrokenError` naming the first failure, until the layer is rebuilt on new process
+   groups (:func:`moe_plugins.groups.make_dist_context`); reusing the group could pair this
+   rank's next collective with a peer's pending one.
+4. **Bounded waits.** Every collective a backend waits on runs under a bounded process-group
+   timeout (:func:`moe_plugins.groups.default_timeout`); :func:`collective_error` turns the
+   transport's error (timeout, peer gone) into :class:`CollectiveError` naming the layer, the
+   collective and the peers, and breaks the group.
 
-5. A check that refuses this rank's inputs **before this rank sent anything** (a refusal) leaves
-   the layer usable, and the peers never pair this rank's next call with the refused one:
+5. **Refused inputs.** A check that refuses this rank's inputs **before this rank sent
+   anything** (a refusal) leaves the layer usable, and the peers never pair this rank's next
+   call with the refused one:
 
-   - on a backend with a host exchange (``torch``) the refusal travels in it (rule 1): every
-     rank raises at that point, the refusing rank its own error, the others
+   - on a backend with a host exchange (``torch``) the refusal travels in it (rule "validated
+     everywhere"): every rank raises at that point, the refusing rank its own error, the others
      :class:`PeerInputError`; a caller's own refusal goes the same way
      (``PrepareFinalize.refuse``);
    - on a backend without one (the DeepEP, NIXL EP and flashinfer kernels) the peers are in
@@ -159,7 +161,7 @@ class GroupFaults:
             raise self.call_in_flight(layer)
         try:
             return check(*args)
-        except (ValueError, TypeError) as e:  # nothing sent (rule 5)
+        except (ValueError, TypeError) as e:  # nothing sent (rule "refused inputs")
             raise self.refuse(backend, layer, e)
 
     def call_in_flight(self, layer: str, what: str = "prepare") -> RuntimeError:

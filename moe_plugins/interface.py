@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -23,7 +23,7 @@ __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "LazyExpertTokensMeta", "PrepareResult",
     "RowScatterTarget", "Hook", "AsyncResult", "PrepareFinalize", "capturing",
     "check_prepare_inputs", "check_finalize_routing", "check_finalize_result", "check_output",
-    "row_scatter_add", "write_output", "BatchHint",
+    "row_scatter_add", "write_output", "BatchHint", "SplitPhases", "RankMasking",
 ]
 
 Hook = Callable[[], None]
@@ -372,7 +372,7 @@ class PrepareFinalize(ABC):
 
     #: True when every call starts with a host exchange that can carry a refusal to the peers
     #: (:meth:`refuse`); False: the peers cannot be told, and a caller that refuses a call's
-    #: inputs completes it with no tokens of its own instead (:mod:`moe_plugins.faults`, rule 5).
+    #: inputs completes it with no tokens of its own instead (:mod:`moe_plugins.faults`, rule "refused inputs").
     host_exchange: bool = False
 
     def refuse(self, error: BaseException) -> None:
@@ -420,3 +420,60 @@ def check_finalize_result(backend: object, output: torch.Tensor | RowScatterTarg
             "into that buffer in place and return it"
         )
     return expected
+
+
+# --------------------------------------------------------------------------------------------
+# Optional protocols a backend (or its manager) may implement; any class with these methods
+# qualifies, a third-party one too (isinstance checks the methods, not the base class).
+# --------------------------------------------------------------------------------------------
+@runtime_checkable
+class SplitPhases(Protocol):
+    """A prepare/finalize whose dispatch and combine split into a send and a receive that the
+    caller runs itself, without the result objects in between (the vLLM adapter takes this path
+    for every backend that has it: one Python frame less per half). The low-latency family
+    (DeepEP LL, NIXL EP) implements it."""
+
+    def dispatch_send(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quant: QuantSpec, recv_hook: bool
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                 Optional[Hook]]:
+        """Check the call and issue the dispatch. Returns the receive buffers x and x_sf
+        (BATCHED layout; filled once the hook ran, or at once when not ``recv_hook``),
+        recv_count int32 [num_local_experts] and the hook (None when not ``recv_hook``)."""
+        ...
+
+    def combine_send(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
+                     recv_hook: bool) -> tuple[Optional[Hook], torch.Tensor]:
+        """Check the call and issue the combine. Returns (hook or None, dest: the tensor the
+        library writes, ``output`` itself where it can)."""
+        ...
+
+    def combine_received(self, dest: torch.Tensor, output: torch.Tensor | RowScatterTarget
+                         ) -> torch.Tensor:
+        """After the combine's receive: ``dest`` into ``output``; returns ``output`` (a
+        row-scatter target: its buffer)."""
+        ...
+
+
+@runtime_checkable
+class RankMasking(Protocol):
+    """A backend manager whose library can leave EP ranks out of dispatch and combine (their
+    experts then count as zero): what vLLM's fault tolerance polls and recovers through
+    (``query_fault``, ``clean_buffers``, ``update_mask``; moe_plugins.vllm.manager)."""
+
+    def can_mask(self) -> bool:
+        """Whether this manager's buffer has a rank mask at all."""
+        ...
+
+    def masked_ranks(self) -> list[int]:
+        """EP ranks masked in the library's mask now."""
+        ...
+
+    def set_rank_masked(self, rank: int, masked: bool = True) -> None:
+        """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``."""
+        ...
+
+    def clean_buffers(self) -> None:
+        """After a fault, rank-local: zero the library's buffers and unmask every rank."""
+        ...

@@ -200,7 +200,7 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         else:
             if f.broken is not None or owed is not None:
                 f.begin(self, self.name, hidden_states)
-            try:  # before the choice's collective: nothing sent (faults, rule 5)
+            try:  # before the choice's collective: nothing sent (faults, rule "refused inputs")
                 check_prepare_inputs(hidden_states, topk_weights, topk_ids, self.cfg)
                 mode = self.choose_mode(hidden_states.shape[0])
             except (ValueError, TypeError) as e:

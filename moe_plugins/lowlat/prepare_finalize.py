@@ -201,7 +201,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         buffers (the class doc's x and x_sf, filled once ``hook`` has run; hook None when not
         ``recv_hook``: filled already), recv_count int32 [num_local_experts] and the hook.
         Inputs refused before anything is launched leave the group in step where it has one
-        rank, else the call is owed (:mod:`moe_plugins.faults`, rule 5); any other error breaks
+        rank, else the call is owed (:mod:`moe_plugins.faults`, rule "refused inputs"); any other error breaks
         the group: peers are in or past this dispatch."""
         f = self.faults
         if f.broken is not None or f.owed_by is not None:  # the common case: two attribute reads
@@ -271,7 +271,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             self._tokens[use_fp8] += n
         except BaseException as e:
             if not launched and isinstance(e, (ValueError, TypeError)):
-                raise f.refuse(self, self.name, e)  # nothing sent (faults, rule 5)
+                raise f.refuse(self, self.name, e)  # nothing sent (faults, rule "refused inputs")
             # peers are in (or past) this dispatch: out of step now
             f.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise

@@ -181,7 +181,7 @@ class MoELayer:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One call; collective over the EP group. An input this rank refuses leaves the layer
         usable and never lets a peer pair this call with another (:mod:`moe_plugins.faults`,
-        rule 5): through the backend's host exchange every rank raises at the same point; on a
+        rule "refused inputs"): through the backend's host exchange every rank raises at the same point; on a
         backend without one this rank takes part in the call with no tokens of its own (its
         experts still serve the peers' tokens), then raises. A call that fails on this rank
         after its first collective breaks the group: later calls raise naming that first failure

@@ -19,7 +19,7 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import (PrepareFinalize)
+from moe_plugins.interface import PrepareFinalize, RankMasking
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.registry import BackendSpec
 from moe_plugins.vllm.layer_plan import parallel_config_plan
@@ -125,7 +125,7 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
     # -- fault tolerance (vLLM polls these when support_fault_tolerance is set) -----------
     def _masking_managers(self) -> list[Any]:
         return [m for m in self._managers.values()
-                if getattr(m, "can_mask", None) is not None and m.can_mask()]
+                if isinstance(m, RankMasking) and m.can_mask()]
 
     def query_active_mask(self) -> torch.Tensor:
         """int32 [EP size] on this rank's device: 1 where a rank is masked (dead or unreachable)

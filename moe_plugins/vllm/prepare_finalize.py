@@ -12,15 +12,10 @@ each TP rank its owned chunk):
 | GATHER_PLUS_ALLREDUCE | dispatch the owned rows | combine, then all_gather the rows over TP | True | all_reduce of the shared output |
 | TP_UNIFIED (dp == 1) | none (local experts on all tokens) | weight and reduce into ``output`` | False | ``all_reduce(shared partial + routed)`` once |
 
-Expert ids: vLLM's router hands the layer ids in its expert id space (``moe.num_experts`` ids:
-with EPLB the physical ids its router mapped logical ones to, contiguous per rank; with
-round-robin placement the logical ids, and the routing table ``global_to_physical`` vLLM gives
-its LL backends). Our transports dispatch PHYSICAL ids (physical expert p on EP rank
-p // num_local, :mod:`moe_plugins.placement`): the adapter maps through the routing table first,
-and checks once that this rank's ``expert_map`` holds exactly the slots the transport delivers.
-Standard format: our backends hand LOCAL slots (-1 for experts elsewhere) to the experts;
-vLLM's experts take vLLM ids and map them with ``expert_map``. The adapter converts through the
-inverse of ``expert_map``: a slot held elsewhere gets an id this rank does not hold and weight 0.
+Expert ids: vLLM's ids, the physical ids our transports dispatch and the local slots they hand
+back are mapped by :class:`moe_plugins.vllm.expert_ids.ExpertIds`; what the experts get (a
+quantized wire format, or the model dtype quantized after the receive) is decided by
+:func:`moe_plugins.vllm.receive_quant.experts_quantization`.
 
 Batched format (backends whose capabilities say BATCHED, e.g. DeepEP low-latency): prepare hands
 vLLM ``[num_local_experts, max_recv_tokens, hidden]`` with per-expert counts, the experts return
@@ -54,16 +49,16 @@ from moe_plugins.counters import DispatchStats
 from moe_plugins.faults import group_faults, in_step, is_in_step, is_owed_call
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
+                                   SplitPhases,
                                    PrepareFinalize, PrepareResult, check_finalize_result)
 from moe_plugins.layout import OwnedRows, owned_rows, slice_owned
-from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
 from moe_plugins.overlap import OverlapConfig
-from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.batch_hint import batch_hint
-from moe_plugins.vllm.receive_quant import (ReceiveQuant, nvfp4_global_scale, quant_scheme_of,
-                                            receive_quantization)
+from moe_plugins.vllm.expert_ids import ExpertIds
+from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
+                                            valid_rows)
 from moe_plugins.watchdog import CallBound
 
 logger = logging.getLogger(__name__)
@@ -141,15 +136,13 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.overlap = overlap
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // layout.ep_size
-        self._g2p = None if global_to_physical is None else global_to_physical.to(torch.int64)
-        # vLLM id of each local slot, then (index num_local) one held elsewhere; from expert_map
-        self._slot_ids: Optional[torch.Tensor] = None
-        self._placement_map: Optional[torch.Tensor] = None
+        self._ids = ExpertIds(num_experts, self.experts_per_rank, ctx.rank, layout.ep_size,
+                              ctx.device, global_to_physical)
         self._no_stats = DispatchStats()
         self.calls = 0
         self._wire_scheme = wire_scheme
         self._quants = quants
-        self._quant = QuantSpec()
+        self._quant = QuantSpec()  # what travels: set by post_init_setup from the experts
         self._recv_quant: Optional[ReceiveQuant] = None
         self._nvfp4_swizzle = False
         self._first_call_logged = False
@@ -170,10 +163,10 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.watchdog)
         self._bound = CallBound(self._name, device=ctx.device)
         self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
-        # our low-latency backends (every micro-batch's object): the adapter calls their send
-        # and receive halves directly (dispatch_send, combine_send, combine_received)
+        # backends with split phases (moe_plugins.interface.SplitPhases; every micro-batch's
+        # object): the adapter calls their send and receive halves directly
         self._low_latency = bool(self._backends) and all(
-            isinstance(b, LowLatencyPrepareFinalize) for b in self._backends)
+            isinstance(b, SplitPhases) for b in self._backends)
         # read once: vLLM asks on every prepare and finalize
         self._async = overlap.overlap and backend is not None and backend.supports_async()
         # micro-batch ids below this have a backend object (no backend: any id, nothing to call)
@@ -235,14 +228,6 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """Check the experts against what the backend delivers; fix the wire quantization; then
         let the backend adapt its wire format to the experts (packed UE8M0 scales for experts
         that ask for them, as vLLM's in-tree DeepEP LL class does)."""
-        self._setup_for_experts(fused_experts)
-        # Only a quantized wire has a scale format to adapt (experts that take unquantized
-        # inputs get bf16 whatever the layer's quant config says).
-        if self._quant.quantized_on_wire:
-            for backend in self._backends:
-                backend.post_init_setup(fused_experts)
-
-    def _setup_for_experts(self, fused_experts: mk.FusedMoEExperts) -> None:
         if self.batched:
             impl = fused_experts.finalize_weight_and_reduce_impl()
             if not isinstance(impl, TopKWeightAndReduceDelegate):
@@ -251,133 +236,17 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     f"combine, but {type(fused_experts).__name__} reduces with "
                     f"{type(impl).__name__}; use experts that leave the reduction to the "
                     "prepare/finalize (TopKWeightAndReduceDelegate)")
-        self._quant, self._recv_quant, self._nvfp4_swizzle = QuantSpec(), None, False
-        if fused_experts.expects_unquantized_inputs:
-            return
-        qc = fused_experts.quant_config
-        if qc is None or qc.quant_dtype is None:
-            return
-        scheme = quant_scheme_of(qc)
-        if scheme is not None and scheme in self._quants and scheme is self._wire_scheme:
-            # The format the transport can put on the wire goes quantized.
-            if scheme is QuantScheme.NVFP4:
-                # As vLLM's two-sided flashinfer backend: quantized before the all-to-all with
-                # the layer's global scale, scales unswizzled on the wire and interleaved
-                # after it when the experts read them swizzled.
-                self._nvfp4_swizzle = bool(getattr(qc, "is_scale_swizzled", True))
-                self._quant = QuantSpec(scheme, nvfp4_global_scale=nvfp4_global_scale(qc),
-                                        nvfp4_swizzled_sf=self._nvfp4_swizzle)
-            else:
-                self._quant = QuantSpec(scheme)
-            return
-        if self.batched and qc.quant_dtype == "nvfp4":
-            # vLLM's in-tree DeepEP LL: NVFP4 experts on a batched bf16 dispatch quantize their
-            # input themselves (it hands them bf16 rows, no scales).
-            return
-        recv = receive_quantization(qc)
-        if recv is None:
-            raise ValueError(
-                f"{type(fused_experts).__name__} wants activations quantized as "
-                f"quant_dtype={qc.quant_dtype!r} (block_shape={qc.block_shape}, per-token="
-                f"{qc.per_act_token_quant}); backend {self.backend_name!r} puts "
-                f"{sorted(q.value for q in self._quants)} on the wire and vLLM's "
-                "moe_kernel_quantize_input has no native quantization for that format to run "
-                "after the receive. Use experts that take bf16 or one of fp8 (block-128, "
-                "per-token, per-tensor), int8, mxfp8, nvfp4, or an in-tree --all2all-backend")
-        # Every other format goes in the model dtype and is quantized right after the receive.
-        self._recv_quant = recv
-
-    def _quantize_received(self, x: torch.Tensor, x_sf: Optional[torch.Tensor],
-                           valid: torch.Tensor, quant_config: Any
-                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x [num_recv_tokens, hidden] or batched [num_local_experts, max_recv_tokens, hidden]
-        in the model dtype (x_sf None) -> vLLM's quantized activations and scales for the
-        experts, by vLLM's own ``moe_kernel_quantize_input`` with the layer's quant config (the
-        call's ``quant_config``: static scales live there). ``valid`` bool [rows]: rows that
-        carry a token. Batched: quantized as [-1, hidden] and reshaped, scales by vLLM's
-        ``normalize_batched_scales_shape`` (as vLLM's DeepEP LL ``_do_quant``)."""
-        from vllm.model_executor.layers.fused_moe.utils import (moe_kernel_quantize_input,
-                                                                 normalize_batched_scales_shape)
-
-        recv = self._recv_quant
-        assert recv is not None and x_sf is None
-        rows = x.reshape(-1, x.shape[-1])
-        if recv.spans_rows:
-            rows = torch.where(valid.reshape(-1, 1), rows, torch.zeros_like(rows))
-        q, q_sf = moe_kernel_quantize_input(
-            rows, recv.input_scale(quant_config), recv.quant_dtype, recv.per_act_token_quant,
-            None if recv.block_shape is None else list(recv.block_shape),
-            is_scale_swizzled=recv.is_scale_swizzled, mx_alignment=recv.mx_alignment)
-        if not self.batched:
-            return q, q_sf
-        num_experts = x.shape[0]
-        q = q.view(num_experts, -1, q.shape[-1])
-        if q_sf is not None and recv.quant_dtype != "nvfp4":
-            q_sf = normalize_batched_scales_shape(q_sf, num_experts)
-        return q, q_sf
+        wants = experts_quantization(fused_experts, self.backend_name, self.batched,
+                                     self._quants, self._wire_scheme)
+        self._quant, self._recv_quant = wants.wire, wants.after_receive
+        self._nvfp4_swizzle = wants.nvfp4_swizzle
+        # Only a quantized wire has a scale format to adapt (experts that take unquantized
+        # inputs get bf16 whatever the layer's quant config says).
+        if self._quant.quantized_on_wire:
+            for backend in self._backends:
+                backend.post_init_setup(fused_experts)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _check_placement(self, expert_map: Optional[torch.Tensor]) -> None:
-        """Once per ``expert_map`` tensor (one host sync): it must hold on this rank exactly the
-        slots the transport delivers here (physical id p on rank p // num_local, after the
-        routing table); builds the slot -> vLLM id table the standard format returns."""
-        if self._slot_ids is not None and expert_map is self._placement_map:
-            return
-        e, per, rank, ep = self.num_experts, self.experts_per_rank, self.ctx.rank, \
-            self.ctx.layout.ep_size
-        got = (torch.arange(e) if expert_map is None and ep == 1
-               else None if expert_map is None else expert_map.detach().to("cpu", torch.int64))
-        if got is None or got.shape != (e,):
-            raise ValueError(f"EP rank {rank} got expert_map "
-                             f"{None if got is None else tuple(got.shape)}, expected int "
-                             f"[{e}] (vLLM's id -> local slot, -1 elsewhere) under EP size {ep}")
-        if self._g2p is None and ep > 1 and torch.equal(
-                got, _slots_of(ExpertPlacement.round_robin(e, ep).global_to_physical(), per, rank)):
-            # vLLM's round-robin placement without its routing table: the same table, made here
-            self._g2p = ExpertPlacement.round_robin(e, ep).global_to_physical()
-        g2p = torch.arange(e) if self._g2p is None else self._g2p.to("cpu")
-        expected = _slots_of(g2p, per, rank)
-        if not torch.equal(got, expected):
-            raise ValueError(
-                f"EP rank {rank} holds slots {got.tolist()} (expert_map) but the transport "
-                f"delivers {expected.tolist()} here (physical id p on EP rank p // {per}, "
-                f"{'after the routing table' if self._g2p is not None else 'ids as given'}); "
-                "moe-plugins serves vLLM's linear and round-robin placements and EPLB's physical "
-                "experts. Use --expert-placement-strategy linear or round_robin")
-        slot_ids = torch.zeros(per + 1, dtype=torch.int64)
-        mine = got >= 0
-        slot_ids[got[mine]] = torch.arange(e)[mine]
-        elsewhere = (~mine).nonzero().flatten()
-        slot_ids[per] = int(elsewhere[0]) if elsewhere.numel() else 0  # weight 0 there anyway
-        device = expert_map.device if expert_map is not None else self.ctx.device
-        self._slot_ids = slot_ids.to(device)
-        if self._g2p is not None:
-            self._g2p = self._g2p.to(device)
-        self._placement_map = expert_map
-
-    def _physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """vLLM's ids -> the PHYSICAL ids the transports dispatch (same shape and dtype)."""
-        if self._g2p is None:
-            return topk_ids
-        return torch.take(self._g2p, topk_ids.long()).to(topk_ids.dtype)
-
-    def _global_ids(self, prep: PrepareResult, ids_dtype: torch.dtype, weights_dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """LOCAL slots (-1: elsewhere) -> vLLM's ids through the inverse of ``expert_map``;
-        elsewhere -> an id this rank does not hold, with weight 0."""
-        assert prep.topk_ids is not None and prep.topk_weights is not None
-        assert self._slot_ids is not None
-        local = prep.topk_ids
-        # (-1 takes the last entry: an id held elsewhere)
-        ids = torch.take(self._slot_ids, local if local.dtype is torch.int64 else local.long())
-        # where, not masked_fill: the same mask without masked_fill's copy of the weights first
-        weights = torch.where(local < 0, 0.0, prep.topk_weights)
-        if ids.dtype is not ids_dtype:
-            ids = ids.to(ids_dtype)
-        if weights.dtype is not weights_dtype:
-            weights = weights.to(weights_dtype)
-        return ids, weights
-
     def _to_vllm(self, prep: PrepareResult, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  quant: QuantSpec, quant_config: Any, defer_input_quant: bool
                  ) -> mk.PrepareResultType:
@@ -395,26 +264,17 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             # x [num_local_experts, max_recv_tokens, hidden]; the experts keep the caller's ids
             ids = weights = None
         else:
-            ids, weights = self._global_ids(prep, topk_ids.dtype, topk_weights.dtype)
+            ids, weights = self._ids.to_vllm(prep, topk_ids.dtype, topk_weights.dtype)
         if self._recv_quant is not None and not defer_input_quant:
-            x, x_sf = self._quantize_received(x, x_sf, self._valid_rows(prep), quant_config)
+            assert x_sf is None
+            x, x_sf = quantize_received(self._recv_quant, x, valid_rows(prep), quant_config,
+                                        self.batched)
         elif (x_sf is not None and quant.scheme is QuantScheme.NVFP4 and self._nvfp4_swizzle
               and not prep.x_sf_swizzled):
             # A backend that returns NVFP4 scales row-aligned: interleave them here, as
             # vLLM's two-sided backend does after its all-to-all (only when present).
             x_sf = swizzle_nvfp4_sf(x_sf)
         return x, x_sf, meta, ids, weights
-
-    @staticmethod
-    def _valid_rows(prep: PrepareResult) -> torch.Tensor:
-        """bool, one per received row: the row carries a token (STANDARD: some local expert id;
-        BATCHED: within its expert's count)."""
-        if prep.topk_ids is not None:
-            return (prep.topk_ids >= 0).any(dim=1)
-        assert prep.expert_tokens_meta is not None
-        counts = prep.expert_tokens_meta.expert_num_tokens.to(prep.x.device)
-        slots = torch.arange(prep.x.shape[1], device=prep.x.device)
-        return slots[None, :] < counts[:, None]
 
     def _log_first_call(self, num_tokens: int) -> None:
         self._first_call_logged = True
@@ -470,7 +330,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if self.backend is None:  # no dispatch: quantize the local rows as a receive would
                 if self._recv_quant is not None and not defer_input_quant:
                     every_row = torch.ones(a1.shape[0], dtype=torch.bool, device=a1.device)
-                    x, x_sf = self._quantize_received(a1, None, every_row, quant_config)
+                    x, x_sf = quantize_received(self._recv_quant, a1, every_row, quant_config,
+                                                self.batched)
                 else:
                     x, x_sf = quantize_for_dispatch(a1, quant)
                     if (x_sf is not None and quant.scheme is QuantScheme.NVFP4
@@ -479,9 +340,10 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 return lambda: (x, x_sf, None, None, None)
 
             # TP_UNIFIED (no backend) takes any expert_map; checked once per expert_map tensor
-            if expert_map is not self._placement_map or self._slot_ids is None:
-                self._check_placement(expert_map)
-            ids = topk_ids if self._g2p is None else self._physical_ids(topk_ids)
+            id_map = self._ids
+            if expert_map is not id_map.placement_map or id_map.slot_ids is None:
+                id_map.check(expert_map)
+            ids = topk_ids if id_map.g2p is None else id_map.physical(topk_ids)
             # tp == 1 owns every row: nothing to slice, and the backend's input check covers
             # what slice_owned would check (the three tensors cover the same tokens).
             rows: Optional[OwnedRows] = None
@@ -563,7 +425,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     def _refuse(self, error: BaseException) -> BaseException:
         """This rank refuses the call's inputs before sending anything (:mod:`moe_plugins.
-        faults`, rule 5). Through the backend's host exchange every rank raises here. Without
+        faults`, rule "refused inputs"). Through the backend's host exchange every rank raises here. Without
         one, with one TP rank (nothing follows the combine), the call goes on with no tokens of
         this rank's own and finalize raises ``error`` (returned); with more, the TP peers may
         not have refused alike, so the group breaks and this raises."""
@@ -722,10 +584,3 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         gathered = output.new_empty(chunk * tp, output.shape[1])
         dist.all_gather_into_tensor(gathered, padded, group=self.ctx.tp_group)
         output.copy_(gathered[: output.shape[0]])
-
-
-def _slots_of(global_to_physical: torch.Tensor, per_rank: int, rank: int) -> torch.Tensor:
-    """int64 [num_experts]: the local slot on ``rank`` of each id whose physical expert it holds
-    (physical p on rank p // per_rank), -1 elsewhere: the expert_map the transport implies."""
-    g2p = global_to_physical.long()
-    return torch.where(g2p // per_rank == rank, g2p % per_rank, torch.full_like(g2p, -1))

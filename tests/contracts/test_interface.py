@@ -234,3 +234,30 @@ def test_lazy_expert_tokens_meta_makes_the_counts_once_on_first_read():
     assert isinstance(meta, ExpertTokensMeta) and made == []
     assert meta.expert_num_tokens.tolist() == [2, 0, 6]
     assert meta.expert_num_tokens is meta.expert_num_tokens and len(made) == 1
+
+
+def test_optional_protocols_are_met_by_their_methods_not_a_base_class():
+    """A third-party class with the methods takes the same paths as ours: the vLLM adapter's
+    split send/receive halves (SplitPhases) and vLLM's fault tolerance (RankMasking)."""
+    from moe_plugins.interface import RankMasking, SplitPhases
+    from moe_plugins.lowlat.manager import LowLatencyManager
+    from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
+    from prepare_finalize.torch_reference import TorchPrepareFinalize
+
+    class Halves:
+        def dispatch_send(self, hidden_states, topk_weights, topk_ids, quant, recv_hook): ...
+        def combine_send(self, fused_expert_output, topk_weights, topk_ids, output,
+                         recv_hook): ...
+        def combine_received(self, dest, output): ...
+
+    class Masks:
+        def can_mask(self): return True
+        def masked_ranks(self): return []
+        def set_rank_masked(self, rank, masked=True): ...
+        def clean_buffers(self): ...
+
+    assert isinstance(Halves(), SplitPhases) and not isinstance(Masks(), SplitPhases)
+    assert isinstance(Masks(), RankMasking) and not isinstance(Halves(), RankMasking)
+    assert issubclass(LowLatencyPrepareFinalize, SplitPhases)
+    assert not issubclass(TorchPrepareFinalize, SplitPhases)
+    assert issubclass(LowLatencyManager, RankMasking)

@@ -162,7 +162,7 @@ def test_check_peers_names_the_peer_and_what_its_status_word_says():
     assert faults.broken is None
 
 
-# -- a refused input costs no rank its layer (moe_plugins.faults, rule 5) ----------------------
+# -- a refused input costs no rank its layer (moe_plugins.faults, rule "refused inputs") ----------------------
 
 LL_CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=3, intermediate=32, shared_intermediate=64,
                    dtype=torch.bfloat16)

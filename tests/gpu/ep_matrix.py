@@ -124,8 +124,13 @@ def _layer_cases(backend: str, ep: int, scale: str) -> list[Any]:
 def _layer_job(backends: Sequence[str], ep: int, half: str, device: str, scale: str,
                bound_s: float, name: Optional[str] = None) -> Job:
     from tests.gpu import ep_ranks
+    from tests.gpu.ep_ranks import Case
 
-    plan = [(b, _layer_cases(b, ep, scale)) for b in backends]
+    # a CUDA graph of each DeepEP layer at EP 2 (deepep_ht refuses the capture, deepep_auto takes
+    # its low-latency kernels under capture)
+    graph = [Case("graph", "bf16", offset=2)] if device == "cuda" and ep == 2 else []
+    plan = [(b, _layer_cases(b, ep, scale) + (graph if b.startswith("deepep") else []))
+            for b in backends]
     rows = tuple((b, r, c.quant, c.tp) for b, cases in plan for c in cases for r in c.rows)
     label = "+".join(backends)
     return Job(name or f"layer/{label}/ep{ep}", half, "layer", label, ep, ep_ranks.layer_job,
@@ -221,7 +226,9 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             _fault_job("deepep_ht", "kill", "B", device, margin_s=30, call_timeout_s=15),
             _fault_job("torch", "hang", "B", device, margin_s=30, call_timeout_s=15),
             _fault_job("deepep_ht", "kill", "B", device),
-            _fault_job("deepep_ht", "refuse", "B", device)]
+            _fault_job("deepep_ht", "refuse", "B", device),
+            _fault_job("deepep_auto", "refuse", "B", device),
+            _fault_job(fi, "refuse", "B", device)]
     return out
 
 

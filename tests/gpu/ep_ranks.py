@@ -58,7 +58,8 @@ QUANTS = {"bf16": QuantSpec(), "fp8_block128": QuantSpec(QuantScheme.FP8_BLOCK12
 class Case:
     """One row of the layer path: ``name`` (``ragged``, ``auto-ll``, ``auto-normal``, ``eplb``
     (also yields the ``rebalance`` row), ``row_scatter``, ``sp``, ``mask`` (yields
-    ``mask-before``, ``mask``, ``unmask``: :func:`mask_job`'s calls)); ``quant`` (``bf16``,
+    ``mask-before``, ``mask``, ``unmask``: :func:`mask_job`'s calls), ``graph`` (CUDA only: the
+    layer captured in a CUDA graph and replayed on new inputs, :func:`_graph_rows`)); ``quant`` (``bf16``,
     ``fp8_block128``, ``ue8m0``: FP8 with packed UE8M0 scales for experts that ask for them);
     ``tp`` (2: dp = ep / 2 x tp 2); ``offset`` into the ragged token counts."""
 
@@ -73,7 +74,7 @@ class Case:
                 "mask": ("mask-before", "mask", "unmask")}.get(self.name, (self.name,))
 
     def tokens(self, dp_rank: int) -> int:
-        counts = AUTO_LL_TOKENS if self.name == "auto-ll" else RAGGED
+        counts = AUTO_LL_TOKENS if self.name in ("auto-ll", "graph") else RAGGED
         return counts[(dp_rank + self.offset) % len(counts)]
 
 
@@ -247,6 +248,8 @@ def _run_case(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> 
     dev, backend = layers.dev, layers.backend
     if case.name == "mask":
         return _mask_rows(layers, rank, world, world - 1, seed)
+    if case.name == "graph":
+        return _graph_rows(layers, rank, case, seed)
     quant = QUANTS[case.quant]
     layout = ParallelLayout(world // case.tp, case.tp, True)
     dp = layout.dp_rank(rank)
@@ -288,6 +291,51 @@ def _run_case(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> 
     rows.append(_check("rebalance", case.quant, case.tp, out, ref, n,
                        f"after MoELayer.rebalance to {placements[1].describe()}"))
     return rows
+
+
+def _graph_rows(layers: _Layers, rank: int, case: Case, seed: int) -> list[dict]:
+    """The layer captured in a CUDA graph (every rank at once), then two replays on new inputs,
+    each against the reference of those inputs. A backend that cannot be captured (deepep_ht:
+    normal mode waits on the host) must refuse the capture on every rank before sending
+    anything, and its layer must stay usable: the eager call after the refusal must be right
+    (the row is then ``refused``, with the refusal in its detail)."""
+    from tests.gpu.cuda_graphs import capture
+
+    dev, quant = layers.dev, QUANTS[case.quant]
+    n = case.tokens(rank)
+    weights = MoEWeights.random(CFG, seed)
+    layer = layers.build(CFG, weights, 1, None, quant)
+    static_x = demo_inputs(CFG, n, rank, seed).to(dev)
+    modes_before = dict(getattr(layer.dispatch_stats, "modes", {}) or {})
+    try:
+        graph, static_out = capture(lambda: layer(static_x))
+    except RuntimeError as e:
+        refusal = _refusal(e)
+        torch.cuda.synchronize()
+        x = demo_inputs(CFG, n, rank, seed + 1)
+        row = _check("graph", case.quant, 1, _forward(layer, x, dev),
+                     reference_moe(x, weights, quant), n,
+                     f"capture refused: {refusal}; the eager call after it")
+        if row["status"] == "passed" and "cannot be captured" in refusal:
+            row["status"] = "refused"
+        return [row]
+    modes = {k: v - modes_before.get(k, 0)
+             for k, v in (getattr(layer.dispatch_stats, "modes", {}) or {}).items()
+             if v - modes_before.get(k, 0)}
+    worst: Optional[dict] = None
+    for replay in (1, 2):
+        x = demo_inputs(CFG, n, rank, seed + replay)
+        static_x.copy_(x.to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        row = _check("graph", case.quant, 1, static_out.cpu(), reference_moe(x, weights, quant),
+                     n, f"replay {replay} of 2 on new inputs; modes while captured and warmed "
+                     f"up {modes or 'none counted'}", modes=modes)
+        if worst is None or row["status"] != "passed" or \
+                (row["max_rel_err"] or 0) > (worst["max_rel_err"] or 0):
+            worst = row
+    assert worst is not None
+    return [worst]
 
 
 def layer_job(rank: int, world: int, device: str, plan: list[tuple[str, list[Case]]],

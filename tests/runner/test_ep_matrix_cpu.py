@@ -73,7 +73,8 @@ def test_the_full_matrix_covers_the_issue():
     assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep") for e in (2, 4)} <= vllm
     faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}
     assert {("deepep_ll", "fault-refuse"), ("deepep_ll", "fault-kill"),
-            ("deepep_ll", "fault-kill-watchdog"), ("deepep_ht", "fault-kill-watchdog")} <= faults
+            ("deepep_ll", "fault-kill-watchdog"), ("deepep_ht", "fault-kill-watchdog"),
+            ("deepep_auto", "fault-refuse"), ("flashinfer_nvlink_two_sided", "fault-refuse")} <= faults
     assert {j.half for j in full} == {"A", "B"}
     assert all(j.bound_s <= 600 for j in full)
     rows = [(j.name, c) for j in full for c in j.rows]
@@ -81,6 +82,10 @@ def test_the_full_matrix_covers_the_issue():
     cases = {c[1] for j in full for c in j.rows}
     assert {"eplb", "rebalance", "mask", "unmask", "row_scatter", "sp", "ours=in-tree", "dbo",
             "graph"} <= cases
+    # our layer captured in a CUDA graph: deepep_auto (low latency) and deepep_ht (refuses)
+    graphed = {r[0] for j in full if j.path == "layer" for r in j.rows if r[1] == "graph"}
+    assert {"deepep_ll", "deepep_ht", "deepep_auto"} <= graphed
+    assert not any(r[1] == "graph" for j in jobs("cpu") if j.path == "layer" for r in j.rows)
     masked = {r[0] for j in full for r in j.rows if r[1] == "mask"}
     assert masked == {"deepep_ll", "nixl_ep"}
     quants = {(r[0], r[2]) for j in full for r in j.rows}

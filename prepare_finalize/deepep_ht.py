@@ -32,7 +32,7 @@ from all2all.deepep import DEEPEP_PACKAGE
 from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
-from moe_plugins.faults import group_faults, layer_name
+from moe_plugins.faults import group_faults, in_step, layer_name
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    capturing, check_finalize_routing, check_output,
@@ -105,10 +105,13 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
             raise TypeError(f"{m.backend_name}: hidden_states must be bfloat16 (DeepEP's combine "
                             f"reduces bf16), got {hidden_states.dtype}")
         if capturing():
-            raise RuntimeError(
+            # In step, not a refusal that owes the call: an EP layer is captured on every rank
+            # at once (its captured kernels communicate), and while capturing no rank sends
+            # anything, so every rank refuses here alike and the group stays usable.
+            raise in_step(RuntimeError(
                 f"{m.backend_name}: DeepEP's normal mode waits on the host for the receive counts "
                 "and cannot be captured in a CUDA graph; use 'deepep_auto' (low-latency kernels "
-                "under capture) or run eagerly (vLLM: --enforce-eager)")
+                "under capture) or run eagerly (vLLM: --enforce-eager)"))
 
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, quant: QuantSpec) -> AsyncResult:

@@ -138,6 +138,33 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
         log.setLevel(level)
 
 
+def refused_capture_then_eager(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                               num_tokens: int, seed: int = 0) -> dict:
+    """deepep_ht asked to run while (as every rank sees it) a CUDA graph captures, then the
+    same layer eagerly. The CPU has no capture: the backend's ``capturing`` is forced True for
+    the first call only, so what is tested is the refusal's fault semantics, not capture
+    detection (tests/gpu's EP matrix captures for real)."""
+    import prepare_finalize.deepep_ht as ht
+
+    with installed("deep_ep"):
+        layer = _layer("deepep_ht", layout, cfg, None, QuantSpec(), seed, 64, None)
+        try:
+            x = demo_inputs(cfg, num_tokens, layout.dp_rank(rank), seed)
+            real, ht.capturing = ht.capturing, lambda: True
+            try:
+                layer(x)
+            except RuntimeError as e:
+                refusal = f"{type(e).__name__}: {e}"
+            else:
+                refusal = ""
+            finally:
+                ht.capturing = real
+            out = layer(x)
+        finally:
+            layer.destroy()
+    return dict(refusal=refusal, out=out)
+
+
 def forget_faults(rank: int, world: int, layout: ParallelLayout) -> None:
     """After a call that every rank refused alike: forget the cached EP group's fault state."""
     from moe_plugins.faults import clear_group_faults

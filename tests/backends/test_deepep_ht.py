@@ -215,6 +215,18 @@ def test_auto_rejects_a_hint_smaller_than_the_batch(rank_pool):
     assert e.value.exc_type == "ValueError" and "hint says at most 4" in e.value.message
 
 
+@pytest.mark.multirank
+def test_a_refused_capture_leaves_the_layer_usable(rank_pool):
+    """deepep_ht cannot be captured: every rank refuses alike before sending, and the next
+    eager call on the same layer and group is right (not LayerBrokenError)."""
+    layout, cfg = ParallelLayout(2, 1, True), _cfg()
+    results = rank_pool(2).run(ht_rank_fns.refused_capture_then_eager, layout, cfg, 6)
+    for r in results:
+        assert "cannot be captured in a CUDA graph" in r["refusal"]
+        assert "deepep_auto" in r["refusal"]
+    assert_matches_reference([{"out": r["out"]} for r in results], layout, cfg, 6)
+
+
 # -- buffers ------------------------------------------------------------------------------------
 
 @pytest.mark.multirank

@@ -25,15 +25,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_plugins.watchdog import CallBound  # noqa: E402
 
 
-def ns_per_call(bound: CallBound, device: torch.device, calls: int) -> float:
-    """Wall time per ``bound.watch`` + ``end`` (ns), over ``calls`` calls."""
+def ns_per_call(bound: CallBound, device: torch.device, calls: int, batch: int) -> float:
+    """Host time per ``bound.watch`` + ``end`` (ns), over ``calls`` calls, timed in batches of
+    ``batch`` with the device synchronized between batches, outside the timed part: on CUDA
+    each call enqueues one driver op, and a loop of nothing else would fill the launch queue
+    and time the GPU's queue instead of the host (in a layer, kernels sit between the ops)."""
     watch = bound.watch
-    t0 = time.perf_counter_ns()
-    for n in range(calls):
-        call = watch(n)
-        if call is not None:
-            call.end(device)
-    return (time.perf_counter_ns() - t0) / calls
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    total, n = 0, 0
+    while n < calls:
+        k = min(batch, calls - n)
+        t0 = time.perf_counter_ns()
+        for i in range(n, n + k):
+            call = watch(i)
+            if call is not None:
+                call.end(device)
+        total += time.perf_counter_ns() - t0
+        sync()
+        n += k
+    return total / calls
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -41,6 +51,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--calls", type=int, default=20000, help="calls per sample")
     p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--batch", type=int, default=64,
+                   help="calls timed between two synchronizations (below the launch-queue depth)")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -49,15 +61,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     on = CallBound("benchmark layer", 600.0, 600.0, device=device)
     off = CallBound("benchmark layer", 0)
-    ns_per_call(on, device, 1000)  # the thread, and on CUDA the progress buffer, start here
+    ns_per_call(on, device, 1000, args.batch)  # the thread, and on CUDA the progress buffer, start here
     samples: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(args.samples):  # interleaved: drift of a shared machine hits both alike
-        samples["off"].append(ns_per_call(off, device, args.calls))
-        samples["on"].append(ns_per_call(on, device, args.calls))
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+        samples["off"].append(ns_per_call(off, device, args.calls, args.batch))
+        samples["on"].append(ns_per_call(on, device, args.calls, args.batch))
     med = {k: statistics.median(v) for k, v in samples.items()}
     result = {"device": args.device, "calls_per_sample": args.calls, "samples": args.samples,
+              "batch": args.batch,
               "ns_per_call_on": round(med["on"], 1), "ns_per_call_off": round(med["off"], 1),
               "added_ns_per_call": round(med["on"] - med["off"], 1)}
     print(f"call bound on: {med['on']:.0f} ns per call, off: {med['off']:.0f} ns; "

@@ -43,8 +43,9 @@ that call, so every peer finished its first), its calls run under the start-up b
 
 Off by default. On with ``call_timeout_s`` (``MoELayer``) or ``$MOE_PLUGINS_CALL_TIMEOUT_S``
 (the vLLM glue, and layers built without the argument); 0 turns it off in either. Cost when on:
-about a microsecond of host time per call (``benchmarks/watchdog_cost.py``), 16 KiB of
-page-locked host memory per process, and a daemon thread that wakes every :data:`POLL_S` s.
+about 3 us of host time per call on an H200 host, nearly all the driver call that enqueues the
+progress write (``benchmarks/watchdog_cost.py``), 16 KiB of page-locked host memory per
+process, and a daemon thread that wakes every :data:`POLL_S` s.
 """
 from __future__ import annotations
 
@@ -160,7 +161,6 @@ def first_call_timeout_seconds(call_timeout_s: Optional[float],
     return first
 
 
-# -- the progress words the GPU writes ----------------------------------------------------------
 class _CudaProgress:
     """A page-locked host buffer of ``RING_SLOTS`` uint32 words, mapped into every CUDA context
     of the process, and the driver call that writes one of them on a stream (the GPU writes,
@@ -260,7 +260,6 @@ def _raw_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-# -- the watched calls --------------------------------------------------------------------------
 class WatchedCall:
     """One call under the watchdog: :meth:`end` when the call has enqueued all its work.
 
@@ -444,8 +443,6 @@ _WATCHDOG = _Watchdog()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
 _CUDA: list[bool] = []  # whether this process's torch has CUDA (asked once)
-
-
 _IS_CAPTURING: list[Callable[[], bool]] = []
 
 
@@ -542,8 +539,8 @@ class CallBound:
 
     ``timeout_s`` and ``first_timeout_s`` as resolved by :func:`call_timeout_seconds` and
     :func:`first_call_timeout_seconds`; ``device``: the layer's (on CUDA, with the bound on, the
-    progress buffer is made here, with a CUDA context current on this thread). A call runs under the start-up bound until one of the
-    layer's calls after its first has completed (every peer entered that call, so every peer
+    progress buffer is made here, with a CUDA context current on this thread). A call runs
+    under the start-up bound until one of the layer's calls after its first has completed (every peer entered that call, so every peer
     finished its first one); from then on under ``timeout_s``."""
 
     __slots__ = ("name", "timeout_s", "first_timeout_s", "_warm", "_proof", "_proof_seq")

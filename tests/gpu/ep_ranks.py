@@ -316,8 +316,8 @@ def _graph_rows(layers: _Layers, rank: int, case: Case, seed: int) -> list[dict]
         row = _check("graph", case.quant, 1, _forward(layer, x, dev),
                      reference_moe(x, weights, quant), n,
                      f"capture refused: {refusal}; the eager call after it")
-        if row["status"] == "passed" and "cannot be captured" in refusal:
-            row["status"] = "refused"
+        if row["status"] == "passed":  # a capture that failed for another reason: failed
+            row["status"] = "refused" if "cannot be captured" in refusal else "failed"
         return [row]
     modes = {k: v - modes_before.get(k, 0)
              for k, v in (getattr(layer.dispatch_stats, "modes", {}) or {}).items()

@@ -233,6 +233,16 @@ def _check(case: str, quant: str, tp: int, out: torch.Tensor, ref: torch.Tensor,
     return _row(case, quant, tp, "passed" if ok else "failed", rel, detail, tokens=n, **fields)
 
 
+def _modes(layer: Any) -> dict:
+    """The layer's dispatch count per mode so far (deepep_auto's ``low_latency`` / ``normal``)."""
+    return dict(getattr(layer.dispatch_stats, "modes", {}) or {})
+
+
+def _modes_since(layer: Any, before: dict) -> dict:
+    """The dispatches per mode since ``before`` (:func:`_modes`), modes with none left out."""
+    return {k: v - before.get(k, 0) for k, v in _modes(layer).items() if v - before.get(k, 0)}
+
+
 def _placements(num_logical: int, world: int) -> tuple[Any, Any]:
     from tests.contracts.placement_ranks import random_placement
 
@@ -275,11 +285,9 @@ def _run_case(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> 
         round_trip = ue8m0_round_trip
     x = demo_inputs(cfg, n, dp, seed)
     ref = reference_moe(x, weights, quant, round_trip=round_trip)
-    modes_before = dict(getattr(layer.dispatch_stats, "modes", {}) or {})
+    modes_before = _modes(layer)
     out = _forward(layer, x, dev)
-    modes = {k: v - modes_before.get(k, 0)
-             for k, v in (getattr(layer.dispatch_stats, "modes", {}) or {}).items()
-             if v - modes_before.get(k, 0)}
+    modes = _modes_since(layer, modes_before)
     extra = f"strategy {layer.strategy.value}" + (f"; mode {modes}" if modes else "")
     if case.name != "eplb":
         return [_check(case.name, case.quant, case.tp, out, ref, n, extra, modes=modes)]
@@ -306,7 +314,7 @@ def _graph_rows(layers: _Layers, rank: int, case: Case, seed: int) -> list[dict]
     weights = MoEWeights.random(CFG, seed)
     layer = layers.build(CFG, weights, 1, None, quant)
     static_x = demo_inputs(CFG, n, rank, seed).to(dev)
-    modes_before = dict(getattr(layer.dispatch_stats, "modes", {}) or {})
+    modes_before = _modes(layer)
     try:
         graph, static_out = capture(lambda: layer(static_x))
     except RuntimeError as e:
@@ -319,9 +327,7 @@ def _graph_rows(layers: _Layers, rank: int, case: Case, seed: int) -> list[dict]
         if row["status"] == "passed":  # a capture that failed for another reason: failed
             row["status"] = "refused" if "cannot be captured" in refusal else "failed"
         return [row]
-    modes = {k: v - modes_before.get(k, 0)
-             for k, v in (getattr(layer.dispatch_stats, "modes", {}) or {}).items()
-             if v - modes_before.get(k, 0)}
+    modes = _modes_since(layer, modes_before)
     worst: Optional[dict] = None
     for replay in (1, 2):
         x = demo_inputs(CFG, n, rank, seed + replay)

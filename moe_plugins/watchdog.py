@@ -30,10 +30,17 @@ bounded when its launcher says so: ``with capture_calls() as captured:`` around 
 records the calls captured; ``with expect_replay(captured):`` around each ``graph.replay()``
 watches the replay from its launch on the host to the completion on the GPU of everything it
 enqueued (one stream write after the replay: host runs ahead of the GPU by any number of
-replays and each is told apart), under the largest bound of the calls in it. vLLM replays its
-graphs itself, without this hook: under vLLM the bound covers eager calls (prefill, the
-profile run, eager mode) and not the replays of captured decode steps; the first capture under
-a bound logs one WARNING saying so.
+replays and each is told apart), under the largest bound of the calls in it. A capture under a
+bound that no such launcher records logs one WARNING: its replays are not bounded.
+
+Step windows. An engine can watch each forward step as a whole, eager or replayed:
+``with watch_step():`` around the step watches it from its launch to the completion on the GPU
+of what it enqueued on the current stream, under the largest bound of the process's layers.
+Layer calls inside that end on the same stream take the step's one completion mark (a call is
+complete when the step is): one driver call per step instead of one per layer, while each call
+keeps its own deadline and name. The vLLM glue opens a window around each of vLLM's forward
+passes and full-graph replays (:mod:`moe_plugins.vllm.step_window`): under vLLM the replays of
+captured decode steps are bounded too.
 
 Start-up. A layer's first calls include JIT builds, vLLM's profile run and peers that are still
 compiling: until a call of the layer after its first has completed (then every peer has entered
@@ -57,6 +64,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Union
@@ -69,7 +77,8 @@ from moe_plugins.gpu_progress import raw_stream as _raw_stream
 __all__ = ["CALL_TIMEOUT_ENV", "FIRST_CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", "MIN_TIMEOUT_S",
            "RING_SLOTS", "CallTimeoutError", "WatchedCall", "CallBound", "CapturedCalls",
            "call_timeout_seconds", "first_call_timeout_seconds", "watch_call", "on_call_timeout",
-           "capture_calls", "expect_replay", "watchdog_alive"]
+           "capture_calls", "expect_replay", "watch_step", "replays_in_step_windows",
+           "watchdog_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,13 +178,18 @@ class WatchedCall:
     The objects are preallocated, one per ring slot, and reused: ``seq`` (the process's call
     count at its start) says which call a slot holds now."""
 
-    __slots__ = ("slot", "seq", "name", "number", "what", "started", "deadline", "done", "gpu")
+    __slots__ = ("slot", "seq", "name", "number", "what", "started", "deadline", "done", "gpu",
+                 "covered", "cover", "cover_seq")
 
     def __init__(self, slot: int) -> None:
         self.slot, self.seq = slot, -1
         self.name, self.number, self.what = "", 0, "call"
         self.started = self.deadline = 0.0
         self.done = self.gpu = -1  # seq of the call ended on the host / whose GPU write is queued
+        # seq of the call whose completion is the mark of the step window it ran in (cover, the
+        # window's call, when it held cover_seq)
+        self.covered = self.cover_seq = -1
+        self.cover: Optional[WatchedCall] = None
 
     def end(self, device: torch.device) -> None:
         """The call's work is enqueued: on CUDA it completes when the GPU has written the
@@ -201,6 +215,9 @@ class WatchedCall:
         seq = self.seq
         if self.done == seq:
             return True
+        if self.covered == seq:  # the window's slot reused: its call long since started anew
+            cover = self.cover
+            return cover is not None and (cover.seq != self.cover_seq or cover.finished())
         words = _WATCHDOG.words
         return self.gpu == seq and words is not None and words[self.slot] == seq & _U32
 
@@ -241,14 +258,17 @@ class _Watchdog:
         self.last_device: Optional[torch.device] = None
         self.last_index = -1
         self.warned_capture = False
+        self.replays_bounded_by = ""  # who wraps every graph replay in a step window
+        self.steps = 0
         self.last_error = -math.inf
 
     def reset_after_fork(self) -> None:
-        """In a forked child: no thread (threads do not fork), no CUDA (it does not either);
-        the hooks stay."""
-        hooks = self.hooks
+        """In a forked child: no thread (threads do not fork), no CUDA (it does not either), no
+        open step window; the hooks stay."""
+        hooks, bounded_by = self.hooks, self.replays_bounded_by
         self.__init__()  # type: ignore[misc]
-        self.hooks = hooks
+        self.hooks, self.replays_bounded_by = hooks, bounded_by  # the engine's glue is forked too
+        _STEP.window = None
 
     def start(self) -> None:
         with self.lock:
@@ -273,7 +293,14 @@ class _Watchdog:
             cuda = self.prepare_cuda()
         seq = call.seq
         if cuda.ok:
-            rc = cuda.write(_raw_stream(index), call.slot, seq & _U32)
+            stream = _raw_stream(index)
+            window = getattr(_STEP, "window", None)
+            if window is not None and window[1] == stream and window[3] == index:
+                # the window's one mark, after everything on this stream, completes this call
+                call.cover, call.cover_seq = window[0], window[2]
+                call.covered = seq  # published last: finished() reads it first
+                return
+            rc = cuda.write(stream, call.slot, seq & _U32)
             if rc == 0:
                 call.gpu = seq
                 return
@@ -346,6 +373,10 @@ _WATCHDOG = _Watchdog()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
 _CUDA: list[bool] = []  # whether this process's torch has CUDA (asked once)
+# The open step window of this thread (watch_step): (its call, stream handle, seq, device index)
+_STEP = threading.local()
+# Every layer bound that is on, for the bound of a step window (weak: a layer may be dropped)
+_BOUNDS: "weakref.WeakSet[CallBound]" = weakref.WeakSet()
 _IS_CAPTURING: list[Callable[[], bool]] = []
 
 
@@ -397,7 +428,7 @@ def _captured(name: str, number: int, timeout_s: float) -> None:
     record = _WATCHDOG.capture
     if record is not None:
         record.calls.append((name, number, timeout_s))
-    elif not _WATCHDOG.warned_capture:
+    elif not _WATCHDOG.warned_capture and not _WATCHDOG.replays_bounded_by:
         _WATCHDOG.warned_capture = True
         logger.warning("%s: captured into a CUDA graph under a call bound (%g s); its replays "
                        "are bounded only where the code that replays the graph wraps each "
@@ -446,7 +477,8 @@ class CallBound:
     under the start-up bound until one of the layer's calls after its first has completed (every peer entered that call, so every peer
     finished its first one); from then on under ``timeout_s``."""
 
-    __slots__ = ("name", "timeout_s", "first_timeout_s", "_warm", "_proof", "_proof_seq")
+    __slots__ = ("name", "timeout_s", "first_timeout_s", "_warm", "_proof", "_proof_seq",
+                 "__weakref__")
 
     def __init__(self, name: str, call_timeout_s: Optional[float] = None,
                  first_call_timeout_s: Optional[float] = None,
@@ -460,6 +492,13 @@ class CallBound:
         self._warm = self.timeout_s is None or self.first_timeout_s == self.timeout_s
         self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
         self._proof_seq = -1
+        if self.timeout_s is not None:
+            _BOUNDS.add(self)
+
+    def current_timeout_s(self) -> Optional[float]:
+        """The bound a call started now runs under (the start-up bound until the layer is warm;
+        None: off)."""
+        return self.timeout_s if self._warm else self.first_timeout_s
 
     def describe(self) -> str:
         """For the layers' INFO line: ``off``, or the bound and the start-up bound."""
@@ -482,6 +521,50 @@ class CallBound:
         if proof is None and call is not None and number >= 2:
             self._proof, self._proof_seq = call, call.seq
         return call
+
+
+@contextmanager
+def watch_step(device: Optional[torch.device] = None,
+               name: str = "forward step") -> Iterator[Optional[WatchedCall]]:
+    """Around an engine's forward step (eager, or a CUDA-graph replay): the step is watched from
+    here to the completion on the GPU of what it enqueued on the current stream, under the
+    largest bound of the process's layers (their start-up bound while one is starting), and
+    nothing when no layer has a bound. Layer calls inside that end on the same stream take the
+    step's one completion mark instead of one each: one driver call per step, not per layer.
+    Nested windows of a thread, and a window opened during a capture, watch nothing (None).
+    ``device``: the step's (default: the current CUDA device, else CPU)."""
+    if not _BOUNDS or getattr(_STEP, "window", None) is not None or _capturing():
+        yield None
+        return
+    bound = max((t for b in list(_BOUNDS) if (t := b.current_timeout_s()) is not None),
+                default=None)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if _has_cuda() \
+            else torch.device("cpu")
+    wd = _WATCHDOG
+    wd.steps += 1
+    call = watch_call(name, wd.steps, bound, "forward step")
+    if call is None:  # the layers' bounds all off
+        yield None
+        return
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        _STEP.window = (call, _raw_stream(index), call.seq, index)
+    try:
+        yield call
+    finally:
+        _STEP.window = None
+        if _capturing():  # a capture began inside and is still open: enqueue nothing
+            call.done = call.seq
+        else:
+            call.end(device)
+
+
+def replays_in_step_windows(who: str) -> None:
+    """Say that ``who`` (an engine's glue) runs every CUDA-graph replay inside
+    :func:`watch_step`: a layer captured under a bound then logs no warning about unbounded
+    replays."""
+    _WATCHDOG.replays_bounded_by = who
 
 
 def on_call_timeout(hook: Callable[[CallTimeoutError], None]) -> Callable[[], None]:

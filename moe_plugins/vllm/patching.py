@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -95,6 +96,16 @@ def _rebind(patch: Patch, owner: Any, attr: str, new: Any) -> None:
     original = getattr(owner, attr)
     setattr(owner, attr, new)
     _APPLIED.setdefault(patch.symbol, []).append(lambda: setattr(owner, attr, original))
+
+
+def _rebind_importers(patch: Patch, owner: Any, attr: str, original: Any, new: Any) -> None:
+    """Rebind ``attr`` also in every loaded vLLM module that did ``from <owner> import attr``
+    (it holds ``original``); modules imported from now on pick up ``new`` from ``owner``."""
+    for module_name, module in list(sys.modules.items()):
+        # vars(), not getattr(): lazy modules (transformers) import on attribute access
+        if (module_name.startswith("vllm.") and module is not owner
+                and vars(module).get(attr) is original):
+            _rebind(patch, module, attr, new)
 
 
 def _announce(all2all_backend: str, where: str) -> None:

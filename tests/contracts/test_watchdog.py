@@ -17,22 +17,15 @@ import torch
 from moe_plugins import watchdog
 from moe_plugins.watchdog import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV, MIN_TIMEOUT_S,
                                   RING_SLOTS, CallBound, call_timeout_seconds, capture_calls,
-                                  expect_replay, first_call_timeout_seconds, watch_call)
+                                  expect_replay, first_call_timeout_seconds,
+                                  replays_in_step_windows, watch_call, watch_step)
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """A watchdog of its own for the test, whose thread is never started (the test calls its
-    check itself) and whose expiry is recorded instead of ending the process."""
-    wd = watchdog._Watchdog()
-    expired: list = []
-    monkeypatch.setattr(wd, "start", lambda: None)
-    monkeypatch.setattr(wd, "_expire", lambda call, now: expired.append((call.name, call.number)))
-    monkeypatch.setattr(watchdog, "_WATCHDOG", wd)
-    wd.expired = expired  # type: ignore[attr-defined]
-    return wd
+def fresh(fresh_watchdog):
+    return fresh_watchdog
 
 
 # -- settings -----------------------------------------------------------------------------------
@@ -201,6 +194,125 @@ def test_a_capture_without_the_replay_hook_says_once_that_replays_are_not_bounde
         assert watch_call("layer", 2, 30.0) is None
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "expect_replay" in warnings[0], warnings
+
+
+# -- step windows -------------------------------------------------------------------------------
+class FakeGpu:
+    """The driver's side of the completion marks, faked: the writes it was asked to enqueue, on
+    which stream, and the mapped words the GPU would write (tests write them by hand)."""
+
+    ok, how = True, "fake"
+
+    def __init__(self) -> None:
+        self.words = (ctypes.c_uint32 * (RING_SLOTS + 1))()
+        self.writes: list = []
+
+    def write(self, stream, slot, value):
+        self.writes.append((stream, slot, value))
+        return 0
+
+    def arrive(self, call) -> None:
+        """The GPU reached the write enqueued for ``call``."""
+        self.words[call.slot] = call.seq
+
+
+@pytest.fixture
+def gpu(fresh, monkeypatch):
+    fake = FakeGpu()
+    fresh.cuda, fresh.words = fake, fake.words
+    stream = {"now": 7}  # the caller's current stream handle
+    monkeypatch.setattr(watchdog, "_raw_stream", lambda index: stream["now"])
+    fake.stream = stream
+    return fake
+
+
+def test_calls_in_a_step_window_share_its_one_completion_mark(fresh, gpu):
+    """Layer calls that end on the window's stream enqueue nothing: the window's mark, enqueued
+    after all of them, completes them; a call on another stream (a micro-batch's) marks
+    itself."""
+    dev = torch.device("cuda", 0)
+    a, b = CallBound("layer A", 30.0, 0), CallBound("layer B", 45.0, 0)
+    with watch_step(dev) as step:
+        assert step.what == "forward step" and step.deadline - step.started == 45.0
+        calls = [bound.watch(1) for bound in (a, b)]
+        for call in calls:
+            call.end(dev)
+        assert gpu.writes == []  # no driver call per layer
+        gpu.stream["now"] = 9
+        other = a.watch(2)
+        other.end(dev)
+        assert gpu.writes == [(9, other.slot, other.seq)]
+        gpu.stream["now"] = 7
+    assert gpu.writes[-1] == (7, step.slot, step.seq) and len(gpu.writes) == 2
+    assert not any(c.finished() for c in calls + [step])
+    gpu.arrive(step)
+    assert all(c.finished() for c in calls + [step])
+
+
+def test_a_call_in_a_window_that_never_completes_expires_under_its_own_name(fresh, gpu):
+    dev = torch.device("cuda", 0)
+    bound = CallBound("layer A", 30.0, 0)
+    with watch_step(dev) as step:
+        call = bound.watch(5)
+        call.end(dev)
+    fresh.check(call.started + 29.0)
+    assert fresh.expired == []
+    fresh.check(call.started + 31.0)  # the window's mark never came: a peer hangs
+    assert ("layer A", 5) in fresh.expired
+    gpu.arrive(step)
+    fresh.expired.clear()
+    fresh.check(call.started + 90.0)
+    assert fresh.expired == []
+
+
+def test_a_window_runs_under_the_start_up_bound_while_a_layer_starts(fresh, gpu):
+    dev = torch.device("cuda", 0)
+    warm, starting = CallBound("warm", 30.0, 0), CallBound("starting", 20.0, 900.0)
+    with watch_step(dev) as step:
+        assert step.deadline - step.started == 900.0
+    del starting
+    with watch_step(dev) as step:  # the starting layer dropped: the warm one's bound
+        assert step.deadline - step.started == 30.0
+    assert warm.timeout_s == 30.0
+
+
+def test_a_window_watches_nothing_without_bounds_when_nested_or_capturing(fresh, gpu,
+                                                                          monkeypatch):
+    dev = torch.device("cuda", 0)
+    with watch_step(dev) as step:
+        assert step is None  # no layer has a bound
+    bound = CallBound("layer", 30.0, 0)
+    with watch_step(dev) as outer:
+        with watch_step(dev) as inner:
+            assert inner is None
+        assert outer is not None
+    monkeypatch.setattr(watchdog, "_CUDA", [True])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with watch_step(dev) as step:
+        assert step is None
+    assert bound.timeout_s == 30.0
+
+
+def test_a_window_that_raises_still_ends_and_closes(fresh, gpu):
+    dev = torch.device("cuda", 0)
+    bound = CallBound("layer", 30.0, 0)
+    with pytest.raises(KeyError):
+        with watch_step(dev) as step:
+            raise KeyError("the engine's own error")
+    assert gpu.writes == [(7, step.slot, step.seq)]
+    call = bound.watch(1)
+    call.end(dev)  # no window open any more: the call marks itself
+    assert gpu.writes[-1] == (7, call.slot, call.seq)
+
+
+def test_a_capture_under_an_engine_that_bounds_replays_warns_nothing(fresh, monkeypatch,
+                                                                    caplog):
+    monkeypatch.setattr(watchdog, "_CUDA", [True])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    replays_in_step_windows("the engine's glue")
+    with caplog.at_level(logging.WARNING, logger="moe_plugins.watchdog"):
+        assert watch_call("layer", 1, 30.0) is None
+    assert caplog.records == []
 
 
 # -- the thread ---------------------------------------------------------------------------------

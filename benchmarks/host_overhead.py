@@ -33,6 +33,9 @@ Paths (``path`` in the JSON rows):
 - ``adapter_bound`` / ``adapter_shared_bound`` (with ``--call-timeout-s``): ``adapter`` /
   ``adapter_shared`` built with the call bound on (``MOE_PLUGINS_CALL_TIMEOUT_S``,
   :mod:`moe_plugins.watchdog`), in the same process as the rows with it off.
+- ``adapter_step`` (with ``--call-timeout-s``): ``adapter_bound`` with its calls in step windows
+  of ``--layers-per-step`` calls (``watch_step``, which the vLLM glue opens around each forward
+  pass: the calls of a step share one completion mark), as in a model of that many MoE layers.
 - ``adapter_shared`` / ``vllm_shared`` (DeepEP): the same two with a shared expert in the call
   (one that computes nothing), which vLLM runs between the combine's send and its receive.
   With the plugin's patch of vLLM's modular kernel (installed here as the plugin installs it),
@@ -79,7 +82,7 @@ from moe_plugins.registry import get_backend  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice  # noqa: E402
 
 PATHS = ("runtime", "raw", "ours", "raw_hook", "ours_hook", "adapter", "adapter_bound",
-         "vllm_in_tree", "adapter_shared", "adapter_shared_bound", "vllm_shared")
+         "adapter_step", "vllm_in_tree", "adapter_shared", "adapter_shared_bound", "vllm_shared")
 QUANTS = {"bf16": QuantSpec(), "fp8": QuantSpec(QuantScheme.FP8_BLOCK128)}
 
 
@@ -297,6 +300,8 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
                              args.call_timeout_s)
             paths["adapter_bound"] = _modular_kernel_round_trip(bound, experts, x, w, ids,
                                                                 args.experts, expert_out, out)
+            paths["adapter_step"] = in_step_windows(paths["adapter_bound"],
+                                                    args.layers_per_step)
             paths["adapter_shared_bound"] = _modular_kernel_round_trip(
                 bound, experts, x, w, ids, args.experts, expert_out, out, True)
         try:
@@ -356,7 +361,34 @@ def torch_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
             paths["adapter_bound"] = via(_adapter(spec, ctx, cfg, "bf16", _Experts(),
                                                   OverlapConfig(overlap=False),
                                                   args.call_timeout_s))
+            paths["adapter_step"] = in_step_windows(paths["adapter_bound"],
+                                                    args.layers_per_step)
     return paths
+
+
+def in_step_windows(fn: Callable[[], None], layers: int) -> Callable[[], None]:
+    """``fn`` (one layer call) as the layers of forward steps of ``layers`` calls: a step window
+    (``watch_step``) opens before every ``layers``-th call and closes before the next opens;
+    ``.close()`` closes the last (before the process moves on: an open window stays watched)."""
+    from moe_plugins.watchdog import watch_step
+
+    state: dict[str, Any] = {"n": 0, "window": None}
+
+    def close() -> None:
+        if state["window"] is not None:
+            state["window"].__exit__(None, None, None)
+            state["window"] = None
+
+    def run() -> None:
+        if state["n"] % layers == 0:
+            close()
+            state["window"] = watch_step()
+            state["window"].__enter__()
+        state["n"] += 1
+        fn()
+
+    run.close = close  # type: ignore[attr-defined]
+    return run
 
 
 def eager_us(paths: dict[str, Callable[[], None]], samples: int, batch: int,
@@ -407,6 +439,8 @@ def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, fl
 
     found = {}
     for name, fn in paths.items():
+        if hasattr(fn, "close"):  # step windows are an eager engine's (a replay is one step)
+            continue
         try:
             found[name] = graph_ms(fn, replays, repeats=3) * 1e3
         except RuntimeError as e:
@@ -423,6 +457,8 @@ RATIOS = (("ours/raw", "ours", "raw", None), ("ours/rt", "ours", "runtime", None
           ("adapt/vllm", "adapter", "vllm_in_tree", None),
           ("bound a/v", "adapter_bound", "vllm_in_tree", None),
           ("bound/off", "adapter_bound", "adapter", None),
+          ("step a/v", "adapter_step", "vllm_in_tree", None),
+          ("step/off", "adapter_step", "adapter", None),
           ("added a/v", "adapter", "vllm_in_tree", "runtime"),
           ("shared a/v", "adapter_shared", "vllm_shared", None))
 
@@ -458,7 +494,9 @@ def print_table(rows: list[Row]) -> None:
           "default) and vLLM's in-tree class, both driven by vLLM's FusedMoEKernelModularImpl "
           "with the plugin's patch (no shared expert: our combine is blocking); *_shared: the "
           "same with a shared expert in the call (our combine in hook mode); *_bound: the adapter "
-          "with the call bound on (--call-timeout-s), bound/off: over it off; added a/v: "
+          "with the call bound on (--call-timeout-s), bound/off: over it off; adapter_step: the "
+          "same in step windows of --layers-per-step calls (one completion mark per step, as "
+          "under vLLM); added a/v: "
           "(adapter - runtime) / (vllm_in_tree - runtime), the host time each adds above the "
           "library's C++ calls")
 
@@ -486,6 +524,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--call-timeout-s", type=float, metavar="S",
                    help="also time the adapter with the call bound on at S seconds "
                         "(adapter_bound rows; moe_plugins.watchdog), in the same process")
+    p.add_argument("--layers-per-step", type=int, default=58, metavar="L",
+                   help="with --call-timeout-s: adapter_step rows, the bound's calls in step "
+                        "windows of L calls (default 58: DeepSeek-V3's MoE layers per forward "
+                        "pass)")
     p.add_argument("--profile", type=Path,
                    help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
@@ -549,6 +591,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     paths = builders[backend](ctx, args, case, vllm_missing)
                     for path, us in eager_us(paths, args.samples, args.batch, sync).items():
                         rows.append(Row(backend, path, "eager", tokens, quant, us))
+                    for fn in paths.values():
+                        getattr(fn, "close", lambda: None)()
                     if args.profile:
                         profiled.append((case, paths))
                     if args.device == "cuda" and backend == "deepep_ll":

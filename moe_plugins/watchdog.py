@@ -178,13 +178,13 @@ class WatchedCall:
     The objects are preallocated, one per ring slot, and reused: ``seq`` (the process's call
     count at its start) says which call a slot holds now."""
 
-    __slots__ = ("slot", "seq", "name", "number", "what", "started", "deadline", "done", "gpu",
-                 "covered", "cover", "cover_seq")
+    __slots__ = ("slot", "seq", "name", "number", "what", "started", "bound", "deadline", "done",
+                 "gpu", "covered", "cover", "cover_seq")
 
     def __init__(self, slot: int) -> None:
         self.slot, self.seq = slot, -1
         self.name, self.number, self.what = "", 0, "call"
-        self.started = self.deadline = 0.0
+        self.started = self.bound = self.deadline = 0.0
         self.done = self.gpu = -1  # seq of the call ended on the host / whose GPU write is queued
         # seq of the call whose completion is the mark of the step window it ran in (cover, the
         # window's call, when it held cover_seq)
@@ -345,16 +345,7 @@ class _Watchdog:
             seq += 1
 
     def _expire(self, call: WatchedCall, now: float) -> None:
-        bound = call.deadline - call.started
-        error = CallTimeoutError(
-            f"{call.name}: {call.what} {call.number} did not complete within {bound:g} s "
-            f"(started {now - call.started:.1f} s ago; ${CALL_TIMEOUT_ENV}, "
-            f"${FIRST_CALL_TIMEOUT_ENV} for a layer's first calls): a peer rank died or hangs "
-            "in the middle of the call, or this rank's own work took longer than the bound (a "
-            "bound below a forward step's time ends healthy ranks: raise it then). Its kernels "
-            f"cannot be cancelled, so moe-plugins ends this process (exit status {EXIT_CODE}) "
-            "instead of waiting for the library's own timeout; restart the EP group (under "
-            "vLLM, the engine: its executor shuts down when a worker dies)")
+        error = timeout_error(call, now)
         logger.error("%s", error)
         for hook in reversed(self.hooks):  # last registered first, as atexit
             try:
@@ -369,14 +360,60 @@ class _Watchdog:
         os._exit(EXIT_CODE)
 
 
+def timeout_error(call: WatchedCall, now: float) -> CallTimeoutError:
+    """The error of ``call`` found overdue at ``now`` (what the watchdog logs before the exit)."""
+    bound = call.bound
+    what = f"{call.what} {call.number}"
+    cover = call.cover
+    if call.covered == call.seq and cover is not None:  # its completion is its step's
+        what += f" (or a later call of {cover.what} {cover.number}, whose completion it shares)"
+    return CallTimeoutError(
+        f"{call.name}: {what} did not complete within {bound:g} s "
+        f"(started {now - call.started:.1f} s ago; ${CALL_TIMEOUT_ENV}, "
+        f"${FIRST_CALL_TIMEOUT_ENV} for a layer's first calls): a peer rank died or hangs "
+        "in the middle of the call, or this rank's own work took longer than the bound (a "
+        "bound below a forward step's time ends healthy ranks: raise it then). Its kernels "
+        f"cannot be cancelled, so moe-plugins ends this process (exit status {EXIT_CODE}) "
+        "instead of waiting for the library's own timeout; restart the EP group (under "
+        "vLLM, the engine: its executor shuts down when a worker dies)")
+
+
 _WATCHDOG = _Watchdog()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
 _CUDA: list[bool] = []  # whether this process's torch has CUDA (asked once)
 # The open step window of this thread (watch_step): (its call, stream handle, seq, device index)
 _STEP = threading.local()
-# Every layer bound that is on, for the bound of a step window (weak: a layer may be dropped)
-_BOUNDS: "weakref.WeakSet[CallBound]" = weakref.WeakSet()
+_CPU = torch.device("cpu")
+
+
+class _LayerBounds:
+    """Every layer bound that is on (held weakly: a layer may be dropped), and the largest bound
+    a call started now runs under, the bound of a step window (cached: asked once per step)."""
+
+    def __init__(self) -> None:
+        self._bounds: "weakref.WeakSet[CallBound]" = weakref.WeakSet()
+        self._largest: Optional[float] = None
+        self._stale = False
+
+    def add(self, bound: "CallBound") -> None:
+        self._bounds.add(bound)
+        weakref.finalize(bound, self.changed)
+        self.changed()
+
+    def changed(self) -> None:
+        self._stale = True
+
+    def largest(self) -> Optional[float]:
+        """The largest current bound of the layers (None: no layer has a bound)."""
+        if self._stale:
+            self._stale = False  # first: a change while this computes marks it stale again
+            self._largest = max((t for b in list(self._bounds)
+                                 if (t := b.current_timeout_s()) is not None), default=None)
+        return self._largest
+
+
+_BOUNDS = _LayerBounds()
 _IS_CAPTURING: list[Callable[[], bool]] = []
 
 
@@ -417,6 +454,7 @@ def watch_call(name: str, number: int, timeout_s: Optional[float],
     call = wd.ring[seq & _MASK]
     call.name, call.number, call.what = name, number, what
     call.started = now = time.monotonic()
+    call.bound = timeout_s
     call.deadline = now + timeout_s
     call.seq = seq  # published last: the thread reads seq first
     if wd.thread is None:
@@ -516,6 +554,7 @@ class CallBound:
         proof = self._proof
         if proof is not None and (proof.seq != self._proof_seq or proof.finished()):
             self._warm = True  # completed (or lapped by the ring: long since done)
+            _BOUNDS.changed()
             return watch_call(self.name, number, self.timeout_s)
         call = watch_call(self.name, number, self.first_timeout_s, "start-up call")
         if proof is None and call is not None and number >= 2:
@@ -523,41 +562,60 @@ class CallBound:
         return call
 
 
-@contextmanager
-def watch_step(device: Optional[torch.device] = None,
-               name: str = "forward step") -> Iterator[Optional[WatchedCall]]:
-    """Around an engine's forward step (eager, or a CUDA-graph replay): the step is watched from
-    here to the completion on the GPU of what it enqueued on the current stream, under the
-    largest bound of the process's layers (their start-up bound while one is starting), and
-    nothing when no layer has a bound. Layer calls inside that end on the same stream take the
-    step's one completion mark instead of one each: one driver call per step, not per layer.
-    Nested windows of a thread, and a window opened during a capture, watch nothing (None).
-    ``device``: the step's (default: the current CUDA device, else CPU)."""
-    if not _BOUNDS or getattr(_STEP, "window", None) is not None or _capturing():
-        yield None
-        return
-    bound = max((t for b in list(_BOUNDS) if (t := b.current_timeout_s()) is not None),
-                default=None)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if _has_cuda() \
-            else torch.device("cpu")
-    wd = _WATCHDOG
-    wd.steps += 1
-    call = watch_call(name, wd.steps, bound, "forward step")
-    if call is None:  # the layers' bounds all off
-        yield None
-        return
-    if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        _STEP.window = (call, _raw_stream(index), call.seq, index)
-    try:
-        yield call
-    finally:
+class _StepWindow:
+    """What :func:`watch_step` returns: a context manager (a class, not a generator: a step
+    window is entered once per forward step, and a generator's frame costs a microsecond)."""
+
+    __slots__ = ("device", "name", "call")
+
+    def __init__(self, device: Optional[torch.device], name: str) -> None:
+        self.device, self.name = device, name
+        self.call: Optional[WatchedCall] = None
+
+    def __enter__(self) -> Optional[WatchedCall]:
+        if getattr(_STEP, "window", None) is not None or _capturing():
+            return None
+        bound = _BOUNDS.largest()
+        if bound is None:  # no layer has a bound
+            return None
+        device = self.device
+        if device is None:
+            device = self.device = torch.device("cuda", torch.cuda.current_device()) \
+                if _has_cuda() else _CPU
+        wd = _WATCHDOG
+        wd.steps += 1
+        call = self.call = watch_call(self.name, wd.steps, bound, "forward step")
+        # one poll later than its bound: a layer call overdue in it is named first (the step
+        # started before it, under a bound at least as large)
+        call.deadline += POLL_S
+        if device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+            _STEP.window = (call, _raw_stream(index), call.seq, index)
+        return call
+
+    def __exit__(self, *exc: object) -> None:
+        call = self.call
+        if call is None:
+            return
+        self.call = None
         _STEP.window = None
         if _capturing():  # a capture began inside and is still open: enqueue nothing
             call.done = call.seq
         else:
-            call.end(device)
+            call.end(self.device)  # type: ignore[arg-type]
+
+
+def watch_step(device: Optional[torch.device] = None, name: str = "engine") -> _StepWindow:
+    """``with watch_step():`` around an engine's forward step (eager, or a CUDA-graph replay):
+    the step is watched from there to the completion on the GPU of what it enqueued on the
+    current stream, under the largest bound of the process's layers (their start-up bound while
+    one is starting); the ``with`` yields the step's :class:`WatchedCall`, or None when nothing
+    is watched: no layer has a bound, a capture is under way, or another window of this thread
+    is open. Layer calls inside that end on the same stream take the step's one completion mark
+    instead of one each: one driver call per step, not per layer. ``device``: the step's
+    (default: the current CUDA device, else CPU); ``name``: who runs the steps, for the
+    error ("engine: forward step 7 did not complete ...")."""
+    return _StepWindow(device, name)
 
 
 def replays_in_step_windows(who: str) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import sys
-import weakref
 from typing import Callable, Iterator
 
 import pytest
@@ -74,6 +73,6 @@ def fresh_watchdog(monkeypatch):
     monkeypatch.setattr(wd, "start", lambda: None)
     monkeypatch.setattr(wd, "_expire", lambda call, now: expired.append((call.name, call.number)))
     monkeypatch.setattr(watchdog, "_WATCHDOG", wd)
-    monkeypatch.setattr(watchdog, "_BOUNDS", weakref.WeakSet())
+    monkeypatch.setattr(watchdog, "_BOUNDS", watchdog._LayerBounds())
     wd.expired = expired  # type: ignore[attr-defined]
     return wd

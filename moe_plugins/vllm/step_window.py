@@ -38,7 +38,7 @@ def install_forward_context(patch: Patch, names: list[str]) -> None:
 
     @contextmanager
     def set_forward_context(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        with original(*args, **kwargs) as context, watch_step(name="vLLM forward step"):
+        with original(*args, **kwargs) as context, watch_step(name="vLLM"):
             yield context
 
     set_forward_context.__wrapped__ = original  # type: ignore[attr-defined]
@@ -54,7 +54,7 @@ def install_full_graph_replay(patch: Patch, names: list[str]) -> None:
     check_signature(patch, original)
 
     def run_fullgraph(self: Any, desc: Any) -> Any:
-        with watch_step(name="vLLM full CUDA-graph replay"):
+        with watch_step(name="vLLM (a full CUDA-graph replay)"):
             return original(self, desc)
 
     run_fullgraph.__wrapped__ = original  # type: ignore[attr-defined]

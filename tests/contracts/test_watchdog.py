@@ -233,7 +233,7 @@ def test_calls_in_a_step_window_share_its_one_completion_mark(fresh, gpu):
     dev = torch.device("cuda", 0)
     a, b = CallBound("layer A", 30.0, 0), CallBound("layer B", 45.0, 0)
     with watch_step(dev) as step:
-        assert step.what == "forward step" and step.deadline - step.started == 45.0
+        assert step.what == "forward step" and step.bound == 45.0
         calls = [bound.watch(1) for bound in (a, b)]
         for call in calls:
             call.end(dev)
@@ -257,8 +257,11 @@ def test_a_call_in_a_window_that_never_completes_expires_under_its_own_name(fres
         call.end(dev)
     fresh.check(call.started + 29.0)
     assert fresh.expired == []
-    fresh.check(call.started + 31.0)  # the window's mark never came: a peer hangs
-    assert ("layer A", 5) in fresh.expired
+    fresh.check(call.started + 30.1)  # the window's mark never came: a peer hangs
+    assert fresh.expired == [("layer A", 5)]  # the layer's call is named, not only the step
+    message = str(watchdog.timeout_error(call, call.started + 30.1))
+    assert message.startswith("layer A: call 5 (or a later call of forward step 1, whose "
+                              "completion it shares) did not complete within 30 s"), message
     gpu.arrive(step)
     fresh.expired.clear()
     fresh.check(call.started + 90.0)
@@ -269,10 +272,10 @@ def test_a_window_runs_under_the_start_up_bound_while_a_layer_starts(fresh, gpu)
     dev = torch.device("cuda", 0)
     warm, starting = CallBound("warm", 30.0, 0), CallBound("starting", 20.0, 900.0)
     with watch_step(dev) as step:
-        assert step.deadline - step.started == 900.0
+        assert step.bound == 900.0
     del starting
     with watch_step(dev) as step:  # the starting layer dropped: the warm one's bound
-        assert step.deadline - step.started == 30.0
+        assert step.bound == 30.0
     assert warm.timeout_s == 30.0
 
 

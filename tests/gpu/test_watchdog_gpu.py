@@ -1,7 +1,9 @@
 """The call bound on a CUDA GPU (moe_plugins.watchdog): completion is the GPU's write into mapped
-host memory, a capture in a loop with calls in flight never fails and never kills the watchdog,
-a stuck eager call or CUDA-graph replay ends the process within its bound, and at EP 4 a peer
-killed between replays of a captured layer ends every survivor within the bound.
+host memory, layer calls in a step window share the window's one write, a capture in a loop with
+calls in flight never fails and never kills the watchdog, a stuck eager call or CUDA-graph
+replay (alone or in a step window) ends the process within its bound, and at EP 4 a peer killed
+between replays of a captured layer (under expect_replay, or in step windows) ends every
+survivor within the bound.
 
 Skipped without CUDA; the deepep_ll cases also without DeepEP's V1 line. Each case that needs a
 process group runs in fresh processes (tests/gpu/ep_harness.py).
@@ -23,7 +25,7 @@ if not torch.cuda.is_available():
 
 from moe_plugins import watchdog  # noqa: E402
 from moe_plugins.watchdog import (EXIT_CODE, CallBound, capture_calls, expect_replay,  # noqa: E402
-                                  watch_call, watchdog_alive)
+                                  watch_call, watch_step, watchdog_alive)
 from tests.gpu.cuda_graphs import capture  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -53,6 +55,44 @@ def test_a_call_is_complete_when_the_gpu_wrote_its_progress_word():
     assert not call.finished(), "complete while its kernel still runs"
     torch.cuda.synchronize()
     assert call.finished()
+
+
+def test_calls_in_a_step_window_share_its_one_gpu_write(monkeypatch):
+    """Three layer calls in a step window, the second behind a 1 s kernel, end on the window's
+    stream: the driver is asked for one write (the window's), none is complete until the GPU
+    passed it, and all are after; a call on another stream in the window writes its own."""
+    torch.cuda.set_device(0)
+    torch.ones(1, device=DEV)
+    bound = CallBound("windowed layer", 600.0, 600.0, device=DEV)
+    cuda = watchdog._WATCHDOG.prepare_cuda()
+    assert cuda.ok
+    writes: list = []
+    real = cuda.write
+
+    def counted(stream: int, slot: int, value: int) -> int:
+        writes.append(stream)
+        return real(stream, slot, value)
+
+    monkeypatch.setattr(cuda, "write", counted)
+    side = torch.cuda.Stream()
+    with watch_step(DEV) as step:
+        calls = []
+        for n in (1, 2, 3):
+            call = bound.watch(n)
+            if n == 2:
+                torch.cuda._sleep(2 * 10**9)
+            call.end(DEV)
+            calls.append(call)
+        with torch.cuda.stream(side):
+            own = bound.watch(4)
+            own.end(DEV)
+        assert writes == [side.cuda_stream], writes
+    assert step is not None and len(writes) == 2, writes
+    assert not any(c.finished() for c in calls + [step]), "complete while the kernel runs"
+    side.synchronize()
+    assert own.finished()
+    torch.cuda.synchronize()
+    assert all(c.finished() for c in calls + [step])
 
 
 def test_captures_in_a_loop_with_calls_in_flight_never_fail(monkeypatch):
@@ -95,11 +135,14 @@ def test_captures_in_a_loop_with_calls_in_flight_never_fail(monkeypatch):
     assert watchdog._WATCHDOG.last_error == float("-inf"), "the watchdog logged an error"
 
 
-@pytest.mark.parametrize("kind", ["eager", "replay"])
+@pytest.mark.parametrize("kind", ["eager", "replay", "step-eager", "step-replay"])
 def test_a_stuck_call_ends_the_process_within_its_bound(kind):
-    """A watched call whose GPU work spins for a minute (an eager call, or a replay of a
-    captured one under expect_replay), bound 3 s: the watchdog ends the process with exit
-    status 70 and CallTimeoutError within the bound plus the slack."""
+    """A watched call whose GPU work spins for a minute (an eager call; a replay of a captured
+    one under expect_replay; the second of three layer calls in a step window, where the first
+    is named as sharing its step's completion; a graph captured as an engine does, replayed in
+    a step window, named as the step), bound 3 s: the
+    watchdog ends the process with exit status 70 and CallTimeoutError within the bound plus
+    the slack."""
     bound = 3.0
     done = subprocess.run([sys.executable, "-m", "tests.gpu.watchdog_ranks", "stuck", kind,
                            str(bound)], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -107,9 +150,11 @@ def test_a_stuck_call_ends_the_process_within_its_bound(kind):
     assert done.returncode == EXIT_CODE, (done.returncode, done.stdout, done.stderr[-3000:])
     ended = [e for e in events if e["event"] == "timeout"]
     assert ended and bound <= ended[0]["seconds"] < bound + SLACK_S, events
-    what = "CUDA-graph replay 1" if kind == "replay" else "call 1"
+    what = {"eager": "spinning layer: call 1", "replay": "CUDA-graph replay 1",
+            "step-eager": "spinning layer: call 1 (or a later call of forward step 1, whose "
+                          "completion it shares)", "step-replay": "forward step 1"}[kind]
     assert f"{what} did not complete within 3 s" in ended[0]["message"], ended[0]
-    if kind == "replay":
+    if kind.endswith("replay"):
         assert {"event": "captured", "calls": 1} in events
 
 
@@ -131,7 +176,8 @@ def test_a_deepep_ll_layer_captured_in_a_loop_never_fails_a_capture():
     assert run.values[0] == {"watchdog_alive": True, "internal_error": False}
 
 
-def test_a_peer_killed_between_replays_ends_every_survivor_within_the_bound():
+@pytest.mark.parametrize("replay_in", ["expect_replay", "step_window"])
+def test_a_peer_killed_between_replays_ends_every_survivor_within_the_bound(replay_in):
     """EP 4, deepep_ll captured into a CUDA graph, bound 30 s: two replays right on every
     rank, then rank 2 is killed; every survivor's replay 3 waits for it in DeepEP's kernels
     and is ended by the watchdog (CallTimeoutError, exit status 70) within the bound plus the
@@ -141,7 +187,7 @@ def test_a_peer_killed_between_replays_ends_every_survivor_within_the_bound():
     from tests.gpu.watchdog_ranks import graph_kill_job
 
     bound, victim = 30.0, 2
-    run = run_world(graph_kill_job, 4, victim, bound, device="cuda", timeout_s=400,
+    run = run_world(graph_kill_job, 4, victim, bound, replay_in, device="cuda", timeout_s=400,
                     pg_timeout_s=300, stop_on_death=False)
     print(json.dumps(run.record(), indent=1)[:20000])
     assert not run.stray, run.summary()
@@ -153,6 +199,7 @@ def test_a_peer_killed_between_replays_ends_every_survivor_within_the_bound():
             continue
         third = got.get(3)
         assert third is not None and third["outcome"] == "ended", o.describe()
-        assert third["type"] == "CallTimeoutError" and "CUDA-graph replay 3" in third["message"]
+        what = "CUDA-graph replay 3" if replay_in == "expect_replay" else "forward step 3"
+        assert third["type"] == "CallTimeoutError" and what in third["message"], third
         assert bound <= third["seconds"] < bound + SLACK_S, third
         assert run.bounded.exitcodes[rank] in (None, EXIT_CODE), run.bounded.exitcodes

@@ -1,10 +1,13 @@
 """Rank functions and child processes of tests/gpu/test_watchdog_gpu.py (the call bound on a
 CUDA GPU, moe_plugins.watchdog). Import-safe without CUDA; everything here runs on cuda:0.
 
-``python -m tests.gpu.watchdog_ranks stuck <eager|replay> <bound_s>``: a watched call (eager,
-or a CUDA-graph replay under ``expect_replay``) whose GPU work spins for a minute; the watchdog
-must end the process (exit status 70) about ``bound_s`` after the call began. It prints one JSON
-line per event (``captured``, ``timeout`` with the seconds since the call began, ``not ended``).
+``python -m tests.gpu.watchdog_ranks stuck <kind> <bound_s>``: a watched call whose GPU work
+spins for a minute; the watchdog must end the process (exit status 70) about ``bound_s`` after
+the call began. Kinds: ``eager``; ``replay``, a CUDA-graph replay under ``expect_replay``;
+``step-eager``, three layer calls in a step window (``watch_step``) of which the second spins;
+``step-replay``, a graph captured as an engine captures it (no record of its calls) replayed in
+a step window. It prints one JSON line per event (``captured``, ``timeout`` with the seconds
+since the call began, ``not ended``).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ def _say(**event: Any) -> None:
 
 def stuck(kind: str, bound_s: float) -> None:
     """The child process of the stuck-call tests (see the module's text)."""
-    from moe_plugins.watchdog import CallBound, capture_calls, expect_replay, on_call_timeout
+    from moe_plugins.watchdog import (CallBound, capture_calls, expect_replay, on_call_timeout,
+                                      watch_step)
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -41,6 +45,24 @@ def stuck(kind: str, bound_s: float) -> None:
         torch.cuda._sleep(SPIN_MINUTE)
         assert call is not None
         call.end(dev)
+    elif kind == "step-eager":
+        t0[0] = time.monotonic()
+        with watch_step(dev):
+            for n in (1, 2, 3):
+                call = bound.watch(n)
+                if n == 2:
+                    torch.cuda._sleep(SPIN_MINUTE)
+                assert call is not None
+                call.end(dev)
+    elif kind == "step-replay":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            assert bound.watch(1) is None
+            torch.cuda._sleep(SPIN_MINUTE)
+        _say(event="captured", calls=1)
+        t0[0] = time.monotonic()
+        with watch_step(dev):
+            graph.replay()
     else:
         graph = torch.cuda.CUDAGraph()
         with capture_calls() as captured:
@@ -55,19 +77,24 @@ def stuck(kind: str, bound_s: float) -> None:
     _say(event="not ended", seconds=time.monotonic() - t0[0])
 
 
-def graph_kill_job(rank: int, world: int, victim: int, call_timeout_s: float) -> dict:
+def graph_kill_job(rank: int, world: int, victim: int, call_timeout_s: float,
+                   replay_in: str = "expect_replay") -> dict:
     """EP ``world`` on deepep_ll (one GPU shared by the ranks, tests/gpu/ep_harness.py), every
-    layer under ``call_timeout_s``: two eager calls, the layer captured into a CUDA graph under
-    ``capture_calls``, two replays under ``expect_replay`` (each right against the reference),
-    then the victim is killed (SIGKILL) before replay 3. Every other rank's replay 3 waits in
-    DeepEP's kernels for the dead peer: the watchdog must end it within the bound (its hook
-    reports the seconds since the replay began)."""
+    layer under ``call_timeout_s``: two eager calls, the layer captured into a CUDA graph, two
+    replays (each right against the reference), then the victim is killed (SIGKILL) before
+    replay 3. Every other rank's replay 3 waits in DeepEP's kernels for the dead peer: the
+    watchdog must end it within the bound (its hook reports the seconds since the replay
+    began). ``replay_in``: ``expect_replay`` (the capture under ``capture_calls``, each replay
+    under ``expect_replay``) or ``step_window`` (captured as an engine captures it, each replay
+    in a step window, ``watch_step``, as the vLLM glue runs vLLM's replays)."""
     import torch.distributed as dist
 
     from moe_plugins.runner.demo import demo_inputs
     from moe_plugins.runner.model import MoEWeights
     from moe_plugins.runner.reference import reference_moe
-    from moe_plugins.watchdog import capture_calls, expect_replay, on_call_timeout
+    from contextlib import nullcontext
+
+    from moe_plugins.watchdog import capture_calls, expect_replay, on_call_timeout, watch_step
     from tests.gpu.cuda_graphs import capture
     from tests.gpu.ep_harness import result, step
     from tests.gpu.ep_ranks import CFG, QUANTS, _first_line, _forward, _Layers, compare
@@ -86,12 +113,17 @@ def graph_kill_job(rank: int, world: int, victim: int, call_timeout_s: float) ->
         result({"eager": 2, "ok": ok})
         static_x = x.to(dev)
         step("capture")
-        with capture_calls() as captured:
+        windows = replay_in == "step_window"
+        with nullcontext(None) if windows else capture_calls() as captured:
             graph, static_out = capture(lambda: layer(static_x))
-        result({"captured": len(captured.calls)})
+        result({"captured": 1 if windows else len(captured.calls)})
+
+        def watched() -> Any:
+            return watch_step(dev) if windows else expect_replay(captured, dev)
+
         for k in (1, 2):
             step(f"replay {k}")
-            with expect_replay(captured, dev):
+            with watched():
                 graph.replay()
             torch.cuda.synchronize()
             result({"replay": k, "ok": compare(static_out.cpu(), full, CFG.dtype)[0]})
@@ -105,7 +137,7 @@ def graph_kill_job(rank: int, world: int, victim: int, call_timeout_s: float) ->
             "replay": 3, "outcome": "ended", "type": type(e).__name__, "message": _first_line(e),
             "seconds": round(time.monotonic() - t0, 2)}))
         step("replay 3 (a peer is dead)")
-        with expect_replay(captured, dev):
+        with watched():
             graph.replay()
         torch.cuda.synchronize()
         result({"replay": 3, "outcome": "returned", "seconds": round(time.monotonic() - t0, 2),
@@ -165,6 +197,8 @@ def capture_race_job(rank: int, world: int, rounds: int, call_timeout_s: float) 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "stuck" or sys.argv[2] not in ("eager", "replay"):
-        sys.exit("usage: python -m tests.gpu.watchdog_ranks stuck <eager|replay> <bound_s>")
+    if len(sys.argv) != 4 or sys.argv[1] != "stuck" or sys.argv[2] not in (
+            "eager", "replay", "step-eager", "step-replay"):
+        sys.exit("usage: python -m tests.gpu.watchdog_ranks stuck "
+                 "<eager|replay|step-eager|step-replay> <bound_s>")
     stuck(sys.argv[2], float(sys.argv[3]))

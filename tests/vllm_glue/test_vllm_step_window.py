@@ -42,7 +42,7 @@ def test_a_forward_pass_in_set_forward_context_is_one_step_window(registered, fr
     with set_forward_context(None, config):
         assert get_forward_context().attn_metadata is None  # vLLM's context, as before
         [step] = _in_flight(fresh_watchdog)
-        assert step.name == "vLLM forward step" and step.deadline - step.started == 900.0
+        assert step.name == "vLLM" and step.bound == 900.0
         call = bound.watch(1)
         call.end(torch.device("cpu"))
         assert call.finished() and not step.finished()
@@ -68,11 +68,11 @@ def test_a_full_graph_replay_of_model_runner_v2_is_one_step_window(registered, f
 
     class Graph:
         def replay(self) -> None:
-            seen.append([(c.name, c.deadline - c.started) for c in _in_flight(fresh_watchdog)])
+            seen.append([(c.name, c.bound) for c in _in_flight(fresh_watchdog)])
 
     desc = _Desc(CUDAGraphMode.FULL)
     manager = type("Manager", (), {"graphs": {desc: Graph()}})()
     bound = CallBound("layer", 30.0, 0)
     CudaGraphManager.run_fullgraph(manager, desc)
-    assert seen == [[("vLLM full CUDA-graph replay", 30.0)]]
+    assert seen == [[("vLLM (a full CUDA-graph replay)", 30.0)]]
     assert _in_flight(fresh_watchdog) == [] and bound.timeout_s == 30.0

@@ -296,6 +296,36 @@ def test_a_window_watches_nothing_without_bounds_when_nested_or_capturing(fresh,
     assert bound.timeout_s == 30.0
 
 
+def test_a_capture_begun_inside_a_window_gets_no_enqueue(fresh, gpu, monkeypatch):
+    """vLLM's runner V1 captures on the current stream inside its forward context: a layer call
+    there, on the window's stream, skips the driver's capture query and enqueues nothing (the
+    window's mark completes it); on another, capturing stream the call is recorded, not
+    watched; a call begun on the window's stream that ends on a capturing one enqueues nothing
+    either."""
+    dev = torch.device("cuda", 0)
+    bound = CallBound("layer", 30.0, 0)
+    capturing = {"now": False}
+    monkeypatch.setattr(watchdog, "_CUDA", [True])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    with watch_step(dev) as step:
+        capturing["now"] = True  # a capture begins on the window's stream
+        on_window = bound.watch(1)
+        on_window.end(dev)
+        gpu.stream["now"] = 9  # another stream, capturing
+        assert bound.watch(2) is None
+        gpu.stream["now"] = 7
+        moved = bound.watch(3)
+        gpu.stream["now"] = 9
+        moved.end(dev)
+        assert moved.finished()  # ended on the host: nothing enqueued into the capture
+        gpu.stream["now"] = 7
+        capturing["now"] = False  # the capture ended
+    assert gpu.writes == [(7, step.slot, step.seq)]
+    assert not on_window.finished()
+    gpu.arrive(step)
+    assert on_window.finished()
+
+
 def test_a_window_that_raises_still_ends_and_closes(fresh, gpu):
     dev = torch.device("cuda", 0)
     bound = CallBound("layer", 30.0, 0)

@@ -13,6 +13,7 @@ Run: ``python -m pytest -m gpu tests/gpu/test_watchdog_gpu.py -rA`` (or scripts/
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -202,4 +203,7 @@ def test_a_peer_killed_between_replays_ends_every_survivor_within_the_bound(repl
         what = "CUDA-graph replay 3" if replay_in == "expect_replay" else "forward step 3"
         assert third["type"] == "CallTimeoutError" and what in third["message"], third
         assert bound <= third["seconds"] < bound + SLACK_S, third
-        assert run.bounded.exitcodes[rank] in (None, EXIT_CODE), run.bounded.exitcodes
+        # 70: the watchdog's exit; -SIGTERM: the pool ended the rank after its hook had sent
+        # the answer above and before its exit (every rank had answered)
+        assert run.bounded.exitcodes[rank] in (None, EXIT_CODE, -signal.SIGTERM), \
+            run.bounded.exitcodes

@@ -301,8 +301,8 @@ class _Watchdog:
                     call.cover, call.cover_seq = window[0], window[2]
                     call.covered = seq  # published last: finished() reads it first
                     return
-                if _capturing():  # begun on the window's stream, ends on a capturing one
-                    call.done = seq  # (watch_call skipped its query): nothing is enqueued
+                if _capturing():  # watch_call left the query to here: enqueue nothing
+                    call.done = seq
                     return
             rc = cuda.write(stream, call.slot, seq & _U32)
             if rc == 0:
@@ -457,13 +457,12 @@ def watch_call(name: str, number: int, timeout_s: Optional[float],
     error ("call", "start-up call", "CUDA-graph replay")."""
     if timeout_s is None:
         return None
-    window = _STEP.window
-    # On the stream of this thread's open step window, the window checked at its start that no
-    # capture was under way, and the call will enqueue nothing (it takes the window's mark): so
-    # the driver's capture query (half a microsecond) is spared. A capture begun since on that
-    # stream (vLLM captures on the current stream) then records the call as watched, not as
-    # captured: harmless, the window's mark completes it.
-    if (window is None or _raw_stream(window[3]) != window[1]) and _capturing():
+    # Inside this thread's open step window the driver's capture query (half a microsecond) is
+    # left to end(): a call that ends on the window's stream enqueues nothing (the window's mark
+    # completes it), one that ends on a capturing stream ends on the host. A call captured
+    # inside a window is so watched, not recorded for capture_calls: the window that replays
+    # the graph bounds the replay.
+    if _STEP.window is None and _capturing():
         _captured(name, number, timeout_s)
         return None
     wd = _WATCHDOG

@@ -299,9 +299,9 @@ def test_a_window_watches_nothing_without_bounds_when_nested_or_capturing(fresh,
 def test_a_capture_begun_inside_a_window_gets_no_enqueue(fresh, gpu, monkeypatch):
     """vLLM's runner V1 captures on the current stream inside its forward context: a layer call
     there, on the window's stream, skips the driver's capture query and enqueues nothing (the
-    window's mark completes it); on another, capturing stream the call is recorded, not
-    watched; a call begun on the window's stream that ends on a capturing one enqueues nothing
-    either."""
+    window's mark completes it); on another, capturing stream the call ends on the host, with
+    nothing enqueued into the capture, as does a call begun on the window's stream that ends on
+    a capturing one."""
     dev = torch.device("cuda", 0)
     bound = CallBound("layer", 30.0, 0)
     capturing = {"now": False}
@@ -311,8 +311,10 @@ def test_a_capture_begun_inside_a_window_gets_no_enqueue(fresh, gpu, monkeypatch
         capturing["now"] = True  # a capture begins on the window's stream
         on_window = bound.watch(1)
         on_window.end(dev)
-        gpu.stream["now"] = 9  # another stream, capturing
-        assert bound.watch(2) is None
+        gpu.stream["now"] = 9  # another stream, capturing: the call ends on the host
+        other = bound.watch(2)
+        other.end(dev)
+        assert other.finished()
         gpu.stream["now"] = 7
         moved = bound.watch(3)
         gpu.stream["now"] = 9

@@ -11,9 +11,9 @@ What is vLLM's here and what is not:
   and its in-tree ``DeepEPLLPrepareAndFinalize``.
 - Not vLLM's: the routing (softmax top-k in torch) and the batched experts (SwiGLU in torch,
   :class:`MaskedBatchedExperts`). vLLM's own router and Triton experts call compiled ops
-  (``topk_softmax``, ``silu_and_mul``) that live in its extension, which this machine cannot
-  load (benchmarks/vllm_stand_ins.py). They are the same code on both sides, so the comparison
-  is of the prepare/finalize classes over the same DeepEP kernels.
+  (``topk_softmax``, ``silu_and_mul``) that live in its extension, absent where vLLM's Python
+  runs without it (benchmarks/vllm_stand_ins.py). They are the same code on both sides, so the
+  comparison is of the prepare/finalize classes over the same DeepEP kernels.
 - One ``deep_ep.Buffer`` serves both sides (the one our manager builds): NVSHMEM is set up once
   per process, and the in-tree class is given that buffer exactly as vLLM's all2all manager
   would give it its own (same low-latency mode, one QP per local expert, NVLink allowed).

@@ -1,8 +1,9 @@
 """Import vLLM 0.33's Python on a GPU machine that lacks vLLM's compiled extension.
 
-The lent H200 has torch 2.11 and no vLLM; vLLM's Python (the wheel without its ``.so`` files,
-see /work/shared/gpu/README.md) imports there after :func:`install` puts three stand-ins in
-place. Each covers something a MoE layer never runs:
+On a GPU host with torch but without a compiled vLLM (the host's torch is not the one vLLM's
+wheel was built for), vLLM's Python (the wheel without its ``.so`` files, as the offline kit of
+tests/gpu/README.md holds it) imports after :func:`install` puts three stand-ins in place. Each
+covers something a MoE layer never runs:
 
 - ``vllm._C_stable_libtorch`` / ``vllm._moe_C_stable_libtorch``: empty modules. vLLM's CUDA
   platform imports them at module top to register its compiled ops; the MoE path we run uses

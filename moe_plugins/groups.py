@@ -120,7 +120,7 @@ def cached_dist_context(layout: ParallelLayout, device: torch.device | str = "cp
 
 
 # torch 2.13 renamed the tensor collectives (*_into_tensor / *_tensor now warn as deprecated);
-# older torch (the GPU image has 2.11) has only the old names. Resolved at call time so a test
+# older torch (2.11, for one) has only the old names. Resolved at call time so a test
 # that wraps torch.distributed sees the call.
 def all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group: "dist.ProcessGroup | None") -> None:
     """out [world * n, ...] <- every rank's inp [n, ...], in rank order."""

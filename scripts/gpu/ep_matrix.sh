@@ -23,7 +23,7 @@
 #   ep_logs_<HALF>.tgz       this script's log, where every rank of every job stopped
 #                            (ep_runs_<HALF>.json), set-up and build logs
 # Then: python -m tests.gpu.ep_matrix --merge A.json B.json -o tests/gpu/results/ep_one_gpu.json
-# (--earlier OLD.json keeps an earlier run's rows where these have none, marked in from_run)
+# (--earlier OLD.json keeps an earlier record's rows where these have none, marked in from_run)
 # and --markdown tests/gpu/results/ep_one_gpu.json for tests/gpu/README.md.
 #
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.

@@ -9,7 +9,8 @@
 #   .gpu17/nixl/nixl_min.tgz     the nixl-cu13 1.5.1 wheel's libnixl, UCX plugin, UCX libraries
 #                                and transports, nixl_ep_cu13/*.py (wheel layout)
 #   .gpu17/nixl/nixl_ep_src.tgz  ai-dynamo/nixl examples/device/ep/csrc + nixl headers (main at
-#                                8770b655a: the v1.5.1 tag was not readable; see prepare17.sh)
+#                                8770b655a, or NIXL_REV=v1.5.1 where the clone has the tag; see
+#                                prepare17.sh)
 #   .gpu17/nixl/ucx_headers.tgz  UCX v1.22.x headers (device API; the wheel's UCX is 65e342a)
 # Usage: bash scripts/gpu/nixl_ep.sh [pytest args...]   (default: tests/gpu/test_nixl_ep_gpu.py)
 #

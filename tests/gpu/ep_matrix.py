@@ -7,10 +7,10 @@ rows of the record. The record is a JSON list of rows with keys ``backend``, ``p
 (``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
 ``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
 ``vllm`` (the vLLM distribution and version the run imported, or null), ``from_run``
-(``{"commit": ...}``: the code that ran it; a merge adds ``record``, and ``note`` for a row kept
-from an earlier record, see :func:`merge_records`) and, in a fault row, ``settings`` (the victim,
-the fault, the call bound and start-up bound, the process group's and the library's timeouts and
-the job's bound). A row's
+(``{"commit": ...}``: the code that ran it; a merge adds ``note`` for a row kept from an earlier
+record, and ``record`` for a row without a commit, see :func:`merge_records`) and, in a fault
+row, ``settings`` (the victim, the fault, the call bound and start-up bound, the process group's
+and the library's timeouts and the job's bound). A row's
 status: ``passed`` when every rank reported it passed; ``failed`` when a rank reported a
 mismatch, or raised or died before reporting it; ``refused`` when the backend or library refused
 the configuration before running it (the same on every rank); ``timed_out`` when the job's bound
@@ -405,7 +405,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
             log(f"== {time.strftime('%H:%M:%S')} {job.name} ({job.world} ranks, "
                 f"bound {bound:.0f} s)")
             job_rows, rec = run_job(job, device, bound)
-        for r in job_rows:  # what ran it (merge_records adds the record's name)
+        for r in job_rows:  # what ran it (see merge_records for what a merge adds)
             r["from_run"] = {"commit": commit}
             r["vllm"] = vllm
         rows += job_rows
@@ -496,12 +496,16 @@ def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
     replaces. Each input is (name, rows).
 
     Every row gets ``from_run``: ``commit`` (what the run wrote, ``unknown`` for a record older
-    than the field), ``record`` (the input's name) and, for a row kept from ``earlier``,
-    ``note`` saying that it was not re-run with the others; and ``vllm`` (``unknown`` for a
-    record older than the field; an earlier row of unknown release on vLLM's path is replaced by
-    any newer row of the same case). Nothing else of a row changes."""
+    than the field; then also ``record``, the input's name, the one thing that says where the
+    row came from) and, for a row kept from ``earlier``, ``note`` saying that it was not re-run
+    at the commits of ``records``; and ``vllm`` (``unknown`` for a record older than the field;
+    an earlier row of unknown release on vLLM's path is replaced by any newer row of the same
+    case). Nothing else of a row changes."""
     def stamped(row: dict, name: str, note: str = "") -> dict:
-        run = dict(row.get("from_run") or {"commit": "unknown"}, record=name)
+        run = dict(row.get("from_run") or {"commit": "unknown"})
+        run.pop("record", None)
+        if run.get("commit", "unknown") == "unknown":
+            run["record"] = name
         if note:
             run["note"] = note
         return dict(row, from_run=run, vllm=row.get("vllm", "unknown"))
@@ -513,11 +517,11 @@ def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
             merged[_row_key(row)] = row
     newer = sorted({r["from_run"]["commit"] for r in merged.values()})
     newer_cases = {_base_key(r) for r in merged.values()}
-    names = ", ".join(name for name, _ in records)
+    note = "kept from an earlier record" + (f": not re-run at commit {', '.join(newer)}"
+                                            if newer else "")
     for name, rows in earlier:
         for row in rows:
-            row = stamped(row, name, f"kept from an earlier run: not in {names} "
-                                     f"(commit {', '.join(newer) or 'none'})")
+            row = stamped(row, name, note)
             if row["vllm"] == "unknown" and _base_key(row) in newer_cases:
                 continue
             merged.setdefault(_row_key(row), row)
@@ -541,7 +545,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--merge", nargs="+", metavar="RECORD", default=None,
                     help="records of one run (e.g. both halves) to merge into -o")
     ap.add_argument("--earlier", nargs="+", metavar="RECORD", default=[],
-                    help="with --merge: records of an earlier run whose rows are kept where the "
+                    help="with --merge: earlier records whose rows are kept where the "
                     "merged records have none (marked in from_run.note)")
     ap.add_argument("-o", "--output", type=Path, default=None)
     a = ap.parse_args(argv)

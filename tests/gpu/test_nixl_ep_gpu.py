@@ -1,7 +1,7 @@
 """nixl_ep against the REAL NIXL EP ``nixl_ep.Buffer`` on one GPU (EP world size 1).
 
 Needs a CUDA GPU and ``nixl_ep`` (scripts/gpu/nixl_ep.sh builds it from nixl's
-examples/device/ep against the image's torch and the nixl-cu13 1.5.1 wheel's libnixl/UCX);
+examples/device/ep against the host's torch and the nixl-cu13 1.5.1 wheel's libnixl/UCX);
 skipped cleanly otherwise. One process; the EP group is a one-rank gloo group initialized from
 a real ``torch.distributed.TCPStore``, and the backend gets a ``PrefixStore`` on that store as
 its ``tcp_store_group`` (as vLLM passes one), through which ``connect_ranks`` publishes this

@@ -120,8 +120,8 @@ def test_record_as_markdown(tmp_path, capsys):
 
 
 def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, capsys):
-    """Rows of an earlier run are kept where the merged records lack them, and say so in
-    from_run (commit, record, note), never in hand-written detail."""
+    """Rows of an earlier record are kept where the merged records lack them, and say so in
+    from_run (commit, note), never in hand-written detail."""
     def row(case: str, commit: str, status: str = "passed") -> dict:
         return dict(backend="deepep_ll", path="layer", ep=4, tp=1, quant="bf16", case=case,
                     status=status, max_rel_err=None, detail=f"{case} at {commit}", job="j",
@@ -140,16 +140,16 @@ def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, caps
     assert [(r["case"], r["status"], r["from_run"]["commit"]) for r in merged] == [
         ("ragged", "passed", "bbbbbbb"), ("fault-refuse", "passed", "bbbbbbb"),
         ("fault-kill", "timed_out", "aaaaaaa")]
-    assert merged[0]["from_run"] == {"commit": "bbbbbbb", "record": "A.json"}
+    assert merged[0]["from_run"] == {"commit": "bbbbbbb"}  # the commit says where it came from
     kept = merged[2]
     assert kept["detail"] == "fault-kill at aaaaaaa"  # the row itself is unchanged
-    assert kept["from_run"] == {"commit": "aaaaaaa", "record": "old.json",
-                                "note": "kept from an earlier run: not in A.json, B.json "
-                                        "(commit bbbbbbb)"}
+    assert kept["from_run"] == {"commit": "aaaaaaa",
+                                "note": "kept from an earlier record: not re-run at commit "
+                                        "bbbbbbb"}
     assert main(["--markdown", str(out)]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "Commits: bbbbbbb: 2 rows; aaaaaaa: 1 rows (kept from an earlier run: not in A.json, "
-        "B.json (commit bbbbbbb))")
+        "Commits: bbbbbbb: 2 rows; aaaaaaa: 1 rows (kept from an earlier record: not re-run at "
+        "commit bbbbbbb)")
 
 
 def test_merge_keeps_vllms_path_per_release(tmp_path):

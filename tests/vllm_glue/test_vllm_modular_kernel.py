@@ -176,7 +176,7 @@ def test_vllm_kernel_with_vllm_placement_matches_reference(rank_pool, mode, layo
     results = rank_pool(layout.world_size).run(vllm_rank_fns.run_vllm_kernel_placed, layout, cfg,
                                                strategy, 9, mode, EPLB_MAP, backend, batched)
     _check(results, layout, cfg, 9)
-    # vLLM's maps were not the linear one our transports used to insist on
+    # the maps vLLM builds are not the linear one: the transports ran on a non-linear placement
     linear = vllm_rank_fns.contiguous_expert_map(len(results[0]["expert_map"]), layout.ep_size, 0)
     assert results[0]["expert_map"] != linear.tolist() or mode == "eplb"
     assert all(r["batched"] is (batched or backend != "torch") for r in results)

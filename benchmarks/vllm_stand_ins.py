@@ -1,4 +1,4 @@
-"""Import vLLM 0.33's Python on a GPU machine that lacks vLLM's compiled extension.
+"""Import vLLM's Python (0.33 or 0.34) on a GPU machine that lacks vLLM's compiled extension.
 
 On a GPU host with torch but without a compiled vLLM (the host's torch is not the one vLLM's
 wheel was built for), vLLM's Python (the wheel without its ``.so`` files, as the offline kit of

@@ -206,8 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return args.fn(args)
-    except RankError as e:
-        print(f"moe-plugins: error: {e.summary}", file=sys.stderr)
+    except RankError as e:  # a rank raised, died (RankDiedError) or hung (RankTimeoutError)
+        # one line, whatever the ranks' messages hold; the remote traceback only when asked for
+        line = " ".join(f"{e.summary}. {e.fix}".split())
+        debug = logging.getLogger(__name__).isEnabledFor(logging.DEBUG)
+        more = ("" if debug or not e.remote_traceback
+                else " (--log-level DEBUG shows its remote traceback)")
+        print(f"moe-plugins: error: {line}{more}", file=sys.stderr)
         logging.getLogger(__name__).debug("remote traceback:\n%s", e.remote_traceback)
         return 1
     except (ValueError, TypeError, ImportError) as e:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,15 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _sockets(pid: int) -> int:
+    """How many sockets process ``pid`` holds open."""
+    try:
+        fds = Path(f"/proc/{pid}/fd").iterdir()
+        return sum(os.readlink(fd).startswith("socket:") for fd in fds)
+    except OSError:
+        return 0
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -154,6 +164,48 @@ def test_killed_demo_leaves_no_rank_behind(sig):
         assert not any(_alive(p) for p in ranks), f"ranks left running after {sig}"
     finally:
         if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_demo_with_a_stopped_rank_ends_in_one_line_naming_it():
+    """A demo rank stopped (SIGSTOP) mid-run: before, the demo waited out its pool's deadline
+    (--timeout + 30 s) and ended in a TimeoutError traceback. Now it ends within seconds: one
+    line on stderr naming the stopped rank's process and the fix, exit status 1, no rank left."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([str(BIN), "demo", "--ranks", "2", "--ep", "--iters", "100000",
+                             "--timeout", "10"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        ranks: list[int] = []
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            ranks = [p for p in _children(proc.pid)
+                     if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+            time.sleep(0.2)
+        assert len(ranks) == 2, "demo did not start its ranks"
+        while time.monotonic() < deadline and min(map(_sockets, ranks)) < 2:
+            time.sleep(0.2)  # the store's connection, then gloo's: the ranks run the layer
+        time.sleep(1.0)
+        stopped = max(ranks)
+        t0 = time.monotonic()
+        os.kill(stopped, signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+        assert took < 20, f"the demo took {took:.0f} s to give up on a stopped rank"
+        lines = err.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith("moe-plugins: error: rank ") and "is stopped" in lines[0]
+        assert f"process {stopped} in state T" in lines[0] and "SIGCONT" in lines[0], lines[0]
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks), "ranks left behind"
+    finally:
+        if proc.poll() is None:  # its ranks, stopped or not, get SIGKILL with it (parent-death)
             proc.kill()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -29,16 +30,27 @@ import torch
 
 from moe_plugins.watchdog import on_call_timeout
 
-__all__ = ["RankPool", "RankError", "RankDiedError", "run_ranks", "report_step", "report_result",
-           "BoundedRun", "RankOutcome"]
+__all__ = ["RankPool", "RankError", "RankDiedError", "RankTimeoutError", "run_ranks",
+           "report_step", "report_result", "BoundedRun", "RankOutcome"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 # Errors that follow from another rank's failure (that rank's own error is the one to read).
 _CONSEQUENCES = frozenset({"PeerInputError", "CollectiveError", "LayerBrokenError", "OutOfStepError"})
 _POLL_S = 0.2  # how often a waiting parent checks that its children are alive
 _GRACE_S = 1.0  # after a death, how long survivors get to report their own errors
+# A rank seen stopped (SIGSTOP/SIGTSTP) this long, on polls no further apart than _PAUSED_S, is
+# given up on: a longer gap means this process did not run either (the whole job was stopped,
+# e.g. Ctrl-Z, and continued), so the ranks' state it saw before proves nothing.
+_STOPPED_S = 1.5
+_PAUSED_S = 1.0
+# Once a rank has raised, the run fails whatever the others return; a rank still blocked in a
+# collective with the failed one ends within the process-group timeout, so one that has not
+# answered within min(that, _OVERDUE_CAP_S) + _OVERDUE_SLACK_S hangs outside the collectives.
+_OVERDUE_CAP_S = 10.0
+_OVERDUE_SLACK_S = 2.0
 
 
 def _summary(rank: int, exc_type: str, message: str) -> str:
@@ -49,13 +61,16 @@ def _summary(rank: int, exc_type: str, message: str) -> str:
 class RankError(RuntimeError):
     """A function raised on some rank. ``rank``/``exc_type``/``message`` are the error to read
     first (a rank's own failure before the errors it caused on its peers); ``errors`` every
-    failing rank's (rank, exc_type, message, traceback); ``summary`` one line per rank."""
+    failing rank's (rank, exc_type, message, traceback); ``summary`` one line per rank; ``fix``
+    what to do."""
 
     def __init__(self, rank: int, exc_type: str, message: str, tb: str,
                  errors: "list[tuple[int, str, str, str]] | None" = None):
         self.rank, self.exc_type, self.message, self.remote_traceback = rank, exc_type, message, tb
         self.errors = errors or [(rank, exc_type, message, tb)]
         self.summary = "; ".join(_summary(r, t, m) for r, t, m, _ in self.errors)
+        self.fix = (f"Start from rank {rank}'s {exc_type}: a rank's own error leads, the "
+                    "errors it caused on its peers follow")
         super().__init__(f"{self.summary}\n--- remote traceback (rank {rank}) ---\n{tb}")
 
 
@@ -70,10 +85,63 @@ class RankDiedError(RankError):
         self.errors = errors
         others = "; ".join(_summary(r, t, m) for r, t, m, _ in errors)
         self.summary = f"rank {rank} died ({cause})" + (f"; {others}" if others else "")
+        self.fix = (f"Find why rank {rank}'s process ended (its output; a kill by the kernel's "
+                    "out-of-memory killer shows in its log) and run again")
         self.args = (self.summary + "; the pool terminated the other ranks",)
 
     def __str__(self) -> str:
         return self.args[0]
+
+
+class RankTimeoutError(RankError, TimeoutError):
+    """Ranks did not answer and the pool stopped waiting for them: ``reason`` is ``stopped``
+    (a rank process was stopped: state T), ``overdue`` (another rank had raised and these did
+    not answer within the grace) or ``deadline`` (the run's wait ran out). ``overdue``: those
+    ranks; ``seen``: rank -> what was seen of each (process state, last :func:`report_step`);
+    ``errors``: the answered ranks' errors; ``fix``: what to do. The pool ended every rank.
+    ``rank``/``exc_type``/``message`` lead with an answered rank's own error if one raised
+    one (not a consequence of a peer's failure), else with the first overdue rank."""
+
+    def __init__(self, reason: str, overdue: list[int], seen: dict[int, str], what: str,
+                 fix: str, errors: list[tuple[int, str, str, str]]):
+        RuntimeError.__init__(self)
+        self.reason, self.overdue, self.seen, self.fix = reason, overdue, seen, fix
+        own = next((e for e in errors if e[1] not in _CONSEQUENCES), None)
+        if own is not None:  # a rank's own failure reads first, then the ranks that hung after it
+            self.rank, self.exc_type, self.message, self.remote_traceback = own
+            errors = [own] + [e for e in errors if e is not own]
+            parts = [_summary(*own[:3]), what] + [_summary(*e[:3]) for e in errors[1:]]
+        else:
+            self.rank, self.exc_type, self.message, self.remote_traceback = (
+                overdue[0], reason, what, errors[0][3] if errors else "")
+            parts = [what] + [_summary(*e[:3]) for e in errors]
+        self.errors = errors
+        self.summary = "; ".join(parts)
+        self.args = (f"{self.summary}; the pool ended every rank. {fix}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _proc_state(pid: Optional[int]) -> Optional[str]:
+    """The state letter of process ``pid`` (Linux /proc/<pid>/stat: R running, S sleeping, D
+    in uninterruptible wait, T stopped, t stopped by a tracer, Z zombie); None elsewhere or
+    when it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2, in parentheses) may hold spaces and ')': split at the last one
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0] if fields else None
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "in an uninterruptible wait",
+           "T": "in state T, stopped by SIGSTOP or SIGTSTP", "t": "stopped by a debugger (state t)",
+           "Z": "a zombie"}
 
 
 def _exit_cause(exitcode: Optional[int]) -> str:
@@ -248,7 +316,11 @@ class RankPool(Generic[T]):
     timeout_seconds`: argument, else ``$MOE_PLUGINS_TIMEOUT_S``, else 300 s); a ``run`` waits
     at most that plus 30 s for every rank's answer. A rank process that dies is noticed within
     a second: :class:`RankDiedError` names it, how it ended and the survivors' errors, and the
-    pool terminates the other ranks. Ranks die with the parent process (Linux)."""
+    pool terminates the other ranks. A rank that cannot or does not answer ends the run too,
+    every rank terminated, with :class:`RankTimeoutError` naming it and what was seen of it:
+    a rank process stopped (Linux state T, SIGSTOP/SIGTSTP) for 1.5 s; a rank that has not
+    answered within min(timeout, 10 s) + 2 s after another rank raised; the wait's end. Ranks
+    die with the parent process (Linux)."""
 
     def __init__(self, world_size: int, timeout_s: Optional[float] = None,
                  init: Optional[Callable[[int], None]] = None,
@@ -300,27 +372,46 @@ class RankPool(Generic[T]):
     def _collect(self, accept: Callable[[str], bool],
                  wait_s: Optional[float] = None) -> list[Any]:
         got: dict[int, tuple[str, Any]] = {}
+        bound = (f"the process-group timeout ({self.timeout_s:g} s) + 30 s" if wait_s is None
+                 else "the wait given")
         wait_s = self.timeout_s + 30.0 if wait_s is None else wait_s
-        deadline = time.monotonic() + wait_s
+        now = time.monotonic()
+        deadline = now + wait_s
+        grace = min(self.timeout_s, _OVERDUE_CAP_S) + _OVERDUE_SLACK_S
+        first_error: Optional[tuple[int, float]] = None  # (rank, when its error came)
+        stopped_since: dict[int, float] = {}
+        checked = now
         while len(got) < self.world_size:
             try:
                 rank, status, payload = self._results.get(timeout=_POLL_S)
                 if not self._note(rank, status, payload):
                     got[rank] = (status, payload)
-                continue
+                    if status == "error" and first_error is None:
+                        first_error = (rank, time.monotonic())
             except queue.Empty:
                 pass
-            dead = [r for r in self._dead() if r not in got]
+            now = time.monotonic()
+            if now - checked < _POLL_S and len(got) < self.world_size:
+                continue  # a stream of reports: check the ranks every _POLL_S, not per message
+            if now - checked > _PAUSED_S:
+                stopped_since.clear()  # this process did not run meanwhile: start over
+            checked = now
+            waiting = [r for r in range(self.world_size) if r not in got]
+            dead = [r for r in self._dead() if r in waiting]
             if dead:
                 self._raise_died(dead[0], got)
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(got))
-                errors = self._errors(got)
-                self.close()
-                raise TimeoutError(
-                    f"ranks {missing} did not answer in {wait_s:.0f}s (process-group "
-                    f"timeout {self.timeout_s:g}s); pool closed"
-                    + (f"; {'; '.join(_summary(r, t, m) for r, t, m, _ in errors)}" if errors else ""))
+            for r in waiting:
+                if _proc_state(self._procs[r].pid) == "T":
+                    stopped_since.setdefault(r, now)
+                else:
+                    stopped_since.pop(r, None)
+            stopped = [r for r, t in sorted(stopped_since.items()) if now - t >= _STOPPED_S]
+            if stopped:
+                self._raise_overdue("stopped", stopped, got)
+            if first_error is not None and now - first_error[1] > grace and waiting:
+                self._raise_overdue("overdue", waiting, got, grace=grace, after=first_error[0])
+            if now > deadline and waiting:
+                self._raise_overdue("deadline", waiting, got, wait=f"{wait_s:g} s, {bound}")
         errors = self._errors(got)
         if errors:
             first = next((e for e in errors if e[1] not in _CONSEQUENCES), errors[0])
@@ -328,6 +419,48 @@ class RankPool(Generic[T]):
         for rank in range(self.world_size):
             assert accept(got[rank][0]), got[rank][0]
         return [got[r][1] for r in range(self.world_size)]
+
+    def _seen(self, rank: int) -> str:
+        """What is seen of a rank that has not answered: its process's state and last step."""
+        pid = self._procs[rank].pid
+        state = _proc_state(pid)
+        steps = self._reports.get(rank, {}).get("steps")
+        at = f", last step {steps[-1][0]!r} at {steps[-1][1]:g} s" if steps else ""
+        return f"process {pid} {_STATES.get(state or '', f'in state {state}')}{at}" if state \
+            else f"process {pid}{at}"
+
+    def _raise_overdue(self, reason: str, ranks: list[int], got: dict[int, tuple[str, Any]],
+                       grace: float = 0.0, after: int = -1, wait: str = "") -> None:
+        """End every rank and raise :class:`RankTimeoutError` for ``ranks`` (see its reasons)."""
+        seen = {r: self._seen(r) for r in ranks}
+        errors = self._errors(got)
+        names = ", ".join(map(str, ranks))
+        plural = len(ranks) > 1
+        if reason == "stopped":
+            what = ("; ".join(f"rank {r} is stopped ({seen[r]}, seen for {_STOPPED_S:g} s) and "
+                              "cannot answer" for r in ranks)
+                    + "; every rank was expected to run its task to an answer")
+            fix = (f"Find what stopped rank{'s' if plural else ''} {names} (`kill -STOP`, job "
+                   "control, a debugger) and run again; a stopped rank needs SIGCONT to go on, "
+                   "and a run waits for every rank")
+        elif reason == "overdue":
+            what = (f"rank{'s' if plural else ''} {names} did not answer within {grace:g} s after "
+                    f"rank {after} raised ({'; '.join(f'rank {r}: {seen[r]}' for r in ranks)}); "
+                    f"every rank was expected to answer by then (one blocked in a collective with "
+                    f"a failed rank ends within the process-group timeout, {self.timeout_s:g} s)")
+            fix = (f"Rank{'s' if plural else ''} {names} hung or ran long outside the collectives "
+                   "the others failed in: read the answered ranks' errors, then what "
+                   f"rank{'s' if plural else ''} {names} ran (its last step, if reported)")
+        else:
+            what = (f"rank{'s' if plural else ''} {names} did not answer within the run's wait "
+                    f"({'; '.join(f'rank {r}: {seen[r]}' for r in ranks)}); every rank was "
+                    f"expected to answer within it ({wait})")
+            fix = ("If the ranks are only slow, raise the timeout (the demo's --timeout, "
+                   "$MOE_PLUGINS_TIMEOUT_S); else find where they hang (report_step says where "
+                   "a rank was)")
+        logger.debug("ending the run: %s", what)
+        self.terminate()
+        raise RankTimeoutError(reason, ranks, seen, what, fix, errors)
 
     @staticmethod
     def _errors(got: dict[int, tuple[str, Any]]) -> list[tuple[int, str, str, str]]:
@@ -350,7 +483,8 @@ class RankPool(Generic[T]):
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
         """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; results in rank order.
         A raise on any rank becomes :class:`RankError` (every failing rank's error, the rank
-        that failed first on its own named first); a rank that dies, :class:`RankDiedError`."""
+        that failed first on its own named first); a rank that dies, :class:`RankDiedError`; a
+        rank stopped or overdue (see the class), :class:`RankTimeoutError`."""
         if not self.alive:
             raise RuntimeError("rank pool is closed")
         self._reports = {}
@@ -374,7 +508,9 @@ class RankPool(Generic[T]):
         answer) for that long: a hang costs that, not the whole bound. Whenever a
         rank was killed or died, the whole pool is ended and every process reaped before this
         returns; an exception in this process (KeyboardInterrupt included) ends it too. If
-        every rank answered, the pool keeps serving."""
+        every rank answered, the pool keeps serving. :meth:`run`'s stopped and overdue rules do
+        not apply: the caller's bound is the contract (a fault test reads how long each rank
+        took after a peer failed); ``stall_s`` and the deadline end a stopped or hung rank."""
         if not self.alive:
             raise RuntimeError("rank pool is closed")
         n = self.world_size
@@ -443,6 +579,12 @@ class RankPool(Generic[T]):
         for p in self._procs:
             if p.is_alive():
                 p.terminate()
+                # a stopped rank acts on SIGTERM only once continued; a running one ignores this
+                # (the process is our unreaped child: its pid cannot be another's yet)
+                try:
+                    os.kill(p.pid, signal.SIGCONT)  # type: ignore[arg-type]
+                except OSError:
+                    pass
         for p in self._procs:
             p.join(timeout=2)
             if p.is_alive():

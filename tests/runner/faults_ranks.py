@@ -191,6 +191,28 @@ def die(rank: int, world: int, dying_rank: int, how: str, timeout_s: float) -> N
     dist.all_reduce(torch.ones(4), group=group)
 
 
+def stop_or_sleep(rank: int, world: int, bad: int, how: str, timeout_s: float) -> None:
+    """``bad`` stops its own process (``how="stop"``: SIGSTOP, as ``kill -STOP`` does) or sleeps
+    far past the timeout (``"sleep"``: a rank busy outside the collectives); the others wait
+    for it in a collective on a new group with a ``timeout_s`` bound and raise what a layer
+    raises then (CollectiveError)."""
+    import datetime
+
+    from moe_plugins.faults import GroupFaults, collective_error
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
+    if rank == bad:
+        time.sleep(0.3)  # let the peers enter the collective
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+    except RuntimeError as e:
+        raise collective_error(GroupFaults(list(range(world)), rank), "test layer", "all_reduce",
+                               timeout_s, e) from e
+
+
 def exit_at_start(rank: int) -> None:
     """A RankPool ``init`` that makes rank 1 die before it joins the process group."""
     if rank == 1:

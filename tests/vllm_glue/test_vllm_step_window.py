@@ -8,6 +8,7 @@ tests/gpu/test_watchdog_gpu.py."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import pytest
@@ -34,6 +35,8 @@ def test_a_forward_pass_in_set_forward_context_is_one_step_window(registered, fr
     from vllm.config import VllmConfig
     from vllm.forward_context import get_forward_context
 
+    if importlib.util.find_spec(importer) is None:  # Model Runner V1 left vLLM in 0.34
+        pytest.skip(f"{importer} is not in this vLLM release")
     set_forward_context = importlib.import_module(importer).set_forward_context
     config = VllmConfig()
     with set_forward_context(None, config):  # no layer has a bound: nothing watched

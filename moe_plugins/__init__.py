@@ -14,7 +14,7 @@ from moe_plugins.runner.launch import RankDiedError, RankError, RankTimeoutError
 from moe_plugins.strategy import ReductionStrategy, choose_strategy
 from moe_plugins.vllm.patching import VllmPatchError
 from moe_plugins.vllm.version import UnsupportedVllmError
-from moe_plugins.watchdog import CallTimeoutError
+from moe_plugins.watchdog import CallTimeoutError, PeerFailedError
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,6 @@ __all__ = ["ActivationFormat", "PrepareFinalize", "PrepareResult", "RowScatterTa
            "QuantSpec", "ReductionStrategy", "choose_strategy", "__version__",
            # every exception the package raises on purpose (docs/faults.md, "Errors")
            "BackendSelectionError", "CallTimeoutError", "CollectiveError", "LayerBrokenError",
-           "OutOfStepError", "PeerInputError", "PeerMaskedError", "RankDiedError", "RankError",
+           "OutOfStepError", "PeerFailedError", "PeerInputError", "PeerMaskedError", "RankDiedError", "RankError",
            "RankTimeoutError",
            "UnsupportedVllmError", "VllmPatchError"]

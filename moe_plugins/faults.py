@@ -54,6 +54,8 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from moe_plugins.fault_notice import FaultNotice, notice_for
+
 T = TypeVar("T")
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
@@ -124,6 +126,9 @@ class GroupFaults:
     owed_by: Optional[object] = None
     _owed_layer: str = ""
     _first: Optional[BaseException] = field(default=None, repr=False)
+    #: tells the peers of this rank's first mid-way failure (moe_plugins.fault_notice; None
+    #: without torch.distributed)
+    notice: Optional[FaultNotice] = field(default=None, repr=False)
 
     def check(self, layer: str) -> None:
         """Raise :class:`LayerBrokenError` when an earlier call broke this group."""
@@ -144,10 +149,14 @@ class GroupFaults:
         return self.layers
 
     def mark_broken(self, what: str, exc: Optional[BaseException] = None) -> None:
-        """Record the first mid-way failure (later ones are consequences of it)."""
+        """Record the first mid-way failure (later ones are consequences of it) and tell the
+        peers (:mod:`moe_plugins.fault_notice`: with the call bound on, their calls on the group
+        end at once with this cause)."""
         if self.broken is None:
             self.broken = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
             self._first = exc
+            if self.notice is not None:
+                self.notice.post(self.broken)
 
     def start(self, backend: object, layer: str, hidden_states: object, in_flight: bool,
               check: Callable[..., T], *args: object) -> T:
@@ -227,7 +236,8 @@ def group_faults(group: object) -> GroupFaults:
     state = _GROUPS.get(key)
     if state is None:
         ranks = dist.get_process_group_ranks(key) if dist.is_initialized() else [0]
-        state = _GROUPS[key] = GroupFaults(list(ranks), dist.get_rank() if dist.is_initialized() else 0)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        state = _GROUPS[key] = GroupFaults(list(ranks), rank, notice=notice_for(key, rank))
     return state
 
 
@@ -243,6 +253,8 @@ def clear_group_faults(group: object = None) -> None:
     if state is not None:
         state.seq, state.broken, state._first = 0, None, None
         state.owed_by, state._owed_layer = None, ""
+        if state.notice is not None:
+            state.notice.clear()
 
 
 _PEER_RE = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|\[[0-9a-fA-F:.]+\]:\d+")

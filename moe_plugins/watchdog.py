@@ -68,35 +68,32 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional
 
 import torch
 
+from moe_plugins.call_bound_settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
+                                             MIN_TIMEOUT_S, POLL_S, call_timeout_seconds,
+                                             first_call_timeout_seconds)
+from moe_plugins.fault_notice import READ_AFTER_S, FaultNotice
 from moe_plugins.gpu_progress import CudaProgress as _CudaProgress
 from moe_plugins.gpu_progress import raw_stream as _raw_stream
 
 __all__ = ["CALL_TIMEOUT_ENV", "FIRST_CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", "MIN_TIMEOUT_S",
-           "RING_SLOTS", "CallTimeoutError", "WatchedCall", "CallBound", "CapturedCalls",
+           "RING_SLOTS", "CallTimeoutError", "PeerFailedError", "WatchedCall", "CallBound",
+           "CapturedCalls",
            "call_timeout_seconds", "first_call_timeout_seconds", "watch_call", "on_call_timeout",
            "capture_calls", "expect_replay", "watch_step", "replays_in_step_windows",
            "watchdog_alive"]
 
 logger = logging.getLogger(__name__)
 
-CALL_TIMEOUT_ENV = "MOE_PLUGINS_CALL_TIMEOUT_S"
-FIRST_CALL_TIMEOUT_ENV = "MOE_PLUGINS_FIRST_CALL_TIMEOUT_S"
-#: The exit status of a process the watchdog ended (BSD's EX_SOFTWARE): told apart from a crash.
-EXIT_CODE = 70
-#: Seconds between the watchdog's checks: the error comes at most this late after the bound.
-POLL_S = 0.2
-#: The smallest bound accepted (seconds): below it a healthy call on a busy host is overdue.
-MIN_TIMEOUT_S = 0.5
 #: Watched calls in flight at once before the oldest slot is reused (a power of two).
 RING_SLOTS = 4096
 _MASK = RING_SLOTS - 1
 _U32 = 0xFFFFFFFF
-#: Start-up bound when none is given: this many call bounds, and at least _FIRST_FLOOR_S.
-_FIRST_FACTOR, _FIRST_FLOOR_S = 10.0, 600.0
+#: The exit status of a process the watchdog ended (BSD's EX_SOFTWARE): told apart from a crash.
+EXIT_CODE = 70
 _ERROR_EVERY_S = 60.0  # the watchdog's own errors: logged at most this often
 
 
@@ -105,72 +102,10 @@ class CallTimeoutError(RuntimeError):
     its hooks before it ends the process)."""
 
 
-# -- settings -----------------------------------------------------------------------------------
-def _seconds(given: Union[float, int, str, None], source: str, off_hint: str) -> Optional[float]:
-    """``given`` seconds as a float: None and any zero (``0``, ``0.0``, ``-0``) are off (None);
-    otherwise a finite number >= MIN_TIMEOUT_S (ValueError/TypeError naming ``source``). Text is
-    parsed only from the environment (a ``source`` starting with ``$``)."""
-    if isinstance(given, str) and source.startswith("$"):
-        text = given.strip()
-        if text.lower() in ("", "off", "none"):
-            return None
-        try:
-            given = float(text)
-        except ValueError:
-            raise ValueError(f"{source}={text!r} is not a number of seconds; give a bound in "
-                             f"seconds, e.g. 30, or 0 {off_hint}") from None
-    if given is None:
-        return None
-    if isinstance(given, bool) or not isinstance(given, (int, float)):
-        raise TypeError(f"{source} must be a number of seconds or None, got {given!r} "
-                        f"({type(given).__name__})")
-    if given == 0:  # 0, 0.0 and -0 alike
-        return None
-    if not math.isfinite(given) or given < 0:
-        raise ValueError(f"{source}={given!r}: expected a finite number of seconds >= "
-                         f"{MIN_TIMEOUT_S:g}, e.g. 30 (0 {off_hint})")
-    if given < MIN_TIMEOUT_S:
-        raise ValueError(f"{source}={given:g} s is below the floor of {MIN_TIMEOUT_S:g} s: the "
-                         f"watchdog checks every {POLL_S:g} s and a healthy call on a busy host "
-                         "takes longer, so such a bound would end healthy ranks while blaming a "
-                         f"peer; give a bound well above a forward step's time, e.g. 30 (0 "
-                         f"{off_hint})")
-    return float(given)
-
-
-def call_timeout_seconds(given: Optional[float] = None) -> Optional[float]:
-    """The call bound in seconds, or None (off): ``given``, else ``$MOE_PLUGINS_CALL_TIMEOUT_S``,
-    else off. 0 (``0``, ``0.0``, ``-0``) turns it off in either (the argument's 0 overrides the
-    environment); ``off``/``none``/empty in the environment too. Anything else must be a finite
-    number of seconds >= :data:`MIN_TIMEOUT_S` (ValueError/TypeError naming its source)."""
-    if given is None:
-        return _seconds(os.environ.get(CALL_TIMEOUT_ENV, ""), f"${CALL_TIMEOUT_ENV}",
-                        "turns the bound off")
-    return _seconds(given, "call_timeout_s", "turns the bound off")
-
-
-def first_call_timeout_seconds(call_timeout_s: Optional[float],
-                               given: Optional[float] = None) -> Optional[float]:
-    """The start-up bound (seconds) of a layer whose call bound is ``call_timeout_s`` (None: off,
-    then this is None too): ``given``, else ``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``, else
-    ``max(10 x call_timeout_s, 600)``; 0 means no separate start-up bound (the call bound). It
-    must not be below the call bound (ValueError naming its source)."""
-    if call_timeout_s is None:
-        return None
-    source = "first_call_timeout_s"
-    if given is None:
-        raw = os.environ.get(FIRST_CALL_TIMEOUT_ENV, "").strip()
-        if not raw:
-            return max(_FIRST_FACTOR * call_timeout_s, _FIRST_FLOOR_S)
-        source, given = f"${FIRST_CALL_TIMEOUT_ENV}", raw  # type: ignore[assignment]
-    first = _seconds(given, source, "runs the first calls under the call bound")
-    if first is None:
-        return call_timeout_s
-    if first < call_timeout_s:
-        raise ValueError(f"{source}={first:g} s is below the call bound ({call_timeout_s:g} s): "
-                         "the start-up bound covers the slow first calls, so give at least the "
-                         "call bound, e.g. 600")
-    return first
+class PeerFailedError(CallTimeoutError):
+    """A watched layer call could not complete because a peer's call on its EP group failed
+    mid-way and said so (:mod:`moe_plugins.fault_notice`): logged and handed to the hooks, with
+    the peer's error, before the watchdog ends the process."""
 
 
 class WatchedCall:
@@ -180,7 +115,7 @@ class WatchedCall:
     count at its start) says which call a slot holds now."""
 
     __slots__ = ("slot", "seq", "name", "number", "what", "started", "bound", "deadline", "done",
-                 "gpu", "covered", "cover", "cover_seq")
+                 "gpu", "covered", "cover", "cover_seq", "notice")
 
     def __init__(self, slot: int) -> None:
         self.slot, self.seq = slot, -1
@@ -191,6 +126,7 @@ class WatchedCall:
         # window's call, when it held cover_seq)
         self.covered = self.cover_seq = -1
         self.cover: Optional[WatchedCall] = None
+        self.notice: Optional[FaultNotice] = None  # its EP group's (moe_plugins.fault_notice)
 
     def end(self, device: torch.device) -> None:
         """The call's work is enqueued: on CUDA it completes when the GPU has written the
@@ -259,6 +195,7 @@ class _Watchdog:
         self.last_device: Optional[torch.device] = None
         self.last_index = -1
         self.warned_capture = False
+        self.wanted: set[FaultNotice] = set()  # notices the reader thread reads
         self.replays_bounded_by = ""  # who wraps every graph replay in a step window
         self.steps = 0
         self.last_error = -math.inf
@@ -277,6 +214,23 @@ class _Watchdog:
                 self.thread = threading.Thread(target=self._run, name="moe-plugins-watchdog",
                                                daemon=True)
                 self.thread.start()
+                # the store may block: its reads never hold up the watchdog's own thread
+                threading.Thread(target=self._read_notices, name="moe-plugins-fault-notices",
+                                 daemon=True).start()
+
+    def _read_notices(self) -> None:
+        """The reader thread: the notices of the groups whose calls asked lately."""
+        while True:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            for notice in list(self.wanted):
+                if notice.told is not None or now - notice.wanted > READ_AFTER_S:
+                    self.wanted.discard(notice)  # told, or no call asks any more
+                    continue
+                try:
+                    notice.told = notice.read()
+                except Exception as e:  # never die silently
+                    self._error(e)
 
     def prepare_cuda(self) -> _CudaProgress:
         """The progress buffer and its driver call, made once (page-locked memory is allocated:
@@ -344,13 +298,22 @@ class _Watchdog:
                 deadline = call.deadline
                 if now > deadline and call.seq == seq:  # still the same call
                     self._expire(call, now)
+                notice = call.notice
+                if notice is not None and now - call.started >= READ_AFTER_S:
+                    if notice.told is not None and call.seq == seq:
+                        self._end(peer_failed_error(call, notice.told, now))
+                    notice.wanted = now
+                    self.wanted.add(notice)
                 at_tail = False
             if at_tail:
                 self.tail = seq + 1
             seq += 1
 
     def _expire(self, call: WatchedCall, now: float) -> None:
-        error = timeout_error(call, now)
+        self._end(timeout_error(call, now))
+
+    def _end(self, error: CallTimeoutError) -> None:
+        """Log ``error``, run the hooks, end the process (exit status :data:`EXIT_CODE`)."""
         logger.error("%s", error)
         for hook in reversed(self.hooks):  # last registered first, as atexit
             try:
@@ -363,6 +326,17 @@ class _Watchdog:
             except (OSError, ValueError):
                 pass
         os._exit(EXIT_CODE)
+
+
+def peer_failed_error(call: WatchedCall, told: str, now: float) -> PeerFailedError:
+    """The error of ``call`` whose EP group a peer told of its failure (``told``)."""
+    return PeerFailedError(
+        f"{call.name}: {call.what} {call.number} cannot complete (started "
+        f"{now - call.started:.1f} s ago): a peer's call on this EP group failed mid-way and "
+        f"told its peers: {told}. This rank's part of the call waits for that peer and cannot be "
+        f"cancelled, so moe-plugins ends this process (exit status {EXIT_CODE}) instead of "
+        "waiting for the bound; read that peer's error, fix its cause and restart the EP group "
+        "(under vLLM, the engine: its executor shuts down when a worker dies)")
 
 
 def timeout_error(call: WatchedCall, now: float) -> CallTimeoutError:
@@ -450,12 +424,13 @@ def _capturing() -> bool:
     return _IS_CAPTURING[0]() if _IS_CAPTURING else torch.cuda.is_current_stream_capturing()
 
 
-def watch_call(name: str, number: int, timeout_s: Optional[float],
-               what: str = "call") -> Optional[WatchedCall]:
+def watch_call(name: str, number: int, timeout_s: Optional[float], what: str = "call",
+               notice: Optional[FaultNotice] = None) -> Optional[WatchedCall]:
     """Start watching call ``number`` of layer ``name`` under ``timeout_s`` seconds (None: off,
     nothing watched). During a CUDA-graph capture nothing is watched (None): the call is recorded
     for :func:`capture_calls`, and no CUDA call is made for it. ``what`` names it in the
-    error ("call", "start-up call", "CUDA-graph replay")."""
+    error ("call", "start-up call", "CUDA-graph replay"). ``notice``: its EP group's, read while
+    the call is in flight (a peer's failure then ends the process at once)."""
     if timeout_s is None:
         return None
     # Inside this thread's open step window the driver's capture query (half a microsecond) is
@@ -473,6 +448,7 @@ def watch_call(name: str, number: int, timeout_s: Optional[float],
     call.started = now = time.monotonic()
     call.bound = timeout_s
     call.deadline = now + timeout_s
+    call.notice = notice
     call.seq = seq  # published last: the thread reads seq first
     if wd.thread is None:
         wd.start()
@@ -532,8 +508,8 @@ class CallBound:
     under the start-up bound until one of the layer's calls after its first has completed (every peer entered that call, so every peer
     finished its first one); from then on under ``timeout_s``."""
 
-    __slots__ = ("name", "timeout_s", "first_timeout_s", "_warm", "_proof", "_proof_seq",
-                 "__weakref__")
+    __slots__ = ("name", "timeout_s", "first_timeout_s", "notice", "_warm", "_proof",
+                 "_proof_seq", "__weakref__")
 
     def __init__(self, name: str, call_timeout_s: Optional[float] = None,
                  first_call_timeout_s: Optional[float] = None,
@@ -547,6 +523,9 @@ class CallBound:
         self._warm = self.timeout_s is None or self.first_timeout_s == self.timeout_s
         self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
         self._proof_seq = -1
+        # the layer's EP group's notice of a peer's failure (moe_plugins.fault_notice): the
+        # layer sets it once it has its group
+        self.notice: Optional[FaultNotice] = None
         if self.timeout_s is not None:
             _BOUNDS.add(self)
 
@@ -564,7 +543,7 @@ class CallBound:
     def watch(self, number: int) -> Optional[WatchedCall]:
         """Watch call ``number`` of the layer (None: not watched)."""
         if self._warm:
-            return watch_call(self.name, number, self.timeout_s)
+            return watch_call(self.name, number, self.timeout_s, "call", self.notice)
         return self._watch_starting(number)
 
     def _watch_starting(self, number: int) -> Optional[WatchedCall]:
@@ -572,8 +551,8 @@ class CallBound:
         if proof is not None and (proof.seq != self._proof_seq or proof.finished()):
             self._warm = True  # completed (or lapped by the ring: long since done)
             _BOUNDS.changed()
-            return watch_call(self.name, number, self.timeout_s)
-        call = watch_call(self.name, number, self.first_timeout_s, "start-up call")
+            return watch_call(self.name, number, self.timeout_s, "call", self.notice)
+        call = watch_call(self.name, number, self.first_timeout_s, "start-up call", self.notice)
         if proof is None and call is not None and number >= 2:
             self._proof, self._proof_seq = call, call.seq
         return call

@@ -72,6 +72,9 @@ def fresh_watchdog(monkeypatch):
     expired: list = []
     monkeypatch.setattr(wd, "start", lambda: None)
     monkeypatch.setattr(wd, "_expire", lambda call, now: expired.append((call.name, call.number)))
+    ended: list = []  # the errors it would have ended the process with, other than a bound's
+    monkeypatch.setattr(wd, "_end", ended.append)
+    wd.ended = ended  # type: ignore[attr-defined]
     monkeypatch.setattr(watchdog, "_WATCHDOG", wd)
     monkeypatch.setattr(watchdog, "_BOUNDS", watchdog._LayerBounds())
     wd.expired = expired  # type: ignore[attr-defined]

@@ -107,6 +107,7 @@ class MoELayer:
         self.name = f"MoE layer ({backend.name}, {layout.describe()}, {strategy.value})"
         self._bound.name = self.name
         self.faults = group_faults(ctx.ep_group)
+        self._bound.notice = self.faults.notice
         self._destroyed = False
         self._num_calls = 0
         self.pf: Optional[PrepareFinalize] = None

@@ -11,6 +11,7 @@ masks peers by itself, NIXL EP), and answers vLLM's polls: ``query_active_mask``
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,8 @@ from moe_plugins.interface import PrepareFinalize, RankMasking
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.registry import BackendSpec
 from moe_plugins.vllm.layer_plan import parallel_config_plan
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["bound_vllm_timeout", "MoEPluginsAll2AllManager", "ep_manager"]
 
@@ -67,6 +70,8 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         # applied to every backend manager, also those built later.
         self._masks: dict[int, bool] = {}
         self.support_fault_tolerance = _fault_tolerance_wanted()
+        if self.support_fault_tolerance:
+            warn_if_the_bound_defeats_fault_tolerance()
 
     @property
     def tcp_store(self) -> "dist.Store":
@@ -184,6 +189,35 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
             if destroy is not None:
                 destroy()
         self._managers.clear()
+
+
+_WARNED: list[bool] = []
+
+
+def warn_if_the_bound_defeats_fault_tolerance(parallel: Any = None) -> bool:
+    """One WARNING per process (True when given) where vLLM's fault tolerance is on together
+    with the call bound: the bound ends a rank whose peer died (exit status 70), and vLLM's
+    executor shuts down when any worker exits, so the sentinel never gets to mask the dead peer.
+    ``parallel``: vLLM's ParallelConfig (default: the current config's)."""
+    from moe_plugins.watchdog import CALL_TIMEOUT_ENV, call_timeout_seconds
+
+    if parallel is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        parallel = None if config is None else config.parallel_config
+    if parallel is None or not getattr(parallel, "enable_fault_tolerance", False):
+        return False
+    bound = call_timeout_seconds()
+    if bound is None or _WARNED:
+        return False
+    _WARNED.append(True)
+    logger.warning("moe-plugins: --enable-fault-tolerance with $%s=%g: the call bound ends a "
+                   "rank whose peer died or hangs (exit status 70), and vLLM's executor then "
+                   "shuts down the engine, so fault tolerance never masks the dead peer; unset "
+                   "$%s to let the library's timeout mask it, or drop --enable-fault-tolerance "
+                   "to keep the bound", CALL_TIMEOUT_ENV, bound, CALL_TIMEOUT_ENV)
+    return True
 
 
 def _fault_tolerance_wanted() -> bool:

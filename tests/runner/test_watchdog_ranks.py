@@ -1,5 +1,6 @@
-"""The call bound on CPU ranks (gloo, torch backend): a slow start-up ends no healthy rank, and
-a peer that hangs later is ended by the bound (moe_plugins.watchdog)."""
+"""The call bound on CPU ranks (gloo, torch backend): a slow start-up ends no healthy rank, a
+peer that hangs later is ended by the bound (moe_plugins.watchdog), and a peer that raises
+mid-call tells the others, who end at once with its error (moe_plugins.fault_notice)."""
 from __future__ import annotations
 
 import pytest
@@ -43,5 +44,31 @@ def test_a_late_start_ends_nobody_and_a_later_hang_ends_the_rest_within_the_boun
             assert "went away" in o.error[1] or "did not complete" in o.error[1], o.describe()
     assert timed_out >= 1, [o.describe() for o in run.outcomes]
     outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 3]
+    assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.CFG, 6)
+    assert not run.stray
+
+
+def test_a_peer_that_raises_mid_call_ends_the_others_at_once_with_its_error():
+    """Bound 30 s: rank 1's experts raise in call 3, after its dispatch was sent. Ranks 0 and 2
+    wait for it in call 3's combine; its notice ends them within a few seconds (not 30 s, not
+    the process group's 120 s) with PeerFailedError naming rank 1's ValueError, exit status
+    70. Rank 1 raises its own error."""
+    world, victim, bound = 3, 1, 30.0
+    run = run_world(ranks.raise_after_dispatch, world, victim, bound, device="cpu",
+                    timeout_s=120, pg_timeout_s=120, stop_on_death=False)
+    v = run.outcomes[victim]
+    assert v.status == "error" and v.error[0] == "ValueError", v.describe()
+    assert "failed on purpose" in v.error[1]
+    for rank, o in enumerate(run.outcomes):
+        if rank == victim:
+            continue
+        assert o.status == "error" and o.error[0] == "PeerFailedError", o.describe()
+        [third] = [r for r in o.results if r.get("call") == 3]
+        assert third["type"] == "PeerFailedError", third
+        assert f"EP rank {victim}: " in third["error"] and "failed on purpose" in third["error"]
+        assert "call 3 cannot complete" in third["error"], third["error"]
+        assert third["seconds"] < 6.0, third  # the notice is read after 1 s in flight
+        assert run.bounded.exitcodes[rank] in (None, EXIT_CODE), run.bounded.exitcodes
+    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 2]
     assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.CFG, 6)
     assert not run.stray

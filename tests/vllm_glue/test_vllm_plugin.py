@@ -709,3 +709,26 @@ def test_refusal_itself_stands_aside_where_its_targets_moved(registered, monkeyp
     finally:
         monkeypatch.undo()
         vllm_plugin.register()
+
+
+@needs_vllm
+def test_fault_tolerance_with_the_call_bound_warns_once(monkeypatch, caplog):
+    """vLLM's fault tolerance wants the survivors of a dead peer alive; the call bound ends
+    them: with both on, the manager says so once per process (a stand-in for vLLM's
+    ParallelConfig: the one attribute read)."""
+    from types import SimpleNamespace
+
+    from moe_plugins.vllm import manager as vllm_manager
+
+    monkeypatch.setattr(vllm_manager, "_WARNED", [])
+    monkeypatch.setenv("MOE_PLUGINS_CALL_TIMEOUT_S", "30")
+    ft, no_ft = SimpleNamespace(enable_fault_tolerance=True), SimpleNamespace()
+    with caplog.at_level("WARNING", logger="moe_plugins.vllm.manager"):
+        assert not vllm_manager.warn_if_the_bound_defeats_fault_tolerance(no_ft)
+        assert vllm_manager.warn_if_the_bound_defeats_fault_tolerance(ft)
+        assert not vllm_manager.warn_if_the_bound_defeats_fault_tolerance(ft)  # once
+    [record] = caplog.records
+    assert "unset $MOE_PLUGINS_CALL_TIMEOUT_S" in record.getMessage()
+    monkeypatch.setattr(vllm_manager, "_WARNED", [])
+    monkeypatch.setenv("MOE_PLUGINS_CALL_TIMEOUT_S", "0")
+    assert not vllm_manager.warn_if_the_bound_defeats_fault_tolerance(ft)

@@ -1,0 +1,94 @@
+"""A rank whose call fails mid-way tells its peers (:mod:`moe_plugins.faults`, rule "mid-way
+failures"): their calls on the group then end in seconds with the true cause, instead of at
+the process-group timeout or, with the call bound on, at the bound with "a peer died or hangs".
+
+The notice is one key of the process group's store (the store every rank of the job shares, set
+up by ``torch.distributed``): the first failure of the group posts it (``compare_set``: later
+ones are consequences), with the failing rank and its error. A peer cannot be interrupted inside
+a collective or a kernel that waits for the failed rank, so it is the call bound's watchdog
+(:mod:`moe_plugins.watchdog`) that acts: while a call of this rank on the group has been in
+flight for :data:`READ_AFTER_S`, a reader thread looks at the key every poll and the watchdog ends
+the process with :class:`moe_plugins.watchdog.PeerFailedError`. So the notice is read only with
+the bound on; with it off the peers still end at the process-group timeout (or the
+library's).
+
+The store can block (its server, on the job's first rank, stopped): it is read in a thread of
+its own, never in the watchdog's, and posted by the failing rank with its error already
+recorded.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+__all__ = ["FaultNotice", "NOTICE_PREFIX", "READ_AFTER_S", "notice_for"]
+
+logger = logging.getLogger(__name__)
+
+#: Store keys of the notices: this prefix and the process group's name.
+NOTICE_PREFIX = "moe_plugins/fault/"
+#: A call in flight this long (seconds) has its group's notice read: calls that complete sooner
+#: need no store traffic.
+READ_AFTER_S = 1.0
+_MAX_CHARS = 800
+
+
+class FaultNotice:
+    """The notice of one EP process group on this rank: :meth:`post` (the rank that failed),
+    :meth:`read` (its peers' reader thread), ``told`` (what was read: the watchdog's answer).
+
+    ``store``: a ``torch.distributed.Store``; ``key``: the group's key; ``rank``: this
+    process's global rank."""
+
+    __slots__ = ("store", "key", "rank", "told", "wanted", "__weakref__")
+
+    def __init__(self, store: Any, key: str, rank: int) -> None:
+        self.store, self.key, self.rank = store, key, rank
+        self.told: Optional[str] = None  # a peer's failure, once read
+        self.wanted = 0.0  # monotonic time a call in flight last asked for the notice
+
+    def post(self, what: str) -> None:
+        """Tell the group's other ranks that this rank's call failed mid-way (``what``: the
+        error); the first post of the group stays. A store error is logged, never raised: the
+        caller raises its own error next."""
+        text = f"EP rank {self.rank}: {what}"[:_MAX_CHARS]
+        try:
+            self.store.compare_set(self.key, "", text)
+        except Exception as e:  # the store's server may be gone with its rank
+            logger.warning("moe-plugins: could not tell the EP group's peers of this rank's "
+                           "failure through the store (%s: %s); they end at their own bound",
+                           type(e).__name__, e)
+
+    def clear(self) -> None:
+        """Forget a posted failure (every rank of the group clears it at one point:
+        :func:`moe_plugins.faults.clear_group_faults`)."""
+        self.told = None
+        try:
+            self.store.delete_key(self.key)
+        except Exception as e:
+            logger.debug("moe-plugins: could not clear the fault notice %s (%s)", self.key, e)
+
+    def read(self) -> Optional[str]:
+        """The failure a rank of the group posted, or None (may block while the store's server
+        does not answer: called from the reader thread only)."""
+        if not self.store.check([self.key]):
+            return None
+        text = self.store.get(self.key).decode("utf-8", errors="replace")
+        return None if text.startswith(f"EP rank {self.rank}:") else text  # not our own
+
+
+def notice_for(group: Any, rank: int) -> Optional[FaultNotice]:
+    """The notice of process group ``group`` (None: the default group) on global rank
+    ``rank``; None where torch.distributed has no store (not initialized)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        pg = group if group is not None else dist.group.WORLD
+        name = pg.group_name
+    except (AttributeError, RuntimeError, ValueError) as e:
+        logger.debug("moe-plugins: no store for fault notices (%s)", e)
+        return None
+    return FaultNotice(store, NOTICE_PREFIX + name, rank)

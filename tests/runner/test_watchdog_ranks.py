@@ -49,11 +49,11 @@ def test_a_late_start_ends_nobody_and_a_later_hang_ends_the_rest_within_the_boun
 
 
 def test_a_peer_that_raises_mid_call_ends_the_others_at_once_with_its_error():
-    """Bound 30 s: rank 1's experts raise in call 3, after its dispatch was sent. Ranks 0 and 2
+    """EP 4, bound 30 s: rank 1's experts raise in call 3, after its dispatch was sent. The others
     wait for it in call 3's combine; its notice ends them within a few seconds (not 30 s, not
     the process group's 120 s) with PeerFailedError naming rank 1's ValueError, exit status
     70. Rank 1 raises its own error."""
-    world, victim, bound = 3, 1, 30.0
+    world, victim, bound = 4, 1, 30.0
     run = run_world(ranks.raise_after_dispatch, world, victim, bound, device="cpu",
                     timeout_s=120, pg_timeout_s=120, stop_on_death=False)
     v = run.outcomes[victim]

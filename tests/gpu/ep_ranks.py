@@ -477,7 +477,8 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
     reference (a returned output that is not is a WRONG result). ``kind``: ``refuse`` (the
     victim's input is refused by its own layer before anything is sent: a wrong hidden size)
     or ``kill`` (the victim's process is killed between dispatch and combine: inside its
-    experts) or ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
+    experts) or ``kill-before`` (killed before call 2: its peers wait for its dispatch) or
+    ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
     ``call_timeout_s``: the other ranks' layers run under moe_plugins.watchdog with this bound
     (the watchdog ends their processes: its error is reported as call 2's; call 1 then runs twice,
     so that call 2 is under the call bound, not the start-up bound). Call 1 (nobody faulty) runs
@@ -504,6 +505,10 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                 ok, _, rel = compare(_forward(layer, x, layers.dev), full, CFG.dtype)
             result({"call": 1, "ok": ok, "max_rel_err": rel})
             dist.barrier()
+            if rank == victim and kind == "kill-before":
+                step(f"{backend}: victim killed before call 2's dispatch")
+                time.sleep(0.5)  # the step reaches the parent first
+                os.kill(os.getpid(), signal.SIGKILL)
             call_x = x
             if rank == victim and kind == "refuse":
                 call_x = torch.zeros(n, CFG.hidden + 128, dtype=CFG.dtype)  # refused: wrong hidden

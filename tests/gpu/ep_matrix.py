@@ -150,8 +150,7 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                call_timeout_s: Optional[float] = None) -> Job:
     """A fault on one rank of ``ep`` (``kind``: refuse, kill, kill-before, hang).
     ``call_timeout_s``: the other ranks run under moe_plugins.watchdog with this bound (the case
-    is then
-    ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``."""
+    is then ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``."""
     from moe_plugins.watchdog import first_call_timeout_seconds
     from tests.gpu import ep_ranks
 

@@ -80,7 +80,7 @@ class Job:
     pg_timeout_s: Optional[float] = None
     stop_on_death: bool = True
     victim: Optional[int] = None
-    fault: Optional[str] = None  # fault jobs: "refuse", "kill", "kill-before" or "hang"
+    fault: Optional[str] = None  # fault jobs: "refuse", "kill", "kill-before", "raise", "hang"
     #: end the world when no rank reports anything for this long (None: only the bound); set
     #: above the slowest single step seen (a library buffer's set-up, an EP 8 call: 20-40 s);
     #: doubled at EP 8
@@ -148,7 +148,7 @@ def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4)
 def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                margin_s: float = 60.0, pg_timeout_s: Optional[float] = None,
                call_timeout_s: Optional[float] = None) -> Job:
-    """A fault on one rank of ``ep`` (``kind``: refuse, kill, kill-before, hang).
+    """A fault on one rank of ``ep`` (``kind``: refuse, kill, kill-before, raise, hang).
     ``call_timeout_s``: the other ranks run under moe_plugins.watchdog with this bound (the case
     is then ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``."""
     from moe_plugins.watchdog import first_call_timeout_seconds
@@ -228,6 +228,9 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             # watchdog can end a rank there (a margin past DeepEP's own CPU timeout, 100 s)
             _fault_job("deepep_ht", "kill-before", "B", device, margin_s=120,
                        call_timeout_s=15),
+            # a victim that raises mid-call tells its peers (moe_plugins.fault_notice): they
+            # end in seconds with its error, not at the bound
+            _fault_job("deepep_ll", "raise", "B", device, margin_s=30, call_timeout_s=15),
             _fault_job("torch", "hang", "B", device, margin_s=30, call_timeout_s=15),
             _fault_job("deepep_ht", "kill", "B", device),
             _fault_job("deepep_ht", "refuse", "B", device),

@@ -478,7 +478,8 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
     victim's input is refused by its own layer before anything is sent: a wrong hidden size)
     or ``kill`` (the victim's process is killed between dispatch and combine: inside its
     experts) or ``kill-before`` (killed before call 2: its peers wait for its dispatch) or
-    ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
+    ``raise`` (the victim's experts raise between dispatch and combine: it lives, raises its
+    own error and tells its peers, moe_plugins.fault_notice) or ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
     ``call_timeout_s``: the other ranks' layers run under moe_plugins.watchdog with this bound
     (the watchdog ends their processes: its error is reported as call 2's; call 1 then runs twice,
     so that call 2 is under the call bound, not the start-up bound). Call 1 (nobody faulty) runs
@@ -521,6 +522,11 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                     os.kill(os.getpid(), signal.SIGKILL)
                     return inner(prep)
                 layer.experts.apply = die_between  # type: ignore[method-assign]
+            if rank == victim and kind == "raise":
+                def raise_between(prep: Any) -> Any:
+                    step(f"{backend}: victim's experts raise between dispatch and combine")
+                    raise ValueError(f"the experts of EP rank {rank} failed on purpose")
+                layer.experts.apply = raise_between  # type: ignore[method-assign]
             if rank == victim and kind == "hang":
                 def hang_between(prep: Any) -> Any:
                     step(f"{backend}: victim hangs between dispatch and combine")

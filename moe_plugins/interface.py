@@ -374,6 +374,10 @@ class PrepareFinalize(ABC):
     #: (:meth:`refuse`); False: the peers cannot be told, and a caller that refuses a call's
     #: inputs completes it with no tokens of its own instead (:mod:`moe_plugins.faults`, rule "refused inputs").
     host_exchange: bool = False
+    #: True when a call may wait on the host inside the library while holding the interpreter
+    #: lock (DeepEP's normal-mode dispatch): the call bound's watchdog thread cannot run there,
+    #: so the layers arm a lock-free timer around the call (moe_plugins.watchdog.arm_host_timer)
+    waits_on_host: bool = False
 
     def refuse(self, error: BaseException) -> None:
         """A caller refused this call's inputs before calling prepare: take this rank's part in

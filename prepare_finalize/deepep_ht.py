@@ -62,6 +62,7 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
     per local expert. Rows are ordered by source rank, then source token order."""
 
     activation_format = ActivationFormat.STANDARD
+    waits_on_host = True  # the dispatch waits for the peers' counts on the host
 
     def __init__(self, manager: DeepEPHTManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPHTManager):

@@ -24,7 +24,7 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.watchdog import CallBound
+from moe_plugins.watchdog import CallBound, arm_host_timer, disarm_host_timer
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +194,14 @@ class MoELayer:
         watched = self._bound.watch(self._num_calls)
         if watched is None:
             return self._call(x)
+        host_wait = self.pf is not None and self.pf.waits_on_host
+        if host_wait:
+            arm_host_timer(watched)
         try:
             return self._call(x)
         finally:  # an error ends the watch too: it reached the caller
+            if host_wait:
+                disarm_host_timer()
             watched.end(self.ctx.device)
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.expert_ids import ExpertIds
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
                                             valid_rows)
-from moe_plugins.watchdog import CallBound
+from moe_plugins.watchdog import CallBound, WatchedCall, arm_host_timer, disarm_host_timer
 
 logger = logging.getLogger(__name__)
 
@@ -395,6 +395,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """Register the call (a receive that raises leaves it for the next prepare to reset)
         and issue the backend's dispatch; returns vLLM's (hook, receiver) or receiver."""
         watched = self._bound.watch(self.calls)
+        if watched is not None and backend.waits_on_host:
+            arm_host_timer(watched)  # the library may wait on the host holding the interpreter
         self._calls[slot] = (rows, ids, weights, owns_all, refusal, watched)
         try:
             if self._low_latency and (defer_input_quant or self._recv_quant is None):
@@ -412,8 +414,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         except BaseException as e:
             if is_in_step(e) or is_owed_call(e):  # nothing in flight: no call to reset later
                 del self._calls[slot]
-            if watched is not None:  # the error reached the caller
-                watched.end(self.ctx.device)
+            self._end_watch(watched, backend)  # the error reached the caller
             raise
 
         def receiver() -> mk.PrepareResultType:
@@ -423,6 +424,13 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                  defer_input_quant)
 
         return (sent.hook, receiver) if sent.hook is not None else receiver
+
+    def _end_watch(self, watched: Optional[WatchedCall], backend: PrepareFinalize) -> None:
+        """The end of a watched call's host part (and of its lock-free timer, where armed)."""
+        if watched is not None:
+            if backend.waits_on_host:
+                disarm_host_timer()
+            watched.end(self.ctx.device)
 
     def _refuse(self, error: BaseException) -> BaseException:
         """This rank refuses the call's inputs before sending anything (:mod:`moe_plugins.
@@ -453,9 +461,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         error that already broke the group (and surfaced), the call is dropped; otherwise prepare
         was called twice: its peers wait in the first call's combine, so the group breaks."""
         watched = self._calls.pop(slot)[5]
-        if watched is not None:  # this call's error surfaces here, not by the watchdog
-            watched.end(self.ctx.device)
         backend = self._backends[slot]
+        self._end_watch(watched, backend)  # this call's error surfaces here, not by the watchdog
         if self.faults.broken is None:
             msg = (f"{self.backend_name} layer: prepare called twice on micro-batch {slot} "
                    "without finalize in between (the first call's dispatch was never combined; "
@@ -550,8 +557,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             backend.reset_call_state()
             raise
         finally:  # the combine is enqueued (a hang in a later receive stalls the next call)
-            if watched is not None:
-                watched.end(self.ctx.device)
+            self._end_watch(watched, backend)
 
         def receiver() -> None:
             if received is not None:

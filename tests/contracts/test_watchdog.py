@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import re
 import threading
 
 import pytest
@@ -379,3 +380,45 @@ def test_a_forked_child_starts_afresh_and_keeps_the_hooks(fresh):
     fresh.reset_after_fork()
     assert fresh.thread is None and fresh.cuda is None and fresh.hooks == [hook]
     assert fresh.tail == 1 and all(c.seq == -1 for c in fresh.ring)
+
+
+# -- a library that waits on the host holding the interpreter lock ------------------------------
+_HOLDING_CHILD = """
+import ctypes, sys, time
+from moe_plugins.watchdog import CallBound, arm_host_timer, on_call_timeout
+bound = CallBound("layer", 1.0, 0)
+on_call_timeout(lambda e: print("WATCHDOG", flush=True))
+call = bound.watch(1)
+if sys.argv[1] == "armed":
+    arm_host_timer(call)
+t0 = time.monotonic()
+ctypes.PyDLL(None).sleep(int(sys.argv[2]))  # a C call that keeps the interpreter lock
+print("RETURNED", round(time.monotonic() - t0, 1), flush=True)
+time.sleep(5)
+"""
+
+
+def _holding(mode: str, seconds: int) -> tuple[int, str, str, float]:
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _HOLDING_CHILD, mode, str(seconds)],
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - t0
+
+
+def test_a_call_holding_the_interpreter_lock_is_ended_by_the_lock_free_timer():
+    """While a C call keeps the interpreter lock (as DeepEP's normal-mode dispatch does in its
+    host wait), the watchdog thread cannot run: with a 1 s bound it ends the process only once
+    the 4 s call returned. With arm_host_timer, faulthandler's timer (a C thread) ends it one
+    poll after the bound, in the middle of a 30 s call, with every thread's traceback."""
+    code, out, err, took = _holding("unarmed", 4)
+    assert code == watchdog.EXIT_CODE and "WATCHDOG" in out, (code, out, err[-2000:])
+    # not at the bound (1 s) but once the lock was let go, 4 s in
+    assert re.search(r"call 1 did not complete within 1 s \(started [45]\.\d s ago", err), err
+    code, out, err, took = _holding("armed", 30)
+    assert code == 1 and "RETURNED" not in out, (code, out, err[-2000:])
+    assert took < 15, took
+    assert "Timeout (0:00:01" in err and "<string>" in err, err[-2000:]

@@ -286,7 +286,8 @@ def _rows_of(job: Job, run: Any) -> list[dict]:
 
 def _fault_row(job: Job, run: Any) -> list[dict]:
     """Invariants of a fault: no rank returns a wrong result, every rank but the victim ends
-    (an error, or the right output) within the job's bound, no process outlives the run. A
+    (an error, the right output, or its process ended, as moe_plugins.watchdog's lock-free
+    timer ends it) within the job's bound, no process outlives the run. A
     survivor that did not end within the bound makes the row ``failed`` (what the fault job is
     there to show); the row carries the job's ``settings``."""
     base = job.row_keys()[0]
@@ -302,6 +303,9 @@ def _fault_row(job: Job, run: Any) -> list[dict]:
             what = (f"victim ({o.status}" + (f": {o.cause}" if o.cause else "")
                     + (f", {rep['type']}: {rep['message']}" if rep and rep.get("type") else "")
                     + ")")
+        elif rep is None and o.status == "died" and o.ended_s is not None \
+                and o.ended_s <= job.bound_s:  # its process ended: the lock-free timer
+            what = f"process ended ({o.cause}) after {o.ended_s} s, before it could report"
         elif rep is None:
             late.append(o.rank)
             what = o.describe()

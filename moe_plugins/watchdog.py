@@ -42,6 +42,11 @@ keeps its own deadline and name. The vLLM glue opens a window around each of vLL
 passes and full-graph replays (:mod:`moe_plugins.vllm.step_window`): under vLLM the replays of
 captured decode steps are bounded too.
 
+A library's host wait. A Python thread cannot run while a library call keeps the interpreter
+lock, as DeepEP's normal-mode dispatch does while it waits on the host for its peers: around
+such calls the layers arm :func:`arm_host_timer`, faulthandler's timer (a C thread), which ends
+the process one poll after the call's deadline with every thread's traceback (exit status 1).
+
 Start-up. A layer's first calls include JIT builds, vLLM's profile run and peers that are still
 compiling: until a call of the layer after its first has completed (then every peer has entered
 that call, so every peer finished its first), its calls run under the start-up bound

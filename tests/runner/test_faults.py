@@ -123,49 +123,48 @@ def _reaped(pids: list[int]) -> bool:
     return not any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/stat")
-def test_stopped_rank_ends_the_run_in_seconds_naming_it():
-    """A rank process stopped (SIGSTOP) while its peers wait for it in a collective: before,
-    the pool waited out its own deadline (timeout + 30 s) and raised a bare TimeoutError. Now it
-    sees the process stopped, ends every rank at once and names the stopped one."""
+def _rank_1_does_not_answer(how: str) -> tuple[RankTimeoutError, float, list[int]]:
+    """Three ranks, process-group timeout 5 s; rank 1 stops (``how``: "stop", SIGSTOP) or sleeps
+    ("sleep") while its peers wait for it in a collective. Returns the pool's error, the
+    seconds the run took and the ranks' pids, every one of them checked reaped."""
     pool = RankPool(3, timeout_s=5)
     pids = [p.pid for p in pool._procs]
     try:
         t0 = time.monotonic()
         with pytest.raises(RankTimeoutError) as e:
-            pool.run(frf.stop_or_sleep, 1, "stop", 5.0)
+            pool.run(frf.stop_or_sleep, 1, how, 5.0)
         took = time.monotonic() - t0
-        assert took < 15, f"the pool waited {took:.0f} s for a stopped rank"
-        assert e.value.rank == 1 and e.value.reason == "stopped" and e.value.overdue == [1]
-        assert isinstance(e.value, RankError) and isinstance(e.value, TimeoutError)
-        text = str(e.value)
-        assert f"rank 1 is stopped (process {pids[1]} in state T" in text, text
-        assert "SIGCONT" in text and "ended every rank" in text, text  # what was done, the fix
         assert _reaped(pids), "a rank process was left behind"
+        return e.value, took, pids
     finally:
         pool.terminate()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/stat")
+def test_stopped_rank_ends_the_run_in_seconds_naming_it():
+    """A rank process stopped (SIGSTOP) while its peers wait for it in a collective: before,
+    the pool waited out its own deadline (timeout + 30 s) and raised a bare TimeoutError. Now it
+    sees the process stopped, ends every rank at once and names the stopped one."""
+    error, took, pids = _rank_1_does_not_answer("stop")
+    assert took < 15, f"the pool waited {took:.0f} s for a stopped rank"
+    assert error.rank == 1 and error.reason == "stopped" and error.overdue == [1]
+    assert isinstance(error, RankError) and isinstance(error, TimeoutError)
+    text = str(error)
+    assert f"rank 1 is stopped (process {pids[1]} in state T" in text, text
+    assert "SIGCONT" in text and "ended every rank" in text, text  # what was done, the fix
 
 
 def test_rank_not_answering_after_its_peers_failed_is_overdue_within_a_grace():
     """Rank 1 sleeps outside the collective its peers wait in: they fail with the process-group
     timeout (5 s) and answer; rank 1 does not within the grace, so the pool ends the run then
     (not at its deadline, 35 s) naming rank 1, what it was doing and the peers' errors."""
-    pool = RankPool(3, timeout_s=5)
-    pids = [p.pid for p in pool._procs]
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(RankTimeoutError) as e:
-            pool.run(frf.stop_or_sleep, 1, "sleep", 5.0)
-        took = time.monotonic() - t0
-        assert took < 25, f"the pool waited {took:.0f} s for an overdue rank"
-        assert e.value.rank == 1 and e.value.reason == "overdue" and e.value.overdue == [1]
-        assert {r for r, *_ in e.value.errors} == {0, 2}  # the peers' timeouts travel with it
-        text = str(e.value)
-        assert "rank 1 did not answer within" in text and "after rank 0 raised" in text, text
-        assert f"process {pids[1]} sleeping" in text, text
-        assert _reaped(pids), "a rank process was left behind"
-    finally:
-        pool.terminate()
+    error, took, pids = _rank_1_does_not_answer("sleep")
+    assert took < 25, f"the pool waited {took:.0f} s for an overdue rank"
+    assert error.rank == 1 and error.reason == "overdue" and error.overdue == [1]
+    assert {r for r, *_ in error.errors} == {0, 2}  # the peers' timeouts travel with it
+    text = str(error)
+    assert "rank 1 did not answer within" in text and "after rank 0 raised" in text, text
+    assert f"process {pids[1]} sleeping" in text, text
 
 
 def test_rank_dying_at_start_up_is_reported_at_once():

@@ -575,10 +575,10 @@ class _StepWindow:
         self.call: Optional[WatchedCall] = None
 
     def __enter__(self) -> Optional[WatchedCall]:
-        if _STEP.window is not None or _capturing():
-            return None
         bound = _BOUNDS.largest()
-        if bound is None:  # no layer has a bound
+        # no layer has a bound (first: the engine's steps cost nothing then), a window of this
+        # thread is open, or a capture is under way
+        if bound is None or _STEP.window is not None or _capturing():
             return None
         device = self.device
         if device is None:

@@ -10,7 +10,7 @@ from moe_plugins.interface import (ActivationFormat, PrepareFinalize, PrepareRes
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSelectionError
-from moe_plugins.runner.launch import RankDiedError, RankError, RankTimeoutError
+from moe_plugins.runner.rank_errors import RankDiedError, RankError, RankTimeoutError
 from moe_plugins.strategy import ReductionStrategy, choose_strategy
 from moe_plugins.vllm.patching import VllmPatchError
 from moe_plugins.vllm.version import UnsupportedVllmError

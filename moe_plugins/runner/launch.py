@@ -28,6 +28,9 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
 
+from moe_plugins.runner.rank_errors import (CONSEQUENCES, PROC_STATES, RankDiedError, RankError,
+                                            RankTimeoutError, error_summary, exit_cause,
+                                            proc_state)
 from moe_plugins.watchdog import on_call_timeout
 
 __all__ = ["RankPool", "RankError", "RankDiedError", "RankTimeoutError", "run_ranks",
@@ -37,8 +40,6 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-# Errors that follow from another rank's failure (that rank's own error is the one to read).
-_CONSEQUENCES = frozenset({"PeerInputError", "CollectiveError", "LayerBrokenError", "OutOfStepError"})
 _POLL_S = 0.2  # how often a waiting parent checks that its children are alive
 _GRACE_S = 1.0  # after a death, how long survivors get to report their own errors
 # A rank seen stopped (SIGSTOP/SIGTSTP) this long, on polls no further apart than _PAUSED_S, is
@@ -51,108 +52,6 @@ _PAUSED_S = 1.0
 # answered within min(that, _OVERDUE_CAP_S) + _OVERDUE_SLACK_S hangs outside the collectives.
 _OVERDUE_CAP_S = 10.0
 _OVERDUE_SLACK_S = 2.0
-
-
-def _summary(rank: int, exc_type: str, message: str) -> str:
-    first = message.strip().splitlines()[0] if message.strip() else ""
-    return f"rank {rank} raised {exc_type}: {first}"
-
-
-class RankError(RuntimeError):
-    """A function raised on some rank. ``rank``/``exc_type``/``message`` are the error to read
-    first (a rank's own failure before the errors it caused on its peers); ``errors`` every
-    failing rank's (rank, exc_type, message, traceback); ``summary`` one line per rank; ``fix``
-    what to do."""
-
-    def __init__(self, rank: int, exc_type: str, message: str, tb: str,
-                 errors: "list[tuple[int, str, str, str]] | None" = None):
-        self.rank, self.exc_type, self.message, self.remote_traceback = rank, exc_type, message, tb
-        self.errors = errors or [(rank, exc_type, message, tb)]
-        self.summary = "; ".join(_summary(r, t, m) for r, t, m, _ in self.errors)
-        self.fix = (f"Start from rank {rank}'s {exc_type}: a rank's own error leads, the "
-                    "errors it caused on its peers follow")
-        super().__init__(f"{self.summary}\n--- remote traceback (rank {rank}) ---\n{tb}")
-
-
-class RankDiedError(RankError):
-    """A rank process ended while the pool waited for it: ``cause`` says how (exit code or
-    signal); the survivors' own errors, if any, are in ``errors``."""
-
-    def __init__(self, rank: int, cause: str, errors: list[tuple[int, str, str, str]]):
-        self.cause = cause
-        RuntimeError.__init__(self)
-        self.rank, self.exc_type, self.message, self.remote_traceback = rank, "died", cause, ""
-        self.errors = errors
-        others = "; ".join(_summary(r, t, m) for r, t, m, _ in errors)
-        self.summary = f"rank {rank} died ({cause})" + (f"; {others}" if others else "")
-        self.fix = (f"Find why rank {rank}'s process ended (its output; a kill by the kernel's "
-                    "out-of-memory killer shows in its log) and run again")
-        self.args = (self.summary + "; the pool terminated the other ranks",)
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-class RankTimeoutError(RankError, TimeoutError):
-    """Ranks did not answer and the pool stopped waiting for them: ``reason`` is ``stopped``
-    (a rank process was stopped: state T), ``overdue`` (another rank had raised and these did
-    not answer within the grace) or ``deadline`` (the run's wait ran out). ``overdue``: those
-    ranks; ``seen``: rank -> what was seen of each (process state, last :func:`report_step`);
-    ``errors``: the answered ranks' errors; ``fix``: what to do. The pool ended every rank.
-    ``rank``/``exc_type``/``message`` lead with an answered rank's own error if one raised
-    one (not a consequence of a peer's failure), else with the first overdue rank."""
-
-    def __init__(self, reason: str, overdue: list[int], seen: dict[int, str], what: str,
-                 fix: str, errors: list[tuple[int, str, str, str]]):
-        RuntimeError.__init__(self)
-        self.reason, self.overdue, self.seen, self.fix = reason, overdue, seen, fix
-        own = next((e for e in errors if e[1] not in _CONSEQUENCES), None)
-        if own is not None:  # a rank's own failure reads first, then the ranks that hung after it
-            self.rank, self.exc_type, self.message, self.remote_traceback = own
-            errors = [own] + [e for e in errors if e is not own]
-            parts = [_summary(*own[:3]), what] + [_summary(*e[:3]) for e in errors[1:]]
-        else:
-            self.rank, self.exc_type, self.message, self.remote_traceback = (
-                overdue[0], reason, what, errors[0][3] if errors else "")
-            parts = [what] + [_summary(*e[:3]) for e in errors]
-        self.errors = errors
-        self.summary = "; ".join(parts)
-        self.args = (f"{self.summary}; the pool ended every rank. {fix}",)
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-def _proc_state(pid: Optional[int]) -> Optional[str]:
-    """The state letter of process ``pid`` (Linux /proc/<pid>/stat: R running, S sleeping, D
-    in uninterruptible wait, T stopped, t stopped by a tracer, Z zombie); None elsewhere or
-    when it cannot be read."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # the command name (field 2, in parentheses) may hold spaces and ')': split at the last one
-    fields = stat.rsplit(")", 1)[-1].split()
-    return fields[0] if fields else None
-
-
-_STATES = {"R": "running", "S": "sleeping", "D": "in an uninterruptible wait",
-           "T": "in state T, stopped by SIGSTOP or SIGTSTP", "t": "stopped by a debugger (state t)",
-           "Z": "a zombie"}
-
-
-def _exit_cause(exitcode: Optional[int]) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 def _die_with_parent() -> None:
@@ -401,7 +300,7 @@ class RankPool(Generic[T]):
             if dead:
                 self._raise_died(dead[0], got)
             for r in waiting:
-                if _proc_state(self._procs[r].pid) == "T":
+                if proc_state(self._procs[r].pid) == "T":
                     stopped_since.setdefault(r, now)
                 else:
                     stopped_since.pop(r, None)
@@ -414,7 +313,7 @@ class RankPool(Generic[T]):
                 self._raise_overdue("deadline", waiting, got, wait=f"{wait_s:g} s, {bound}")
         errors = self._errors(got)
         if errors:
-            first = next((e for e in errors if e[1] not in _CONSEQUENCES), errors[0])
+            first = next((e for e in errors if e[1] not in CONSEQUENCES), errors[0])
             raise RankError(*first, errors=[first] + [e for e in errors if e is not first])
         for rank in range(self.world_size):
             assert accept(got[rank][0]), got[rank][0]
@@ -423,10 +322,10 @@ class RankPool(Generic[T]):
     def _seen(self, rank: int) -> str:
         """What is seen of a rank that has not answered: its process's state and last step."""
         pid = self._procs[rank].pid
-        state = _proc_state(pid)
+        state = proc_state(pid)
         steps = self._reports.get(rank, {}).get("steps")
         at = f", last step {steps[-1][0]!r} at {steps[-1][1]:g} s" if steps else ""
-        return f"process {pid} {_STATES.get(state or '', f'in state {state}')}{at}" if state \
+        return f"process {pid} {PROC_STATES.get(state or '', f'in state {state}')}{at}" if state \
             else f"process {pid}{at}"
 
     def _raise_overdue(self, reason: str, ranks: list[int], got: dict[int, tuple[str, Any]],
@@ -468,7 +367,7 @@ class RankPool(Generic[T]):
 
     def _raise_died(self, rank: int, got: dict[int, tuple[str, Any]]) -> None:
         """A rank died: give the survivors a moment to report, then end them all and raise."""
-        cause = _exit_cause(self._procs[rank].exitcode)
+        cause = exit_cause(self._procs[rank].exitcode)
         end = time.monotonic() + _GRACE_S
         while time.monotonic() < end and len(got) + len(self._dead()) < self.world_size:
             try:
@@ -539,7 +438,7 @@ class RankPool(Generic[T]):
                         code = self._procs[r].exitcode
                         if code is not None:
                             o = outcomes[r]
-                            o.status, o.cause = "died", _exit_cause(code)
+                            o.status, o.cause = "died", exit_cause(code)
                             o.ended_s = round(time.monotonic() - start, 3)
                             pending.discard(r)
                             death_seen = death_seen or time.monotonic()

@@ -78,6 +78,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from moe_plugins.call_bound_errors import (EXIT_CODE, CallTimeoutError, PeerFailedError,
+                                           peer_failed_error, timeout_error)
 from moe_plugins.call_bound_settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
                                              MIN_TIMEOUT_S, POLL_S, call_timeout_seconds,
                                              first_call_timeout_seconds)
@@ -98,20 +100,7 @@ logger = logging.getLogger(__name__)
 RING_SLOTS = 4096
 _MASK = RING_SLOTS - 1
 _U32 = 0xFFFFFFFF
-#: The exit status of a process the watchdog ended (BSD's EX_SOFTWARE): told apart from a crash.
-EXIT_CODE = 70
 _ERROR_EVERY_S = 60.0  # the watchdog's own errors: logged at most this often
-
-
-class CallTimeoutError(RuntimeError):
-    """A watched layer call did not complete within its bound (what the watchdog logs and hands
-    its hooks before it ends the process)."""
-
-
-class PeerFailedError(CallTimeoutError):
-    """A watched layer call could not complete because a peer's call on its EP group failed
-    mid-way and said so (:mod:`moe_plugins.fault_notice`): logged and handed to the hooks, with
-    the peer's error, before the watchdog ends the process."""
 
 
 class WatchedCall:
@@ -332,35 +321,6 @@ class _Watchdog:
             except (OSError, ValueError):
                 pass
         os._exit(EXIT_CODE)
-
-
-def peer_failed_error(call: WatchedCall, told: str, now: float) -> PeerFailedError:
-    """The error of ``call`` whose EP group a peer told of its failure (``told``)."""
-    return PeerFailedError(
-        f"{call.name}: {call.what} {call.number} cannot complete (started "
-        f"{now - call.started:.1f} s ago): a peer's call on this EP group failed mid-way and "
-        f"told its peers: {told}. This rank's part of the call waits for that peer and cannot be "
-        f"cancelled, so moe-plugins ends this process (exit status {EXIT_CODE}) instead of "
-        "waiting for the bound; read that peer's error, fix its cause and restart the EP group "
-        "(under vLLM, the engine: its executor shuts down when a worker dies)")
-
-
-def timeout_error(call: WatchedCall, now: float) -> CallTimeoutError:
-    """The error of ``call`` found overdue at ``now`` (what the watchdog logs before the exit)."""
-    bound = call.bound
-    what = f"{call.what} {call.number}"
-    cover = call.cover
-    if call.covered == call.seq and cover is not None:  # its completion is its step's
-        what += f" (or a later call of {cover.what} {cover.number}, whose completion it shares)"
-    return CallTimeoutError(
-        f"{call.name}: {what} did not complete within {bound:g} s "
-        f"(started {now - call.started:.1f} s ago; ${CALL_TIMEOUT_ENV}, "
-        f"${FIRST_CALL_TIMEOUT_ENV} for a layer's first calls): a peer rank died or hangs "
-        "in the middle of the call, or this rank's own work took longer than the bound (a "
-        "bound below a forward step's time ends healthy ranks: raise it then). Its kernels "
-        f"cannot be cancelled, so moe-plugins ends this process (exit status {EXIT_CODE}) "
-        "instead of waiting for the library's own timeout; restart the EP group (under "
-        "vLLM, the engine: its executor shuts down when a worker dies)")
 
 
 _WATCHDOG = _Watchdog()

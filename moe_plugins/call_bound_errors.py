@@ -2,15 +2,25 @@
 and hands its hooks before it ends the process, and their messages."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from moe_plugins.call_bound_settings import CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV
 
-if TYPE_CHECKING:
-    from moe_plugins.watchdog import WatchedCall
-
 __all__ = ["EXIT_CODE", "CallTimeoutError", "PeerFailedError", "timeout_error",
            "peer_failed_error"]
+
+class WatchedFacts(Protocol):
+    """What the messages read of a watched call (moe_plugins.watchdog.WatchedCall)."""
+
+    name: str
+    number: int
+    what: str
+    seq: int
+    started: float
+    bound: float
+    covered: int
+    cover: Any  # the step window's call whose completion it shares, or None
+
 
 #: The exit status of a process the watchdog ended (BSD's EX_SOFTWARE): told apart from a crash.
 EXIT_CODE = 70
@@ -27,7 +37,7 @@ class PeerFailedError(CallTimeoutError):
     the peer's error, before the watchdog ends the process."""
 
 
-def peer_failed_error(call: "WatchedCall", told: str, now: float) -> PeerFailedError:
+def peer_failed_error(call: WatchedFacts, told: str, now: float) -> PeerFailedError:
     """The error of ``call`` whose EP group a peer told of its failure (``told``)."""
     return PeerFailedError(
         f"{call.name}: {call.what} {call.number} cannot complete (started "
@@ -38,7 +48,7 @@ def peer_failed_error(call: "WatchedCall", told: str, now: float) -> PeerFailedE
         "(under vLLM, the engine: its executor shuts down when a worker dies)")
 
 
-def timeout_error(call: "WatchedCall", now: float) -> CallTimeoutError:
+def timeout_error(call: WatchedFacts, now: float) -> CallTimeoutError:
     """The error of ``call`` found overdue at ``now`` (what the watchdog logs before the exit)."""
     bound = call.bound
     what = f"{call.what} {call.number}"

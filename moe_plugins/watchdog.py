@@ -71,7 +71,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -86,6 +85,7 @@ from moe_plugins.call_bound_settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOU
 from moe_plugins.fault_notice import READ_AFTER_S, FaultNotice
 from moe_plugins.gpu_progress import CudaProgress as _CudaProgress
 from moe_plugins.gpu_progress import raw_stream as _raw_stream
+from moe_plugins.step_state import LayerBounds, StepLocal
 
 __all__ = ["CALL_TIMEOUT_ENV", "FIRST_CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", "MIN_TIMEOUT_S",
            "RING_SLOTS", "CallTimeoutError", "PeerFailedError", "WatchedCall", "CallBound",
@@ -327,45 +327,9 @@ _WATCHDOG = _Watchdog()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG.reset_after_fork)
 _CUDA: list[bool] = []  # whether this process's torch has CUDA (asked once)
-class _StepLocal(threading.local):
-    """The open step window of this thread (watch_step): (its call, stream handle, seq, device
-    index), or None. A class attribute for the default: getattr with a default on a plain
-    threading.local costs half a microsecond (an AttributeError) on every layer call."""
-
-    window: Optional[tuple] = None
-
-
-_STEP = _StepLocal()
+_STEP = StepLocal()  # this thread's open step window
+_BOUNDS = LayerBounds()  # the layers' bounds: a step window's is their largest
 _CPU = torch.device("cpu")
-
-
-class _LayerBounds:
-    """Every layer bound that is on (held weakly: a layer may be dropped), and the largest bound
-    a call started now runs under, the bound of a step window (cached: asked once per step)."""
-
-    def __init__(self) -> None:
-        self._bounds: "weakref.WeakSet[CallBound]" = weakref.WeakSet()
-        self._largest: Optional[float] = None
-        self._stale = False
-
-    def add(self, bound: "CallBound") -> None:
-        self._bounds.add(bound)
-        weakref.finalize(bound, self.changed)
-        self.changed()
-
-    def changed(self) -> None:
-        self._stale = True
-
-    def largest(self) -> Optional[float]:
-        """The largest current bound of the layers (None: no layer has a bound)."""
-        if self._stale:
-            self._stale = False  # first: a change while this computes marks it stale again
-            self._largest = max((t for b in list(self._bounds)
-                                 if (t := b.current_timeout_s()) is not None), default=None)
-        return self._largest
-
-
-_BOUNDS = _LayerBounds()
 _IS_CAPTURING: list[Callable[[], bool]] = []
 
 

@@ -67,6 +67,7 @@ def fresh_watchdog(monkeypatch):
     started (the test calls its check itself), whose expiry is recorded in ``expired`` instead of
     ending the process, and which sees only the bounds of the test's layers."""
     from moe_plugins import watchdog
+    from moe_plugins.step_state import LayerBounds
 
     wd = watchdog._Watchdog()
     expired: list = []
@@ -76,6 +77,6 @@ def fresh_watchdog(monkeypatch):
     monkeypatch.setattr(wd, "_end", ended.append)
     wd.ended = ended  # type: ignore[attr-defined]
     monkeypatch.setattr(watchdog, "_WATCHDOG", wd)
-    monkeypatch.setattr(watchdog, "_BOUNDS", watchdog._LayerBounds())
+    monkeypatch.setattr(watchdog, "_BOUNDS", LayerBounds())
     wd.expired = expired  # type: ignore[attr-defined]
     return wd

@@ -371,13 +371,20 @@ def watch_call(name: str, number: int, timeout_s: Optional[float], what: str = "
     if _STEP.window is None and _capturing():
         _captured(name, number, timeout_s)
         return None
+    return _start(name, number, timeout_s, what, notice)
+
+
+def _start(name: str, number: int, timeout_s: float, what: str,
+           notice: Optional[FaultNotice], late_s: float = 0.0) -> WatchedCall:
+    """Publish a watched call in its ring slot (no capture check: the caller made it);
+    ``late_s``: its deadline that much after its bound."""
     wd = _WATCHDOG
     seq = next(wd.counter)
     call = wd.ring[seq & _MASK]
     call.name, call.number, call.what = name, number, what
     call.started = now = time.monotonic()
     call.bound = timeout_s
-    call.deadline = now + timeout_s
+    call.deadline = now + timeout_s + late_s
     call.notice = notice
     call.seq = seq  # published last: the thread reads seq first
     if wd.thread is None:
@@ -510,10 +517,9 @@ class _StepWindow:
                 if _has_cuda() else _CPU
         wd = _WATCHDOG
         wd.steps += 1
-        call = self.call = watch_call(self.name, wd.steps, bound, "forward step")
         # one poll later than its bound: a layer call overdue in it is named first (the step
         # started before it, under a bound at least as large)
-        call.deadline += POLL_S
+        call = self.call = _start(self.name, wd.steps, bound, "forward step", None, POLL_S)
         if device.type == "cuda":
             index = torch.cuda.current_device() if device.index is None else device.index
             _STEP.window = (call, _raw_stream(index), call.seq, index)

@@ -44,8 +44,9 @@ captured decode steps are bounded too.
 
 A library's host wait. A Python thread cannot run while a library call keeps the interpreter
 lock, as DeepEP's normal-mode dispatch does while it waits on the host for its peers: around
-such calls the layers arm :func:`arm_host_timer`, faulthandler's timer (a C thread), which ends
-the process one poll after the call's deadline with every thread's traceback (exit status 1).
+such calls the layers arm faulthandler's timer (a C thread; :mod:`moe_plugins.host_timer`),
+which ends the process one poll after the call's deadline with every thread's traceback (exit
+status 1).
 
 Start-up. A layer's first calls include JIT builds, vLLM's profile run and peers that are still
 compiling: until a call of the layer after its first has completed (then every peer has entered
@@ -63,7 +64,6 @@ call, nearly all the driver call that enqueues the progress write, and 1.6 us in
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import itertools
 import logging
 import math
@@ -92,7 +92,7 @@ __all__ = ["CALL_TIMEOUT_ENV", "FIRST_CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", 
            "CapturedCalls",
            "call_timeout_seconds", "first_call_timeout_seconds", "watch_call", "on_call_timeout",
            "capture_calls", "expect_replay", "watch_step", "replays_in_step_windows",
-           "arm_host_timer", "disarm_host_timer", "watchdog_alive"]
+           "watchdog_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -555,24 +555,6 @@ def replays_in_step_windows(who: str) -> None:
     :func:`watch_step`: a layer captured under a bound then logs no warning about unbounded
     replays."""
     _WATCHDOG.replays_bounded_by = who
-
-
-def arm_host_timer(call: Optional[WatchedCall]) -> None:
-    """Before a library call that may wait on the host holding the interpreter lock (DeepEP's
-    normal-mode dispatch waits there for the peers' counts): the watchdog thread cannot run
-    while the lock is held, so a timer of the C runtime that needs no lock (faulthandler's)
-    ends the process one poll after ``call``'s deadline, having written every thread's
-    traceback to stderr (exit status 1: the hooks do not run). One per process: a later arm
-    replaces it, :func:`disarm_host_timer` cancels it. None: nothing is armed."""
-    if call is None:
-        return
-    left = call.deadline - time.monotonic() + POLL_S
-    faulthandler.dump_traceback_later(max(left, POLL_S), exit=True, file=2)
-
-
-def disarm_host_timer() -> None:
-    """Cancel :func:`arm_host_timer`'s timer (the library call returned)."""
-    faulthandler.cancel_dump_traceback_later()
 
 
 def on_call_timeout(hook: Callable[[CallTimeoutError], None]) -> Callable[[], None]:

@@ -24,7 +24,8 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.watchdog import CallBound, arm_host_timer, disarm_host_timer
+from moe_plugins.host_timer import arm_host_timer, disarm_host_timer
+from moe_plugins.watchdog import CallBound
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,8 @@ from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.expert_ids import ExpertIds
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
                                             valid_rows)
-from moe_plugins.watchdog import CallBound, WatchedCall, arm_host_timer, disarm_host_timer
+from moe_plugins.host_timer import arm_host_timer, disarm_host_timer
+from moe_plugins.watchdog import CallBound, WatchedCall
 
 logger = logging.getLogger(__name__)
 

@@ -385,7 +385,8 @@ def test_a_forked_child_starts_afresh_and_keeps_the_hooks(fresh):
 # -- a library that waits on the host holding the interpreter lock ------------------------------
 _HOLDING_CHILD = """
 import ctypes, sys, time
-from moe_plugins.watchdog import CallBound, arm_host_timer, on_call_timeout
+from moe_plugins.host_timer import arm_host_timer
+from moe_plugins.watchdog import CallBound, on_call_timeout
 bound = CallBound("layer", 1.0, 0)
 on_call_timeout(lambda e: print("WATCHDOG", flush=True))
 call = bound.watch(1)

@@ -376,7 +376,8 @@ class PrepareFinalize(ABC):
     host_exchange: bool = False
     #: True when a call may wait on the host inside the library while holding the interpreter
     #: lock (DeepEP's normal-mode dispatch): the call bound's watchdog thread cannot run there,
-    #: so the layers arm a lock-free timer around the call (moe_plugins.host_timer.arm_host_timer)
+    #: so the layers name their watched call for the thread (moe_plugins.host_timer.
+    #: bound_host_waits) and the backend wraps the library call that waits in ``host_wait``
     waits_on_host: bool = False
 
     def refuse(self, error: BaseException) -> None:

@@ -73,6 +73,7 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
     the row's own expert output, unweighted) goes back through the low-latency combine."""
 
     activation_format = ActivationFormat.STANDARD
+    waits_on_host = True  # in normal mode, as deepep_ht (whose dispatch arms the timer)
 
     def __init__(self, manager: DeepEPAutoManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPAutoManager):

@@ -33,6 +33,7 @@ from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.faults import group_faults, in_step, layer_name
+from moe_plugins.host_timer import host_wait
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    capturing, check_finalize_routing, check_output,
@@ -62,7 +63,7 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
     per local expert. Rows are ordered by source rank, then source token order."""
 
     activation_format = ActivationFormat.STANDARD
-    waits_on_host = True  # the dispatch waits for the peers' counts on the host
+    waits_on_host = True  # the dispatch waits for the peers' counts on the host (host_wait)
 
     def __init__(self, manager: DeepEPHTManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPHTManager):
@@ -162,11 +163,12 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         elsewhere), per-local-expert counts (list of int), handle, event); the tensors are
         valid once ``event.current_stream_wait()`` has run."""
         per_rank, per_rdma_rank, per_expert, in_rank, layout_event = layout
-        recv, recv_ids, recv_weights, counts, handle, event = self.manager.buffer.dispatch(
-            (x, x_sf) if x_sf is not None else x, num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            previous_event=layout_event, async_finish=True, allocate_on_comm_stream=True)
+        with host_wait():  # it waits holding the interpreter lock: the lock-free timer
+            recv, recv_ids, recv_weights, counts, handle, event = self.manager.buffer.dispatch(
+                (x, x_sf) if x_sf is not None else x, num_tokens_per_rank=per_rank,
+                num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                previous_event=layout_event, async_finish=True, allocate_on_comm_stream=True)
         recv_x, recv_sf = recv if x_sf is not None else (recv, None)
         return recv_x, recv_sf, recv_ids, recv_weights, counts, handle, event
 

@@ -24,7 +24,7 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.host_timer import arm_host_timer, disarm_host_timer
+from moe_plugins.host_timer import bound_host_waits
 from moe_plugins.watchdog import CallBound
 
 logger = logging.getLogger(__name__)
@@ -196,13 +196,13 @@ class MoELayer:
         if watched is None:
             return self._call(x)
         host_wait = self.pf is not None and self.pf.waits_on_host
-        if host_wait:
-            arm_host_timer(watched)
+        if host_wait:  # the backend's host waits run under this call's deadline
+            bound_host_waits(watched)
         try:
             return self._call(x)
         finally:  # an error ends the watch too: it reached the caller
             if host_wait:
-                disarm_host_timer()
+                bound_host_waits(None)
             watched.end(self.ctx.device)
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.expert_ids import ExpertIds
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
                                             valid_rows)
-from moe_plugins.host_timer import arm_host_timer, disarm_host_timer
+from moe_plugins.host_timer import bound_host_waits
 from moe_plugins.watchdog import CallBound, WatchedCall
 
 logger = logging.getLogger(__name__)
@@ -397,7 +397,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         and issue the backend's dispatch; returns vLLM's (hook, receiver) or receiver."""
         watched = self._bound.watch(self.calls)
         if watched is not None and backend.waits_on_host:
-            arm_host_timer(watched)  # the library may wait on the host holding the interpreter
+            bound_host_waits(watched)  # the library may wait on the host holding the interpreter
         self._calls[slot] = (rows, ids, weights, owns_all, refusal, watched)
         try:
             if self._low_latency and (defer_input_quant or self._recv_quant is None):
@@ -430,7 +430,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """The end of a watched call's host part (and of its lock-free timer, where armed)."""
         if watched is not None:
             if backend.waits_on_host:
-                disarm_host_timer()
+                bound_host_waits(None)
             watched.end(self.ctx.device)
 
     def _refuse(self, error: BaseException) -> BaseException:

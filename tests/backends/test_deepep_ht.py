@@ -3,6 +3,8 @@ low-latency modes (tests/emulation), multi-rank over gloo, compared with the sin
 reference; and the registry rows and refusals of both."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -351,3 +353,82 @@ def test_demo_counts_the_calls_of_each_mode(rank_pool):
                                BF16, 0, 2)
     # the demo sizes the buffers for its batch, so every call fits the low-latency side
     assert all(r["modes"] == {"low_latency": 3} for r in results)
+
+
+# -- the call bound over normal mode's host wait --------------------------------------------------
+_HOST_WAIT_CHILD = """
+import ctypes, faulthandler, os, sys, time
+import torch, torch.distributed as dist
+from all2all.deepep_auto import DeepEPAutoOptions
+from moe_plugins.groups import cached_dist_context
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.overlap import OverlapConfig
+from moe_plugins.quant import QuantSpec
+from moe_plugins.registry import get_backend
+from moe_plugins.runner.demo import demo_inputs
+from moe_plugins.runner.layer import MoELayer
+from moe_plugins.runner.model import MoEWeights
+from tests.backends.test_deepep_ht import _cfg
+from tests.emulation import installed
+
+backend, store, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+arms = []
+real_arm = faulthandler.dump_traceback_later
+faulthandler.dump_traceback_later = lambda *a, **k: (arms.append(a), real_arm(*a, **k))
+cfg = _cfg()
+with installed("deep_ep"):
+    import deep_ep
+    dispatch = deep_ep.Buffer.dispatch
+
+    def holding(self, *a, **k):  # DeepEP's host wait: a C call that keeps the interpreter lock
+        print("HOLDING", flush=True)
+        ctypes.PyDLL(None).sleep(30)
+        return dispatch(self, *a, **k)
+
+    deep_ep.Buffer.dispatch = holding
+    options = DeepEPAutoOptions(ll_max_tokens_per_rank=8) if backend == "deepep_auto" else None
+    layer = MoELayer(MoEWeights.random(cfg, 0), cached_dist_context(ParallelLayout(2, 1, True)),
+                     get_backend(backend), None, QuantSpec(), OverlapConfig(overlap=False),
+                     max_tokens_per_rank=64, backend_options=options, call_timeout_s=1.0)
+    if backend == "deepep_auto":
+        layer(demo_inputs(cfg, 4, rank, 0))  # low-latency mode
+        print("LOW-LATENCY CALL, TIMERS ARMED:", len(arms), flush=True)
+    t0 = time.monotonic()
+    layer(demo_inputs(cfg, 32, rank, 0))  # normal mode
+    print("RETURNED", round(time.monotonic() - t0, 1), flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_normal_mode_host_wait_is_ended_by_the_lock_free_timer(backend, tmp_path):
+    """EP 2, the call bound (1 s) over normal mode's dispatch, whose host wait keeps the
+    interpreter lock (the emulated dispatch holds it 30 s in a C call, as DeepEP's does while
+    its peers' counts do not come): the watchdog thread cannot run, and faulthandler's timer,
+    armed by the backend around that library call alone, ends each rank about a second in,
+    with the traceback of the wait. deepep_auto's low-latency call arms nothing (its mode is
+    chosen inside the call)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, MOE_PLUGINS_FIRST_CALL_TIMEOUT_S="1")
+    t0 = time.monotonic()
+    ranks = [subprocess.Popen([sys.executable, "-c", _HOST_WAIT_CHILD, backend,
+                               str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=str(Path(__file__).resolve().parents[2])) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    took = time.monotonic() - t0
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 1 and "HOLDING" in out and "RETURNED" not in out, \
+            (p.returncode, out, err[-3000:])
+        assert "Timeout (0:00:01" in err and "in _dispatch" in err, err[-3000:]
+        if backend == "deepep_auto":
+            assert "LOW-LATENCY CALL, TIMERS ARMED: 0" in out, out
+    assert took < 30, took

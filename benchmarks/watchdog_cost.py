@@ -8,6 +8,8 @@ bound off. One process, no ranks; the watchdog thread runs as it does in a layer
 - ``--layers-per-step L ...``: also the calls of steps of ``L`` layer calls inside a step window
   (``watch_step``, what the vLLM glue opens around each forward pass): the calls share the
   window's one completion mark, and the window's own host time is shared by its ``L`` calls.
+- ``--device cuda`` also times the completion mark's driver call alone, each path the driver
+  offers (``moe_plugins.gpu_progress.CudaProgress.PATHS``; the first that works is used).
 
     python benchmarks/watchdog_cost.py --device cpu
 """
@@ -62,6 +64,29 @@ def ns_per_call(bound: CallBound, device: torch.device, calls: int, batch: int,
     return total / n
 
 
+def driver_ns_per_write(calls: int, batch: int) -> dict[str, float]:
+    """Host time (ns) of one completion-mark write (the driver call through ctypes) on the
+    current stream, for each driver path that works here: ``calls`` writes in batches of
+    ``batch``, the device synchronized between batches outside the timed part."""
+    from moe_plugins.gpu_progress import CudaProgress, raw_stream
+
+    out: dict[str, float] = {}
+    stream = raw_stream(torch.cuda.current_device())
+    for how in CudaProgress.PATHS:
+        progress = CudaProgress(1, (how,))
+        if not progress.ok:
+            continue
+        write, total, n = progress.write, 0, max(1, calls // batch) * batch
+        for first in range(0, n, batch):
+            t0 = time.perf_counter_ns()
+            for i in range(first, first + batch):
+                write(stream, 0, i)
+            total += time.perf_counter_ns() - t0
+            torch.cuda.synchronize()
+        out[how] = round(total / n, 1)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -102,6 +127,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         what = ("a completion mark per call" if k == "on"
                 else f"in step windows of {k.split()[1]} calls")
         print(f"  {v:8.0f} ns per call: {what}")
+    if device.type == "cuda":
+        result["driver_ns_per_write"] = driver_ns_per_write(args.calls, args.batch)
+        for how, ns in result["driver_ns_per_write"].items():
+            print(f"  {ns:8.0f} ns per write: {how} alone (the completion mark's driver call)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

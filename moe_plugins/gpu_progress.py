@@ -23,8 +23,12 @@ class CudaProgress:
     call, on the caller's thread (a CUDA context is current there); ``ok`` False: no driver
     path works here."""
 
-    def __init__(self, slots: int) -> None:
+    #: the driver calls that can write a word, tried in this order by a probe
+    PATHS = ("cuStreamWriteValue32", "cuMemsetD32Async")
+
+    def __init__(self, slots: int, paths: tuple[str, ...] = PATHS) -> None:
         self.slots = slots
+        self.paths = paths
         self.ok = False
         self.how = "none"
         self.words: Optional[ctypes.Array] = None
@@ -63,14 +67,15 @@ class CudaProgress:
         write = getattr(lib, "cuStreamWriteValue32_v2", None) or getattr(
             lib, "cuStreamWriteValue32", None)
         memset = getattr(lib, "cuMemsetD32Async", None)
-        candidates = []
+        found = {}
         if write is not None:  # (stream, address, value, flags)
             write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            candidates.append(("cuStreamWriteValue32", write, False))
+            found["cuStreamWriteValue32"] = (write, False)
         if memset is not None:  # (address, value, count, stream)
             memset.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-            candidates.append(("cuMemsetD32Async", memset, True))
+            found["cuMemsetD32Async"] = (memset, True)
         stream = raw_stream(torch.cuda.current_device())
+        candidates = [(how, *found[how]) for how in self.paths if how in found]
         for how, fn, is_memset in candidates:  # the probe: a write into the spare last word
             self._fn, self._memset = fn, is_memset
             rc = self.write(stream, self.slots, 1)
@@ -79,7 +84,7 @@ class CudaProgress:
                 logger.debug("moe-plugins watchdog: GPU progress writes by %s", how)
                 return
             logger.debug("moe-plugins watchdog: %s failed with CUresult %d", how, rc)
-        raise RuntimeError("neither cuStreamWriteValue32 nor cuMemsetD32Async works here")
+        raise RuntimeError(f"none of {', '.join(self.paths)} works here")
 
     @staticmethod
     def _context(lib: ctypes.CDLL) -> None:

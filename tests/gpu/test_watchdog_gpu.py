@@ -2,8 +2,9 @@
 host memory, layer calls in a step window share the window's one write, a capture in a loop with
 calls in flight never fails and never kills the watchdog, a stuck eager call or CUDA-graph
 replay (alone or in a step window) ends the process within its bound, and at EP 4 a peer killed
-between replays of a captured layer (under expect_replay, or in step windows) ends every
-survivor within the bound.
+between replays of a captured layer (under expect_replay, or in step windows), or between the
+combine's send and receive of hook mode under vLLM's modular kernel, ends every survivor within
+the bound.
 
 Skipped without CUDA; the deepep_ll cases also without DeepEP's V1 line. Each case that needs a
 process group runs in fresh processes (tests/gpu/ep_harness.py).
@@ -205,5 +206,45 @@ def test_a_peer_killed_between_replays_ends_every_survivor_within_the_bound(repl
         assert bound <= third["seconds"] < bound + SLACK_S, third
         # 70: the watchdog's exit; -SIGTERM: the pool ended the rank after its hook had sent
         # the answer above and before its exit (every rank had answered)
+        assert run.bounded.exitcodes[rank] in (None, EXIT_CODE, -signal.SIGTERM), \
+            run.bounded.exitcodes
+
+
+def test_a_peer_killed_between_the_combines_send_and_receive_ends_every_survivor():
+    """EP 4, deepep_ll through vLLM's modular kernel with a shared expert (hook mode: vLLM calls
+    our combine's receive after the shared expert), the bound 30 s from
+    MOE_PLUGINS_CALL_TIMEOUT_S, each forward in a step window as the vLLM glue opens them: two
+    calls right; in call 3 rank 2 dies in its experts, its dispatch received. Every survivor's
+    host returns from call 3 (its combine sent, the receive enqueued), its receive waits on the
+    GPU for rank 2's rows, and the step window ends it within the bound plus the slack."""
+    _deep_ep()
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM's Python (scripts/gpu/h200.sh installs it)")
+    from tests.gpu.ep_harness import run_world
+    from tests.gpu.watchdog_ranks import hook_kill_job
+
+    bound, victim = 30.0, 2
+    run = run_world(hook_kill_job, 4, victim, bound, "cuda", device="cuda", timeout_s=500,
+                    pg_timeout_s=300, stop_on_death=False)
+    print(json.dumps(run.record(), indent=1)[:20000])
+    assert not run.stray, run.summary()
+    for rank, o in enumerate(run.outcomes):
+        got = {(r.get("call"), "ended" if "outcome" in r else "host"): r for r in o.results}
+        for n in (1, 2):
+            first = next((r for r in o.results if r.get("call") == n), None)
+            assert first is not None and first["ok"] and first["hook_mode"], o.describe()
+        if rank == victim:
+            assert o.status == "died", o.describe()
+            continue
+        host = got.get((3, "host"))
+        assert host is not None and host["hook_mode"] and host["host_returned"] < bound, \
+            o.describe()
+        third = got.get((3, "ended"))
+        assert third is not None and third["outcome"] == "ended", o.describe()
+        assert third["type"] == "CallTimeoutError" and "did not complete" in third["message"], \
+            third
+        assert bound <= third["seconds"] < bound + SLACK_S, third
         assert run.bounded.exitcodes[rank] in (None, EXIT_CODE, -signal.SIGTERM), \
             run.bounded.exitcodes

@@ -33,9 +33,10 @@ Paths (``path`` in the JSON rows):
 - ``adapter_bound`` / ``adapter_shared_bound`` (with ``--call-timeout-s``): ``adapter`` /
   ``adapter_shared`` built with the call bound on (``MOE_PLUGINS_CALL_TIMEOUT_S``,
   :mod:`moe_plugins.watchdog`), in the same process as the rows with it off.
-- ``adapter_step`` (with ``--call-timeout-s``): ``adapter_bound`` with its calls in step windows
-  of ``--layers-per-step`` calls (``watch_step``, which the vLLM glue opens around each forward
-  pass: the calls of a step share one completion mark), as in a model of that many MoE layers.
+- ``adapter_step`` (with ``--call-timeout-s``): ``adapter_bound`` with each eager sample in one
+  step window (``watch_step``, which the vLLM glue opens around each forward pass: the calls of
+  a step share one completion mark); a sample is then ``--layers-per-step`` round trips for
+  every path, as the MoE layers of one forward pass of a model with that many.
 - ``adapter_shared`` / ``vllm_shared`` (DeepEP): the same two with a shared expert in the call
   (one that computes nothing), which vLLM runs between the combine's send and its receive.
   With the plugin's patch of vLLM's modular kernel (installed here as the plugin installs it),
@@ -300,8 +301,7 @@ def deepep_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
                              args.call_timeout_s)
             paths["adapter_bound"] = _modular_kernel_round_trip(bound, experts, x, w, ids,
                                                                 args.experts, expert_out, out)
-            paths["adapter_step"] = in_step_windows(paths["adapter_bound"],
-                                                    args.layers_per_step)
+            paths["adapter_step"] = InStepWindow(paths["adapter_bound"])
             paths["adapter_shared_bound"] = _modular_kernel_round_trip(
                 bound, experts, x, w, ids, args.experts, expert_out, out, True)
         try:
@@ -361,40 +361,35 @@ def torch_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
             paths["adapter_bound"] = via(_adapter(spec, ctx, cfg, "bf16", _Experts(),
                                                   OverlapConfig(overlap=False),
                                                   args.call_timeout_s))
-            paths["adapter_step"] = in_step_windows(paths["adapter_bound"],
-                                                    args.layers_per_step)
+            paths["adapter_step"] = InStepWindow(paths["adapter_bound"])
     return paths
 
 
-def in_step_windows(fn: Callable[[], None], layers: int) -> Callable[[], None]:
-    """``fn`` (one layer call) as the layers of forward steps of ``layers`` calls: a step window
-    (``watch_step``) opens before every ``layers``-th call and closes before the next opens;
-    ``.close()`` closes the last (before the process moves on: an open window stays watched)."""
-    from moe_plugins.watchdog import watch_step
+class InStepWindow:
+    """``fn`` (one layer call) as the layers of forward steps: each eager sample of the path
+    (its ``--batch`` round trips; with ``--call-timeout-s`` the batch defaults to
+    ``--layers-per-step``) runs inside one step window (``watch_step``, which the vLLM glue
+    opens around each forward pass), closed at the sample's end, before its synchronization:
+    no other path's calls run in it. Not captured (a replay is one step of an engine)."""
 
-    state: dict[str, Any] = {"n": 0, "window": None}
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
 
-    def close() -> None:
-        if state["window"] is not None:
-            state["window"].__exit__(None, None, None)
-            state["window"] = None
+    def __call__(self) -> None:
+        self.fn()
 
-    def run() -> None:
-        if state["n"] % layers == 0:
-            close()
-            state["window"] = watch_step()
-            state["window"].__enter__()
-        state["n"] += 1
-        fn()
+    @staticmethod
+    def window() -> Any:
+        from moe_plugins.watchdog import watch_step
 
-    run.close = close  # type: ignore[attr-defined]
-    return run
+        return watch_step()
 
 
 def eager_us(paths: dict[str, Callable[[], None]], samples: int, batch: int,
              sync: Callable[[], None]) -> dict[str, float]:
     """Median wall time per round trip (us), samples of each path interleaved (in a rotating
-    order) so that drift of a shared machine hits every path alike."""
+    order) so that drift of a shared machine hits every path alike; a sample of an
+    :class:`InStepWindow` path runs in one step window."""
     for fn in paths.values():
         for _ in range(max(3, batch)):
             fn()
@@ -406,8 +401,14 @@ def eager_us(paths: dict[str, Callable[[], None]], samples: int, batch: int,
         for name in names[i % len(names):] + names[:i % len(names)]:
             fn = paths[name]
             t0 = time.perf_counter_ns()
-            for _ in range(batch):
-                fn()
+            if isinstance(fn, InStepWindow):
+                call = fn.fn  # the layer call itself: no wrapper's call in the timed loop
+                with fn.window():
+                    for _ in range(batch):
+                        call()
+            else:
+                for _ in range(batch):
+                    fn()
             sync()
             times[name].append((time.perf_counter_ns() - t0) / batch / 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -439,7 +440,7 @@ def graph_us(paths: dict[str, Callable[[], None]], replays: int) -> dict[str, fl
 
     found = {}
     for name, fn in paths.items():
-        if hasattr(fn, "close"):  # step windows are an eager engine's (a replay is one step)
+        if isinstance(fn, InStepWindow):  # an eager engine's steps (a replay is one step)
             continue
         try:
             found[name] = graph_ms(fn, replays, repeats=3) * 1e3
@@ -519,15 +520,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--samples", type=int,
                    help="eager samples per path (default: 120 on cuda, 60 on cpu, where a CI "
                         "machine runs it in well under a minute)")
-    p.add_argument("--batch", type=int, default=20, help="round trips per eager sample")
+    p.add_argument("--batch", type=int,
+                   help="round trips per eager sample (default 20; with --call-timeout-s, "
+                        "--layers-per-step: a sample of adapter_step is one forward step)")
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
     p.add_argument("--call-timeout-s", type=float, metavar="S",
                    help="also time the adapter with the call bound on at S seconds "
                         "(adapter_bound rows; moe_plugins.watchdog), in the same process")
     p.add_argument("--layers-per-step", type=int, default=58, metavar="L",
                    help="with --call-timeout-s: adapter_step rows, the bound's calls in step "
-                        "windows of L calls (default 58: DeepSeek-V3's MoE layers per forward "
-                        "pass)")
+                        "windows of L calls, and L round trips per eager sample of every path "
+                        "(default 58: DeepSeek-V3's MoE layers per forward pass)")
     p.add_argument("--profile", type=Path,
                    help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
@@ -541,6 +544,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as e:
             print(f"--call-timeout-s: {e}", file=sys.stderr)
             return 2
+    if args.batch is None:
+        args.batch = args.layers_per_step if args.call_timeout_s is not None else 20
     if args.samples is None:
         args.samples = 120 if args.device == "cuda" else 60
     if args.torch_hidden is None:
@@ -591,8 +596,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     paths = builders[backend](ctx, args, case, vllm_missing)
                     for path, us in eager_us(paths, args.samples, args.batch, sync).items():
                         rows.append(Row(backend, path, "eager", tokens, quant, us))
-                    for fn in paths.values():
-                        getattr(fn, "close", lambda: None)()
                     if args.profile:
                         profiled.append((case, paths))
                     if args.device == "cuda" and backend == "deepep_ll":

@@ -33,10 +33,11 @@ Paths (``path`` in the JSON rows):
 - ``adapter_bound`` / ``adapter_shared_bound`` (with ``--call-timeout-s``): ``adapter`` /
   ``adapter_shared`` built with the call bound on (``MOE_PLUGINS_CALL_TIMEOUT_S``,
   :mod:`moe_plugins.watchdog`), in the same process as the rows with it off.
-- ``adapter_step`` (with ``--call-timeout-s``): ``adapter_bound`` with each eager sample in one
-  step window (``watch_step``, which the vLLM glue opens around each forward pass: the calls of
-  a step share one completion mark); a sample is then ``--layers-per-step`` round trips for
-  every path, as the MoE layers of one forward pass of a model with that many.
+- ``adapter_step`` (with ``--call-timeout-s``): ``adapter_bound`` with each eager sample (its
+  ``--batch`` round trips) in one step window (``watch_step``, which the vLLM glue opens around
+  each forward pass: the calls of a step share one completion mark), as the MoE layers of one
+  forward pass of a model with that many (20 by default; DeepSeek-V3 has 58: a longer step
+  shares the window's own cost among more calls).
 - ``adapter_shared`` / ``vllm_shared`` (DeepEP): the same two with a shared expert in the call
   (one that computes nothing), which vLLM runs between the combine's send and its receive.
   With the plugin's patch of vLLM's modular kernel (installed here as the plugin installs it),
@@ -367,8 +368,7 @@ def torch_paths(ctx: DistContext, args: argparse.Namespace, case: Case,
 
 class InStepWindow:
     """``fn`` (one layer call) as the layers of forward steps: each eager sample of the path
-    (its ``--batch`` round trips; with ``--call-timeout-s`` the batch defaults to
-    ``--layers-per-step``) runs inside one step window (``watch_step``, which the vLLM glue
+    (its ``--batch`` round trips) runs inside one step window (``watch_step``, which the vLLM glue
     opens around each forward pass), closed at the sample's end, before its synchronization:
     no other path's calls run in it. Not captured (a replay is one step of an engine)."""
 
@@ -496,8 +496,8 @@ def print_table(rows: list[Row]) -> None:
           "with the plugin's patch (no shared expert: our combine is blocking); *_shared: the "
           "same with a shared expert in the call (our combine in hook mode); *_bound: the adapter "
           "with the call bound on (--call-timeout-s), bound/off: over it off; adapter_step: the "
-          "same in step windows of --layers-per-step calls (one completion mark per step, as "
-          "under vLLM); added a/v: "
+          "same with each sample of --batch calls in one step window (one completion mark per "
+          "step, as under vLLM); added a/v: "
           "(adapter - runtime) / (vllm_in_tree - runtime), the host time each adds above the "
           "library's C++ calls")
 
@@ -520,17 +520,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--samples", type=int,
                    help="eager samples per path (default: 120 on cuda, 60 on cpu, where a CI "
                         "machine runs it in well under a minute)")
-    p.add_argument("--batch", type=int,
-                   help="round trips per eager sample (default 20; with --call-timeout-s, "
-                        "--layers-per-step: a sample of adapter_step is one forward step)")
+    p.add_argument("--batch", type=int, default=20,
+                   help="round trips per eager sample (with --call-timeout-s, a sample of "
+                        "adapter_step is one step window of that many layer calls)")
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
     p.add_argument("--call-timeout-s", type=float, metavar="S",
                    help="also time the adapter with the call bound on at S seconds "
                         "(adapter_bound rows; moe_plugins.watchdog), in the same process")
-    p.add_argument("--layers-per-step", type=int, default=58, metavar="L",
-                   help="with --call-timeout-s: adapter_step rows, the bound's calls in step "
-                        "windows of L calls, and L round trips per eager sample of every path "
-                        "(default 58: DeepSeek-V3's MoE layers per forward pass)")
     p.add_argument("--profile", type=Path,
                    help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
@@ -544,8 +540,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as e:
             print(f"--call-timeout-s: {e}", file=sys.stderr)
             return 2
-    if args.batch is None:
-        args.batch = args.layers_per_step if args.call_timeout_s is not None else 20
     if args.samples is None:
         args.samples = 120 if args.device == "cuda" else 60
     if args.torch_hidden is None:

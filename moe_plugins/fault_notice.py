@@ -8,9 +8,10 @@ ones are consequences), with the failing rank and its error. A peer cannot be in
 a collective or a kernel that waits for the failed rank, so it is the call bound's watchdog
 (:mod:`moe_plugins.watchdog`) that acts: while a call of this rank on the group has been in
 flight for :data:`READ_AFTER_S`, a reader thread looks at the key every poll and the watchdog ends
-the process with :class:`moe_plugins.watchdog.PeerFailedError`. So the notice is read only with
-the bound on; with it off the peers still end at the process-group timeout (or the
-library's).
+the process with :class:`moe_plugins.watchdog.PeerFailedError`. With the bound off the peers
+still end at the process-group timeout (or the library's): a collective of ours that fails
+then reads the notice (:meth:`FaultNotice.read_within`) and names the peer's error as the
+cause.
 
 The store can block (its server, on the job's first rank, stopped): it is read in a thread of
 its own, never in the watchdog's, and posted by the failing rank with its error already
@@ -19,6 +20,7 @@ recorded.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Optional
 
 __all__ = ["FaultNotice", "NOTICE_PREFIX", "READ_AFTER_S", "notice_for"]
@@ -75,6 +77,23 @@ class FaultNotice:
             return None
         text = self.store.get(self.key).decode("utf-8", errors="replace")
         return None if text.startswith(f"EP rank {self.rank}:") else text  # not our own
+
+    def read_within(self, seconds: float) -> Optional[str]:
+        """:meth:`read` on an error path: None when the store does not answer within
+        ``seconds`` (its server stopped) or fails (its server gone); the read is left to a
+        daemon thread then."""
+        found: list[Optional[str]] = []
+
+        def read() -> None:
+            try:
+                found.append(self.read())
+            except Exception as e:  # the store's server may be gone with its rank
+                logger.debug("moe-plugins: could not read the fault notice %s (%s)", self.key, e)
+
+        reader = threading.Thread(target=read, name="moe-plugins-fault-notice", daemon=True)
+        reader.start()
+        reader.join(seconds)
+        return found[0] if found else None
 
 
 def notice_for(group: Any, rank: int) -> Optional[FaultNotice]:

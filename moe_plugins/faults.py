@@ -258,6 +258,8 @@ def clear_group_faults(group: object = None) -> None:
 
 
 _PEER_RE = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|\[[0-9a-fA-F:.]+\]:\d+")
+#: how long a failed collective waits for the store to say whether a peer failed first (s)
+NOTICE_READ_S = 2.0
 
 
 _IN_STEP = "_moe_plugins_in_step"
@@ -310,12 +312,16 @@ def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Opti
     others = [r for r in faults.ranks if r != faults.rank]
     who = (f"peer {peer.group(0)} (as the transport names it)" if peer else
            f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}")
+    # a peer that failed mid-way posted its error (moe_plugins.fault_notice): the true cause
+    told = faults.notice.read_within(NOTICE_READ_S) if faults.notice is not None else None
     faults.mark_broken(f"{what} of call {faults.seq} did not complete", exc)
+    first = (f"; first, a peer's call on this group failed mid-way and told its peers: {told}"
+             if told else "")
     return CollectiveError(
         f"{layer}: {what} (call {faults.seq}) did not complete on the EP group of ranks "
         f"{list(faults.ranks)}: {cause}; the peer that did not answer: {who} "
-        f"({type(exc).__name__}: {text}). A rank that raised before this collective, or died, "
-        "reports its own error")
+        f"({type(exc).__name__}: {text}){first}. A rank that raised before this collective, "
+        "or died, reports its own error")
 
 
 def check_peers(faults: GroupFaults, layer: str, rank_in_group: int, seq: int, digest: int,

@@ -55,6 +55,9 @@ def test_rank_failing_mid_way_breaks_every_rank_within_the_timeout(rank_pool):
             assert first_type == "CollectiveError", first
             assert "combine all-to-all" in first
             assert "torch backend layer" in first and "ranks [0, 1, 2, 3]" in first
+            # the true cause, read from the store (moe_plugins.fault_notice), bound off
+            assert f"failed mid-way and told its peers: EP rank {bad}: " in first, first
+            assert "injected expert failure" in first, first
             assert seconds < 2 * TIMEOUT_S
         second_type, second, seconds = r["second"]
         assert second_type == "LayerBrokenError" and seconds < 1.0
@@ -163,7 +166,9 @@ def test_rank_not_answering_after_its_peers_failed_is_overdue_within_a_grace():
     assert error.rank == 1 and error.reason == "overdue" and error.overdue == [1]
     assert {r for r, *_ in error.errors} == {0, 2}  # the peers' timeouts travel with it
     text = str(error)
-    assert "rank 1 did not answer within" in text and "after rank 0 raised" in text, text
+    # whichever peer's timeout fired first (the two fire within microseconds of each other)
+    assert "rank 1 did not answer within" in text, text
+    assert "after rank 0 raised" in text or "after rank 2 raised" in text, text
     assert f"process {pids[1]} sleeping" in text, text
 
 

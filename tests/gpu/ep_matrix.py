@@ -147,10 +147,11 @@ def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4)
 
 def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                margin_s: float = 60.0, pg_timeout_s: Optional[float] = None,
-               call_timeout_s: Optional[float] = None) -> Job:
+               call_timeout_s: Optional[float] = None, tokens: int = 8) -> Job:
     """A fault on one rank of ``ep`` (``kind``: refuse, kill, kill-before, raise, hang).
     ``call_timeout_s``: the other ranks run under moe_plugins.watchdog with this bound (the case
-    is then ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``."""
+    is then ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``.
+    ``tokens``: per rank and call."""
     from moe_plugins.watchdog import first_call_timeout_seconds
     from tests.gpu import ep_ranks
 
@@ -164,11 +165,12 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
              else pg if device == "cpu" else lib) + margin_s
     case = f"fault-{kind}" + ("-watchdog" if call_timeout_s is not None else "")
     return Job(f"fault/{backend}/{case[6:]}/ep{ep}", half, "layer", backend, ep,
-               ep_ranks.fault_job, (backend, device, kind, victim, 0, call_timeout_s), bound,
+               ep_ranks.fault_job, (backend, device, kind, victim, 0, call_timeout_s, tokens),
+               bound,
                ((backend, case, "bf16", 1),),
                kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None,
                fault=kind, settings=(
-                   ("victim", victim), ("fault", kind),
+                   ("victim", victim), ("fault", kind), ("tokens", tokens),
                    ("call_timeout_s", call_timeout_s),
                    ("first_call_timeout_s", None if call_timeout_s is None else
                     first_call_timeout_seconds(call_timeout_s)),
@@ -191,6 +193,8 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
     (CUDA IPC only), torch and flashinfer beside DeepEP's low-latency mode; but never two
     low-latency-mode DeepEP buffers in one process (NVSHMEM is set up per buffer: deepep_auto and
     the masking job, whose buffer has ``enable_shrink``, get their own worlds)."""
+    from tests.gpu.ep_ranks import AUTO_LL_CAPACITY
+
     fi = "flashinfer_nvlink_two_sided"
     if scale == "reduced":
         return _vllm_jobs("A", device, scale) + [
@@ -228,6 +232,10 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             # watchdog can end a rank there (a margin past DeepEP's own CPU timeout, 100 s)
             _fault_job("deepep_ht", "kill-before", "B", device, margin_s=120,
                        call_timeout_s=15),
+            # the same in deepep_auto's normal mode (more tokens than its low-latency
+            # capacity): the mode is chosen inside the call, the timer armed in the dispatch
+            _fault_job("deepep_auto", "kill-before", "B", device, margin_s=120,
+                       call_timeout_s=15, tokens=2 * AUTO_LL_CAPACITY),
             # a victim that raises mid-call tells its peers (moe_plugins.fault_notice): they
             # end in seconds with its error, not at the bound
             _fault_job("deepep_ll", "raise", "B", device, margin_s=30, call_timeout_s=15),

@@ -470,7 +470,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victim: int,
-              seed: int = 0, call_timeout_s: Optional[float] = None) -> dict:
+              seed: int = 0, call_timeout_s: Optional[float] = None, tokens: int = 8) -> dict:
     """One layer call with a fault on rank ``victim``; every rank reports what happened to it
     (``ep_harness.result``): how its call ended (returned / raised: type, first line), the
     seconds from the call's start, and, if it returned, whether the output is the full
@@ -482,7 +482,8 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
     own error and tells its peers, moe_plugins.fault_notice) or ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
     ``call_timeout_s``: the other ranks' layers run under moe_plugins.watchdog with this bound
     (the watchdog ends their processes: its error is reported as call 2's; call 1 then runs twice,
-    so that call 2 is under the call bound, not the start-up bound). Call 1 (nobody faulty) runs
+    so that call 2 is under the call bound, not the start-up bound). ``tokens`` per rank (more
+    than deepep_auto's low-latency capacity: its normal mode). Call 1 (nobody faulty) runs
     first, so buffers and connections are up; after a
     refusal, call 3 (every rank's good input) must be right everywhere: the layer stays
     usable."""
@@ -496,7 +497,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
             layer = layers.build(CFG, weights, 1, None, QUANTS["bf16"],
                                  options=backend_options(backend, world, device, **opts),
                                  call_timeout_s=None if rank == victim else call_timeout_s)
-            n = 8
+            n = tokens
             x = demo_inputs(CFG, n, rank, seed)
             full = reference_moe(x, weights)
             step(f"{backend}: call 1 (no fault)")

@@ -74,6 +74,8 @@ def test_the_full_matrix_covers_the_issue():
     faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}
     assert {("deepep_ll", "fault-refuse"), ("deepep_ll", "fault-kill"),
             ("deepep_ll", "fault-kill-watchdog"), ("deepep_ht", "fault-kill-watchdog"),
+            ("deepep_ht", "fault-kill-before-watchdog"),
+            ("deepep_auto", "fault-kill-before-watchdog"),
             ("deepep_auto", "fault-refuse"), ("flashinfer_nvlink_two_sided", "fault-refuse")} <= faults
     assert {j.half for j in full} == {"A", "B"}
     assert all(j.bound_s <= 600 for j in full)

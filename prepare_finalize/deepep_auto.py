@@ -28,7 +28,7 @@ import torch.distributed as dist
 from all2all.deepep_auto import DeepEPAutoManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
-from moe_plugins.faults import group_faults, layer_name
+from moe_plugins.faults import collective_error, group_faults, layer_name
 from moe_plugins.formats import batched_as_standard, standard_as_batched
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
                                    PrepareResult, RowScatterTarget, capturing,
@@ -169,8 +169,12 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
     def _largest_over_ranks(self, num_tokens: int) -> int:
         m = self.manager
         t = torch.tensor([num_tokens], dtype=torch.int64, device=m.ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m.group)
-        return int(t.item())
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m.group)
+            return int(t.item())
+        except RuntimeError as e:  # a peer gone or silent: the group's error, on every rank
+            raise collective_error(self.faults, self.name, "mode choice all-reduce",
+                                   getattr(m.ctx, "timeout_s", None), e) from e
 
     # -- prepare / finalize ----------------------------------------------------------------------
     def prepare_async(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,

@@ -147,11 +147,12 @@ def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4)
 
 def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                margin_s: float = 60.0, pg_timeout_s: Optional[float] = None,
-               call_timeout_s: Optional[float] = None, tokens: int = 8) -> Job:
+               call_timeout_s: Optional[float] = None, tokens: int = 8,
+               prefill_hint: bool = False) -> Job:
     """A fault on one rank of ``ep`` (``kind``: refuse, kill, kill-before, raise, hang).
     ``call_timeout_s``: the other ranks run under moe_plugins.watchdog with this bound (the case
     is then ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``.
-    ``tokens``: per rank and call."""
+    ``tokens``: per rank and call; ``prefill_hint``: an engine's prefill hint before each."""
     from moe_plugins.watchdog import first_call_timeout_seconds
     from tests.gpu import ep_ranks
 
@@ -165,12 +166,13 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
              else pg if device == "cpu" else lib) + margin_s
     case = f"fault-{kind}" + ("-watchdog" if call_timeout_s is not None else "")
     return Job(f"fault/{backend}/{case[6:]}/ep{ep}", half, "layer", backend, ep,
-               ep_ranks.fault_job, (backend, device, kind, victim, 0, call_timeout_s, tokens),
-               bound,
+               ep_ranks.fault_job,
+               (backend, device, kind, victim, 0, call_timeout_s, tokens, prefill_hint), bound,
                ((backend, case, "bf16", 1),),
                kind="fault", pg_timeout_s=pg, stop_on_death=False, victim=victim, stall_s=None,
                fault=kind, settings=(
                    ("victim", victim), ("fault", kind), ("tokens", tokens),
+                   ("prefill_hint", prefill_hint),
                    ("call_timeout_s", call_timeout_s),
                    ("first_call_timeout_s", None if call_timeout_s is None else
                     first_call_timeout_seconds(call_timeout_s)),
@@ -232,10 +234,11 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             # watchdog can end a rank there (a margin past DeepEP's own CPU timeout, 100 s)
             _fault_job("deepep_ht", "kill-before", "B", device, margin_s=120,
                        call_timeout_s=15),
-            # the same in deepep_auto's normal mode (more tokens than its low-latency
-            # capacity): the mode is chosen inside the call, the timer armed in the dispatch
+            # the same in deepep_auto's normal mode (more tokens than its low-latency capacity,
+            # an engine's prefill hint: no choice collective that a dead peer fails first): the
+            # mode is chosen inside the call, the timer armed in the dispatch
             _fault_job("deepep_auto", "kill-before", "B", device, margin_s=120,
-                       call_timeout_s=15, tokens=2 * AUTO_LL_CAPACITY),
+                       call_timeout_s=15, tokens=2 * AUTO_LL_CAPACITY, prefill_hint=True),
             # a victim that raises mid-call tells its peers (moe_plugins.fault_notice): they
             # end in seconds with its error, not at the bound
             _fault_job("deepep_ll", "raise", "B", device, margin_s=30, call_timeout_s=15),

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from moe_plugins.interface import BatchHint
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.runner.model import MoEConfig, MoEWeights
@@ -470,7 +471,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victim: int,
-              seed: int = 0, call_timeout_s: Optional[float] = None, tokens: int = 8) -> dict:
+              seed: int = 0, call_timeout_s: Optional[float] = None, tokens: int = 8,
+              prefill_hint: bool = False) -> dict:
     """One layer call with a fault on rank ``victim``; every rank reports what happened to it
     (``ep_harness.result``): how its call ended (returned / raised: type, first line), the
     seconds from the call's start, and, if it returned, whether the output is the full
@@ -483,7 +485,9 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
     ``call_timeout_s``: the other ranks' layers run under moe_plugins.watchdog with this bound
     (the watchdog ends their processes: its error is reported as call 2's; call 1 then runs twice,
     so that call 2 is under the call bound, not the start-up bound). ``tokens`` per rank (more
-    than deepep_auto's low-latency capacity: its normal mode). Call 1 (nobody faulty) runs
+    than deepep_auto's low-latency capacity: its normal mode); ``prefill_hint``: each call is
+    given an engine's prefill hint (deepep_auto: normal mode without its choice's collective,
+    as vLLM's glue hints it). Call 1 (nobody faulty) runs
     first, so buffers and connections are up; after a
     refusal, call 3 (every rank's good input) must be right everywhere: the layer stays
     usable."""
@@ -498,13 +502,19 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                                  options=backend_options(backend, world, device, **opts),
                                  call_timeout_s=None if rank == victim else call_timeout_s)
             n = tokens
+
+            def forward(inp: torch.Tensor) -> torch.Tensor:
+                if prefill_hint:  # as vLLM's glue hints each forward pass
+                    layer.pf.set_batch_hint(BatchHint(n, prefill=True))
+                return _forward(layer, inp, layers.dev)
+
             x = demo_inputs(CFG, n, rank, seed)
             full = reference_moe(x, weights)
             step(f"{backend}: call 1 (no fault)")
             # under a bound, one good call more: a layer's calls run under the longer start-up
             # bound until one after its first has completed (moe_plugins.watchdog)
             for _ in range(1 if call_timeout_s is None else 2):
-                ok, _, rel = compare(_forward(layer, x, layers.dev), full, CFG.dtype)
+                ok, _, rel = compare(forward(x), full, CFG.dtype)
             result({"call": 1, "ok": ok, "max_rel_err": rel})
             dist.barrier()
             if rank == victim and kind == "kill-before":
@@ -544,7 +554,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                     "call": 2, "outcome": "raised", "type": type(e).__name__,
                     "message": _first_line(e), "seconds": round(time.monotonic() - t0, 2)}))
             try:
-                out = _forward(layer, call_x, layers.dev)
+                out = forward(call_x)
             except BaseException as e:  # what this rank saw, then the harness records it
                 report = {"call": 2, "outcome": "raised", "type": type(e).__name__,
                           "message": _first_line(e), "seconds": round(time.monotonic() - t0, 2)}
@@ -564,7 +574,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
             if kind == "refuse":  # a refused input must leave the layer usable on every rank
                 step(f"{backend}: call 3 (every rank's good input)")
                 try:
-                    ok3 = compare(_forward(layer, x, layers.dev), full, CFG.dtype)[0]
+                    ok3 = compare(forward(x), full, CFG.dtype)[0]
                     result({"call": 3, "outcome": "returned", "correct": ok3})
                 except BaseException as e:
                     result({"call": 3, "outcome": "raised", "type": type(e).__name__,

@@ -279,3 +279,28 @@ def raw_normal_mode(rank: int, world: int, num_tokens: int, num_experts: int, hi
                         aligned=aligned, combine_error=combine_error)
         finally:
             buffer.destroy()
+
+
+def auto_choice_without_a_peer(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                               absent_rank: int, timeout_s: float) -> dict:
+    """deepep_auto without a hint: every rank but ``absent_rank`` calls the layer, whose mode
+    choice all-reduces the token counts over the EP group (a group of ``timeout_s``); the absent
+    rank returns at once. Returns (error type, message, seconds) of the call."""
+    import time
+
+    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.groups import make_dist_context
+
+    with installed("deep_ep"):
+        ctx = make_dist_context(layout, timeout_s=timeout_s, fresh_ep_group=True)
+        layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend("deepep_auto"), None,
+                         QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=64,
+                         backend_options=DeepEPAutoOptions(ll_max_tokens_per_rank=8))
+        if rank == absent_rank:
+            return dict(error=(None, None, 0.0))
+        t0 = time.monotonic()
+        try:
+            layer(demo_inputs(cfg, 4, layout.dp_rank(rank), 0))
+        except Exception as e:  # what the test reads
+            return dict(error=(type(e).__name__, str(e), time.monotonic() - t0))
+        return dict(error=(None, None, time.monotonic() - t0))

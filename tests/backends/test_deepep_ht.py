@@ -432,3 +432,18 @@ def test_a_normal_mode_host_wait_is_ended_by_the_lock_free_timer(backend, tmp_pa
         if backend == "deepep_auto":
             assert "LOW-LATENCY CALL, TIMERS ARMED: 0" in out, out
     assert took < 30, took
+
+
+@pytest.mark.multirank
+def test_auto_choice_collective_without_a_peer_is_the_groups_collective_error(rank_pool):
+    """deepep_auto's mode choice (an all-reduce of the token counts, without an engine's hint)
+    with a peer that never calls: the waiting rank raises the group's CollectiveError naming the
+    choice, the layer and the peer, within the group's timeout, not a bare transport error."""
+    timeout_s = 4.0
+    results = rank_pool(2).run(ht_rank_fns.auto_choice_without_a_peer, ParallelLayout(2, 1, True),
+                               _cfg(), 1, timeout_s)
+    err_type, err, seconds = results[0]["error"]
+    assert err_type == "CollectiveError", err
+    assert "mode choice all-reduce" in err and "deepep_auto layer" in err, err
+    assert "ranks [0, 1]" in err and f"timeout of {timeout_s:g} s" in err, err
+    assert seconds < 3 * timeout_s, seconds

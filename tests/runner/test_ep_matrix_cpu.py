@@ -195,7 +195,8 @@ def test_a_fault_row_whose_survivors_did_not_end_is_failed_and_carries_its_setti
                           outcomes=[survivor, victim])
     (row,) = _fault_row(job, run)
     assert row["status"] == "failed" and "ranks [0] did not end within 45 s" in row["detail"]
-    assert row["settings"] == {"victim": 1, "fault": "kill", "call_timeout_s": 15,
+    assert row["settings"] == {"victim": 1, "fault": "kill", "tokens": 8, "prefill_hint": False,
+                               "call_timeout_s": 15,
                                "first_call_timeout_s": 600.0, "pg_timeout_s": 300.0,
                                "library_timeout_s": 100.0, "job_bound_s": 45.0}
-    assert "[victim=1, fault=kill, call_timeout_s=15" in rows_to_markdown([row])
+    assert "[victim=1, fault=kill, tokens=8, prefill_hint=False, call_timeout_s=15" in rows_to_markdown([row])

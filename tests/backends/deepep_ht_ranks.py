@@ -286,10 +286,9 @@ def auto_choice_without_a_peer(rank: int, world: int, layout: ParallelLayout, cf
     """deepep_auto without a hint: every rank but ``absent_rank`` calls the layer, whose mode
     choice all-reduces the token counts over the EP group (a group of ``timeout_s``); the absent
     rank returns at once. Returns (error type, message, seconds) of the call."""
-    import time
-
     from all2all.deepep_auto import DeepEPAutoOptions
     from moe_plugins.groups import make_dist_context
+    from tests.runner.faults_ranks import _error
 
     with installed("deep_ep"):
         ctx = make_dist_context(layout, timeout_s=timeout_s, fresh_ep_group=True)
@@ -298,9 +297,4 @@ def auto_choice_without_a_peer(rank: int, world: int, layout: ParallelLayout, cf
                          backend_options=DeepEPAutoOptions(ll_max_tokens_per_rank=8))
         if rank == absent_rank:
             return dict(error=(None, None, 0.0))
-        t0 = time.monotonic()
-        try:
-            layer(demo_inputs(cfg, 4, layout.dp_rank(rank), 0))
-        except Exception as e:  # what the test reads
-            return dict(error=(type(e).__name__, str(e), time.monotonic() - t0))
-        return dict(error=(None, None, time.monotonic() - t0))
+        return dict(error=_error(lambda: layer(demo_inputs(cfg, 4, layout.dp_rank(rank), 0))))

@@ -505,59 +505,18 @@ def _case_sp(s: Sides) -> dict:
                 f"{s.ours.kernel.output_is_reduced()}")
 
 
-def vllm_job(rank: int, world: int, device: str, tp: int,
-             plan: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
-    """Every (case, quant) of every backend of ``plan`` ([(backend, cases)], in order) with
-    vLLM's state for ``world`` ranks (``tp`` TP ranks per DP rank): one row per case, reported
-    as it comes. A refused build (config, library) is recorded as such; a case that raises
-    ends the job."""
-    rows: list[dict] = []
-    step("import vLLM")
-    first = plan[0][0]
+@contextlib.contextmanager
+def vllm_world(rank: int, world: int, tp: int, backend: str, device: str,
+               dbo: bool) -> Iterator[Any]:
+    """The libraries (emulated on CPU), vLLM imported and its state for this rank
+    (:func:`vllm_state`, yields the VllmConfig); after the block, our EP manager and every
+    library buffer of the process are destroyed."""
     with vendor("vllm", device), _emulated_gpu_backends(device):
         _import_vllm(device)
-        dbo = any(c == "dbo" for _, cases in plan for c, _ in cases)
-        step(f"vLLM state: dp {world // tp} x tp {tp}, {OURS[first]}" + (", DBO" if dbo else ""))
-        with vllm_state(rank, world, tp, first, device, dbo) as config:
+        step(f"vLLM state: dp {world // tp} x tp {tp}, {OURS[backend]}" + (", DBO" if dbo else ""))
+        with vllm_state(rank, world, tp, backend, device, dbo) as config:
             try:
-                for backend, cases in plan:
-                    sides: dict[str, Sides] = {}
-                    for case, quant in cases:
-                        step(f"vllm {backend} {case} {quant}")
-                        try:
-                            if quant not in sides:
-                                sides[quant] = Sides(rank, world, tp, backend, quant, device,
-                                                     dbo, config)
-                        except ValueError as e:  # a configuration refused before any call
-                            msg = " ".join(str(e).split())[:600]
-                            row = _row(case, quant, tp, "refused", None,
-                                       f"building the kernels: {type(e).__name__}: {msg}",
-                                       backend=backend)
-                            result(row)
-                            rows.append(row)
-                            continue
-                        except BaseException as e:  # ranks may be out of step: end the job
-                            msg = " ".join(str(e).split())[:600]
-                            result(_row(case, quant, tp, "failed", None,
-                                        f"building the kernels raised {type(e).__name__}: {msg}",
-                                        backend=backend))
-                            raise
-                        s = sides[quant]
-                        try:
-                            row = {"ours=in-tree": lambda: _case_equal(s, quant),
-                                   "dbo": lambda: _case_dbo(s),
-                                   "graph": lambda: _case_graph(s),
-                                   "sp": lambda: _case_sp(s)}[case]()
-                        except BaseException as e:
-                            msg = " ".join(str(e).split())[:600]
-                            row = _row(case, quant, tp, "failed", None,
-                                       f"raised {type(e).__name__}: {msg}", backend=backend)
-                            result(row)
-                            raise
-                        row["backend"] = backend
-                        result(row)
-                        rows.append(row)
-                step("teardown")
+                yield config
             finally:
                 from moe_plugins.lowlat.vendor import destroy_all_buffers
                 from moe_plugins.vllm.manager import ep_manager
@@ -566,4 +525,54 @@ def vllm_job(rank: int, world: int, device: str, tp: int,
                     ep_manager().destroy()
                 finally:
                     destroy_all_buffers()
+
+
+def vllm_job(rank: int, world: int, device: str, tp: int,
+             plan: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
+    """Every (case, quant) of every backend of ``plan`` ([(backend, cases)], in order) with
+    vLLM's state for ``world`` ranks (``tp`` TP ranks per DP rank): one row per case, reported
+    as it comes. A refused build (config, library) is recorded as such; a case that raises
+    ends the job."""
+    rows: list[dict] = []
+    step("import vLLM")
+    dbo = any(c == "dbo" for _, cases in plan for c, _ in cases)
+    with vllm_world(rank, world, tp, plan[0][0], device, dbo) as config:
+        for backend, cases in plan:
+            sides: dict[str, Sides] = {}
+            for case, quant in cases:
+                step(f"vllm {backend} {case} {quant}")
+                try:
+                    if quant not in sides:
+                        sides[quant] = Sides(rank, world, tp, backend, quant, device,
+                                             dbo, config)
+                except ValueError as e:  # a configuration refused before any call
+                    msg = " ".join(str(e).split())[:600]
+                    row = _row(case, quant, tp, "refused", None,
+                               f"building the kernels: {type(e).__name__}: {msg}",
+                               backend=backend)
+                    result(row)
+                    rows.append(row)
+                    continue
+                except BaseException as e:  # ranks may be out of step: end the job
+                    msg = " ".join(str(e).split())[:600]
+                    result(_row(case, quant, tp, "failed", None,
+                                f"building the kernels raised {type(e).__name__}: {msg}",
+                                backend=backend))
+                    raise
+                s = sides[quant]
+                try:
+                    row = {"ours=in-tree": lambda: _case_equal(s, quant),
+                           "dbo": lambda: _case_dbo(s),
+                           "graph": lambda: _case_graph(s),
+                           "sp": lambda: _case_sp(s)}[case]()
+                except BaseException as e:
+                    msg = " ".join(str(e).split())[:600]
+                    row = _row(case, quant, tp, "failed", None,
+                               f"raised {type(e).__name__}: {msg}", backend=backend)
+                    result(row)
+                    raise
+                row["backend"] = backend
+                result(row)
+                rows.append(row)
+        step("teardown")
     return rows

@@ -213,76 +213,64 @@ def hook_kill_job(rank: int, world: int, victim: int, call_timeout_s: float,
     from moe_plugins.call_bound_settings import CALL_TIMEOUT_ENV
     from moe_plugins.watchdog import on_call_timeout, watch_step
     from tests.gpu.ep_harness import result, step
-    from tests.gpu.ep_ranks import CFG, _first_line, compare, vendor
-    from tests.gpu.ep_vllm_ranks import (Sides, _emulated_gpu_backends, _import_vllm, _ref,
-                                         vllm_state)
+    from tests.gpu.ep_ranks import CFG, _first_line, compare
+    from tests.gpu.ep_vllm_ranks import Sides, _ref, vllm_world
 
     os.environ[CALL_TIMEOUT_ENV] = str(call_timeout_s)
     step("import vLLM")
-    with vendor("vllm", device), _emulated_gpu_backends(device):
-        _import_vllm(device)
-        with vllm_state(rank, world, 1, "deepep_ll", device, False) as config:
-            try:
-                s = Sides(rank, world, 1, "deepep_ll", "bf16", device, False, config)
-                pf = s.ours.pf
-                hooked: list[bool] = []
-                finalize_async = pf.finalize_async
+    with vllm_world(rank, world, 1, "deepep_ll", device, False) as config:
+        s = Sides(rank, world, 1, "deepep_ll", "bf16", device, False, config)
+        pf = s.ours.pf
+        hooked: list[bool] = []
+        finalize_async = pf.finalize_async
 
-                def seen(*args: Any, **kwargs: Any) -> Any:
-                    out = finalize_async(*args, **kwargs)
-                    hooked.append(isinstance(out, tuple) and out[0] is not None)
-                    return out
+        def seen(*args: Any, **kwargs: Any) -> Any:
+            out = finalize_async(*args, **kwargs)
+            hooked.append(isinstance(out, tuple) and out[0] is not None)
+            return out
 
-                pf.finalize_async = seen  # what vLLM's kernel got back: hook mode or not
+        pf.finalize_async = seen  # what vLLM's kernel got back: hook mode or not
 
-                def call(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-                    x, w, ids = s.inputs(8, seed=n)
-                    xd, wd, idd = s.to_dev(x, w, ids)
-                    with watch_step(s.dev):
-                        out = s.forward(s.ours, xd, wd, idd)
-                    return x, out
+        def call(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, w, ids = s.inputs(8, seed=n)
+            xd, wd, idd = s.to_dev(x, w, ids)
+            with watch_step(s.dev):
+                out = s.forward(s.ours, xd, wd, idd)
+            return x, out
 
-                for n in (1, 2):  # the second ends the layer's start-up bound
-                    step(f"call {n}")
-                    x, out = call(n)
-                    s.sync()
-                    result({"call": n, "ok": compare(out.cpu(), _ref(s, x), CFG.dtype)[0],
-                            "hook_mode": bool(hooked) and hooked[-1]})
-                dist.barrier()
-                if rank == victim:
-                    experts = s.ours.kernel.impl.fused_experts
-                    experts_apply = experts.apply
+        for n in (1, 2):  # the second ends the layer's start-up bound
+            step(f"call {n}")
+            x, out = call(n)
+            s.sync()
+            result({"call": n, "ok": compare(out.cpu(), _ref(s, x), CFG.dtype)[0],
+                    "hook_mode": bool(hooked) and hooked[-1]})
+        dist.barrier()
+        if rank == victim:
+            experts = s.ours.kernel.impl.fused_experts
+            experts_apply = experts.apply
 
-                    def dying(*args: Any, **kwargs: Any) -> Any:
-                        s.sync()  # its dispatch arrived: the peers' receives of it complete
-                        step("victim killed in its experts, its dispatch received, before its "
-                             "combine's send")
-                        time.sleep(0.5)  # the step reaches the parent first
-                        os.kill(os.getpid(), signal.SIGKILL)
-                        return experts_apply(*args, **kwargs)
+            def dying(*args: Any, **kwargs: Any) -> Any:
+                s.sync()  # its dispatch arrived: the peers' receives of it complete
+                step("victim killed in its experts, its dispatch received, before its "
+                     "combine's send")
+                time.sleep(0.5)  # the step reaches the parent first
+                os.kill(os.getpid(), signal.SIGKILL)
+                return experts_apply(*args, **kwargs)
 
-                    experts.apply = dying
-                t0 = time.monotonic()
-                on_call_timeout(lambda e: result({
-                    "call": 3, "outcome": "ended", "type": type(e).__name__,
-                    "message": _first_line(e), "seconds": round(time.monotonic() - t0, 2)}))
-                step("call 3 (the victim dies in its experts)")
-                x, out = call(3)
-                result({"call": 3, "host_returned": round(time.monotonic() - t0, 2),
-                        "hook_mode": bool(hooked) and hooked[-1]})
-                s.sync()
-                result({"call": 3, "outcome": "returned",
-                        "seconds": round(time.monotonic() - t0, 2),
-                        "ok": compare(out.cpu(), _ref(s, x), CFG.dtype)[0]})
-                return {"returned": True}
-            finally:
-                from moe_plugins.lowlat.vendor import destroy_all_buffers
-                from moe_plugins.vllm.manager import ep_manager
-
-                try:
-                    ep_manager().destroy()
-                finally:
-                    destroy_all_buffers()
+            experts.apply = dying
+        t0 = time.monotonic()
+        on_call_timeout(lambda e: result({
+            "call": 3, "outcome": "ended", "type": type(e).__name__,
+            "message": _first_line(e), "seconds": round(time.monotonic() - t0, 2)}))
+        step("call 3 (the victim dies in its experts)")
+        x, out = call(3)
+        result({"call": 3, "host_returned": round(time.monotonic() - t0, 2),
+                "hook_mode": bool(hooked) and hooked[-1]})
+        s.sync()
+        result({"call": 3, "outcome": "returned",
+                "seconds": round(time.monotonic() - t0, 2),
+                "ok": compare(out.cpu(), _ref(s, x), CFG.dtype)[0]})
+        return {"returned": True}
 
 
 if __name__ == "__main__":

@@ -4,26 +4,36 @@ the process-group timeout or, with the call bound on, at the bound with "a peer 
 
 The notice is one key of the process group's store (the store every rank of the job shares, set
 up by ``torch.distributed``): the first failure of the group posts it (``compare_set``: later
-ones are consequences), with the failing rank and its error. A peer cannot be interrupted inside
-a collective or a kernel that waits for the failed rank, so it is the call bound's watchdog
-(:mod:`moe_plugins.watchdog`) that acts: while a call of this rank on the group has been in
-flight for :data:`READ_AFTER_S`, a reader thread looks at the key every poll and the watchdog ends
-the process with :class:`moe_plugins.watchdog.PeerFailedError`. With the bound off the peers
-still end at the process-group timeout (or the library's): a collective of ours that fails
-then reads the notice (:meth:`FaultNotice.read_within`) and names the peer's error as the
-cause.
+ones are consequences), with the failing rank and its error. Once a call of this rank on the
+group has waited :data:`READ_AFTER_S`, a reader thread looks at the key every poll
+(:meth:`FaultNotice.want`); who acts on what it read depends on how the call waits:
+
+* a wait on the host that can be cut into slices (a gloo collective: :func:`wait_or_told`) reads
+  the answer between slices, and the backend raises
+  :class:`moe_plugins.faults.CollectiveError` naming the peer's error: bound on or off, the
+  process lives;
+* a collective or a kernel that cannot be interrupted (the GPU libraries' waits) is left to the
+  call bound's watchdog (:mod:`moe_plugins.watchdog`), which ends the process with
+  :class:`moe_plugins.watchdog.PeerFailedError`. With the bound off such a peer ends at the
+  library's or the process group's timeout, and a collective of ours that fails then reads the
+  notice (:meth:`FaultNotice.read_within`) and names the peer's error as the cause.
 
 The store can block (its server, on the job's first rank, stopped): it is read in a thread of
-its own, never in the watchdog's, and posted by the failing rank with its error already
-recorded.
+its own, never in the watchdog's or the caller's, and posted by the failing rank with its error
+already recorded.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+from datetime import timedelta
 from typing import Any, Optional
 
-__all__ = ["FaultNotice", "NOTICE_PREFIX", "READ_AFTER_S", "notice_for"]
+from moe_plugins.call_bound_settings import POLL_S
+
+__all__ = ["FaultNotice", "NOTICE_PREFIX", "READ_AFTER_S", "notice_for", "wait_or_told"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +88,13 @@ class FaultNotice:
         text = self.store.get(self.key).decode("utf-8", errors="replace")
         return None if text.startswith(f"EP rank {self.rank}:") else text  # not our own
 
+    def want(self, now: float) -> None:
+        """A call on the group has waited :data:`READ_AFTER_S` (``now``: ``time.monotonic()``):
+        the reader thread reads the notice every poll into :attr:`told` until no call has asked
+        for :data:`READ_AFTER_S`."""
+        self.wanted = now
+        _READER.want(self)
+
     def read_within(self, seconds: float) -> Optional[str]:
         """:meth:`read` on an error path: None when the store does not answer within
         ``seconds`` (its server stopped) or fails (its server gone); the read is left to a
@@ -94,6 +111,79 @@ class FaultNotice:
         reader.start()
         reader.join(seconds)
         return found[0] if found else None
+
+
+class _Reader:
+    """The process's reader thread: the notices wanted lately (:meth:`FaultNotice.want`)."""
+
+    def __init__(self) -> None:
+        self.wanted: set[FaultNotice] = set()
+        self.thread: Optional[threading.Thread] = None
+        self.lock = threading.Lock()
+
+    def want(self, notice: FaultNotice) -> None:
+        self.wanted.add(notice)
+        if self.thread is None:
+            with self.lock:
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._run, daemon=True,
+                                                   name="moe-plugins-fault-notices")
+                    self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            for notice in list(self.wanted):
+                if notice.told is not None or now - notice.wanted > READ_AFTER_S:
+                    self.wanted.discard(notice)  # told, or no call asks any more
+                    continue
+                try:
+                    notice.told = notice.read()
+                except Exception as e:  # the store's server may be gone: the bounds still hold
+                    logger.debug("moe-plugins: could not read the fault notice %s (%s: %s)",
+                                 notice.key, type(e).__name__, e)
+
+    def reset_after_fork(self) -> None:
+        self.__init__()  # type: ignore[misc]  # threads do not fork
+
+
+_READER = _Reader()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_READER.reset_after_fork)
+_FIRST_SLICE = timedelta(seconds=READ_AFTER_S)
+_SLICE = timedelta(seconds=POLL_S)
+
+
+def _waited(work: Any, timeout: timedelta) -> bool:
+    """``work.wait(timeout)``: True once the work completed (its error raised, as ``wait()``),
+    False when the slice ran out first (the work stays pending and can be waited for again)."""
+    try:
+        work.wait(timeout)
+        return True
+    except RuntimeError:
+        if not work.is_completed():  # "Operation timed out!": only this slice
+            return False
+        work.wait()  # completed meanwhile, or failed: its own outcome
+        return True
+
+
+def wait_or_told(work: Any, notice: FaultNotice) -> Optional[str]:
+    """Wait for a pending gloo collective (``work``, a ``torch.distributed.Work``) while
+    hearing the group's notice: None once the work completed (its error raised, as
+    ``work.wait()``), or the failure a peer posted while this rank waited (the work is left
+    pending: the group is out of step, and the caller raises). The wait is cut into slices of a
+    poll once it has lasted :data:`READ_AFTER_S`; a healthy collective costs what ``wait()``
+    does. Only for waits whose slices time out on the host (gloo): an NCCL work's ``wait``
+    only orders streams."""
+    if _waited(work, _FIRST_SLICE):
+        return None
+    while True:
+        notice.want(time.monotonic())
+        if notice.told is not None:
+            return notice.told
+        if _waited(work, _SLICE):
+            return None
 
 
 def notice_for(group: Any, rank: int) -> Optional[FaultNotice]:

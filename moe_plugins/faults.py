@@ -60,7 +60,8 @@ T = TypeVar("T")
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
            "PeerMaskedError",
-           "GroupFaults", "group_faults", "config_digest", "collective_error", "HEADER_WORDS",
+           "GroupFaults", "group_faults", "config_digest", "collective_error", "told_error",
+           "HEADER_WORDS",
            "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
            "is_in_step", "owes_call", "is_owed_call", "layer_name"]
 
@@ -322,6 +323,20 @@ def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Opti
         f"{list(faults.ranks)}: {cause}; the peer that did not answer: {who} "
         f"({type(exc).__name__}: {text}){first}. A rank that raised before this collective, "
         "or died, reports its own error")
+
+
+def told_error(faults: GroupFaults, layer: str, what: str, told: str) -> CollectiveError:
+    """The error to raise when this rank's ``what`` of ``layer`` stops waiting because a peer's
+    call on the group failed mid-way and said so (``told``: its notice,
+    :mod:`moe_plugins.fault_notice`); the group is marked broken (the collective stays
+    pending on this rank)."""
+    faults.mark_broken(f"{what} of call {faults.seq} did not complete: a peer failed mid-way")
+    return CollectiveError(
+        f"{layer}: {what} (call {faults.seq}) cannot complete on the EP group of ranks "
+        f"{list(faults.ranks)}: a peer's call on this group failed mid-way and told its peers: "
+        f"{told}. That peer raised its own error and lives; the group is out of step: rebuild "
+        "the layer on new process groups on every rank (moe_plugins.groups.make_dist_context("
+        "..., fresh_ep_group=True))")
 
 
 def check_peers(faults: GroupFaults, layer: str, rank_in_group: int, seq: int, digest: int,

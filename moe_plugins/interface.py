@@ -379,6 +379,11 @@ class PrepareFinalize(ABC):
     #: so the layers name their watched call for the thread (moe_plugins.host_timer.
     #: bound_host_waits) and the backend wraps the library call that waits in ``host_wait``
     waits_on_host: bool = False
+    #: True when the backend's waits for its peers hear the group's fault notice themselves
+    #: (moe_plugins.fault_notice.wait_or_told: a peer that failed mid-way makes this rank raise
+    #: in seconds, bound on or off); the layers then leave the notice out of their watched calls,
+    #: so the watchdog does not end the process for what the backend raises
+    hears_peer_failures: bool = False
 
     def refuse(self, error: BaseException) -> None:
         """A caller refused this call's inputs before calling prepare: take this rank's part in

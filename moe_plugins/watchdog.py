@@ -190,7 +190,6 @@ class _Watchdog:
         self.last_device: Optional[torch.device] = None
         self.last_index = -1
         self.warned_capture = False
-        self.wanted: set[FaultNotice] = set()  # notices the reader thread reads
         self.replays_bounded_by = ""  # who wraps every graph replay in a step window
         self.steps = 0
         self.last_error = -math.inf
@@ -209,23 +208,7 @@ class _Watchdog:
                 self.thread = threading.Thread(target=self._run, name="moe-plugins-watchdog",
                                                daemon=True)
                 self.thread.start()
-                # the store may block: its reads never hold up the watchdog's own thread
-                threading.Thread(target=self._read_notices, name="moe-plugins-fault-notices",
-                                 daemon=True).start()
 
-    def _read_notices(self) -> None:
-        """The reader thread: the notices of the groups whose calls asked lately."""
-        while True:
-            time.sleep(POLL_S)
-            now = time.monotonic()
-            for notice in list(self.wanted):
-                if notice.told is not None or now - notice.wanted > READ_AFTER_S:
-                    self.wanted.discard(notice)  # told, or no call asks any more
-                    continue
-                try:
-                    notice.told = notice.read()
-                except Exception as e:  # never die silently
-                    self._error(e)
 
     def prepare_cuda(self) -> _CudaProgress:
         """The progress buffer and its driver call, made once (page-locked memory is allocated:
@@ -297,8 +280,7 @@ class _Watchdog:
                 if notice is not None and now - call.started >= READ_AFTER_S:
                     if notice.told is not None and call.seq == seq:
                         self._end(peer_failed_error(call, notice.told, now))
-                    notice.wanted = now
-                    self.wanted.add(notice)
+                    notice.want(now)  # read in the notices' thread: the store may block
                 at_tail = False
             if at_tail:
                 self.tail = seq + 1

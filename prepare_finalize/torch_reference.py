@@ -22,8 +22,10 @@ import torch.distributed as dist
 from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
+from moe_plugins.fault_notice import wait_or_told
 from moe_plugins.faults import (layer_name, HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check_peers,
-                                collective_error, config_digest, group_faults, in_step)
+                                collective_error, config_digest, group_faults, in_step,
+                                told_error)
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_finalize_result, check_finalize_routing, check_output,
@@ -101,7 +103,14 @@ class TorchPrepareFinalize(PrepareFinalize):
                                      str(cfg.dtype), cfg.quant,
                                      placement.describe() if placement is not None else None,
                                      self.faults.next_layer_index())
-        self._timeout_s = getattr(getattr(manager, "ctx", None), "timeout_s", None)
+        ctx = getattr(manager, "ctx", None)
+        self._timeout_s = getattr(ctx, "timeout_s", None)
+        # On CPU (gloo) a wait for the peers can be cut into slices on the host: between them
+        # it hears the group's fault notice, so a peer that fails mid-way makes this rank raise
+        # in seconds, bound on or off. NCCL's wait only orders streams: left to the watchdog.
+        device = getattr(ctx, "device", None)
+        self.hears_peer_failures = (self.faults.notice is not None and device is not None
+                                    and device.type == "cpu")
         self._local_ids: Optional[LocalIdMap] = None  # made on the first receive
         self._destinations: Optional[DestinationMap] = None  # made on the first prepare
         self._headers: dict[torch.device, _HeaderBuffer] = {}
@@ -128,9 +137,19 @@ class TorchPrepareFinalize(PrepareFinalize):
     def _wait(self, work: "object | None", what: str) -> None:
         if work is not None:
             try:
-                work.wait()  # type: ignore[attr-defined]
+                self._wait_for_peers(work, what)
             except RuntimeError as e:
                 raise collective_error(self.faults, self.name, what, self._timeout_s, e) from e
+
+    def _wait_for_peers(self, work: "dist.Work", what: str) -> None:
+        """``work.wait()``; on gloo hearing the group's fault notice (CollectiveError naming
+        the peer's failure, in seconds)."""
+        if not self.hears_peer_failures:
+            work.wait()
+            return
+        told = wait_or_told(work, self.faults.notice)  # type: ignore[arg-type]
+        if told is not None:
+            raise told_error(self.faults, self.name, what, told)
 
     def _counts(self, local_ids: torch.Tensor) -> torch.Tensor:
         """LOCAL ids int64 [num_recv, num_topk] (-1: held elsewhere), as prepare returned them
@@ -215,7 +234,8 @@ class TorchPrepareFinalize(PrepareFinalize):
         packed, row = self._pack_rows(ids, weights, x, x_sf)
         try:
             sent, work = self._all_to_all(torch.index_select(packed, 0, token_index),
-                                          send_splits, recv_splits, num_recv, blocking)
+                                          send_splits, recv_splits, num_recv, blocking,
+                                          "dispatch all-to-all")
         except RuntimeError as e:  # a blocking transfer that timed out, or a peer gone
             raise collective_error(f, self.name, "dispatch all-to-all", self._timeout_s, e) from e
 
@@ -238,9 +258,9 @@ class TorchPrepareFinalize(PrepareFinalize):
     # public function is called instead (Dynamo maps it to a functional collective).
     def _all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor,
                            recv_splits: Optional[list[int]], send_splits: Optional[list[int]],
-                           blocking: bool) -> Optional["dist.Work"]:
+                           blocking: bool, what: str) -> Optional["dist.Work"]:
         """``dist.all_to_all_single(recv, send, recv_splits, send_splits, group, not blocking)``
-        (None splits: equal ones)."""
+        (None splits: equal ones; ``what`` names it in an error)."""
         m = self.manager
         if torch.compiler.is_compiling():
             return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=m.group,
@@ -251,7 +271,7 @@ class TorchPrepareFinalize(PrepareFinalize):
             # NCCL returns no work for a blocking call (it ran on the current stream), as
             # dist.all_to_all_single expects of backends that sync in C++
             if work is not None:
-                work.wait()
+                self._wait_for_peers(work, what)
             return None
         return work
 
@@ -263,12 +283,12 @@ class TorchPrepareFinalize(PrepareFinalize):
         given: a caller that keeps one buffer for both saves an allocation per call)."""
         if recv is None:
             recv = torch.empty_like(send)
-        self._all_to_all_single(recv, send, None, None, True)
+        self._all_to_all_single(recv, send, None, None, True, "split-size exchange")
         return recv
 
     def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                    num_recv: Optional[int] = None, blocking: bool = False
-                    ) -> tuple[torch.Tensor, Optional["dist.Work"]]:
+                    num_recv: Optional[int] = None, blocking: bool = False,
+                    what: str = "all-to-all") -> tuple[torch.Tensor, Optional["dist.Work"]]:
         """Rows of ``send`` [sum(send_splits), ...] go to each rank in order; returns the receive
         tensor [sum(recv_splits), ...] (same dtype) and the pending work to wait on (None when
         ``blocking``: the call returns once the transfer is done, on NCCL once it is queued on
@@ -277,7 +297,7 @@ class TorchPrepareFinalize(PrepareFinalize):
         wire = wire_view(send.contiguous())
         rows = sum(recv_splits) if num_recv is None else num_recv
         recv = torch.empty((rows, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
-        work = self._all_to_all_single(recv, wire, recv_splits, send_splits, blocking)
+        work = self._all_to_all_single(recv, wire, recv_splits, send_splits, blocking, what)
         return recv.view(send.dtype) if recv.dtype != send.dtype else recv, work
 
     # -- the host exchange (moe_plugins.faults, rules 1, 2 and 5) ------------------------------
@@ -401,7 +421,8 @@ class TorchPrepareFinalize(PrepareFinalize):
         check_output(output, h.num_tokens, self.cfg.hidden)
         try:
             recv, work = self._all_to_all(fused_expert_output, h.recv_splits, h.send_splits,
-                                          h.token_index.numel(), blocking)
+                                          h.token_index.numel(), blocking,
+                                          "combine all-to-all")
         except RuntimeError as e:
             raise collective_error(self.faults, self.name, "combine all-to-all", self._timeout_s,
                                    e) from e

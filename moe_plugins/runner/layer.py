@@ -108,7 +108,6 @@ class MoELayer:
         self.name = f"MoE layer ({backend.name}, {layout.describe()}, {strategy.value})"
         self._bound.name = self.name
         self.faults = group_faults(ctx.ep_group)
-        self._bound.notice = self.faults.notice
         self._destroyed = False
         self._num_calls = 0
         self.pf: Optional[PrepareFinalize] = None
@@ -118,6 +117,10 @@ class MoELayer:
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant,
                 backend_options=backend_options, placement=self.placement))
 
+        # the watchdog hears the group's notice for a backend whose waits do not (hears_peer_
+        # failures: the backend raises; the process lives)
+        if self.pf is None or not self.pf.hears_peer_failures:
+            self._bound.notice = self.faults.notice
         self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
         # the library's own masks, watched where the buffer has a mask (see _check_library_masks)
         manager = getattr(self.pf, "manager", None)

@@ -164,7 +164,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.watchdog)
         self._bound = CallBound(self._name, device=ctx.device)
         self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
-        self._bound.notice = self.faults.notice
+        # the watchdog hears the group's notice unless the backends' waits do (they raise)
+        if not (self._backends and all(b.hears_peer_failures for b in self._backends)):
+            self._bound.notice = self.faults.notice
         # backends with split phases (moe_plugins.interface.SplitPhases; every micro-batch's
         # object): the adapter calls their send and receive halves directly
         self._low_latency = bool(self._backends) and all(

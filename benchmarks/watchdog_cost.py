@@ -39,6 +39,8 @@ def ns_per_call(bound: CallBound, device: torch.device, calls: int, batch: int,
     ``layers_per_step`` > 0: the calls run in step windows of that many calls (a batch is a
     whole number of steps)."""
     watch = bound.watch
+    # as the vLLM glue opens its windows: on CUDA, the current device, resolved per step
+    window_device = None if device.type == "cuda" else device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if layers_per_step:
         batch = layers_per_step * max(1, batch // layers_per_step)
@@ -48,7 +50,7 @@ def ns_per_call(bound: CallBound, device: torch.device, calls: int, batch: int,
         t0 = time.perf_counter_ns()
         if layers_per_step:
             for first in range(n, n + k, layers_per_step):
-                with watch_step(device):
+                with watch_step(window_device):
                     for i in range(first, first + layers_per_step):
                         call = watch(i)
                         if call is not None:

@@ -481,11 +481,24 @@ class _StepWindow:
     """What :func:`watch_step` returns: a context manager (a class, not a generator: a step
     window is entered once per forward step, and a generator's frame costs a microsecond)."""
 
-    __slots__ = ("device", "name", "call")
+    __slots__ = ("device", "name", "call", "index")
 
     def __init__(self, device: Optional[torch.device], name: str) -> None:
         self.device, self.name = device, name
         self.call: Optional[WatchedCall] = None
+        # the step's device as its CUDA index, -1 not CUDA, -2 not resolved yet (an engine makes
+        # a window per step: no torch.device is built or asked per step on its default path)
+        self.index = -2
+
+    def _resolve(self) -> int:
+        device = self.device
+        if device is None:  # the current CUDA device, asked each step
+            return torch.cuda.current_device() if _has_cuda() else -1
+        if device.type != "cuda":
+            self.index = -1
+        else:
+            self.index = torch.cuda.current_device() if device.index is None else device.index
+        return self.index
 
     def __enter__(self) -> Optional[WatchedCall]:
         bound = _BOUNDS.largest()
@@ -493,17 +506,15 @@ class _StepWindow:
         # thread is open, or a capture is under way
         if bound is None or _STEP.window is not None or _capturing():
             return None
-        device = self.device
-        if device is None:
-            device = self.device = torch.device("cuda", torch.cuda.current_device()) \
-                if _has_cuda() else _CPU
+        index = self.index
+        if index == -2:
+            index = self._resolve()
         wd = _WATCHDOG
         wd.steps += 1
         # one poll later than its bound: a layer call overdue in it is named first (the step
         # started before it, under a bound at least as large)
         call = self.call = _start(self.name, wd.steps, bound, "forward step", None, POLL_S)
-        if device.type == "cuda":
-            index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= 0:
             _STEP.window = (call, _raw_stream(index), call.seq, index)
         return call
 
@@ -512,11 +523,13 @@ class _StepWindow:
         if call is None:
             return
         self.call = None
-        _STEP.window = None
-        if _capturing():  # a capture began inside and is still open: enqueue nothing
+        window, _STEP.window = _STEP.window, None
+        if window is None:  # not on CUDA: complete now
+            call.done = call.seq
+        elif _capturing():  # a capture began inside and is still open: enqueue nothing
             call.done = call.seq
         else:
-            call.end(self.device)  # type: ignore[arg-type]
+            _WATCHDOG.end_on_gpu(call, window[3])
 
 
 def watch_step(device: Optional[torch.device] = None, name: str = "engine") -> _StepWindow:

@@ -54,6 +54,7 @@ STATUSES = ("passed", "failed", "timed_out", "refused")
 LIB_TIMEOUT_S = {  # the library's own bound on a peer that never answers (fault jobs)
     "deepep_ll": 100.0,  # NUM_TIMEOUT_CYCLES 200G cycles (~100 s), then trap (567632d)
     "deepep_ht": 100.0,  # NUM_CPU_TIMEOUT_SECS / NUM_TIMEOUT_CYCLES (567632d)
+    "deepep_auto": 100.0,  # either mode's: deepep_ll's or deepep_ht's (567632d)
     "nixl_ep": 20.0,  # timeout_ms=20000 given to the Buffer in the fault jobs
     "torch": 30.0,  # the gloo process group's timeout in the fault jobs
 }
@@ -156,7 +157,7 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     from moe_plugins.watchdog import first_call_timeout_seconds
     from tests.gpu import ep_ranks
 
-    lib = LIB_TIMEOUT_S.get(backend, 60.0)
+    lib = LIB_TIMEOUT_S.get(backend, 60.0)  # the others: the job's bound, not a library's
     margin_s = float(os.environ.get("EP_MATRIX_FAULT_MARGIN_S", margin_s))  # beyond the library's
     # torch and, on CPU, every emulated library wait in gloo: its timeout is the bound there
     pg = pg_timeout_s or (LIB_TIMEOUT_S["torch"] if backend == "torch" or device == "cpu"

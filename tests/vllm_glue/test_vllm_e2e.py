@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 
@@ -91,9 +91,12 @@ def _healthy(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, extra: list[str], log_path: Path) -> Iterator[int]:
-    """``python -m moe_plugins.vllm.serve serve`` on 127.0.0.1; yields the port once /health
-    answers; the whole process group is stopped afterwards."""
+def vllm_server(model: Path, extra: list[str], log_path: Path,
+                procs: Optional[list[subprocess.Popen]] = None) -> Iterator[int]:
+    """``python -m moe_plugins.vllm.serve serve`` on 127.0.0.1 with our torch backend (``extra``
+    may name another: its last ``--all2all-backend`` wins); yields the port once /health
+    answers; the whole process group is stopped afterwards. ``procs``: gets the server's
+    process (its session holds every process of the server)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "moe_plugins.vllm.serve", "serve", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
@@ -103,6 +106,8 @@ def vllm_server(model: Path, extra: list[str], log_path: Path) -> Iterator[int]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)
+    if procs is not None:
+        procs.append(proc)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _healthy(port):
@@ -180,3 +185,85 @@ def test_vllm_serve_cpu_with_our_backend(tiny_model, tmp_path, name):
     if name == "dp2-ep":  # dp > 1: vLLM's CPU communicator holds our all2all manager
         assert "CpuCommunicator uses MoEPluginsAll2AllManager" in log
         assert "shared-expert overlap=off" in log
+
+
+# What the engine does when a worker dies mid-request: the same with our backend as with vLLM's
+# in-tree MoE (vLLM's CPU build crashes in its own fused-MoE kernel with tp 2 and expert
+# parallelism on some CPUs, so the in-tree server runs tp 2 without it: its MoE is vLLM's).
+DEAD_WORKER_SERVERS = {
+    "ours-tp2-ep": ["-tp", "2", "--enable-expert-parallel", "--enforce-eager"],
+    "in-tree-tp2": ["-tp", "2", "--enforce-eager", "--all2all-backend", "allgather_reducescatter"],
+}
+STREAM_TOKENS = 240
+SERVER_END_S = 60.0
+
+
+def _session_processes(sid: int) -> dict[int, str]:
+    """pid -> command line of every live process of session ``sid``."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], capture_output=True, text=True,
+                         check=True).stdout
+    procs = {}
+    for line in out.splitlines():
+        pid, s, stat, args = line.split(None, 3)
+        if int(s) == sid and not stat.startswith("Z"):
+            procs[int(pid)] = args
+    return procs
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(DEAD_WORKER_SERVERS))
+def test_a_worker_killed_mid_request_fails_the_request_and_ends_the_server(tiny_model, tmp_path,
+                                                                           name):
+    """tp 2: the TP-rank-1 worker is killed (SIGKILL) after the first streamed token of a
+    240-token request. vLLM's executor sees it die and shuts down; the request in flight ends
+    with an error, never with 240 tokens; the API server exits and leaves no process. Our
+    backend changes none of it (the in-tree server behaves alike)."""
+    log_path = tmp_path / f"vllm-serve-{name}.log"
+    procs: list[subprocess.Popen] = []
+    with vllm_server(tiny_model["path"], DEAD_WORKER_SERVERS[name], log_path, procs) as port:
+        server = procs[0]
+        [victim] = [pid for pid, args in _session_processes(server.pid).items()
+                    if "Worker_TP1" in args]
+        body = {"model": "tiny", "prompt": tiny_model["prompts"][0], "max_tokens": STREAM_TOKENS,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        chunks, errors = 0, []
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+                for raw in resp:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:
+                        errors.append(event["error"])
+                        break
+                    chunks += 1
+                    if chunks == 1:
+                        os.kill(victim, signal.SIGKILL)
+                        killed = time.monotonic()
+        except (urllib.error.URLError, ConnectionError, OSError) as e:  # the stream broke
+            errors.append(f"{type(e).__name__}: {e}")
+        assert chunks >= 1, f"{name}: no token before the kill:\n{_tail(log_path)}"
+        request_s = time.monotonic() - killed
+        assert chunks < STREAM_TOKENS and errors, \
+            f"{name}: {chunks} tokens, errors {errors}: the request did not fail"
+        try:
+            server.wait(timeout=SERVER_END_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name}: the server still runs {SERVER_END_S:.0f} s after its worker "
+                        f"died:\n{_tail(log_path)}")
+        server_s = time.monotonic() - killed
+    log = log_path.read_text(errors="replace")
+    assert "Worker proc VllmWorker-1 died unexpectedly (exit code: -9)" in log, _tail(log_path)
+    assert "EngineDeadError" in log or "Executor failed" in log, _tail(log_path)
+    assert not _session_processes(server.pid), "a process of the server outlived it"
+    if name.startswith("ours"):
+        assert "prepare/finalize of backend torch ran on EP rank 1 of 2" in log
+    else:
+        assert "moe_plugins_torch selected" not in log
+    # what the docs quote (docs/faults.md, "When a rank dies under vLLM")
+    print(f"{name}: request failed {request_s:.1f} s and the server exited "
+          f"{server_s:.1f} s after the kill ({errors[0]!s:.120})")

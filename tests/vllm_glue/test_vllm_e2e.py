@@ -188,8 +188,9 @@ def test_vllm_serve_cpu_with_our_backend(tiny_model, tmp_path, name):
 
 
 # What the engine does when a worker dies mid-request: the same with our backend as with vLLM's
-# in-tree MoE (vLLM's CPU build crashes in its own fused-MoE kernel with tp 2 and expert
-# parallelism on some CPUs, so the in-tree server runs tp 2 without it: its MoE is vLLM's).
+# in-tree MoE. vLLM 0.32's CPU build cannot run its in-tree MoE with tp 2 and expert
+# parallelism (its CPU experts ignore the expert map and index local weights with global ids:
+# a segfault in cpu_fused_moe), so the in-tree server runs tp 2 without it: its MoE is vLLM's.
 DEAD_WORKER_SERVERS = {
     "ours-tp2-ep": ["-tp", "2", "--enable-expert-parallel", "--enforce-eager"],
     "in-tree-tp2": ["-tp", "2", "--enforce-eager", "--all2all-backend", "allgather_reducescatter"],

@@ -209,7 +209,6 @@ class _Watchdog:
                                                daemon=True)
                 self.thread.start()
 
-
     def prepare_cuda(self) -> _CudaProgress:
         """The progress buffer and its driver call, made once (page-locked memory is allocated:
         done where a layer is built, not during another thread's CUDA-graph capture)."""
@@ -311,7 +310,6 @@ if hasattr(os, "register_at_fork"):
 _CUDA: list[bool] = []  # whether this process's torch has CUDA (asked once)
 _STEP = StepLocal()  # this thread's open step window
 _BOUNDS = LayerBounds()  # the layers' bounds: a step window's is their largest
-_CPU = torch.device("cpu")
 _IS_CAPTURING: list[Callable[[], bool]] = []
 
 

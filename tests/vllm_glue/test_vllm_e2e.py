@@ -258,7 +258,8 @@ def test_a_worker_killed_mid_request_fails_the_request_and_ends_the_server(tiny_
                         f"died:\n{_tail(log_path)}")
         server_s = time.monotonic() - killed
     log = log_path.read_text(errors="replace")
-    assert "Worker proc VllmWorker-1 died unexpectedly (exit code: -9)" in log, _tail(log_path)
+    # the executor's worker monitor says so, unless the engine's call to the workers failed
+    # first (then the monitor finds the shutdown begun and logs nothing): seen under load
     assert "EngineDeadError" in log or "Executor failed" in log, _tail(log_path)
     assert not _session_processes(server.pid), "a process of the server outlived it"
     if name.startswith("ours"):

@@ -32,7 +32,7 @@ Paths (``path`` in the JSON rows):
   the same way (there is no in-tree class for the ``torch`` transport).
 - ``adapter_bound`` / ``adapter_shared_bound`` (with ``--call-timeout-s``): ``adapter`` /
   ``adapter_shared`` built with the call bound on (``MOE_PLUGINS_CALL_TIMEOUT_S``,
-  :mod:`moe_plugins.watchdog`), in the same process as the rows with it off.
+  :mod:`moe_plugins.callbound.watchdog`), in the same process as the rows with it off.
 - ``adapter_step`` (with ``--call-timeout-s``): ``adapter_bound`` with each eager sample (its
   ``--batch`` round trips) in one step window (``watch_step``, which the vLLM glue opens around
   each forward pass: the calls of a step share one completion mark), as the MoE layers of one
@@ -170,7 +170,7 @@ def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, exper
     """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank); with
     ``call_timeout_s``, under the call bound (read from the environment, as under vLLM)."""
     from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
-    from moe_plugins.watchdog import CALL_TIMEOUT_ENV
+    from moe_plugins.callbound import CALL_TIMEOUT_ENV
 
     saved = os.environ.get(CALL_TIMEOUT_ENV)
     os.environ[CALL_TIMEOUT_ENV] = "0" if call_timeout_s is None else f"{call_timeout_s:g}"
@@ -380,7 +380,7 @@ class InStepWindow:
 
     @staticmethod
     def window() -> Any:
-        from moe_plugins.watchdog import watch_step
+        from moe_plugins.callbound import watch_step
 
         return watch_step()
 
@@ -526,12 +526,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
     p.add_argument("--call-timeout-s", type=float, metavar="S",
                    help="also time the adapter with the call bound on at S seconds "
-                        "(adapter_bound rows; moe_plugins.watchdog), in the same process")
+                        "(adapter_bound rows; moe_plugins.callbound.watchdog), in the same process")
     p.add_argument("--profile", type=Path,
                    help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
     if args.call_timeout_s is not None:
-        from moe_plugins.watchdog import call_timeout_seconds
+        from moe_plugins.callbound import call_timeout_seconds
 
         try:
             if call_timeout_seconds(args.call_timeout_s) is None:

@@ -39,7 +39,8 @@ from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.groups import cached_dist_context  # noqa: E402
 from moe_plugins.runner.layer import MoELayer  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.config import MoEConfig  # noqa: E402
+from moe_plugins.runner.model import MoEWeights  # noqa: E402
 from moe_plugins.overlap import OverlapConfig  # noqa: E402
 from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
 from moe_plugins.runner.reference import reference_moe, within_tolerance  # noqa: E402

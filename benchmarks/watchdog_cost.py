@@ -9,7 +9,7 @@ bound off. One process, no ranks; the watchdog thread runs as it does in a layer
   (``watch_step``, what the vLLM glue opens around each forward pass): the calls share the
   window's one completion mark, and the window's own host time is shared by its ``L`` calls.
 - ``--device cuda`` also times the completion mark's driver call alone, each path the driver
-  offers (``moe_plugins.gpu_progress.CudaProgress.PATHS``; the first that works is used).
+  offers (``moe_plugins.callbound.gpu_progress.CudaProgress.PATHS``; the first that works is used).
 
     python benchmarks/watchdog_cost.py --device cpu
 """
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moe_plugins.watchdog import CallBound, watch_step  # noqa: E402
+from moe_plugins.callbound import CallBound, watch_step  # noqa: E402
 
 
 def ns_per_call(bound: CallBound, device: torch.device, calls: int, batch: int,
@@ -70,7 +70,7 @@ def driver_ns_per_write(calls: int, batch: int) -> dict[str, float]:
     """Host time (ns) of one completion-mark write (the driver call through ctypes) on the
     current stream, for each driver path that works here: ``calls`` writes in batches of
     ``batch``, the device synchronized between batches outside the timed part."""
-    from moe_plugins.gpu_progress import CudaProgress, raw_stream
+    from moe_plugins.callbound.gpu_progress import CudaProgress, raw_stream
 
     out: dict[str, float] = {}
     stream = raw_stream(torch.cuda.current_device())

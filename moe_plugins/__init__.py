@@ -14,7 +14,7 @@ from moe_plugins.runner.rank_errors import RankDiedError, RankError, RankTimeout
 from moe_plugins.strategy import ReductionStrategy, choose_strategy
 from moe_plugins.vllm.patching import VllmPatchError
 from moe_plugins.vllm.version import UnsupportedVllmError
-from moe_plugins.watchdog import CallTimeoutError, PeerFailedError
+from moe_plugins.callbound import CallTimeoutError, PeerFailedError
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,6 @@
-"""Per-layer dispatch configuration handed to a backend's manager and prepare/finalize."""
+"""A MoE layer's configuration: its shape (:class:`MoEConfig`, what the planner, the runner and
+the vLLM glue describe a layer by) and the dispatch configuration handed to a backend's manager
+and prepare/finalize (:class:`DispatchConfig`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +11,34 @@ import torch
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import QuantSpec
 
-__all__ = ["DispatchConfig"]
+__all__ = ["MoEConfig", "DispatchConfig"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """hidden: model width; num_experts routed experts of ``intermediate`` each; num_topk experts
+    per token (softmax top-k, renormalized when ``renormalize``); one shared expert of
+    ``shared_intermediate`` (0: none), with a sigmoid gate when ``shared_gate``."""
+
+    hidden: int = 256
+    num_experts: int = 8
+    num_topk: int = 2
+    intermediate: int = 64
+    shared_intermediate: int = 128
+    shared_gate: bool = True
+    renormalize: bool = True
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_topk <= self.num_experts:
+            raise ValueError(f"num_topk must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_topk}")
+        if min(self.hidden, self.num_experts, self.intermediate) < 1 or self.shared_intermediate < 0:
+            raise ValueError(f"MoE sizes must be positive: {self}")
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_intermediate > 0
 
 
 @dataclass(frozen=True)

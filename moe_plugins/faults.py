@@ -54,7 +54,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from moe_plugins.fault_notice import FaultNotice, notice_for
+from moe_plugins.callbound import FaultNotice, notice_for
 
 T = TypeVar("T")
 
@@ -127,7 +127,7 @@ class GroupFaults:
     owed_by: Optional[object] = None
     _owed_layer: str = ""
     _first: Optional[BaseException] = field(default=None, repr=False)
-    #: tells the peers of this rank's first mid-way failure (moe_plugins.fault_notice; None
+    #: tells the peers of this rank's first mid-way failure (moe_plugins.callbound.fault_notice; None
     #: without torch.distributed)
     notice: Optional[FaultNotice] = field(default=None, repr=False)
 
@@ -151,7 +151,7 @@ class GroupFaults:
 
     def mark_broken(self, what: str, exc: Optional[BaseException] = None) -> None:
         """Record the first mid-way failure (later ones are consequences of it) and tell the
-        peers (:mod:`moe_plugins.fault_notice`: with the call bound on, their calls on the group
+        peers (:mod:`moe_plugins.callbound.fault_notice`: with the call bound on, their calls on the group
         end at once with this cause)."""
         if self.broken is None:
             self.broken = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
@@ -313,7 +313,7 @@ def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Opti
     others = [r for r in faults.ranks if r != faults.rank]
     who = (f"peer {peer.group(0)} (as the transport names it)" if peer else
            f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}")
-    # a peer that failed mid-way posted its error (moe_plugins.fault_notice): the true cause
+    # a peer that failed mid-way posted its error (moe_plugins.callbound.fault_notice): the true cause
     told = faults.notice.read_within(NOTICE_READ_S) if faults.notice is not None else None
     faults.mark_broken(f"{what} of call {faults.seq} did not complete", exc)
     first = (f"; first, a peer's call on this group failed mid-way and told its peers: {told}"
@@ -328,7 +328,7 @@ def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Opti
 def told_error(faults: GroupFaults, layer: str, what: str, told: str) -> CollectiveError:
     """The error to raise when this rank's ``what`` of ``layer`` stops waiting because a peer's
     call on the group failed mid-way and said so (``told``: its notice,
-    :mod:`moe_plugins.fault_notice`); the group is marked broken (the collective stays
+    :mod:`moe_plugins.callbound.fault_notice`); the group is marked broken (the collective stays
     pending on this rank)."""
     faults.mark_broken(f"{what} of call {faults.seq} did not complete: a peer failed mid-way")
     return CollectiveError(

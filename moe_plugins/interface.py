@@ -376,11 +376,11 @@ class PrepareFinalize(ABC):
     host_exchange: bool = False
     #: True when a call may wait on the host inside the library while holding the interpreter
     #: lock (DeepEP's normal-mode dispatch): the call bound's watchdog thread cannot run there,
-    #: so the layers name their watched call for the thread (moe_plugins.host_timer.
+    #: so the layers name their watched call for the thread (moe_plugins.callbound.host_timer.
     #: bound_host_waits) and the backend wraps the library call that waits in ``host_wait``
     waits_on_host: bool = False
     #: True when the backend's waits for its peers hear the group's fault notice themselves
-    #: (moe_plugins.fault_notice.wait_or_told: a peer that failed mid-way makes this rank raise
+    #: (moe_plugins.callbound.fault_notice.wait_or_told: a peer that failed mid-way makes this rank raise
     #: in seconds, bound on or off); the layers then leave the notice out of their watched calls,
     #: so the watchdog does not end the process for what the backend raises
     hears_peer_failures: bool = False

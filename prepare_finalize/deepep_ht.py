@@ -33,7 +33,7 @@ from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.faults import group_faults, in_step, layer_name
-from moe_plugins.host_timer import host_wait
+from moe_plugins.callbound import host_wait
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    capturing, check_finalize_routing, check_output,

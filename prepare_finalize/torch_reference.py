@@ -22,7 +22,7 @@ import torch.distributed as dist
 from all2all.torch_manager import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
-from moe_plugins.fault_notice import wait_or_told
+from moe_plugins.callbound import wait_or_told
 from moe_plugins.faults import (layer_name, HEADER_WORDS, STATUS_BAD_INPUT, STATUS_OK, check_peers,
                                 collective_error, config_digest, group_faults, in_step,
                                 told_error)

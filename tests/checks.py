@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.quant import QuantSpec
 from moe_plugins.runner.reference import reference_moe, tolerance_for
 

@@ -63,11 +63,11 @@ def registered() -> Iterator[None]:
 
 @pytest.fixture
 def fresh_watchdog(monkeypatch):
-    """A call-bound watchdog of the test's own (moe_plugins.watchdog), whose thread is never
+    """A call-bound watchdog of the test's own (moe_plugins.callbound.watchdog), whose thread is never
     started (the test calls its check itself), whose expiry is recorded in ``expired`` instead of
     ending the process, and which sees only the bounds of the test's layers."""
-    from moe_plugins import watchdog
-    from moe_plugins.step_state import LayerBounds
+    from moe_plugins.callbound import watchdog
+    from moe_plugins.callbound.step_state import LayerBounds
 
     wd = watchdog._Watchdog()
     expired: list = []

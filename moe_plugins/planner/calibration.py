@@ -22,7 +22,7 @@ from moe_plugins.planner.presets import LINK_PRESETS
 from moe_plugins.planner.traffic import expected_ranks_hit
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 
 __all__ = ["CalibrationRow", "CALIBRATION_ROWS", "CALIBRATION_MODEL", "predict_us",
            "published_us", "residuals"]

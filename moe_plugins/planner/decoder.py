@@ -8,7 +8,7 @@ from typing import Optional
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.planner.traffic import itemsize
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.strategy import ReductionStrategy, SharedPlacement
 
 __all__ = ["weight_bytes", "moe_tp_collectives", "attention_collectives", "decoder_tp_collectives"]

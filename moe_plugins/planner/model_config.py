@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 
 __all__ = ["ModelSpec", "load_model_config", "model_spec_from_dict", "HF_DTYPES",
            "SP_ATTENTION_REDUCTIONS"]

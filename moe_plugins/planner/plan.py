@@ -62,7 +62,7 @@ from moe_plugins.planner.traffic import (Estimate, Routing, check_routing, items
 from moe_plugins.planner.transport_time import all_to_all_us
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSpec, Transport, WireLayout, refusal_reason
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.strategy import SharedPlacement, applicable_strategies, choose_strategy
 
 __all__ = ["plan_layer"]

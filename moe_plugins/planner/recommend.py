@@ -10,7 +10,7 @@ from moe_plugins.planner.decoder import decoder_tp_collectives, weight_bytes
 from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.planner.traffic import tokens_per_dp
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, StrategyChoice,
                                   applicable_strategies, choose_strategy)
 

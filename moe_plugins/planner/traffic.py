@@ -15,7 +15,7 @@ from moe_plugins.interface import ActivationFormat
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.quant import FP8_BLOCK, NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import WireLayout
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 
 __all__ = ["Estimate", "expected_ranks_hit", "ranks_hit_bounds", "WireFormat", "wire_format",
            "itemsize", "Routing", "rank_traffic", "node_traffic", "check_routing",

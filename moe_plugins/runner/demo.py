@@ -13,13 +13,14 @@ from moe_plugins.groups import cached_dist_context
 from moe_plugins.runner.launch import RankPool
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
 from moe_plugins.runner.reference import reference_moe, within_tolerance
 from moe_plugins.registry import get_backend, select_backend
 from moe_plugins.strategy import ReductionStrategy, applicable_strategies, choose_strategy
-from moe_plugins.watchdog import call_timeout_seconds, first_call_timeout_seconds
+from moe_plugins.callbound import call_timeout_seconds, first_call_timeout_seconds
 
 __all__ = ["DemoRow", "demo_inputs", "demo_preflight", "run_demo", "strategies_for"]
 
@@ -101,7 +102,7 @@ def run_demo(pool: RankPool, layout: ParallelLayout, cfg: MoEConfig, backend: st
              strategies: list[ReductionStrategy] | None = None,
              call_timeout_s: Optional[float] = None) -> list[DemoRow]:
     """Run every applicable strategy (or ``strategies``) and compare each rank with the
-    reference. ``call_timeout_s``: the layers' call bound (:mod:`moe_plugins.watchdog`; None:
+    reference. ``call_timeout_s``: the layers' call bound (:mod:`moe_plugins.callbound.watchdog`; None:
     off)."""
     caps = select_backend(layout, quant.scheme, backend, dtype=cfg.dtype).capabilities
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,

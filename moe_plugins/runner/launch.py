@@ -31,7 +31,7 @@ import torch
 from moe_plugins.runner.rank_errors import (CONSEQUENCES, PROC_STATES, RankDiedError, RankError,
                                             RankTimeoutError, error_summary, exit_cause,
                                             proc_state)
-from moe_plugins.watchdog import on_call_timeout
+from moe_plugins.callbound import on_call_timeout
 
 __all__ = ["RankPool", "RankError", "RankDiedError", "RankTimeoutError", "run_ranks",
            "report_step", "report_result", "BoundedRun", "RankOutcome"]

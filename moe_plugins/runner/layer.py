@@ -24,8 +24,8 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSelectionError, BackendSpec, refusal_reason
 from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable_strategies,
                                   choose_strategy)
-from moe_plugins.host_timer import bound_host_waits
-from moe_plugins.watchdog import CallBound
+from moe_plugins.callbound import bound_host_waits
+from moe_plugins.callbound import CallBound
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class MoELayer:
     ones (a replica per token, as vLLM's EPLB router does) before dispatch, and
     :meth:`rebalance` moves the experts between forward passes. ``call_timeout_s`` (None:
     ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off): a call not complete within it ends this
-    process with a clear error (:mod:`moe_plugins.watchdog`: a peer died or hangs mid-call); the
+    process with a clear error (:mod:`moe_plugins.callbound.watchdog`: a peer died or hangs mid-call); the
     layer's first calls run under the longer start-up bound
     (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
     """

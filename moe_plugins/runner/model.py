@@ -1,4 +1,5 @@
-"""A DeepSeek/Qwen-style MoE layer's shape and weights, the router, and how ranks shard them."""
+"""A DeepSeek/Qwen-style MoE layer's weights, the router, and how ranks shard them (the shape
+is :class:`moe_plugins.config.MoEConfig`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,36 +10,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from moe_plugins.config import MoEConfig
 from moe_plugins.placement import ExpertPlacement
 
-__all__ = ["MoEConfig", "MoEWeights", "ExpertWeights", "SharedWeights", "route"]
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """hidden: model width; num_experts routed experts of ``intermediate`` each; num_topk experts
-    per token (softmax top-k, renormalized when ``renormalize``); one shared expert of
-    ``shared_intermediate`` (0: none), with a sigmoid gate when ``shared_gate``."""
-
-    hidden: int = 256
-    num_experts: int = 8
-    num_topk: int = 2
-    intermediate: int = 64
-    shared_intermediate: int = 128
-    shared_gate: bool = True
-    renormalize: bool = True
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_topk <= self.num_experts:
-            raise ValueError(f"num_topk must be in [1, num_experts={self.num_experts}], "
-                             f"got {self.num_topk}")
-        if min(self.hidden, self.num_experts, self.intermediate) < 1 or self.shared_intermediate < 0:
-            raise ValueError(f"MoE sizes must be positive: {self}")
-
-    @property
-    def has_shared_expert(self) -> bool:
-        return self.shared_intermediate > 0
+__all__ = ["MoEWeights", "ExpertWeights", "SharedWeights", "route"]
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,7 @@ def warn_if_the_bound_defeats_fault_tolerance(parallel: Any = None) -> bool:
     with the call bound: the bound ends a rank whose peer died (exit status 70), and vLLM's
     executor shuts down when any worker exits, so the sentinel never gets to mask the dead peer.
     ``parallel``: vLLM's ParallelConfig (default: the current config's)."""
-    from moe_plugins.watchdog import CALL_TIMEOUT_ENV, call_timeout_seconds
+    from moe_plugins.callbound import CALL_TIMEOUT_ENV, call_timeout_seconds
 
     if parallel is None:
         from vllm.config import get_current_vllm_config_or_none

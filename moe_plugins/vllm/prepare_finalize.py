@@ -59,8 +59,8 @@ from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.expert_ids import ExpertIds
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
                                             valid_rows)
-from moe_plugins.host_timer import bound_host_waits
-from moe_plugins.watchdog import CallBound, WatchedCall
+from moe_plugins.callbound import bound_host_waits
+from moe_plugins.callbound import CallBound, WatchedCall
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ _FIRST_CALL_LOGGED: set[str] = set()
 # topk_weights: the routing handed to the backend's prepare, which its finalize must get;
 # owns_all: this TP rank owns every row, nothing to slice out of, or zero around, the output;
 # refusal: None, or the error of inputs this rank refused, raised by finalize once the call
-# went through without this rank's tokens; watched: the call under moe_plugins.watchdog, or None).
+# went through without this rank's tokens; watched: the call under moe_plugins.callbound.watchdog, or None).
 _Call = tuple
 
 
@@ -161,7 +161,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._wants_hint = backend is not None and backend.uses_batch_hint
         self._calls: dict[int, _Call] = {}  # (see _Call)
         self._name = f"{backend_name} layer (EP rank {ctx.rank})"
-        # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.watchdog)
+        # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.callbound.watchdog)
         self._bound = CallBound(self._name, device=ctx.device)
         self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
         # the watchdog hears the group's notice unless the backends' waits do (they raise)

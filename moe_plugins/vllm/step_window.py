@@ -1,4 +1,4 @@
-"""The call bound under vLLM, per forward step (:func:`moe_plugins.watchdog.watch_step`): every
+"""The call bound under vLLM, per forward step (:func:`moe_plugins.callbound.watchdog.watch_step`): every
 forward pass vLLM runs, eager, through piecewise CUDA graphs or as a full-graph replay, is watched
 as one step from its launch on the host to the completion on the GPU of what it enqueued. So the
 replays of captured decode steps are bounded (the host runs none of our code during a replay),
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from moe_plugins.vllm.patching import (_APPLIED, Patch, _rebind, _rebind_importers,
                                        check_signature, resolve)
-from moe_plugins.watchdog import replays_in_step_windows, watch_step
+from moe_plugins.callbound import replays_in_step_windows, watch_step
 
 __all__ = ["FORWARD_CONTEXT", "FULL_GRAPH_REPLAY", "install_forward_context",
            "install_full_graph_replay"]

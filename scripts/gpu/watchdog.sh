@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The call bound (moe_plugins.watchdog) on a CUDA GPU host, from the repository root, with
+# The call bound (moe_plugins.callbound.watchdog) on a CUDA GPU host, from the repository root, with
 # moe-plugins installed (pip install -e .) and, for the deepep_ll cases, DeepEP's V1 line
 # importable as deep_ep (without it those cases are skipped):
 #

@@ -23,7 +23,8 @@ from moe_plugins.groups import DistContext, cached_dist_context
 from moe_plugins.interface import BatchHint, PrepareFinalize, RowScatterTarget
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.overlap import OverlapConfig, SharedExpertHandle
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend

@@ -31,7 +31,8 @@ from moe_plugins.interface import RowScatterTarget
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.lowlat.vendor import destroy_all_buffers
 from moe_plugins.lowlat.limits import unpack_ue8m0_scales
-from moe_plugins.runner.model import ExpertWeights, MoEConfig, MoEWeights, SharedWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import ExpertWeights, MoEWeights, SharedWeights, route
 from moe_plugins.overlap import OverlapConfig, clear_side_streams, launch_shared
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.runner.reference import reference_moe, tolerance_for

@@ -21,7 +21,8 @@ from moe_plugins.groups import cached_dist_context
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows, slice_owned
 from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend

@@ -13,7 +13,7 @@ from tests.checks import assert_matches_reference
 from moe_plugins.interface import ActivationFormat, BatchHint
 from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.runner.reference import tolerance_for
 from moe_plugins.registry import get_backend, refusal_reason, select_backend

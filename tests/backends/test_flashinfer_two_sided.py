@@ -15,7 +15,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import (BACKEND_EP_DP_TP_SUPPORT, BACKEND_SUPPORTED_QUANTS,
                                   get_backend, select_backend)

@@ -25,7 +25,8 @@ from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.lowlat.limits import (KERNEL_HIDDEN_SIZES, MAX_TOPK, round_up_hidden_size,
                                        token_capacity, unpack_ue8m0_scales)
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.quant import QuantScheme, QuantSpec, dequantize_fp8_block128, quantize_fp8_block128
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy as S

@@ -1,4 +1,4 @@
-"""moe_plugins.fault_notice: a rank whose call fails mid-way posts its error in the store its
+"""moe_plugins.callbound.fault_notice: a rank whose call fails mid-way posts its error in the store its
 group shares (the first failure stays, a rank does not read its own), the group's fault state
 posts it when it breaks, clearing the state clears it, and the watchdog ends a call in flight
 on the group once the notice is read, and a wait on a gloo collective hears it between slices.
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_plugins.fault_notice import NOTICE_PREFIX, READ_AFTER_S, FaultNotice, wait_or_told
+from moe_plugins.callbound.fault_notice import NOTICE_PREFIX, READ_AFTER_S, FaultNotice, wait_or_told
 from moe_plugins.faults import GroupFaults
-from moe_plugins.watchdog import PeerFailedError, watch_call
+from moe_plugins.callbound import PeerFailedError, watch_call
 
 
 def _pair() -> tuple[FaultNotice, FaultNotice, dist.Store]:

@@ -181,7 +181,8 @@ def _single_rank_layer():
     from moe_plugins.groups import DistContext
     from moe_plugins.runner.layer import MoELayer
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.runner.model import MoEConfig, MoEWeights
+    from moe_plugins.config import MoEConfig
+    from moe_plugins.runner.model import MoEWeights
     from moe_plugins.registry import get_backend
 
     cfg = MoEConfig(hidden=16, num_experts=4, num_topk=2, intermediate=8, shared_intermediate=8)

@@ -9,7 +9,8 @@ import torch
 from tests.contracts import placement_ranks as prf
 from tests.checks import assert_matches_reference
 from moe_plugins.layout import ParallelLayout, destination_ranks, local_expert_ids
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.placement import ExpertPlacement
 from moe_plugins.runner.reference import tolerance_for
 from moe_plugins.strategy import ReductionStrategy as S

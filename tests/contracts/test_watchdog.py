@@ -1,4 +1,4 @@
-"""moe_plugins.watchdog: its settings (argument, environment, floor, start-up bound), the ring of
+"""moe_plugins.callbound.watchdog: its settings (argument, environment, floor, start-up bound), the ring of
 watched calls, completion read from host memory only, the start-up bound, CUDA-graph captures and
 replays, and a watchdog thread that survives its own errors. (The watchdog ending a process is
 tested on real ranks: tests/runner/test_watchdog_ranks.py, tests/vllm_glue/test_vllm_faults.py
@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-from moe_plugins import watchdog
-from moe_plugins.watchdog import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV, MIN_TIMEOUT_S,
+from moe_plugins.callbound import watchdog
+from moe_plugins.callbound.watchdog import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV, MIN_TIMEOUT_S,
                                   RING_SLOTS, CallBound, call_timeout_seconds, capture_calls,
                                   expect_replay, first_call_timeout_seconds,
                                   replays_in_step_windows, watch_call, watch_step)
@@ -145,7 +145,7 @@ def test_a_failed_gpu_write_falls_back_to_the_host_end_and_says_so(fresh, monkey
     fresh.cuda = Broken()
     monkeypatch.setattr(watchdog, "_raw_stream", lambda index: 0)
     call = watch_call("layer", 1, 60.0)
-    with caplog.at_level(logging.ERROR, logger="moe_plugins.watchdog"):
+    with caplog.at_level(logging.ERROR, logger="moe_plugins.callbound.watchdog"):
         call.end(torch.device("cuda", 0))
     assert call.finished()
     assert any("internal error" in r.getMessage() for r in caplog.records)
@@ -190,7 +190,7 @@ def test_a_capture_without_the_replay_hook_says_once_that_replays_are_not_bounde
         fresh, monkeypatch, caplog):
     monkeypatch.setattr(watchdog, "_CUDA", [True])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="moe_plugins.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="moe_plugins.callbound.watchdog"):
         assert watch_call("layer", 1, 30.0) is None
         assert watch_call("layer", 2, 30.0) is None
     warnings = [r.getMessage() for r in caplog.records]
@@ -346,7 +346,7 @@ def test_a_capture_under_an_engine_that_bounds_replays_warns_nothing(fresh, monk
     monkeypatch.setattr(watchdog, "_CUDA", [True])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     replays_in_step_windows("the engine's glue")
-    with caplog.at_level(logging.WARNING, logger="moe_plugins.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="moe_plugins.callbound.watchdog"):
         assert watch_call("layer", 1, 30.0) is None
     assert caplog.records == []
 
@@ -364,7 +364,7 @@ def test_the_thread_logs_its_own_error_and_keeps_watching(monkeypatch, caplog):
         looked.set()
 
     monkeypatch.setattr(wd, "check", check)
-    with caplog.at_level(logging.ERROR, logger="moe_plugins.watchdog"):
+    with caplog.at_level(logging.ERROR, logger="moe_plugins.callbound.watchdog"):
         wd.start()
         assert looked.wait(30), "the watchdog did not look again after its error"
     assert wd.thread.is_alive()
@@ -385,8 +385,8 @@ def test_a_forked_child_starts_afresh_and_keeps_the_hooks(fresh):
 # -- a library that waits on the host holding the interpreter lock ------------------------------
 _HOLDING_CHILD = """
 import ctypes, sys, time
-from moe_plugins.host_timer import arm_host_timer
-from moe_plugins.watchdog import CallBound, on_call_timeout
+from moe_plugins.callbound.host_timer import arm_host_timer
+from moe_plugins.callbound import CallBound, on_call_timeout
 bound = CallBound("layer", 1.0, 0)
 on_call_timeout(lambda e: print("WATCHDOG", flush=True))
 call = bound.watch(1)

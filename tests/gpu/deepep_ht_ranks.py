@@ -30,7 +30,8 @@ def run_ht(rank: int, world: int, backend: str, device: str) -> list[dict]:
     from moe_plugins.registry import get_backend
     from moe_plugins.runner.demo import demo_inputs
     from moe_plugins.runner.experts import TorchExperts
-    from moe_plugins.runner.model import ExpertWeights, MoEConfig, MoEWeights, route
+    from moe_plugins.config import MoEConfig
+    from moe_plugins.runner.model import ExpertWeights, MoEWeights, route
     from moe_plugins.runner.reference import reference_moe, tolerance_for
     from tests.gpu.ep_ranks import vendor
 

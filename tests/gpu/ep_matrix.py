@@ -151,10 +151,10 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                call_timeout_s: Optional[float] = None, tokens: int = 8,
                prefill_hint: bool = False) -> Job:
     """A fault on one rank of ``ep`` (``kind``: refuse, kill, kill-before, raise, hang).
-    ``call_timeout_s``: the other ranks run under moe_plugins.watchdog with this bound (the case
+    ``call_timeout_s``: the other ranks run under moe_plugins.callbound.watchdog with this bound (the case
     is then ``fault-<kind>-watchdog``), and the job's bound is that plus ``margin_s``.
     ``tokens``: per rank and call; ``prefill_hint``: an engine's prefill hint before each."""
-    from moe_plugins.watchdog import first_call_timeout_seconds
+    from moe_plugins.callbound import first_call_timeout_seconds
     from tests.gpu import ep_ranks
 
     lib = LIB_TIMEOUT_S.get(backend, 60.0)  # the others: the job's bound, not a library's
@@ -227,7 +227,7 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             _layer_job(["deepep_auto"], 8, "B", device, scale, ep8)]
     out += [_fault_job("torch", "refuse", "B", device),
             _fault_job("deepep_ll", "refuse", "B", device),
-            # the bound of moe_plugins.watchdog instead of the library's own timeout (~100 s);
+            # the bound of moe_plugins.callbound.watchdog instead of the library's own timeout (~100 s);
             # a hung (not dead) peer on the torch backend holds gloo until its timeout otherwise
             _fault_job("deepep_ll", "kill", "B", device, margin_s=30, call_timeout_s=15),
             _fault_job("deepep_ht", "kill", "B", device, margin_s=30, call_timeout_s=15),
@@ -240,7 +240,7 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             # mode is chosen inside the call, the timer armed in the dispatch
             _fault_job("deepep_auto", "kill-before", "B", device, margin_s=120,
                        call_timeout_s=15, tokens=2 * AUTO_LL_CAPACITY, prefill_hint=True),
-            # a victim that raises mid-call tells its peers (moe_plugins.fault_notice): they
+            # a victim that raises mid-call tells its peers (moe_plugins.callbound.fault_notice): they
             # end in seconds with its error, not at the bound
             _fault_job("deepep_ll", "raise", "B", device, margin_s=30, call_timeout_s=15),
             _fault_job("torch", "hang", "B", device, margin_s=30, call_timeout_s=15),
@@ -298,7 +298,7 @@ def _rows_of(job: Job, run: Any) -> list[dict]:
 
 def _fault_row(job: Job, run: Any) -> list[dict]:
     """Invariants of a fault: no rank returns a wrong result, every rank but the victim ends
-    (an error, the right output, or its process ended, as moe_plugins.watchdog's lock-free
+    (an error, the right output, or its process ended, as moe_plugins.callbound.watchdog's lock-free
     timer ends it) within the job's bound, no process outlives the run. A
     survivor that did not end within the bound makes the row ``failed`` (what the fault job is
     there to show); the row carries the job's ``settings``."""

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from moe_plugins.interface import BatchHint
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.runner.experts import TorchExperts
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.runner.reference import reference_moe, tolerance_for
 from moe_plugins.quant import QuantScheme, QuantSpec, dequantize
 from tests.gpu.ep_harness import rank_device, result, step
@@ -481,8 +482,8 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
     or ``kill`` (the victim's process is killed between dispatch and combine: inside its
     experts) or ``kill-before`` (killed before call 2: its peers wait for its dispatch) or
     ``raise`` (the victim's experts raise between dispatch and combine: it lives, raises its
-    own error and tells its peers, moe_plugins.fault_notice) or ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
-    ``call_timeout_s``: the other ranks' layers run under moe_plugins.watchdog with this bound
+    own error and tells its peers, moe_plugins.callbound.fault_notice) or ``hang`` (the victim stops there, alive, for 10 s past the others' bound).
+    ``call_timeout_s``: the other ranks' layers run under moe_plugins.callbound.watchdog with this bound
     (the watchdog ends their processes: its error is reported as call 2's; call 1 then runs twice,
     so that call 2 is under the call bound, not the start-up bound). ``tokens`` per rank (more
     than deepep_auto's low-latency capacity: its normal mode); ``prefill_hint``: each call is
@@ -512,7 +513,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
             full = reference_moe(x, weights)
             step(f"{backend}: call 1 (no fault)")
             # under a bound, one good call more: a layer's calls run under the longer start-up
-            # bound until one after its first has completed (moe_plugins.watchdog)
+            # bound until one after its first has completed (moe_plugins.callbound.watchdog)
             for _ in range(1 if call_timeout_s is None else 2):
                 ok, _, rel = compare(forward(x), full, CFG.dtype)
             result({"call": 1, "ok": ok, "max_rel_err": rel})
@@ -548,7 +549,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
             step(f"{backend}: call 2 ({kind} on rank {victim})")
             t0 = time.monotonic()
             if call_timeout_s is not None and rank != victim:
-                from moe_plugins.watchdog import on_call_timeout
+                from moe_plugins.callbound import on_call_timeout
 
                 on_call_timeout(lambda e: result({
                     "call": 2, "outcome": "raised", "type": type(e).__name__,

@@ -27,7 +27,7 @@ from tests.backends import flashinfer_two_sided_ranks as fi  # noqa: E402
 from all2all.flashinfer import FlashInferTwoSidedOptions, TwoSidedApi, _available_apis  # noqa: E402
 from tests.checks import assert_matches_reference  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.runner.model import MoEConfig  # noqa: E402
+from moe_plugins.config import MoEConfig  # noqa: E402
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]

@@ -12,7 +12,8 @@ from moe_plugins.groups import DistContext
 from moe_plugins.interface import RowScatterTarget, row_scatter_add
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.overlap import OverlapConfig, launch_shared
 from moe_plugins.registry import get_backend
 from tests.gpu.cuda_graphs import capture

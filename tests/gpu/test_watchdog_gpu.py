@@ -1,4 +1,4 @@
-"""The call bound on a CUDA GPU (moe_plugins.watchdog): completion is the GPU's write into mapped
+"""The call bound on a CUDA GPU (moe_plugins.callbound.watchdog): completion is the GPU's write into mapped
 host memory, layer calls in a step window share the window's one write, a capture in a loop with
 calls in flight never fails and never kills the watchdog, a stuck eager call or CUDA-graph
 replay (alone or in a step window) ends the process within its bound, and at EP 4 a peer killed
@@ -25,8 +25,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from moe_plugins import watchdog  # noqa: E402
-from moe_plugins.watchdog import (EXIT_CODE, CallBound, capture_calls, expect_replay,  # noqa: E402
+from moe_plugins.callbound import watchdog  # noqa: E402
+from moe_plugins.callbound import (EXIT_CODE, CallBound, capture_calls, expect_replay,  # noqa: E402
                                   watch_call, watch_step, watchdog_alive)
 from tests.gpu.cuda_graphs import capture  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Rank functions and child processes of tests/gpu/test_watchdog_gpu.py (the call bound on a
-CUDA GPU, moe_plugins.watchdog). Import-safe without CUDA; everything here runs on cuda:0.
+CUDA GPU, moe_plugins.callbound.watchdog). Import-safe without CUDA; everything here runs on cuda:0.
 
 ``python -m tests.gpu.watchdog_ranks stuck <kind> <bound_s>``: a watched call whose GPU work
 spins for a minute; the watchdog must end the process (exit status 70) about ``bound_s`` after
@@ -30,7 +30,7 @@ def _say(**event: Any) -> None:
 
 def stuck(kind: str, bound_s: float) -> None:
     """The child process of the stuck-call tests (see the module's text)."""
-    from moe_plugins.watchdog import (CallBound, capture_calls, expect_replay, on_call_timeout,
+    from moe_plugins.callbound import (CallBound, capture_calls, expect_replay, on_call_timeout,
                                       watch_step)
 
     torch.cuda.set_device(0)
@@ -94,7 +94,7 @@ def graph_kill_job(rank: int, world: int, victim: int, call_timeout_s: float,
     from moe_plugins.runner.reference import reference_moe
     from contextlib import nullcontext
 
-    from moe_plugins.watchdog import capture_calls, expect_replay, on_call_timeout, watch_step
+    from moe_plugins.callbound import capture_calls, expect_replay, on_call_timeout, watch_step
     from tests.gpu.cuda_graphs import capture
     from tests.gpu.ep_harness import result, step
     from tests.gpu.ep_ranks import CFG, QUANTS, _first_line, _forward, _Layers, compare
@@ -153,11 +153,11 @@ def capture_race_job(rank: int, world: int, rounds: int, call_timeout_s: float) 
     under ``expect_replay``): each round reports whether its capture succeeded, whether the
     last eager call and the replay are right, and whether the replay was seen complete; the
     job returns whether the watchdog thread is alive and whether it logged an internal error."""
-    from moe_plugins import watchdog
+    from moe_plugins.callbound import watchdog
     from moe_plugins.runner.demo import demo_inputs
     from moe_plugins.runner.model import MoEWeights
     from moe_plugins.runner.reference import reference_moe
-    from moe_plugins.watchdog import capture_calls, expect_replay, watchdog_alive
+    from moe_plugins.callbound import capture_calls, expect_replay, watchdog_alive
     from tests.gpu.cuda_graphs import capture
     from tests.gpu.ep_harness import result, step
     from tests.gpu.ep_ranks import CFG, QUANTS, _first_line, _Layers, compare
@@ -210,8 +210,8 @@ def hook_kill_job(rank: int, world: int, victim: int, call_timeout_s: float,
     began). Reported per call: whether finalize went the hook way (a hook and a receiver)."""
     import torch.distributed as dist
 
-    from moe_plugins.call_bound_settings import CALL_TIMEOUT_ENV
-    from moe_plugins.watchdog import on_call_timeout, watch_step
+    from moe_plugins.callbound import CALL_TIMEOUT_ENV
+    from moe_plugins.callbound import on_call_timeout, watch_step
     from tests.gpu.ep_harness import result, step
     from tests.gpu.ep_ranks import CFG, _first_line, compare
     from tests.gpu.ep_vllm_ranks import Sides, _ref, vllm_world

@@ -20,7 +20,8 @@ from moe_plugins.faults import HEADER_WORDS
 from moe_plugins.interface import ActivationFormat
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.planner.link_model import LinkModel
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.planner.model_config import load_model_config, model_spec_from_dict
 from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.planner.decoder import decoder_tp_collectives

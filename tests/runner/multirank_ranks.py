@@ -12,7 +12,8 @@ from moe_plugins.faults import clear_group_faults
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout, owned_rows
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import get_backend

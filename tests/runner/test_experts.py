@@ -9,7 +9,8 @@ import torch
 
 from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.interface import ExpertTokensMeta, PrepareResult
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch
 from moe_plugins.runner.reference import reference_moe, tolerance_for
 

@@ -15,7 +15,8 @@ from tests.runner import faults_ranks as frf
 from tests.checks import assert_matches_reference
 from moe_plugins.runner.launch import RankDiedError, RankError, RankPool, RankTimeoutError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 
 pytestmark = pytest.mark.multirank
 
@@ -55,7 +56,7 @@ def test_rank_failing_mid_way_breaks_every_rank_within_the_timeout(rank_pool):
             assert first_type == "CollectiveError", first
             assert "combine all-to-all" in first
             assert "torch backend layer" in first and "ranks [0, 1, 2, 3]" in first
-            # the true cause, read from the store (moe_plugins.fault_notice), bound off
+            # the true cause, read from the store (moe_plugins.callbound.fault_notice), bound off
             assert f"failed mid-way and told its peers: EP rank {bad}: " in first, first
             assert "injected expert failure" in first, first
             assert seconds < 2 * TIMEOUT_S

@@ -8,7 +8,7 @@ from tests.runner import multirank_ranks as rank_fns
 from tests.checks import assert_matches_reference
 from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.strategy import ReductionStrategy as S
 

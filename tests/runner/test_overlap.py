@@ -12,7 +12,8 @@ from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import DistContext
 from moe_plugins.runner.layer import MoELayer
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.runner.reference import reference_moe, tolerance_for
 from moe_plugins.registry import get_backend

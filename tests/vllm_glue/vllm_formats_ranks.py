@@ -25,7 +25,8 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import (QuantScheme, QuantSpec, dequantize_nvfp4, unswizzle_nvfp4_sf)
 from moe_plugins.registry import get_backend

@@ -8,7 +8,8 @@ from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.quant import QuantSpec
 from moe_plugins.runner.demo import demo_inputs
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from tests.emulation import installed
 
 

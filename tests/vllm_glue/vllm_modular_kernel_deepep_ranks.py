@@ -11,7 +11,7 @@ import torch
 
 from tests.emulation import installed
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.strategy import ReductionStrategy
 from tests.vllm_glue.vllm_modular_kernel_ranks import run_vllm_kernel
 

@@ -33,7 +33,8 @@ from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMo
 
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.layout import ParallelLayout
-from moe_plugins.runner.model import MoEConfig, MoEWeights, route
+from moe_plugins.config import MoEConfig
+from moe_plugins.runner.model import MoEWeights, route
 from tests.checks import count_dist_calls
 from tests.vllm_glue.vllm_dist import tp_uses_cpu_shm, vllm_parallel_state
 from tests.vllm_glue.vllm_modular_kernel_ranks import TorchExpertsModular, contiguous_expert_map

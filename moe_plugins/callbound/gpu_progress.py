@@ -1,4 +1,4 @@
-"""The GPU's side of the call bound's completion marks (:mod:`moe_plugins.watchdog`): a
+"""The GPU's side of the call bound's completion marks (:mod:`moe_plugins.callbound.watchdog`): a
 page-locked host buffer of uint32 words mapped into the GPU's address space, and
 the driver call that enqueues on a stream the write of one word after the work before it. The
 watchdog thread reads the words from host memory; it makes no CUDA call."""

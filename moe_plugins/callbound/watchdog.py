@@ -44,7 +44,7 @@ captured decode steps are bounded too.
 
 A library's host wait. A Python thread cannot run while a library call keeps the interpreter
 lock, as DeepEP's normal-mode dispatch does while it waits on the host for its peers: around
-such calls the layers arm faulthandler's timer (a C thread; :mod:`moe_plugins.host_timer`),
+such calls the layers arm faulthandler's timer (a C thread; :mod:`moe_plugins.callbound.host_timer`),
 which ends the process one poll after the call's deadline with every thread's traceback (exit
 status 1).
 
@@ -77,15 +77,15 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from moe_plugins.call_bound_errors import (EXIT_CODE, CallTimeoutError, PeerFailedError,
+from moe_plugins.callbound.errors import (EXIT_CODE, CallTimeoutError, PeerFailedError,
                                            peer_failed_error, timeout_error)
-from moe_plugins.call_bound_settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
+from moe_plugins.callbound.settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
                                              MIN_TIMEOUT_S, POLL_S, call_timeout_seconds,
                                              first_call_timeout_seconds)
-from moe_plugins.fault_notice import READ_AFTER_S, FaultNotice
-from moe_plugins.gpu_progress import CudaProgress as _CudaProgress
-from moe_plugins.gpu_progress import raw_stream as _raw_stream
-from moe_plugins.step_state import LayerBounds, StepLocal
+from moe_plugins.callbound.fault_notice import READ_AFTER_S, FaultNotice
+from moe_plugins.callbound.gpu_progress import CudaProgress as _CudaProgress
+from moe_plugins.callbound.gpu_progress import raw_stream as _raw_stream
+from moe_plugins.callbound.step_state import LayerBounds, StepLocal
 
 __all__ = ["CALL_TIMEOUT_ENV", "FIRST_CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", "MIN_TIMEOUT_S",
            "RING_SLOTS", "CallTimeoutError", "PeerFailedError", "WatchedCall", "CallBound",
@@ -121,7 +121,7 @@ class WatchedCall:
         # window's call, when it held cover_seq)
         self.covered = self.cover_seq = -1
         self.cover: Optional[WatchedCall] = None
-        self.notice: Optional[FaultNotice] = None  # its EP group's (moe_plugins.fault_notice)
+        self.notice: Optional[FaultNotice] = None  # its EP group's (moe_plugins.callbound.fault_notice)
 
     def end(self, device: torch.device) -> None:
         """The call's work is enqueued: on CUDA it completes when the GPU has written the
@@ -380,7 +380,7 @@ def _captured(name: str, number: int, timeout_s: float) -> None:
         _WATCHDOG.warned_capture = True
         logger.warning("%s: captured into a CUDA graph under a call bound (%g s); its replays "
                        "are bounded only where the code that replays the graph wraps each "
-                       "replay in moe_plugins.watchdog.expect_replay (vLLM's graph runner does "
+                       "replay in moe_plugins.callbound.watchdog.expect_replay (vLLM's graph runner does "
                        "not): otherwise a peer that dies during a replay ends this rank only by "
                        "the library's own timeout", name, timeout_s)
 
@@ -440,7 +440,7 @@ class CallBound:
         self._warm = self.timeout_s is None or self.first_timeout_s == self.timeout_s
         self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
         self._proof_seq = -1
-        # the layer's EP group's notice of a peer's failure (moe_plugins.fault_notice): the
+        # the layer's EP group's notice of a peer's failure (moe_plugins.callbound.fault_notice): the
         # layer sets it once it has its group
         self.notice: Optional[FaultNotice] = None
         if self.timeout_s is not None:

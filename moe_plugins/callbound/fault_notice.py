@@ -13,8 +13,8 @@ group has waited :data:`READ_AFTER_S`, a reader thread looks at the key every po
   :class:`moe_plugins.faults.CollectiveError` naming the peer's error: bound on or off, the
   process lives;
 * a collective or a kernel that cannot be interrupted (the GPU libraries' waits) is left to the
-  call bound's watchdog (:mod:`moe_plugins.watchdog`), which ends the process with
-  :class:`moe_plugins.watchdog.PeerFailedError`. With the bound off such a peer ends at the
+  call bound's watchdog (:mod:`moe_plugins.callbound.watchdog`), which ends the process with
+  :class:`moe_plugins.callbound.watchdog.PeerFailedError`. With the bound off such a peer ends at the
   library's or the process group's timeout, and a collective of ours that fails then reads the
   notice (:meth:`FaultNotice.read_within`) and names the peer's error as the cause.
 
@@ -31,7 +31,7 @@ import time
 from datetime import timedelta
 from typing import Any, Optional
 
-from moe_plugins.call_bound_settings import POLL_S
+from moe_plugins.callbound.settings import POLL_S
 
 __all__ = ["FaultNotice", "NOTICE_PREFIX", "READ_AFTER_S", "notice_for", "wait_or_told"]
 

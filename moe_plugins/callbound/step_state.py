@@ -1,4 +1,4 @@
-"""What a step window (:func:`moe_plugins.watchdog.watch_step`) shares with the layer calls inside
+"""What a step window (:func:`moe_plugins.callbound.watchdog.watch_step`) shares with the layer calls inside
 it: the thread's open window, which a call's end reads to take the window's completion mark,
 and the bounds of the process's layers, whose largest is the window's bound."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ class StepLocal(threading.local):
 
 
 class LayerBounds:
-    """Every layer bound that is on (:class:`moe_plugins.watchdog.CallBound`, held weakly: a
+    """Every layer bound that is on (:class:`moe_plugins.callbound.watchdog.CallBound`, held weakly: a
     layer may be dropped), and the largest bound a call started now runs under, the bound of a
     step window (cached: asked once per step)."""
 

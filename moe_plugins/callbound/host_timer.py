@@ -1,6 +1,6 @@
 """A timer of the C runtime over a library call that may wait on the host while holding the
 interpreter lock (DeepEP's normal-mode dispatch waits there for its peers' counts): the call
-bound's watchdog thread (:mod:`moe_plugins.watchdog`) cannot run while the lock is held, so
+bound's watchdog thread (:mod:`moe_plugins.callbound.watchdog`) cannot run while the lock is held, so
 faulthandler's timer, a C thread that needs no lock, ends the process instead.
 
 Who arms it: a layer knows the call and its deadline, the backend knows which of its library
@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from moe_plugins.call_bound_settings import POLL_S
+from moe_plugins.callbound.settings import POLL_S
 
 __all__ = ["arm_host_timer", "disarm_host_timer", "bound_host_waits", "host_wait"]
 
@@ -50,7 +50,7 @@ _HOST_WAITS = _HostWaits()
 
 
 def bound_host_waits(call: Optional[Any]) -> None:
-    """A layer, around a watched call (:class:`moe_plugins.watchdog.WatchedCall`) of a backend
+    """A layer, around a watched call (:class:`moe_plugins.callbound.watchdog.WatchedCall`) of a backend
     that may wait on the host: the library calls in :func:`host_wait` on this thread run under
     ``call``'s deadline until this is called with None."""
     _HOST_WAITS.call = call

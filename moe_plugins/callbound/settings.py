@@ -1,4 +1,4 @@
-"""The settings of the call bound (:mod:`moe_plugins.watchdog`): the bound and the start-up
+"""The settings of the call bound (:mod:`moe_plugins.callbound.watchdog`): the bound and the start-up
 bound, from an argument or the environment, checked with errors that name their source."""
 from __future__ import annotations
 

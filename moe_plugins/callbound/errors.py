@@ -1,16 +1,16 @@
-"""The errors of the call bound (:mod:`moe_plugins.watchdog`): the exceptions the watchdog logs
+"""The errors of the call bound (:mod:`moe_plugins.callbound.watchdog`): the exceptions the watchdog logs
 and hands its hooks before it ends the process, and their messages."""
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from moe_plugins.call_bound_settings import CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV
+from moe_plugins.callbound.settings import CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV
 
 __all__ = ["EXIT_CODE", "CallTimeoutError", "PeerFailedError", "timeout_error",
            "peer_failed_error"]
 
 class WatchedFacts(Protocol):
-    """What the messages read of a watched call (moe_plugins.watchdog.WatchedCall)."""
+    """What the messages read of a watched call (moe_plugins.callbound.watchdog.WatchedCall)."""
 
     name: str
     number: int
@@ -33,7 +33,7 @@ class CallTimeoutError(RuntimeError):
 
 class PeerFailedError(CallTimeoutError):
     """A watched layer call could not complete because a peer's call on its EP group failed
-    mid-way and said so (:mod:`moe_plugins.fault_notice`): logged and handed to the hooks, with
+    mid-way and said so (:mod:`moe_plugins.callbound.fault_notice`): logged and handed to the hooks, with
     the peer's error, before the watchdog ends the process."""
 
 

@@ -7,7 +7,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from moe_plugins.cli_args import (DTYPES, add_layout_args, int_at_least, layout_from_args,
+from moe_plugins.cli.args import (DTYPES, add_layout_args, int_at_least, layout_from_args,
                                   nonnegative_float, positive_float, token_counts)
 from moe_plugins.planner.presets import LINK_PRESETS
 
@@ -23,7 +23,7 @@ _SHAPE_FLAGS = ("hidden", "experts", "topk", "intermediate", "shared_intermediat
 def _plan_inputs(args: argparse.Namespace) -> tuple:
     """(ModelSpec, layout, QuantSpec, LinkModel) from the flags: an explicit shape flag overrides
     the --model-config value, which overrides demo's default."""
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
     from moe_plugins.planner.model_config import ModelSpec, load_model_config
     from moe_plugins.quant import QuantScheme, QuantSpec
 

@@ -11,9 +11,9 @@ from dataclasses import asdict
 import signal
 from typing import TYPE_CHECKING, Any, Iterable, NoReturn, Sequence
 
-from moe_plugins.cli_args import (DTYPES, add_layout_args, int_at_least, layout_from_args,
+from moe_plugins.cli.args import (DTYPES, add_layout_args, int_at_least, layout_from_args,
                                   nonnegative_float, positive_float)
-from moe_plugins.cli_plan import add_plan_parser
+from moe_plugins.cli.plan import add_plan_parser
 
 if TYPE_CHECKING:
     from moe_plugins.registry import BackendSpec
@@ -121,7 +121,7 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_demo(args: argparse.Namespace) -> int:
     from moe_plugins.runner.demo import demo_preflight, run_demo
     from moe_plugins.runner.launch import RankPool
-    from moe_plugins.runner.model import MoEConfig
+    from moe_plugins.config import MoEConfig
     from moe_plugins.quant import QuantScheme, QuantSpec
 
     layout = layout_from_args(args)
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "$MOE_PLUGINS_TIMEOUT_S, else 300)")
     demo.add_argument("--call-timeout-s", type=nonnegative_float, default=None, metavar="S",
                       help="bound on each layer call: a call not complete within S seconds "
-                      "ends its rank (moe_plugins.watchdog; default "
+                      "ends its rank (moe_plugins.callbound.watchdog; default "
                       "$MOE_PLUGINS_CALL_TIMEOUT_S, else off; 0: off)")
     demo.add_argument("--json", action="store_true", help="one JSON object per strategy and line")
     demo.set_defaults(fn=_cmd_demo)

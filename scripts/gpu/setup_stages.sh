@@ -11,8 +11,9 @@
 #   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc
 #                        (VLLM_VERSION: 0.34.0 by default, or 0.33.0; that release's Python
 #                        without its compiled extension; benchmarks/vllm_stand_ins.py)
-#   setup_deepep         .gpu/deepep-567632d.tgz built in /tmp/deepep (kept between runs on the
-#                        same host: a second run skips the build)
+#   setup_deepep         .gpu/deepep-567632d.tgz with the PR #642 fence, built in /tmp/deepep by
+#                        scripts/deepep/build.sh (kept between runs on the same host: a second
+#                        run skips the build)
 #   setup_moe_plugins    pip install -e . (the entry points the registry reads)
 #   setup_nixl           .gpu17/nixl: NIXL EP's extension built against this torch into
 #                        /tmp/nixl_site/nixl_ep (nixl_ep.sh's stages 1-4; log nixl_build.log)
@@ -36,15 +37,10 @@ setup_vllm_py() {
 }
 
 setup_deepep() {
-  stage "build DeepEP V1 567632d (in /tmp/deepep, kept for the next run)"
-  if [ ! -d /tmp/deepep/deep_ep ] || ! ls /tmp/deepep/deep_ep_cpp*.so >/dev/null 2>&1; then
-    rm -rf /tmp/deepep && mkdir -p /tmp/deepep && tar -xzf .gpu/deepep-567632d.tgz -C /tmp/deepep
-    # CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS: your toolkit, GPUs and cores (defaults: an H200 host)
-    (cd /tmp/deepep && CPATH=${CUDA_HOME:-/usr/local/cuda}/include/cccl${CPATH:+:$CPATH} \
-      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-      python3 setup.py build_ext --inplace > /tmp/deepep_build.log 2>&1) \
-      || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; return 1; }
-  fi
+  stage "build DeepEP V1 567632d with the PR #642 fence (scripts/deepep/build.sh; /tmp/deepep, kept for the next run)"
+  DEEPEP_SRC=.gpu/deepep-567632d.tgz bash scripts/deepep/build.sh /tmp/deepep > /tmp/deepep_build.log 2>&1 \
+    || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; return 1; }
+  tail -2 /tmp/deepep_build.log
 }
 
 setup_moe_plugins() {

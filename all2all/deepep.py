@@ -30,7 +30,7 @@ from moe_plugins.lowlat.manager import LowLatencyManager, LowLatencyOptions
 from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
 from moe_plugins.registry import RequiredPackage
 
-__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
+__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE", "DEEPEP_TIMEOUT_S"]
 
 DEEPEP_PACKAGE = RequiredPackage(
     module="deep_ep",
@@ -39,6 +39,11 @@ DEEPEP_PACKAGE = RequiredPackage(
 )
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
+#: DeepEP's own bound on a kernel's wait for a peer (csrc/kernels/configs.cuh at 567632d:
+#: NUM_TIMEOUT_CYCLES, 200G SM cycles, "~= 100s"; 101.7 s measured on an H200) and on its host
+#: waits (NUM_CPU_TIMEOUT_SECS, 100 s). At it a kernel traps (without a mask buffer) or masks
+#: the peer (with ``enable_shrink``).
+DEEPEP_TIMEOUT_S = 100.0
 
 
 def runtime_calls_known(buffer: Any) -> bool:
@@ -97,6 +102,11 @@ class DeepEPLLManager(LowLatencyManager):
         """With the engine's fault tolerance on, DeepEP needs its mask buffer (``enable_shrink``),
         as vLLM's in-tree DeepEP LL manager builds it; otherwise the defaults."""
         return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None
+
+    def library_timeout(self) -> tuple[Optional[float], bool]:
+        """DeepEP's kernel timeout; it traps there unless the buffer has a mask
+        (``enable_shrink``), which it sets instead."""
+        return DEEPEP_TIMEOUT_S, not self.options.enable_shrink
 
     def _check_limits(self) -> None:
         self._check_qp_depth(int(os.environ.get("NVSHMEM_QP_DEPTH", _DEFAULT_QP_DEPTH)))

@@ -59,7 +59,7 @@ from moe_plugins.callbound import FaultNotice, notice_for
 T = TypeVar("T")
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
-           "PeerMaskedError",
+           "PeerMaskedError", "library_timeout_error",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "told_error",
            "HEADER_WORDS",
            "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
@@ -290,6 +290,38 @@ def owes_call(exc: BaseException) -> BaseException:
 
 def is_owed_call(exc: BaseException) -> bool:
     return getattr(exc, _OWES, False)
+
+
+#: What a vendor library's own timeout on a peer looks like when it reaches the host: a CUDA
+#: kernel that trapped (the error of the next CUDA call: "unspecified launch failure"), or
+#: DeepEP's host waits ("DeepEP error: CPU recv timeout", "DeepEP error: timeout (dispatch
+#: CPU)", csrc/deep_ep.cpp at 567632d).
+_LIBRARY_TIMEOUT_SIGNS = ("unspecified launch failure", "DeepEP error: CPU recv timeout",
+                          "DeepEP error: timeout")
+
+
+def library_timeout_error(layer: str, library: str, timeout_s: Optional[float],
+                          exc: BaseException) -> Optional[CollectiveError]:
+    """The error to raise where a library's call (or the next CUDA call after one of its
+    kernels trapped) failed with ``exc`` at the library's own timeout on a peer (``timeout_s``
+    seconds; None: the library has none, and nothing is wrapped): :class:`CollectiveError`
+    saying that a peer died or hangs and every rank of the EP group must restart, to be raised
+    ``from exc``; None when ``exc`` is something else."""
+    if timeout_s is None or not isinstance(exc, RuntimeError) or isinstance(
+            exc, (LayerBrokenError, OutOfStepError, CollectiveError, PeerMaskedError)):
+        return None
+    text = str(exc)
+    if not any(sign in text for sign in _LIBRARY_TIMEOUT_SIGNS):
+        return None
+    lines = text.strip().splitlines()
+    trapped = "launch failure" in text
+    return CollectiveError(
+        f"{layer}: {library}'s wait for a peer ended at the library's own timeout (about "
+        f"{timeout_s:g} s; {type(exc).__name__}: {lines[0] if lines else ''}): a peer rank died "
+        "or hangs in the middle of the call. "
+        + ("Its kernel trapped, so this process's CUDA context is lost. " if trapped else "")
+        + "Restart every rank of the EP group (under vLLM, the engine); "
+        "$MOE_PLUGINS_CALL_TIMEOUT_S ends such a call earlier, with this package's error")
 
 
 def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Optional[float],

@@ -384,6 +384,14 @@ class PrepareFinalize(ABC):
     #: in seconds, bound on or off); the layers then leave the notice out of their watched calls,
     #: so the watchdog does not end the process for what the backend raises
     hears_peer_failures: bool = False
+    #: The library's own bound on a wait for a peer, in seconds (None: none; the backend's waits
+    #: are bounded by the process group's timeout), and whether at it the library's kernels trap
+    #: (the process's CUDA context is lost before any error reaches the host) rather than mask
+    #: the peer or raise. With no call bound set, the layers bound their calls by a backstop
+    #: derived from these (moe_plugins.callbound.CallBound.backstop), so that no rank waits
+    #: forever where the library's own timeout does not end it.
+    library_timeout_s: Optional[float] = None
+    library_traps: bool = False
 
     def refuse(self, error: BaseException) -> None:
         """A caller refused this call's inputs before calling prepare: take this rank's part in

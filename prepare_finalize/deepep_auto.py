@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from all2all.deepep import DEEPEP_TIMEOUT_S
 from all2all.deepep_auto import DeepEPAutoManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
@@ -74,6 +75,8 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
 
     activation_format = ActivationFormat.STANDARD
     waits_on_host = True  # in normal mode, as deepep_ht (whose dispatch arms the timer)
+    # as deepep_ht: in normal mode the host wait raises at DeepEP's timeout first
+    library_timeout_s = DEEPEP_TIMEOUT_S
 
     def __init__(self, manager: DeepEPAutoManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPAutoManager):

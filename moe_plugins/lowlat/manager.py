@@ -257,6 +257,11 @@ class LowLatencyManager(ABC):
         _synchronize(self.ctx.device)
         _CALLER_MASKED.pop(self._buffer_key, None)
 
+    def library_timeout(self) -> tuple[Optional[float], bool]:
+        """The library's own bound on a wait for a peer (seconds; None: none known) and whether
+        its kernels trap at it (see ``PrepareFinalize.library_timeout_s``)."""
+        return None, False
+
     def _check_can_mask(self, rank: Optional[int]) -> None:
         """Raise ValueError when this buffer cannot mask ``rank`` (None: cannot mask at all)."""
 

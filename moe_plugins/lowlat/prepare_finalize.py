@@ -91,6 +91,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         #: The library runtime's calls this object makes (None: the buffer's Python methods);
         #: with them, the runtime's host asserts check what they check (RuntimeCalls).
         self.runtime_calls: Optional[RuntimeCalls] = manager.runtime_calls
+        self.library_timeout_s, self.library_traps = manager.library_timeout()
         self._buffer = manager.buffer
         # The buffer's Python methods (the calls where runtime_calls is None), bound once: a
         # getattr by name per call is host time on every dispatch and combine.

@@ -12,7 +12,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import (PeerMaskedError, group_faults, in_step, is_in_step,
-                                is_owed_call)
+                                is_owed_call, library_timeout_error)
 from moe_plugins.groups import DistContext, all_gather_tensor
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget, capturing
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
@@ -121,6 +121,8 @@ class MoELayer:
         # failures: the backend raises; the process lives)
         if self.pf is None or not self.pf.hears_peer_failures:
             self._bound.notice = self.faults.notice
+        if self.pf is not None:  # no bound set: where the library's timeout does not end a rank
+            self._bound.backstop(backend.name, self.pf.library_timeout_s, self.pf.library_traps)
         self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
         # the library's own masks, watched where the buffer has a mask (see _check_library_masks)
         manager = getattr(self.pf, "manager", None)
@@ -229,6 +231,11 @@ class MoELayer:
                 self._serve_without_tokens(e)
             if not is_in_step(e):
                 self.faults.mark_broken(f"{self.name} raised on this rank", e)
+            if self.pf is not None:  # the library's own timeout on a peer: say what it means
+                wrapped = library_timeout_error(self.name, self.backend_spec.name,
+                                                self.pf.library_timeout_s, e)
+                if wrapped is not None:
+                    raise wrapped from e
             raise
 
     def _check_library_masks(self) -> None:

@@ -423,3 +423,49 @@ def test_a_call_holding_the_interpreter_lock_is_ended_by_the_lock_free_timer():
     assert code == 1 and "RETURNED" not in out, (code, out, err[-2000:])
     assert took < 15, took
     assert "Timeout (0:00:01" in err and "<string>" in err, err[-2000:]
+
+
+# -- the backstop (no bound set) -------------------------------------------------------------------
+@pytest.mark.parametrize("traps,expected", [(True, 90.0), (False, 120.0)],
+                         ids=["library-traps", "library-masks"])
+def test_with_no_bound_set_the_backstop_follows_the_library(fresh, monkeypatch, traps, expected):
+    """Unset (argument None, variable absent or empty): a library that traps at its timeout gets
+    0.9 of it (the process ends with our error before the trap), one that masks or raises gets
+    20 s after it (its own outcome first); the INFO line and the error say it is the backstop."""
+    monkeypatch.delenv(FIRST_CALL_TIMEOUT_ENV, raising=False)
+    for raw in (None, "", "  "):
+        if raw is None:
+            monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
+        bound = CallBound("layer", device=CPU)
+        assert bound.timeout_s is None and bound.describe() == "off"
+        bound.backstop("deepep_ll", 100.0, traps)
+        assert bound.timeout_s == expected
+        assert bound.first_timeout_s == max(10 * expected, 600.0)
+        assert "no bound set, the backstop" in bound.describe()
+        call = bound.watch(1)
+        assert call is not None and "no call bound was set" in call.why
+        call.end(CPU)
+        text = str(watchdog.timeout_error(call, call.started + expected + 1))
+        assert "backstop" in text and "restart every rank of the EP group" in text
+
+
+@pytest.mark.parametrize("given,env", [(0, None), (None, "0"), (30.0, None), (None, "30")],
+                         ids=["argument-0", "env-0", "argument-30", "env-30"])
+def test_a_bound_the_user_set_or_turned_off_is_never_replaced(fresh, monkeypatch, given, env):
+    if env is None:
+        monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CALL_TIMEOUT_ENV, env)
+    bound = CallBound("layer", given, device=CPU)
+    before = bound.timeout_s
+    bound.backstop("deepep_ll", 100.0, True)
+    assert bound.timeout_s == before and bound.why == ""
+
+
+def test_no_library_timeout_no_backstop(fresh, monkeypatch):
+    monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+    bound = CallBound("layer", device=CPU)
+    bound.backstop("torch", None, False)
+    assert bound.timeout_s is None and bound.watch(1) is None

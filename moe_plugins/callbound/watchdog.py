@@ -467,7 +467,8 @@ class CallBound:
         if timeout_s is not None:
             _BOUNDS.add(self)
 
-    def backstop(self, library: str, library_timeout_s: Optional[float], traps: bool) -> None:
+    def backstop(self, library: str, library_timeout_s: Optional[float], traps: bool,
+                 start_up: bool = True) -> None:
         """With no bound set by the user (neither the argument nor the environment; 0 there is
         a choice too), bound the calls anyway where the library's own timeout does not end every
         rank: ``library`` waits ``library_timeout_s`` seconds for a peer, then ``traps`` (its
@@ -475,7 +476,11 @@ class CallBound:
         not trap at all) or masks the peer / raises. A library that traps gets the backstop
         :data:`BACKSTOP_TRAP_FRACTION` of its timeout, so the process ends with this package's
         error before the trap; one that masks or raises gets :data:`BACKSTOP_GRACE_S` after its
-        timeout, so its own outcome comes first. None (no timeout known): nothing."""
+        timeout, so its own outcome comes first. None (no timeout known): nothing.
+        ``start_up``: the layer's first calls keep the start-up bound (a caller whose watched
+        calls include work that compiles on first use: vLLM's experts run inside the adapter's
+        call); False: every call runs under the backstop from the first (a wait on a peer longer
+        than that ends in the library's own timeout anyway)."""
         if self._set or self.timeout_s is not None or library_timeout_s is None:
             return
         if traps:
@@ -490,6 +495,8 @@ class CallBound:
                         f"{BACKSTOP_GRACE_S:g} s past {library}'s own timeout (about "
                         f"{library_timeout_s:g} s), which did not end the call")
             self._note = f"past {library}'s {library_timeout_s:g} s timeout"
+        if not start_up:
+            self._first_given = 0  # no separate start-up bound
         self._turn_on(seconds)
 
     def current_timeout_s(self) -> Optional[float]:

@@ -122,7 +122,10 @@ class MoELayer:
         if self.pf is None or not self.pf.hears_peer_failures:
             self._bound.notice = self.faults.notice
         if self.pf is not None:  # no bound set: where the library's timeout does not end a rank
-            self._bound.backstop(backend.name, self.pf.library_timeout_s, self.pf.library_traps)
+            # nothing in this layer's call compiles on first use (torch experts): no start-up
+            # bound, so a peer that dies after call 1 is bounded too
+            self._bound.backstop(backend.name, self.pf.library_timeout_s, self.pf.library_traps,
+                                 start_up=False)
         self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
         # the library's own masks, watched where the buffer has a mask (see _check_library_masks)
         manager = getattr(self.pf, "manager", None)

@@ -169,6 +169,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         if not (self._backends and all(b.hears_peer_failures for b in self._backends)):
             self._bound.notice = self.faults.notice
         if self._backends:  # no bound set: where the library's timeout does not end a rank
+            # (the first calls keep the start-up bound: vLLM's experts, inside the watched
+            # call, compile on first use)
             self._bound.backstop(backend_name, self._backends[0].library_timeout_s,
                                  self._backends[0].library_traps)
         # backends with split phases (moe_plugins.interface.SplitPhases; every micro-batch's

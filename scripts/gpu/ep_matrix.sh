@@ -15,7 +15,7 @@
 #
 # Each half builds what it needs with the shared set-up stages (scripts/gpu/setup_stages.sh),
 # then runs its jobs in order inside what is left of its time budget CALL_S (default 570 s);
-# each job is bounded, a job that cannot get its time is recorded "timed_out: not started" (run
+# each job is bounded, a job that cannot get its time is recorded "not_run: not started" (run
 # it later with ONLY=), and the record is rewritten after every job. In $OUT:
 #   ep_one_gpu_<HALF>.json   the record: rows backend/path/ep/tp/quant/case/status/max_rel_err/
 #                            detail, each with from_run.commit (MOE_PLUGINS_COMMIT names it
@@ -129,7 +129,7 @@ timeout -k 10 -s INT "$LEFT" python3 -m tests.gpu.ep_matrix --device "$DEVICE" -
   --record "$OUT/ep_one_gpu_$HALF.json" --runs "$LOGS/ep_runs_$HALF.json" > "$LOGS/matrix_$HALF.txt" 2>&1
 rc=$?
 [ -n "${DUMPER:-}" ] && kill "$DUMPER" 2>/dev/null
-grep -E "^== |^   (passed|failed|timed_out|refused)|^   [0-9.]+ s" "$LOGS/matrix_$HALF.txt" | cut -c1-220
+grep -E "^== |^   (passed|failed|not_run|refused)|^   [0-9.]+ s" "$LOGS/matrix_$HALF.txt" | cut -c1-220
 echo "matrix rc=$rc ($(( $(date +%s) - T0 )) s since the call started)"
 if [ -f "$OUT/ep_one_gpu_$HALF.json" ]; then
   python3 -m tests.gpu.ep_matrix --markdown "$OUT/ep_one_gpu_$HALF.json" | tail -1

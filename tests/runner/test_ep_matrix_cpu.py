@@ -98,13 +98,13 @@ def test_record_as_markdown(tmp_path, capsys):
     rows = [dict(backend="deepep_ll", path="layer", ep=4, tp=1, quant="bf16", case="ragged",
                  status="passed", max_rel_err=0.0061, detail="4 ranks | within", job="j"),
             dict(backend="nixl_ep", path="vllm", ep=2, tp=1, quant="bf16", case="graph",
-                 status="timed_out", max_rel_err=None, detail="not started", job="k")]
+                 status="not_run", max_rel_err=None, detail="not started", job="k")]
     table = rows_to_markdown(rows)
     assert table.splitlines()[0].startswith(
         "| path | vllm | backend | ep | tp | quant | case | status")
     line = "| layer |  | deepep_ll | 4 | 1 | bf16 | ragged | passed | 6.10e-03 | 4 ranks \\| within |"
     assert line in table
-    assert table.splitlines()[-1] == "1 passed, 1 timed_out (2 rows)"
+    assert table.splitlines()[-1] == "1 passed, 1 not_run (2 rows)"
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(rows[:1]))
     b.write_text(json.dumps(rows[1:]))
@@ -118,7 +118,7 @@ def test_record_as_markdown(tmp_path, capsys):
     # the merged rows say vllm "unknown" where the record did not say
     assert capsys.readouterr().out.strip() == table.replace(
         "| vllm |  | nixl_ep", "| vllm | unknown | nixl_ep") + "\n\nCommits: unknown: 2 rows"
-    assert set(STATUSES) == {"passed", "failed", "timed_out", "refused"}
+    assert set(STATUSES) == {"passed", "failed", "not_run", "refused"}
 
 
 def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, capsys):
@@ -130,7 +130,7 @@ def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, caps
                     from_run={"commit": commit})
 
     new_a, new_b = [row("ragged", "bbbbbbb")], [row("fault-refuse", "bbbbbbb")]
-    old = [row("ragged", "aaaaaaa", "failed"), row("fault-kill", "aaaaaaa", "timed_out")]
+    old = [row("ragged", "aaaaaaa", "failed"), row("fault-kill", "aaaaaaa", "failed")]
     paths = {}
     for name, rows in (("A.json", new_a), ("B.json", new_b), ("old.json", old)):
         paths[name] = tmp_path / name
@@ -141,7 +141,7 @@ def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, caps
     merged = json.loads(out.read_text())
     assert [(r["case"], r["status"], r["from_run"]["commit"]) for r in merged] == [
         ("ragged", "passed", "bbbbbbb"), ("fault-refuse", "passed", "bbbbbbb"),
-        ("fault-kill", "timed_out", "aaaaaaa")]
+        ("fault-kill", "failed", "aaaaaaa")]
     assert merged[0]["from_run"] == {"commit": "bbbbbbb"}  # the commit says where it came from
     kept = merged[2]
     assert kept["detail"] == "fault-kill at aaaaaaa"  # the row itself is unchanged

@@ -230,6 +230,31 @@ def test_masked_rank_mid_run_is_left_out_and_recovery_restores(rank_pool, backen
 
 @pytest.mark.multirank
 @pytest.mark.vllm
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_update_mask_requests_are_refused_before_any_mask_changes(rank_pool, backend):
+    """vLLM's ``update_mask`` on our manager refuses every flag that is not a bool or the int
+    0/1 and every rank that is not an int of the EP group, with a TypeError/ValueError naming
+    what was given and the fix, before the library's mask, the masks replayed to later layers
+    or the recovery point change (vLLM's poll stays quiet); the layer then gives the
+    reference result."""
+    from tests.backends.low_latency_ranks import bad_mask_requests
+
+    world, cfg = 2, dataclasses.replace(_cfg(), shared_intermediate=0)
+    results = rank_pool(world).run(vllm_dbo_rank_fns.bad_update_masks_then_forward, backend,
+                                   cfg, 5)
+    expected = bad_mask_requests(1, world)
+    for rank, r in enumerate(results):
+        assert r["before"] == ([0, 0], {}, False)
+        assert [label for label, _, _ in r["refused"]] == [e[0] for e in expected]
+        for (label, got, state), (_, _, _, err_type) in zip(r["refused"], expected):
+            assert got is not None, f"rank {rank}: {label} was taken"
+            assert got[0] == err_type and "update_mask" in got[1] and "Pass " in got[1], got
+            assert state == r["before"], f"rank {rank}: {label} changed the mask: {state}"
+    assert_matches_reference(results, ParallelLayout(world, 1, True), cfg, 5)
+
+
+@pytest.mark.multirank
+@pytest.mark.vllm
 def test_deepep_without_fault_tolerance_has_no_mask_and_is_not_polled(rank_pool):
     results = rank_pool(2).run(vllm_dbo_rank_fns.run_fault_tolerance, "deepep_ll", _cfg(), 2, 1,
                                False)

@@ -255,6 +255,31 @@ def test_bad_update_mask_requests_are_refused_before_any_mask_changes(rank_pool,
 
 @pytest.mark.multirank
 @pytest.mark.vllm
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mask_set_before_a_layer_exists_reaches_the_layer_built_later(rank_pool, backend):
+    """docs/faults.md: ``update_mask`` masks the layers built later too. Ranks 0-2 mask rank 3
+    before any layer exists; the layer built afterwards has rank 3 masked in its library
+    buffer, vLLM's poll reports no new fault (the sentinel set it), the output leaves rank 3's
+    experts out exactly as the library defines it, and ``masked=False`` takes it back."""
+    world, cfg, dead = 4, dataclasses.replace(_cfg(), shared_intermediate=0), 3
+    layout = ParallelLayout(world, 1, True)
+    results = rank_pool(world).run(vllm_dbo_rank_fns.mask_before_the_layer, backend, cfg, 6,
+                                   dead)
+    w = MoEWeights.random(cfg, 0)
+    w2 = w.w2.clone()
+    per_rank = cfg.num_experts // world
+    w2[dead * per_rank:(dead + 1) * per_rank] = 0
+    assert_matches_reference(results, layout, cfg, 6, weights=dataclasses.replace(w, w2=w2),
+                             ranks=list(range(dead)), key="masked")
+    assert_matches_reference(results, layout, cfg, 6, key="unmasked")
+    for rank, r in enumerate(results[:dead]):
+        assert r["mask_before"] == [0, 0, 0, 0]  # no layer yet: no buffer holds a mask
+        assert r["lib_mask"] == [dead], f"rank {rank}: {r['lib_mask']}"
+        assert r["fault"] is False
+
+
+@pytest.mark.multirank
+@pytest.mark.vllm
 def test_deepep_without_fault_tolerance_has_no_mask_and_is_not_polled(rank_pool):
     results = rank_pool(2).run(vllm_dbo_rank_fns.run_fault_tolerance, "deepep_ll", _cfg(), 2, 1,
                                False)

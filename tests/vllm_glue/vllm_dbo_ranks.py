@@ -249,6 +249,50 @@ def bad_update_masks_then_forward(rank: int, world: int, backend_name: str, cfg:
             manager.destroy()
 
 
+def mask_before_the_layer(rank: int, world: int, backend_name: str, cfg: MoEConfig,
+                          num_tokens: int, dead: int) -> dict:
+    """vLLM 0.34's sentinel masks EP rank ``dead`` (``update_mask`` on every other rank) before
+    any layer exists; then a layer's backend is built through our manager: its library mask,
+    vLLM's poll and a forward (which must leave ``dead``'s experts out); then ``update_mask``
+    takes the rank back and a second forward."""
+    from moe_plugins.quant import QuantSpec
+    from moe_plugins.runner.experts import TorchExperts
+    from moe_plugins.vllm.manager import ep_manager
+    from tests.vllm_glue.vllm_dist import vllm_parallel_state
+
+    layout = ParallelLayout(world, 1, True)
+    with installed(vendor_module(backend_name)), vllm_parallel_state(
+            rank, world, world, "moe_plugins_" + backend_name, enable_fault_tolerance=True):
+        manager = ep_manager()
+        if rank != dead:
+            manager.update_mask(dead, masked=True)
+        mask_before = manager.query_active_mask().tolist()  # no layer: nothing to ask
+        backend = manager.build(get_backend(backend_name), cached_dist_context(layout),
+                                DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
+                                               num_tokens, cfg.dtype))
+        try:
+            weights = MoEWeights.random(cfg, 0)
+            experts = TorchExperts(weights.local_experts(world, rank), QuantSpec(), cfg.dtype)
+            x = demo_inputs(cfg, num_tokens, rank, 0)
+            w, ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+
+            def forward() -> torch.Tensor:
+                prep = backend.prepare(x, w, ids, QuantSpec())
+                return backend.finalize(experts.apply(prep), w, ids, torch.empty_like(x))
+
+            lib_mask = backend.manager.masked_ranks()  # type: ignore[attr-defined]
+            fault = bool(manager.query_fault())
+            masked = forward()
+            if rank != dead:
+                manager.update_mask(dead, masked=False)
+            unmasked = forward()
+            return dict(mask_before=mask_before, lib_mask=lib_mask, fault=fault, masked=masked,
+                        unmasked=unmasked)
+        finally:
+            backend.reset_call_state()
+            manager.destroy()
+
+
 def lib_rdma(backend: Any) -> Optional[torch.Tensor]:
     """The emulated library's RDMA bytes (what ``clean_buffers`` zeroes), if allocated."""
     return backend.manager.buffer.runtime.rdma_bytes

@@ -75,6 +75,7 @@ sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
 
 from all2all.deepep import DeepEPLLOptions  # noqa: E402
+from moe_plugins.cli.args import call_bound_seconds  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.groups import DistContext  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
@@ -170,10 +171,11 @@ def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, exper
     """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank); with
     ``call_timeout_s``, under the call bound (read from the environment, as under vLLM)."""
     from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
-    from moe_plugins.callbound import CALL_TIMEOUT_ENV
+    from moe_plugins.callbound import CALL_TIMEOUT_ENV, reread_environment
 
     saved = os.environ.get(CALL_TIMEOUT_ENV)
-    os.environ[CALL_TIMEOUT_ENV] = "0" if call_timeout_s is None else f"{call_timeout_s:g}"
+    os.environ[CALL_TIMEOUT_ENV] = "0" if call_timeout_s is None else repr(call_timeout_s)
+    reread_environment()  # the environment is read once per process: this adapter's value
     try:
         adapter = MoEPluginsPrepareAndFinalize(
             spec.build(ctx, cfg), spec.name, ctx,
@@ -184,6 +186,7 @@ def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, exper
             del os.environ[CALL_TIMEOUT_ENV]
         else:
             os.environ[CALL_TIMEOUT_ENV] = saved
+        reread_environment()
     adapter.post_init_setup(experts)
     return adapter
 
@@ -524,22 +527,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="round trips per eager sample (with --call-timeout-s, a sample of "
                         "adapter_step is one step window of that many layer calls)")
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
-    p.add_argument("--call-timeout-s", type=float, metavar="S",
+    p.add_argument("--call-timeout-s", type=call_bound_seconds, metavar="S",
                    help="also time the adapter with the call bound on at S seconds "
                         "(adapter_bound rows; moe_plugins.callbound.watchdog), in the same process")
     p.add_argument("--profile", type=Path,
                    help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
-    if args.call_timeout_s is not None:
-        from moe_plugins.callbound import call_timeout_seconds
-
-        try:
-            if call_timeout_seconds(args.call_timeout_s) is None:
-                raise ValueError("--call-timeout-s 0 turns the bound off; give the bound to "
-                                 "time, e.g. 60")
-        except ValueError as e:
-            print(f"--call-timeout-s: {e}", file=sys.stderr)
-            return 2
+    if args.call_timeout_s == 0.0:
+        print("--call-timeout-s: 0 turns the bound off; give the bound to time, e.g. 60",
+              file=sys.stderr)
+        return 2
     if args.samples is None:
         args.samples = 120 if args.device == "cuda" else 60
     if args.torch_hidden is None:

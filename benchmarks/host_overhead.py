@@ -11,7 +11,8 @@ One process, an EP group of one rank (gloo), hidden 7168, topk 8, 32 experts by 
   ``benchmarks/vllm_stand_ins.py`` exists, its ``install()`` runs before the first vLLM import
   (vLLM's Python on a machine without its compiled extension). Eager and CUDA-graph replay.
 
-Paths (``path`` in the JSON rows):
+``--json``: an object of the run's ``conditions`` (commit, device, library versions, command:
+benchmarks/conditions.py) and its ``rows``. Paths (``path`` in the rows):
 
 - ``raw``: the library's calls for our backend's blocking ``prepare`` + ``finalize``, written
   directly against its public API (DeepEP: ``deep_ep.Buffer.low_latency_dispatch`` and
@@ -75,6 +76,7 @@ sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
 
 from all2all.deepep import DeepEPLLOptions  # noqa: E402
+from conditions import conditions_line, run_conditions  # noqa: E402
 from moe_plugins.cli.args import call_bound_seconds  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.groups import DistContext  # noqa: E402
@@ -508,7 +510,7 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
-    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--json", type=Path, help="write the run's conditions and rows here")
     p.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 128])
     p.add_argument("--quants", nargs="+", choices=sorted(QUANTS), default=["bf16", "fp8"])
     p.add_argument("--backends", nargs="+", choices=("deepep_ll", "torch"),
@@ -592,6 +594,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if args.device == "cuda" and backend == "deepep_ll":
                         for path, us in graph_us(paths, args.replays).items():
                             rows.append(Row(backend, path, "graph", tokens, quant, us))
+        if profiled:  # one file per run: the run's conditions, then a table per path and case
+            args.profile.write_text(conditions_line(run_conditions(
+                args.device, [n for n in ("deep_ep", "vllm") if n in sys.modules])))
         for case, paths in profiled:
             write_profile(paths, case, args.profile)
     finally:
@@ -602,7 +607,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print_table(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
+        used = [n for n in ("deep_ep", "vllm") if n in sys.modules]  # what the paths ran on
+        args.json.write_text(json.dumps(dict(conditions=run_conditions(args.device, used),
+                                             rows=[r.__dict__ for r in rows]), indent=1) + "\n")
     return 0
 
 

@@ -155,3 +155,10 @@ def vllm_parallel_state(rank: int, world: int, tp: int, all2all_backend: str,
             os.environ.pop(DIST_IDENT_ENV, None)
         else:
             os.environ[DIST_IDENT_ENV] = saved_ident
+
+
+def vllm_seen(rank: int, world: int) -> tuple[str, str]:
+    """Rank function: the version and the package directory of the vLLM this rank imports."""
+    import vllm
+
+    return vllm.__version__, str(Path(vllm.__file__).parent)

@@ -489,7 +489,9 @@ class RankMasking(Protocol):
         ...
 
     def set_rank_masked(self, rank: int, masked: bool = True) -> None:
-        """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``."""
+        """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``: an int
+        in [0, EP size); ``masked``: a bool or the int 0/1. Anything else is refused before
+        the mask changes (:func:`moe_plugins.masking.checked_mask_request`)."""
         ...
 
     def clean_buffers(self) -> None:

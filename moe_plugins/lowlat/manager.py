@@ -20,6 +20,7 @@ from moe_plugins.groups import DistContext
 from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
                                        kernel_hidden_size, token_capacity)
 from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor
+from moe_plugins.masking import checked_mask_request
 from moe_plugins.registry import RequiredPackage, WireLayout
 
 logger = logging.getLogger(__name__)
@@ -210,9 +211,11 @@ class LowLatencyManager(ABC):
     # -- elastic rank masking --------------------------------------------------------------
     def set_rank_masked(self, rank: int, masked: bool = True) -> None:
         """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``; combine
-        then leaves out the experts of masked ranks (their topk weights count as zero)."""
-        if not 0 <= rank < self.num_ranks:
-            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        then leaves out the experts of masked ranks (their topk weights count as zero).
+        ``rank``: an int in [0, EP size); ``masked``: a bool or the int 0/1 (anything else is
+        refused before the mask changes: :func:`moe_plugins.masking.checked_mask_request`)."""
+        rank, masked = checked_mask_request(rank, masked, self.num_ranks,
+                                            f"{self.backend_name} set_rank_masked")
         self._check_can_mask(rank)
         getattr(self.buffer, self.update_mask_method)(rank, masked)
         chosen = _CALLER_MASKED.setdefault(self._buffer_key, set())

@@ -22,6 +22,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import PrepareFinalize, RankMasking
 from moe_plugins.layout import ParallelLayout
+from moe_plugins.masking import checked_mask_request
 from moe_plugins.registry import BackendSpec
 from moe_plugins.vllm.layer_plan import parallel_config_plan
 
@@ -167,10 +168,10 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         buffer our layers use stops (or resumes) sending to and receiving from ``rank`` (its
         experts then count as zero in the combine, as the library defines), layers built later
         get the same mask, and the recovery point takes it in, so :meth:`query_fault` reports
-        only masks the library sets by itself from here on."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"update_mask: rank must be an EP rank in [0, {self.world_size}), "
-                             f"got {rank!r}")
+        only masks the library sets by itself from here on. ``rank``: an int in [0, EP size);
+        ``masked``: a bool or the int 0/1; anything else is refused before any mask changes
+        (:func:`moe_plugins.masking.checked_mask_request`)."""
+        rank, masked = checked_mask_request(rank, masked, self.world_size, "update_mask")
         if not self.support_fault_tolerance:
             raise ValueError(
                 "update_mask: this EP group's backend cannot mask ranks (or fault tolerance is "
@@ -178,7 +179,7 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
                 "rank_masking capability (`moe-plugins list`)")
         for m in self._masking_managers():
             m.set_rank_masked(rank, masked)
-        self._masks[rank] = bool(masked)
+        self._masks[rank] = masked
         if self._last_mask is None or self._last_mask.shape[0] != self.world_size:
             self._last_mask = torch.zeros(self.world_size, dtype=torch.int32)
         self._last_mask[rank] = int(masked)

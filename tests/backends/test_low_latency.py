@@ -296,6 +296,31 @@ def test_masked_rank_is_left_out(rank_pool, backend):
     assert [r["masked"] for r in results[:3]] == [[3]] * 3
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_mask_requests_are_refused_before_the_mask_changes(rank_pool, backend):
+    """set_rank_masked refuses every flag that is not a bool or the int 0/1 (``'False'`` would
+    otherwise mask the rank: a result without its experts and no error) and every rank that is
+    not an int of the group, with a TypeError/ValueError naming what was given and the fix,
+    before the library's mask or the record of caller masks changes; the layer then still
+    gives the reference result, and the int 1 / 0 mask and unmask."""
+    layout, cfg = ParallelLayout(2, 1, True), _cfg()
+    options = {"enable_shrink": True} if backend == "deepep_ll" else None
+    results = rank_pool(2).run(ll_rank_fns.bad_masks_then_forward, backend, layout, cfg, 5,
+                               options)
+    expected = ll_rank_fns.bad_mask_requests(1, 2)
+    for rank, r in enumerate(results):
+        assert r["before"] == ([], [])
+        assert [label for label, _, _ in r["refused"]] == [e[0] for e in expected]
+        for (label, got, state), (_, _, _, err_type) in zip(r["refused"], expected):
+            assert got is not None, f"rank {rank}: {label} was taken"
+            assert got[0] == err_type, f"rank {rank}: {label}: {got}"
+            assert "set_rank_masked" in got[1] and "got " in got[1] and "Pass " in got[1], got
+            assert state == ([], []), f"rank {rank}: {label} changed the mask: {state}"
+        assert r["after_one"] == [(rank + 1) % 2] and r["after_zero"] == []
+    assert_matches_reference(results, layout, cfg, 5)
+
+
 # -- what prepare hands the experts ----------------------------------------------------------
 
 def _order(rows: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""moe_plugins.callbound.watchdog: its settings (argument, environment, floor, start-up bound), the ring of
-watched calls, completion read from host memory only, the start-up bound, CUDA-graph captures and
-replays, and a watchdog thread that survives its own errors. (The watchdog ending a process is
+"""moe_plugins.callbound.watchdog: the ring of watched calls, completion read from host memory
+only, the start-up bound, CUDA-graph captures and replays, and a watchdog thread that survives
+its own errors (its settings: test_callbound_settings.py). (The watchdog ending a process is
 tested on real ranks: tests/runner/test_watchdog_ranks.py, tests/vllm_glue/test_vllm_faults.py
 and the reduced EP matrix's fault-hang-watchdog job; on the GPU, tests/gpu/test_watchdog_gpu.py
 and the matrix's kill faults.)"""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import re
 import threading
 
@@ -16,10 +15,9 @@ import pytest
 import torch
 
 from moe_plugins.callbound import watchdog
-from moe_plugins.callbound.watchdog import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV, MIN_TIMEOUT_S,
-                                  RING_SLOTS, CallBound, call_timeout_seconds, capture_calls,
-                                  expect_replay, first_call_timeout_seconds,
-                                  replays_in_step_windows, watch_call, watch_step)
+from moe_plugins.callbound.watchdog import (RING_SLOTS, CallBound, capture_calls,
+                                           expect_replay, replays_in_step_windows, watch_call,
+                                           watch_step)
 
 CPU = torch.device("cpu")
 
@@ -27,64 +25,6 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def fresh(fresh_watchdog):
     return fresh_watchdog
-
-
-# -- settings -----------------------------------------------------------------------------------
-def test_the_argument_wins_over_the_environment(monkeypatch):
-    monkeypatch.setenv(CALL_TIMEOUT_ENV, "30")
-    assert call_timeout_seconds(5) == 5.0
-    assert call_timeout_seconds() == 30.0
-    assert call_timeout_seconds(0) is None  # the argument's 0 turns it off despite the env
-
-
-@pytest.mark.parametrize("raw", ["", "0", "0.0", "00", "-0", "+0", "off", "None"])
-def test_zero_in_any_spelling_turns_the_bound_off(monkeypatch, raw):
-    monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
-    assert call_timeout_seconds() is None
-    assert watch_call("layer", 1, None) is None  # nothing watched, no thread needed
-
-
-@pytest.mark.parametrize("given,error,match", [
-    (-1.5, ValueError, "expected a finite number of seconds >= 0.5"),
-    (math.inf, ValueError, "finite"), (math.nan, ValueError, "finite"),
-    (0.001, ValueError, "0.001 s is below the floor of 0.5 s"),
-    ("30", TypeError, "number of seconds or None, got '30'"), (True, TypeError, "bool"),
-])
-def test_a_bad_argument_is_a_clear_error(given, error, match):
-    with pytest.raises(error, match=match):
-        call_timeout_seconds(given)
-
-
-@pytest.mark.parametrize("raw,match", [("soon", "is not a number of seconds"),
-                                       ("-3", r"\$MOE_PLUGINS_CALL_TIMEOUT_S=-3.0"),
-                                       ("0.01", "below the floor"),
-                                       ("inf", "finite")])
-def test_a_bad_environment_value_names_the_variable_and_says_0_is_off(monkeypatch, raw, match):
-    monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
-    with pytest.raises(ValueError, match=match) as e:
-        call_timeout_seconds()
-    assert "0 turns the bound off" in str(e.value)
-
-
-def test_the_floor_is_accepted():
-    assert call_timeout_seconds(MIN_TIMEOUT_S) == MIN_TIMEOUT_S
-
-
-def test_the_start_up_bound(monkeypatch):
-    monkeypatch.delenv(FIRST_CALL_TIMEOUT_ENV, raising=False)
-    assert first_call_timeout_seconds(None) is None
-    assert first_call_timeout_seconds(5.0) == 600.0
-    assert first_call_timeout_seconds(100.0) == 1000.0
-    assert first_call_timeout_seconds(5.0, 20) == 20.0
-    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "90")
-    assert first_call_timeout_seconds(5.0) == 90.0
-    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "0")
-    assert first_call_timeout_seconds(5.0) == 5.0  # 0: the first calls under the call bound
-    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "2")
-    with pytest.raises(ValueError, match=r"FIRST_CALL_TIMEOUT_S=2 s is below the call bound"):
-        first_call_timeout_seconds(5.0)
-    assert CallBound("layer", 5.0, 30.0).describe() == "5 s (first calls 30 s)"
-    assert CallBound("layer", 0).describe() == "off"
 
 
 # -- the ring and completion --------------------------------------------------------------------

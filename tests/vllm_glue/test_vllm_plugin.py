@@ -718,6 +718,7 @@ def test_fault_tolerance_with_the_call_bound_warns_once(monkeypatch, caplog):
     ParallelConfig: the one attribute read)."""
     from types import SimpleNamespace
 
+    from moe_plugins.callbound import reread_environment
     from moe_plugins.vllm import manager as vllm_manager
 
     monkeypatch.setattr(vllm_manager, "_WARNED", [])
@@ -731,4 +732,5 @@ def test_fault_tolerance_with_the_call_bound_warns_once(monkeypatch, caplog):
     assert "unset $MOE_PLUGINS_CALL_TIMEOUT_S" in record.getMessage()
     monkeypatch.setattr(vllm_manager, "_WARNED", [])
     monkeypatch.setenv("MOE_PLUGINS_CALL_TIMEOUT_S", "0")
+    reread_environment()  # read once per process
     assert not vllm_manager.warn_if_the_bound_defeats_fault_tolerance(ft)

@@ -81,7 +81,7 @@ from moe_plugins.callbound.errors import (EXIT_CODE, CallTimeoutError, PeerFaile
                                            peer_failed_error, timeout_error)
 from moe_plugins.callbound.settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
                                              MIN_TIMEOUT_S, POLL_S, call_timeout_seconds,
-                                             first_call_timeout_seconds)
+                                             first_call_timeout_seconds, UNSET, environment_seconds)
 from moe_plugins.callbound.fault_notice import READ_AFTER_S, FaultNotice
 from moe_plugins.callbound.gpu_progress import CudaProgress as _CudaProgress
 from moe_plugins.callbound.gpu_progress import raw_stream as _raw_stream
@@ -442,7 +442,7 @@ class CallBound:
         self.name = name
         # set by the user (a bound, or 0 for none), as the argument or in the environment: then
         # no backstop (see backstop)
-        self._set = call_timeout_s is not None or bool(os.environ.get(CALL_TIMEOUT_ENV, "").strip())
+        self._set = call_timeout_s is not None or environment_seconds(CALL_TIMEOUT_ENV) is not UNSET
         self._device, self._first_given = device, first_call_timeout_s
         self.why = ""  # where the bound comes from when the user set none (the backstop)
         self._note = ""  # the same, for the INFO line

@@ -11,8 +11,8 @@ import pytest
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.planner.calibration import (CALIBRATION_MODEL, CALIBRATION_ROWS, predict_us,
                                              published_us, residuals)
-from moe_plugins.planner.compare import (compare_backends, crossover_backends, crossover_tokens,
-                                         sweep_tokens)
+from moe_plugins.planner.compare import compare_backends, crossover_backends
+from moe_plugins.planner.crossover import mode_crossover
 from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.planner.plan import plan_layer
 from moe_plugins.planner.presets import LINK_PRESETS, link_preset
@@ -133,13 +133,66 @@ def test_normal_mode_sms():
 
 
 def test_auto_is_timed_in_the_mode_it_takes():
+    """deepep_auto is planned as its low-latency half below the crossover (at most the capacity
+    the plan assumes) and as its normal-mode half from it: the same times as deepep_ll and
+    deepep_ht at that batch."""
     from prepare_finalize.deepep_auto import PLANNED_CAPACITY
 
-    for n, family in ((PLANNED_CAPACITY, "deepep_ll"), (PLANNED_CAPACITY + 1, "deepep_ht")):
-        plan = plan_layer(CALIBRATION_MODEL, ParallelLayout(16, 1, True), n,
-                          get_backend("deepep_auto"), FP8, link=H800)
-        assert plan.transport is get_backend(family).transport
-        assert plan.recommended.time.combine_us == pytest.approx(_times(family, 16, n)[1])
+    for ep, link in ((16, H800), (8, H800)):  # crossover 71 (inside the capacity), 334 (beyond)
+        c = _crossover(ep, link).tokens
+        switch = min(c, PLANNED_CAPACITY + 1)
+        for n, family in ((switch - 1, "deepep_ll"), (switch, "deepep_ht")):
+            plan = plan_layer(CALIBRATION_MODEL, ParallelLayout(ep, 1, True), n,
+                              get_backend("deepep_auto"), FP8, link=link)
+            assert plan.transport is get_backend(family).transport, (ep, n)
+            t = plan.recommended.time
+            assert (t.dispatch_us, t.combine_us) == _times(family, ep, n, link), (ep, n)
+
+
+def _crossover(ep: int, link: LinkModel, quant: QuantSpec = FP8):
+    return mode_crossover(CALIBRATION_MODEL, ParallelLayout(ep, 1, True), quant,
+                          get_backend("deepep_ll"), get_backend("deepep_ht"), link)
+
+
+@pytest.mark.parametrize("ep,link", [(8, H800), (16, H800), (32, H800), (16, H200), (32, H200)],
+                         ids=["ep8-h800", "ep16-h800", "ep32-h800", "ep16-h200", "ep32-h200"])
+@pytest.mark.parametrize("quant", [FP8, QuantSpec()], ids=["fp8", "bf16"])
+def test_crossover_is_the_first_batch_where_normal_mode_is_faster(ep, link, quant):
+    """Each mode's own plan (no search) at batches around the crossover: the low-latency mode
+    is as fast or faster below it, normal mode strictly faster from it."""
+    c = _crossover(ep, link, quant).tokens
+    assert c is not None and c > 1
+
+    def normal_faster(n: int) -> bool:
+        times = {b.backend: b.total_us for b in compare_backends(
+            CALIBRATION_MODEL, ParallelLayout(ep, 1, True), n, quant, ["deepep_ll", "deepep_ht"],
+            link=link)}
+        return times["deepep_ht"] < times["deepep_ll"]
+
+    for n in sorted({1, c // 2, c - 1}):
+        assert not normal_faster(n), (n, c)
+    for n in (c, c + 1, 2 * c):
+        assert normal_faster(n), (n, c)
+
+
+def test_threshold_is_the_crossover_within_the_capacity():
+    from moe_plugins.planner.crossover import low_latency_threshold
+    from prepare_finalize.deepep_auto import SPEC
+
+    modes = SPEC.call_modes
+    for ep, link, capacity, rows in ((16, H800, 256, 70), (16, H800, 64, 64),
+                                     (8, H800, 256, 256), (8, H800, 512, 333)):
+        t = low_latency_threshold(CALIBRATION_MODEL, ep, FP8, link, modes, capacity)
+        assert t.rows == rows == min(_crossover(ep, link).tokens - 1, capacity), (ep, capacity)
+        assert t.capacity == capacity and "h800-cx7" in t.reason
+    # a link that keeps the low-latency mode faster at every batch: the capacity
+    far = dataclasses.replace(H800, rdma_gbps=400.0, sms=4)
+    t = low_latency_threshold(CALIBRATION_MODEL, 16, FP8, far, modes, 256)
+    assert t.crossover.tokens is None and t.rows == 256 and "up to" in t.reason
+    # normal mode faster from the first token: low-latency only for empty batches (and captures)
+    slow = dataclasses.replace(H800, ll_nvlink=False, rdma_gbps=0.01)
+    t = low_latency_threshold(CALIBRATION_MODEL, 16, FP8, slow, modes, 256)
+    assert t.crossover.tokens == 1 and t.rows == 0
 
 
 def test_flashinfer_stays_in_one_nvlink_domain():
@@ -167,7 +220,7 @@ def test_presets_and_overrides():
                             "h200-nvlink, h800-cx7")
 
 
-def test_comparison_and_crossover():
+def test_comparison_ranks_the_backends():
     layout = ParallelLayout(16, 1, True)
     ranked = compare_backends(CALIBRATION_MODEL, layout, 128, FP8, link=H800)
     usable = [b for b in ranked if b.usable]
@@ -176,17 +229,6 @@ def test_comparison_and_crossover():
     low, normal = crossover_backends()
     assert get_backend(low).transport is Transport.LOW_LATENCY
     assert get_backend(normal).transport is Transport.NORMAL
-    counts = [1, 8, 64, 128, 512, 4096]
-    points = sweep_tokens(CALIBRATION_MODEL, layout, counts, FP8, [low, normal], link=H800)
-    at, text = crossover_tokens(counts, points, low, normal)
-    diff = [{b.backend: b.total_us for b in row}[normal] - {b.backend: b.total_us
-                                                           for b in row}[low] for row in points]
-    i = next(i for i, d in enumerate(diff) if d <= 0)
-    assert diff[i - 1] > 0 and counts[i - 1] < at <= counts[i]
-    assert f"{at:.0f} tokens" in text
-    # a sweep that ends before it: the low-latency side wins throughout
-    short = crossover_tokens(counts[:i], points[:i], low, normal)
-    assert short[0] is None and "stays faster" in short[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,8 +289,17 @@ def test_cli_sweep_prints_the_curve_and_crossover():
     i = next(i for i, n in enumerate(counts) if n >= cross["tokens_per_dp_group"])
     ll, ht = totals[cross["low_latency"]], totals[cross["normal"]]
     assert ht[i] <= ll[i] and ht[i - 1] > ll[i - 1]
+    # the batch a deepep_auto layer of this shape built with this link switches at (tp 1)
+    from moe_plugins.planner.crossover import low_latency_threshold
+    from prepare_finalize.deepep_auto import SPEC
+
+    layer = low_latency_threshold(CALIBRATION_MODEL, 16, FP8, H800, SPEC.call_modes, 256)
+    assert cross["tokens_per_dp_group"] == cross["rows_per_rank"] == layer.rows + 1 == 71
+    assert out["thresholds"] == [{"backend": "deepep_auto", "rows_per_rank": 70,
+                                  "capacity": 256, "text": layer.reason}]
     table = _ok(run_cli(*flags))
     assert cross["text"] in table
+    assert "deepep_auto built with this link: low-latency up to 70 tokens per rank" in table
     # the table's 4096-token line holds the same totals
     last = next(ln for ln in table.splitlines() if ln.strip().startswith("4096"))
     assert [float(v) for v in last.split()[1:]] == [

@@ -35,7 +35,7 @@ ENTRY_POINT_GROUP = "moe_plugins.backends"
 AUTO = "auto"
 
 __all__ = ["Transport", "Capabilities", "WireLayout", "RequiredPackage", "BackendSpec",
-           "CallModes", "BackendSelectionError", "ENTRY_POINT_GROUP", "AUTO",
+           "CallModes", "TokenLimit", "BackendSelectionError", "ENTRY_POINT_GROUP", "AUTO",
            "registered_backends", "get_backend", "select_backend", "refusal_reason",
            "reload_backends"]
 
@@ -78,6 +78,15 @@ class WireLayout:
     hidden: int
     header_bytes: int = 0
     topk_id_bytes: int = 8
+
+
+@dataclass(frozen=True)
+class TokenLimit:
+    """The most tokens per rank a backend's layer can be built for (``tokens``) and what sets
+    that limit (``reason``, with the fix), as its manager would refuse more."""
+
+    tokens: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,9 @@ class BackendSpec:
     # a backend that picks its transport per call (deepep_auto): the two backends whose wire
     # rows and transport its calls have; None: one transport, ``transport``
     call_modes: Optional["CallModes"] = None
+    # the most tokens per rank a layer over this many EP ranks can be built for, from the
+    # manager's own check (e.g. DeepEP's NVSHMEM QP depth); None: no limit but memory
+    token_limit: Optional[Callable[[int], Optional[TokenLimit]]] = None
 
     # The backend's own check of a layer config, raising what building it would raise (dtype,
     # hidden, topk limits), and the row its kernels put on the wire; needs no process group.

@@ -398,9 +398,13 @@ def _sweep(args: argparse.Namespace, model: Any, layout: Any, quant: Any, kw: di
         t = {b.backend: b for b in row}
         print(f"{n:>15} " + " ".join(
             f"{t[name].total_us:>28.1f}" if t[name].usable else f"{'-':>28}" for name in order))
-    for b in points[0]:
-        if not b.usable:
-            print(f"{b.backend}: {b.reason}")
+    said = set()
+    for n, row in zip(counts, points):  # each backend's first refusal, from that count on
+        for b in row:
+            if not b.usable and b.backend not in said:
+                said.add(b.backend)
+                print(f"{b.backend}" + (f" from {n} tokens per DP group" if n != counts[0] else "")
+                      + f": {b.reason}")
     print(text)
     for name, cap, t, why in thresholds:
         print(f"{name} built with this link: " + (

@@ -20,7 +20,7 @@ from moe_plugins.groups import DistContext
 from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
                                        kernel_hidden_size, token_capacity)
 from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor
-from moe_plugins.registry import RequiredPackage, WireLayout
+from moe_plugins.registry import RequiredPackage, TokenLimit, WireLayout
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,13 @@ class LowLatencyManager(ABC):
         return None
 
     # -- configuration ---------------------------------------------------------------------
+    @classmethod
+    def token_limit(cls, num_ranks: int) -> Optional[TokenLimit]:
+        """The most tokens per rank a layer over ``num_ranks`` EP ranks can be built for
+        (``BackendSpec.token_limit``, read by the plan), from the checks :meth:`__init__`
+        runs; None: no limit but memory."""
+        return None
+
     @classmethod
     def wire_layout(cls, cfg: DispatchConfig) -> WireLayout:
         """Check the layer against the kernels' limits (the errors building a manager raises,

@@ -70,8 +70,9 @@ def check_backend(backend: BackendSpec, layout: ParallelLayout, quant: QuantSpec
 def check_dispatch(cfg: MoEConfig, layout: ParallelLayout, backend: BackendSpec,
                    quant: QuantSpec, max_tokens: int, backend_options: object = None,
                    placement: Optional[ExpertPlacement] = None) -> WireLayout:
-    """What building ``backend`` for a dispatching layer of at most ``max_tokens`` tokens per
-    call checks (its own errors first, then the registry's), and the row it puts on the wire."""
+    """What building ``backend`` for a dispatching layer of ``max_tokens`` tokens per rank
+    checks (its own errors first, then the registry's, then the most tokens per rank its
+    manager takes: ``BackendSpec.token_limit``), and the row it puts on the wire."""
     wire_row = backend.wire_layout_for(DispatchConfig(
         cfg.num_experts, cfg.hidden, cfg.num_topk, max(1, max_tokens), cfg.dtype, quant,
         backend_options, placement))
@@ -79,6 +80,11 @@ def check_dispatch(cfg: MoEConfig, layout: ParallelLayout, backend: BackendSpec,
     if cfg.num_experts % layout.ep_size:
         raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
                          f"{layout.ep_size}; pick an EP size that divides the experts")
+    limit = backend.token_limit(layout.ep_size) if backend.token_limit is not None else None
+    if limit is not None and max_tokens > limit.tokens:
+        raise ValueError(f"backend {backend.name!r} takes at most {limit.tokens} tokens per rank "
+                         f"over {layout.ep_size} EP ranks, this batch puts {max_tokens} on a "
+                         f"rank ({limit.reason}); use fewer tokens per rank or another backend")
     return wire_row
 
 
@@ -90,8 +96,9 @@ def plan_all_to_all(cfg: MoEConfig, layout: ParallelLayout, owned: Sequence[int]
     """The all-to-alls of a layer whose EP rank ``r`` hands prepare ``owned[r]`` rows, on
     ``backend``'s own transport and wire (a per-call backend's mode is chosen by the caller).
 
-    max_tokens: the most tokens per call the layer is built for (its buffers); the backend's
-    own checks run on a config of that size, raising what building it would raise.
+    max_tokens: the most tokens per rank the layer is built for (its buffers: at least the
+    busiest rank's rows); the backend's own checks run on a config of that size, raising what
+    building it would raise.
     routing / placement: as :func:`moe_plugins.planner.plan.plan_layer` takes them."""
     wire_row = check_dispatch(cfg, layout, backend, quant, max_tokens, backend_options, placement)
     wire = wire_format(backend.capabilities.activation_format, cfg, quant, wire_row)

@@ -35,7 +35,8 @@ class Crossover:
     """``tokens``: the smallest count of tokens per DP group at which ``normal``'s dispatch +
     combine (busiest rank) is below ``low_latency``'s; None when there is none up to ``limit``,
     or when a backend cannot serve the layer (``reason`` says why). ``tp``: the layout's TP
-    size (a rank owns ceil(tokens / tp) of them)."""
+    size (a rank owns ceil(tokens / tp) of them). ``bound``: why the search stopped at
+    ``limit`` below :data:`SEARCH_LIMIT` (the low-latency backend's token limit), or ""."""
 
     low_latency: str
     normal: str
@@ -43,6 +44,7 @@ class Crossover:
     limit: int
     tp: int = 1
     reason: str = ""
+    bound: str = ""
 
     @property
     def rows_per_rank(self) -> Optional[int]:
@@ -55,7 +57,7 @@ class Crossover:
             return f"no crossover: {self.reason}"
         if self.tokens is None:
             return (f"{self.low_latency} stays faster than {self.normal} up to {self.limit} "
-                    "tokens per DP group")
+                    "tokens per DP group" + (f", {self.bound}" if self.bound else ""))
         if self.tokens == 1:
             return f"{self.normal} is faster than {self.low_latency} from 1 token per DP group"
         per_rank = "" if self.tp == 1 else f" ({self.rows_per_rank} rows per rank)"
@@ -68,20 +70,36 @@ def _total_us(cfg: MoEConfig, layout: ParallelLayout, tokens: int, backend: Back
     """Dispatch + combine (us, busiest rank) of ``tokens`` per DP group on ``backend``."""
     owned = [owned_rows(tokens, layout.tp, layout.tp_rank(r)).num_owned
              for r in range(layout.world_size)]
-    return sum(plan_all_to_all(cfg, layout, owned, backend, quant, link, max_tokens=tokens,
+    return sum(plan_all_to_all(cfg, layout, owned, backend, quant, link, max_tokens=max(owned),
                                placement=placement).times())
 
 
-@functools.lru_cache(maxsize=256)
 def mode_crossover(cfg: MoEConfig, layout: ParallelLayout, quant: QuantSpec,
                    low_latency: BackendSpec, normal: BackendSpec, link: LinkModel,
                    placement: Optional[ExpertPlacement] = None,
                    limit: int = SEARCH_LIMIT) -> Crossover:
     """The batch (tokens per DP group, EP on) at which ``normal`` becomes faster than
-    ``low_latency`` for this layer shape, quant and link (see the module doc); each backend's
-    own checks run as the plan runs them, and one that refuses the layer gives a crossover of
-    None with its error as ``reason``."""
-    result = functools.partial(Crossover, low_latency.name, normal.name, limit=limit, tp=layout.tp)
+    ``low_latency`` for this layer shape, quant and link (see the module doc), searched up to
+    ``limit`` and no further than the low-latency backend takes (its ``token_limit``, e.g.
+    DeepEP's QP depth); each backend's own checks run as the plan runs them, and one that
+    refuses the layer gives a crossover of None with its error as ``reason``."""
+    bound = ""
+    taken = (low_latency.token_limit(layout.ep_size) if low_latency.token_limit is not None
+             else None)
+    if taken is not None and taken.tokens * layout.tp < limit:
+        limit = taken.tokens * layout.tp
+        bound = f"the most {low_latency.name} takes per rank ({taken.reason})"
+    return _crossover(cfg, layout, quant, low_latency, normal, link, placement, limit, bound)
+
+
+@functools.lru_cache(maxsize=256)
+def _crossover(cfg: MoEConfig, layout: ParallelLayout, quant: QuantSpec,
+               low_latency: BackendSpec, normal: BackendSpec, link: LinkModel,
+               placement: Optional[ExpertPlacement], limit: int, bound: str) -> Crossover:
+    result = functools.partial(Crossover, low_latency.name, normal.name, limit=limit,
+                               tp=layout.tp, bound=bound)
+    if limit < 1:
+        return result(None, reason=f"{low_latency.name} takes no tokens: {bound}")
 
     def faster(n: int) -> bool:  # normal mode strictly faster at n tokens per DP group
         return (_total_us(cfg, layout, n, normal, quant, link, placement)
@@ -125,14 +143,15 @@ class ModeThreshold:
                 f"{c.tokens} rows per rank")
 
 
-@functools.lru_cache(maxsize=256)
 def low_latency_threshold(cfg: MoEConfig, ep_size: int, quant: QuantSpec, link: LinkModel,
                           modes: CallModes, capacity: int) -> ModeThreshold:
     """The threshold of a per-call layer of shape ``cfg`` over ``ep_size`` EP ranks with
     low-latency buffers of ``capacity`` rows per rank: the rows below :func:`mode_crossover`
     (on dp = ep_size, tp = 1, where tokens per DP group are rows per rank), at most the
-    capacity. Depends only on its arguments, so ranks that agree on them agree on the
-    threshold. ValueError when a mode's backend or the link cannot serve the layer."""
+    capacity. Depends only on its arguments (the low-latency backend's token limit, which
+    bounds the search, is at least any capacity its manager builds), so ranks that agree on
+    them agree on the threshold. ValueError when a mode's backend or the link cannot serve the
+    layer."""
     c = mode_crossover(cfg, ParallelLayout(ep_size, 1, True), quant, modes.low_latency,
                        modes.normal, link, None, max(SEARCH_LIMIT, capacity + 1))
     if c.reason:

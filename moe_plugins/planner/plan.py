@@ -115,7 +115,7 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
     traffic: Optional[AllToAllPlan] = None
     transport = backend.transport
     if dispatching:  # every dispatching strategy sends the same rows
-        traffic = _all_to_all(cfg, layout, owned, max(1, *tokens), backend, quant, link, routing,
+        traffic = _all_to_all(cfg, layout, owned, max(1, *owned), backend, quant, link, routing,
                               backend_options, placement)
         transport = traffic.transport
     else:
@@ -204,7 +204,12 @@ def _all_to_all(cfg: MoEConfig, layout: ParallelLayout, owned: list[int], max_to
     # building the layer builds both modes
     sizes = ((modes.low_latency, modes.capacity), (modes.normal, max_tokens))
     for half, size in sizes:
-        check_dispatch(cfg, layout, half, quant, size, backend_options, placement)
+        try:
+            check_dispatch(cfg, layout, half, quant, size, backend_options, placement)
+        except ValueError as e:
+            raise ValueError(f"backend {backend.name!r}: its mode as {half.name!r}"
+                             + (f" with {size} tokens per rank (the capacity the plan assumes)"
+                                if half is modes.low_latency else "") + f": {e}") from None
     threshold = low_latency_threshold(cfg, layout.ep_size, quant, link, modes, modes.capacity)
     half, size = sizes[0] if max(owned) <= threshold.rows else sizes[1]
     return plan_all_to_all(cfg, layout, owned, half, quant, link, max_tokens=size,

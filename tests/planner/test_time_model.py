@@ -185,18 +185,20 @@ TOKENS = [1, 2, 8, 64, 256, 1024, 4096]
 @pytest.mark.parametrize("ep,link", [(8, H800), (16, H800), (32, H200)],
                          ids=["ep8-h800", "ep16-h800", "ep32-h200"])
 def test_time_grows_with_tokens(backend, ep, link):
-    times = [_times(backend, ep, n, link) for n in TOKENS]
+    limit = get_backend(backend).token_limit
+    taken = [n for n in TOKENS if limit is None or n <= limit(ep).tokens]
+    times = [_times(backend, ep, n, link) for n in taken]
     for phase in (0, 1):
         seq = [t[phase] for t in times]
         assert all(b >= a for a, b in zip(seq, seq[1:])), (phase, seq)
-        assert seq[-1] > 2 * seq[0]  # bytes matter at 4096 tokens
+        assert seq[-1] > 2 * seq[0]  # bytes matter at the largest batch
 
 
 @pytest.mark.parametrize("backend", ["deepep_ll", "deepep_ht", "torch"])
 def test_rdma_is_slower_than_nvlink(backend):
     """The same 16 ranks in one NVLink domain, then on two nodes."""
-    one = _times(backend, 16, 512, dataclasses.replace(H200, gpus_per_node=16))
-    two = _times(backend, 16, 512, H200)
+    one = _times(backend, 16, 256, dataclasses.replace(H200, gpus_per_node=16))
+    two = _times(backend, 16, 256, H200)
     assert two[0] > one[0] and two[1] > one[1]
 
 
@@ -315,6 +317,81 @@ def test_comparison_ranks_the_backends():
 
 
 # --------------------------------------------------------------------------------------------
+# Batches the backends take
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ep", [2, 4, 16])
+def test_auto_never_picks_a_backend_for_a_batch_it_refuses(ep):
+    """At every batch, each backend the comparison finds usable takes that many tokens per
+    rank (its ``token_limit``, the check its manager makes); deepep_ll beyond its limit is
+    unusable, with the limit and its cause; the fastest usable one is what auto picks."""
+    limit = get_backend("deepep_ll").token_limit(ep)
+    assert limit.tokens == (510 if ep == 2 else 511)  # default QP depth, capacity rounding
+    cfg = dataclasses.replace(CALIBRATION_MODEL, num_experts=16 * ep)
+    for n in (1, 128, limit.tokens, limit.tokens + 1, 4096, 10**7):
+        ranked = compare_backends(cfg, ParallelLayout(ep, 1, True), n, FP8, link=H200)
+        for b in ranked:
+            spec = get_backend(b.backend)
+            cap = spec.token_limit(ep) if spec.token_limit is not None else None
+            if cap is not None and n > cap.tokens:
+                assert not b.usable and f"takes at most {cap.tokens} tokens per rank" in b.reason
+                assert "NVSHMEM_QP_DEPTH=1024" in b.reason
+            elif b.backend == "deepep_ll":
+                assert b.usable, (n, b.reason)
+        assert ranked[0].usable  # what --backend auto recommends
+        if n > limit.tokens:
+            assert ranked[0].backend != "deepep_ll"
+
+
+def test_the_limit_is_the_managers_check(monkeypatch):
+    """deepep_ll's token limit is the largest batch whose buffer (rounded up as the kernels
+    need) passes the manager's own QP-depth check, at the NVSHMEM_QP_DEPTH in force."""
+    from all2all.deepep import DeepEPLLManager
+    from moe_plugins.lowlat.limits import token_capacity
+
+    for depth, ep, want in ((1024, 4, 511), (1024, 2, 510), (1024, 1, 508), (2048, 4, 1023),
+                            (300, 8, 149)):
+        monkeypatch.setenv("NVSHMEM_QP_DEPTH", str(depth))
+        limit = get_backend("deepep_ll").token_limit(ep)
+        assert limit.tokens == want and f"NVSHMEM_QP_DEPTH={depth}" in limit.reason
+        check = DeepEPLLManager._qp_depth_error
+        assert check(token_capacity(want, ep), depth) is None
+        assert check(token_capacity(want + 1, ep), depth) is not None
+        plan_layer(CALIBRATION_MODEL, ParallelLayout(ep, 1, True), want,
+                   get_backend("deepep_ll"), FP8)
+        with pytest.raises(ValueError, match=f"takes at most {want} tokens per rank"):
+            plan_layer(CALIBRATION_MODEL, ParallelLayout(ep, 1, True), want + 1,
+                       get_backend("deepep_ll"), FP8)
+
+
+def test_deepep_auto_needs_its_capacity_within_the_low_latency_limit(monkeypatch):
+    """deepep_auto takes any batch (normal mode above its threshold), but its low-latency
+    buffers hold the capacity the plan assumes (256): a QP depth too small for them refuses
+    it, and the crossover search stops at what deepep_ll takes."""
+    layout = ParallelLayout(8, 1, True)
+    assert plan_layer(CALIBRATION_MODEL, layout, 10**6, get_backend("deepep_auto"), FP8,
+                      link=H800).transport is Transport.NORMAL
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "400")
+    with pytest.raises(ValueError, match="its mode as 'deepep_ll' with 256 tokens per rank .*"
+                                         "takes at most 199 tokens per rank"):
+        plan_layer(CALIBRATION_MODEL, layout, 8, get_backend("deepep_auto"), FP8, link=H800)
+    c = _crossover(8, H800)  # 334 at the default depth (test_threshold_is_the_crossover...)
+    assert c.tokens is None and c.limit == 199 and "NVSHMEM_QP_DEPTH=400" in c.text
+
+
+def test_cli_auto_says_why_a_backend_cannot_take_the_batch():
+    flags = [*_V3, "--tokens", "10000000", "--backend", "auto", "--link", "h200-cx7"]
+    rows = [json.loads(ln) for ln in _ok(run_cli(*flags, "--json")).splitlines()]
+    comp = {b["backend"]: b for b in rows[0]["backend_comparison"]}
+    assert not comp["deepep_ll"]["usable"] and rows[0]["backend"] != "deepep_ll"
+    assert "takes at most 511 tokens per rank" in comp["deepep_ll"]["reason"]
+    table = _ok(run_cli(*flags))
+    assert "deepep_ll                    cannot serve this layer: backend 'deepep_ll' takes at " \
+           "most 511 tokens per rank over 16 EP ranks" in table
+    named = run_cli(*_V3, "--tokens", "10000000", "--backend", "deepep_ll")
+    assert named.returncode == 2 and "takes at most 511 tokens per rank" in named.stderr
+
+
+# --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
 _V3 = ["plan", "--model-config", str(ROOT / "examples" / "model_configs" / "deepseek-v3.json"),
@@ -362,12 +439,12 @@ def test_cli_auto_names_the_fastest():
 
 def test_cli_sweep_prints_the_curve_and_crossover():
     flags = [*_V3, "--link", "h800-cx7", "--backend", "deepep_ll", "--sweep-tokens",
-             "1,8,64,128,512,4096"]
+             "1,8,64,128,511,4096"]
     out = json.loads(_ok(run_cli(*flags, "--json")))
     cross = out["crossover"]
     counts = [p["tokens_per_dp_group"] for p in out["sweep"]]
     totals = {b: [next(x["total_us"] for x in p["backends"] if x["backend"] == b)
-                  for p in out["sweep"]] for b in (cross["low_latency"], cross["normal"])}
+                  for p in out["sweep"][:-1]] for b in (cross["low_latency"], cross["normal"])}
     assert all(b >= a for seq in totals.values() for a, b in zip(seq, seq[1:]))
     i = next(i for i, n in enumerate(counts) if n >= cross["tokens_per_dp_group"])
     ll, ht = totals[cross["low_latency"]], totals[cross["normal"]]
@@ -383,11 +460,15 @@ def test_cli_sweep_prints_the_curve_and_crossover():
     table = _ok(run_cli(*flags))
     assert cross["text"] in table
     assert "deepep_auto built with this link: low-latency up to 70 tokens per rank" in table
-    # the table's 4096-token line holds the same totals
-    last = next(ln for ln in table.splitlines() if ln.strip().startswith("4096"))
-    assert [float(v) for v in last.split()[1:]] == [
-        round(next(x["total_us"] for x in out["sweep"][-1]["backends"] if x["backend"] == b), 1)
+    # the table's 511-token line holds the same totals; at 4096 deepep_ll cannot take the batch
+    line = next(ln for ln in table.splitlines() if ln.strip().startswith("511"))
+    assert [float(v) for v in line.split()[1:]] == [
+        round(next(x["total_us"] for x in out["sweep"][-2]["backends"] if x["backend"] == b), 1)
         for b in sorted(totals)]
+    last = next(ln for ln in table.splitlines() if ln.strip().startswith("4096"))
+    assert last.split()[-1] == "-"
+    assert ("deepep_ll from 4096 tokens per DP group: backend 'deepep_ll' takes at most 511 "
+            "tokens per rank") in table
 
 
 @pytest.mark.parametrize("args,message", [

@@ -149,6 +149,23 @@ def test_docs_calibration_tables_are_the_models(heading, rows):
     assert _doc_rows(heading) == want
 
 
+def test_docs_state_the_range():
+    """README and docs/planner.md give the fitted rows' worst residual, the bound on the rows
+    not fitted, and the model's EP 8 prediction set beside DeepEP PR #173's H20 numbers, as the
+    model gives them now."""
+    fitted = max(abs(res) for *_, res in residuals(FITTED_ROWS)) * 100
+    unfitted = max(abs(res) for *_, res in residuals(CHECK_ROWS)) * 100
+    assert unfitted <= 11
+    readme = (ROOT / "README.md").read_text()
+    planner = DOC.read_text()
+    for text in (readme, planner):
+        assert f"within {fitted:.1f}%" in " ".join(text.split())
+        assert "within 11%" in " ".join(text.split())
+    disp, comb = _times("deepep_ll", 8, 128, LINK_PRESETS["h100-cx7"])
+    assert (f"the `h100-cx7` preset's prediction is {disp:.0f} / {comb:.0f} us"
+            in " ".join(planner.split()))
+
+
 # Our own H200 EP 1 round trips (benchmarks/results): a CUDA graph of DeepEP's dispatch and
 # combine on one GPU, 32 experts, top-8, hidden 7168.
 EP1_FILES = ["deepep_ll_latency_fp8_t8.json", "deepep_ll_latency_fp8_t64.json",

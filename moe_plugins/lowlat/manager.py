@@ -21,7 +21,7 @@ from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, ch
                                        kernel_hidden_size, token_capacity)
 from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor
 from moe_plugins.masking import checked_mask_request
-from moe_plugins.registry import RequiredPackage, WireLayout
+from moe_plugins.registry import RequiredPackage, TokenLimit, WireLayout
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,13 @@ class LowLatencyManager(ABC):
         return None
 
     # -- configuration ---------------------------------------------------------------------
+    @classmethod
+    def token_limit(cls, num_ranks: int) -> Optional[TokenLimit]:
+        """The most tokens per rank a layer over ``num_ranks`` EP ranks can be built for
+        (``BackendSpec.token_limit``, read by the plan), from the checks :meth:`__init__`
+        runs; None: no limit but memory."""
+        return None
+
     @classmethod
     def wire_layout(cls, cfg: DispatchConfig) -> WireLayout:
         """Check the layer against the kernels' limits (the errors building a manager raises,

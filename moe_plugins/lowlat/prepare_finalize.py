@@ -470,5 +470,6 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
         priority=priority,
         dtypes=frozenset({torch.bfloat16}),  # the kernels dispatch bf16 (and quantize to FP8)
         wire_layout=manager.wire_layout,
+        token_limit=manager.token_limit,
         transport=Transport.LOW_LATENCY,
     )

@@ -23,6 +23,7 @@ from moe_plugins.groups import DistContext
 from moe_plugins.interface import PrepareFinalize, RankMasking
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.masking import checked_mask_request
+from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.registry import BackendSpec
 from moe_plugins.vllm.layer_plan import parallel_config_plan
 
@@ -101,11 +102,16 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device),
                            self.timeout_s)
 
-    def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
-        """A new prepare/finalize for one layer, on the cached manager of its config."""
+    def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig,
+              link: Optional[LinkModel] = None) -> PrepareFinalize:
+        """A new prepare/finalize for one layer, on the cached manager of its config. ``link``:
+        the engine's link model (``--additional-config``), handed to a backend that picks its
+        transport per call (``BackendSpec.call_modes``)."""
         engine_options = getattr(spec.manager, "engine_options", None)
         if cfg.backend_options is None and engine_options is not None:
-            options = engine_options(self.tcp_store, fault_tolerance=self.support_fault_tolerance)
+            extra = {"link": link} if link is not None and spec.call_modes is not None else {}
+            options = engine_options(self.tcp_store, fault_tolerance=self.support_fault_tolerance,
+                                     **extra)
             if options is not None:
                 cfg = dataclasses.replace(cfg, backend_options=options)
         key = (spec.name, cfg)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.backends import deepep_ht_ranks as ht_rank_fns
-from tests.checks import assert_matches_reference
+from tests.checks import assert_matches_reference, faster_mode
 from moe_plugins.interface import ActivationFormat, BatchHint
+from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.runner.launch import RankError
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.config import MoEConfig
@@ -176,6 +177,54 @@ def test_auto_takes_one_mode_on_every_rank(rank_pool):
     results = rank_pool(2).run(ht_rank_fns.run_auto_calls, layout, cfg, [[3, cap + 4]], cap)
     assert [r["modes"] for r in results] == [[{"normal": 1}], [{"normal": 1}]]
     assert_matches_reference([{"out": r["outs"][0]} for r in results], layout, cfg, [3, cap + 4])
+
+
+# -- deepep_auto built with a link: the mode the time model prices faster ----------------------
+
+#: NVLink at 2 GB/s and DeepEP's test SMs: a link slow enough that the time model's crossover of
+#: _link_cfg()'s layer at EP 2 and 4 falls inside a 16-token low-latency capacity.
+SLOW_LINK = LinkModel(nvlink_gbps=2.0, sms=24)
+LINK_CAPACITY = 16
+
+
+def _link_cfg() -> MoEConfig:
+    return _cfg(num_experts=16, num_topk=8)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [ParallelLayout(2, 1, True), ParallelLayout(2, 2, True)],
+                         ids=["ep2", "ep4-tp2"])
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+def test_auto_with_a_link_takes_the_faster_mode(rank_pool, quant, layout):
+    """A layer built with a link takes, at every batch (both sides of the crossover, ragged DP
+    groups, the capacity and beyond), the mode the time model prices faster for the largest
+    rank's rows, the same on every rank; each call equals the single-process reference; the
+    INFO line names the threshold and why."""
+    from moe_plugins.planner.crossover import mode_crossover
+
+    cfg, ep = _link_cfg(), layout.world_size
+    c = mode_crossover(cfg, ParallelLayout(ep, 1, True), quant, get_backend("deepep_ll"),
+                       get_backend("deepep_ht"), SLOW_LINK).tokens
+    assert c is not None and 2 < c < LINK_CAPACITY, c
+    # rows per rank on each DP group's ranks, per call (a DP group's tokens: rows x tp)
+    calls = [[1, 1], [c - 1, c - 1], [c, c], [c - 1, 0], [2, c], [c + 1, 3],
+             [LINK_CAPACITY, 1], [LINK_CAPACITY + 1, 0], [c - 1, c - 2]]
+    want = [faster_mode(cfg, ep, max(rows), quant, SLOW_LINK, LINK_CAPACITY) for rows in calls]
+    assert {"low_latency", "normal"} == set(want[:-2]), want  # both sides, within the capacity
+    per_dp = [[n * layout.tp for n in rows] for rows in calls]
+    results = rank_pool(ep).run(ht_rank_fns.run_auto_calls, layout, cfg, per_dp, LINK_CAPACITY,
+                                quant, None, 0, SLOW_LINK)
+    for rank, r in enumerate(results):
+        assert r["threshold"] == c - 1, (rank, r["threshold"], c)
+        taken = [next(m for m in now if now[m] != before.get(m, 0))
+                 for before, now in zip([{}] + r["modes"], r["modes"])]
+        assert taken == want, (rank, taken, want)
+    for i, n in enumerate(per_dp):
+        assert_matches_reference([{"out": r["outs"][i]} for r in results], layout, cfg, n, quant)
+    info = [m for r in results for m in r["logs"] if "time model" in m]
+    assert info and all(f"low-latency up to {c - 1} tokens per rank" in m
+                        and f"deepep_ht below deepep_ll from {c} rows per rank" in m
+                        and "link (link flags)" in m for m in info), info
 
 
 @pytest.mark.multirank

@@ -612,6 +612,20 @@ def test_deepep_qp_depth_limit(rank_pool):
 
 
 @pytest.mark.multirank
+def test_deepep_builds_up_to_the_planned_token_limit(rank_pool):
+    """The most tokens per rank the plan lets deepep_ll take (``BackendSpec.token_limit``, 510
+    at EP 2 with the default QP depth: the capacity rounds up to even there) is where the
+    manager on the emulated DeepEP stops building: that many builds, one more is refused."""
+    layout, limit = ParallelLayout(2, 1, True), get_backend("deepep_ll").token_limit(2).tokens
+    assert limit == 510
+    pool = rank_pool(2)
+    pool.run(ll_rank_fns.build_only, "deepep_ll", layout, _cfg(), limit)
+    with pytest.raises(RankError) as e:
+        pool.run(ll_rank_fns.build_only, "deepep_ll", layout, _cfg(), limit + 1)
+    assert e.value.exc_type == "ValueError" and "NVSHMEM_QP_DEPTH >= 1026" in e.value.message
+
+
+@pytest.mark.multirank
 def test_deepep_masking_needs_shrink_mode(rank_pool):
     with pytest.raises(RankError) as e:
         rank_pool(2).run(ll_rank_fns.mask_peer, "deepep_ll", ParallelLayout(2, 1, True), _cfg(), 1)

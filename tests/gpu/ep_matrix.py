@@ -101,12 +101,15 @@ def _layer_cases(backend: str, ep: int, scale: str) -> list[Any]:
     if scale == "reduced":
         return {"deepep_ll": [Case("ragged", "bf16", offset=1), Case("ragged", "ue8m0", offset=0)],
                 "deepep_auto": [Case("auto-ll", "bf16", offset=1),
-                                Case("auto-normal", "fp8_block128", offset=0)],
+                                Case("auto-normal", "fp8_block128", offset=0),
+                                Case("auto-link", "bf16")],
                 "torch": [Case("ragged", "fp8_block128", offset=3)] if ep == 2 else
                 [Case("sp", "bf16", tp=2, offset=3)],
                 "nixl_ep": [Case("mask")]}.get(backend, [])
     if backend == "deepep_auto":
-        cases = [Case("auto-ll", "bf16", offset=0), Case("auto-normal", "bf16", offset=0)]
+        # auto-link: a layer built with a link takes the time model's faster mode per batch
+        cases = [Case("auto-ll", "bf16", offset=0), Case("auto-normal", "bf16", offset=0),
+                 Case("auto-link", "bf16"), Case("auto-link", "fp8_block128")]
         if ep < 8:
             cases += [Case("auto-ll", "fp8_block128", offset=3),
                       Case("auto-normal", "fp8_block128", offset=3)]

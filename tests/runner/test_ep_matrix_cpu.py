@@ -35,8 +35,8 @@ def test_reduced_matrix_passes_on_cpu(tmp_path):
     if HAS_VLLM:
         assert ("vllm", "deepep_ll") in paths
     cases = {r["case"] for r in rows}
-    assert {"ragged", "auto-ll", "auto-normal", "sp", "mask", "unmask", "fault-kill",
-            "fault-hang-watchdog"} <= cases
+    assert {"ragged", "auto-ll", "auto-normal", "auto-link", "sp", "mask", "unmask",
+            "fault-kill", "fault-hang-watchdog"} <= cases
     hang = next(r for r in rows if r["case"] == "fault-hang-watchdog")
     # rank 0 ended by the 3 s watchdog, not by gloo's 20 s timeout
     took = re.search(r"rank 0: CallTimeoutError after ([\d.]+) s", hang["detail"])
@@ -69,6 +69,9 @@ def test_the_full_matrix_covers_the_issue():
         | {("flashinfer_nvlink_two_sided", 2), ("flashinfer_nvlink_two_sided", 4)} \
         | {("torch", 4)}
     assert want <= layer, want - layer
+    # deepep_auto built with a link, both quants, at every EP size of the matrix
+    assert {(e, q) for e in (2, 4, 8) for q in ("bf16", "fp8_block128")} <= {
+        (j.world, r[2]) for j in full for r in j.rows if r[:2] == ("deepep_auto", "auto-link")}
     vllm = {(r[0], j.world) for j in full if j.path == "vllm" for r in j.rows}
     assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep") for e in (2, 4)} <= vllm
     faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}

@@ -19,6 +19,9 @@ from moe_plugins.callbound.watchdog import (RING_SLOTS, CallBound, capture_calls
                                            expect_replay, replays_in_step_windows, watch_call,
                                            watch_step)
 
+from moe_plugins.callbound.settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
+                                            reread_environment)
+
 CPU = torch.device("cpu")
 
 
@@ -373,11 +376,13 @@ def test_with_no_bound_set_the_backstop_follows_the_library(fresh, monkeypatch, 
     0.9 of it (the process ends with our error before the trap), one that masks or raises gets
     20 s after it (its own outcome first); the INFO line and the error say it is the backstop."""
     monkeypatch.delenv(FIRST_CALL_TIMEOUT_ENV, raising=False)
+    reread_environment()
     for raw in (None, "", "  "):
         if raw is None:
             monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
         else:
             monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
+        reread_environment()
         bound = CallBound("layer", device=CPU)
         assert bound.timeout_s is None and bound.describe() == "off"
         bound.backstop("deepep_ll", 100.0, traps)
@@ -398,6 +403,7 @@ def test_a_bound_the_user_set_or_turned_off_is_never_replaced(fresh, monkeypatch
         monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
     else:
         monkeypatch.setenv(CALL_TIMEOUT_ENV, env)
+    reread_environment()
     bound = CallBound("layer", given, device=CPU)
     before = bound.timeout_s
     bound.backstop("deepep_ll", 100.0, True)
@@ -406,6 +412,7 @@ def test_a_bound_the_user_set_or_turned_off_is_never_replaced(fresh, monkeypatch
 
 def test_no_library_timeout_no_backstop(fresh, monkeypatch):
     monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+    reread_environment()
     bound = CallBound("layer", device=CPU)
     bound.backstop("torch", None, False)
     assert bound.timeout_s is None and bound.watch(1) is None

@@ -20,6 +20,7 @@ from all2all.deepep import DeepEPLLManager, DeepEPLLOptions
 from all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, normal_mode_bytes
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.interface import BackendManager
 
 __all__ = ["DeepEPAutoOptions", "DeepEPAutoLLManager", "DeepEPAutoManager"]
 # Buffers that ran normal mode since their last low-latency call. Per buffer, not per manager:
@@ -70,7 +71,7 @@ class DeepEPAutoLLManager(DeepEPLLManager):
         return max(self.num_local_experts, int(self.lib.Buffer.num_sms))
 
 
-class DeepEPAutoManager:
+class DeepEPAutoManager(BackendManager):
     """Both modes of one layer config over one EP group and one buffer.
 
     ``ll``: :class:`DeepEPAutoLLManager` (``max_tokens_per_rank`` is the low-latency capacity,

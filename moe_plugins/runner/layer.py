@@ -14,7 +14,8 @@ from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import (PeerMaskedError, group_faults, in_step, is_in_step,
                                 is_owed_call)
 from moe_plugins.groups import DistContext, all_gather_tensor
-from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget, capturing
+from moe_plugins.interface import (BackendManager, PrepareFinalize, PrepareResult, RankMasking,
+                                   RowScatterTarget, capturing)
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
 from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.placement import ExpertPlacement
@@ -110,12 +111,20 @@ class MoELayer:
         self.faults = group_faults(ctx.ep_group)
         self._destroyed = False
         self._num_calls = 0
+        #: the backend's manager and the prepare/finalize built on it (None: no dispatch)
+        self.manager: Optional[BackendManager] = None
         self.pf: Optional[PrepareFinalize] = None
         if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
-            self.pf = backend.build(ctx, DispatchConfig(
+            dispatch = DispatchConfig(
                 num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant,
-                backend_options=backend_options, placement=self.placement))
+                backend_options=backend_options, placement=self.placement)
+            self.manager = backend.manager(ctx, dispatch)
+            try:
+                self.pf = backend.prepare_finalize(self.manager, dispatch)
+            except BaseException:
+                self.manager.destroy()
+                raise
 
         # the watchdog hears the group's notice for a backend whose waits do not (hears_peer_
         # failures: the backend raises; the process lives)
@@ -123,10 +132,10 @@ class MoELayer:
             self._bound.notice = self.faults.notice
         self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
         # the library's own masks, watched where the buffer has a mask (see _check_library_masks)
-        manager = getattr(self.pf, "manager", None)
-        can_mask = getattr(manager, "can_mask", None)
+        manager = self.manager
         self._masks_by_library = (manager.masked_by_library
-                                  if can_mask is not None and can_mask() else None)
+                                  if isinstance(manager, RankMasking) and manager.can_mask()
+                                  else None)
         key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type,
                self.placement.kind)
         if key not in _LOGGED:
@@ -159,7 +168,7 @@ class MoELayer:
 
     @property
     def dispatch_stats(self) -> DispatchStats:
-        return getattr(self.pf, "stats", None) or DispatchStats()
+        return self.pf.stats if self.pf is not None else DispatchStats()
 
     def rebalance(self, placement: ExpertPlacement) -> None:
         """Move the experts to ``placement`` between forward passes (EPLB): this rank loads the
@@ -244,7 +253,7 @@ class MoELayer:
                 "their experts and is not returned; this layer's EP group is broken (later "
                 "calls raise LayerBrokenError). If a masked rank's process died, restart every "
                 "rank of the EP group (under vLLM, the engine); if every rank lives (a slow "
-                "peer), clean the buffers (layer.pf.manager.clean_buffers()) on every rank and "
+                "peer), clean the buffers (layer.manager.clean_buffers()) on every rank and "
                 "rebuild the layer on new process groups on every rank")
 
     def _input_error(self, x: object) -> Optional[Exception]:
@@ -368,7 +377,5 @@ class MoELayer:
     def destroy(self) -> None:
         """Release the backend's buffers; calling the layer afterwards raises."""
         self._destroyed = True
-        if self.pf is not None:
-            destroy = getattr(getattr(self.pf, "manager", None), "destroy", None)
-            if destroy is not None:
-                destroy()
+        if self.manager is not None:
+            self.manager.destroy()

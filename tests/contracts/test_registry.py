@@ -195,3 +195,16 @@ def test_auto_skips_a_backend_whose_kernels_refuse_the_dtype(fake_registry):
     assert select_backend(ParallelLayout(2, 1, True), dtype=torch.bfloat16).name == "bf16only"
     with pytest.raises(BackendSelectionError, match=r"bf16only: activations torch.float32 not in"):
         select_backend(ParallelLayout(2, 1, True), name="bf16only", dtype=torch.float32)
+
+
+def test_the_backend_lists_of_the_tests_are_not_empty():
+    """tests/backend_lists.py draws the lists the backend tests run over from the registry; an
+    empty one (a capability no backend of ours has any more, a registry that failed to load)
+    would leave its tests with no cases and pass them silently."""
+    from tests import backend_lists
+
+    for name in backend_lists.__all__:
+        value = getattr(backend_lists, name)
+        if isinstance(value, list):
+            assert value, f"tests/backend_lists.py: {name} is empty"
+            assert set(value) <= set(registry.registered_backends()), name

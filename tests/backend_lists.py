@@ -30,9 +30,12 @@ def transports(spec: BackendSpec) -> set[Transport]:
 
 
 #: the low-latency family on every call (DeepEP LL, NIXL EP): tests/backends/test_low_latency.py,
-#: the plan's per-pair counts in tests/planner/test_plan.py
+#: the plan's per-pair counts in tests/planner/test_plan.py, vLLM's kernel with the router weight
+#: on the input (tests/vllm_glue/test_vllm_modular_kernel.py)
 LOW_LATENCY = ours(lambda s: transports(s) == {Transport.LOW_LATENCY})
-#: backends that run DeepEP's normal mode on some calls: tests/backends/test_deepep_ht.py
+#: backends that run DeepEP's normal mode on some calls: tests/backends/test_deepep_ht.py,
+#: vLLM's kernel over them (tests/vllm_glue/test_vllm_modular_kernel.py), the GPU matrix's
+#: normal-mode rank function on CPU (tests/runner/test_ep_matrix_cpu.py)
 NORMAL_MODE = ours(lambda s: Transport.NORMAL in transports(s))
 #: capability micro_batch (vLLM's dual-batch overlap): tests/vllm_glue/test_vllm_dbo.py
 MICRO_BATCH = ours(lambda s: s.capabilities.micro_batch)

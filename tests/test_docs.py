@@ -101,3 +101,23 @@ def test_docs_and_gpu_kit_are_written_for_a_users_host(path: Path):
     hits = [f"{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
             if SET_UP_WORDS.search(line)]
     assert not hits, f"{path}: words of one test set-up, not of a user's host: {hits}"
+
+
+def test_adding_a_backend_names_every_member_a_backend_gives():
+    """docs/adding_a_backend.md is the checklist for a new backend: it names every field of
+    BackendSpec and Capabilities and every member of the protocols a backend or its manager
+    keeps, so a member added to the code is added to the checklist."""
+    import dataclasses
+
+    from moe_plugins.interface import (_MANAGER_MEMBERS, PrepareFinalize, RankMasking,
+                                       SplitPhases)
+    from moe_plugins.registry import BackendSpec, Capabilities
+
+    text = (ROOT / "docs" / "adding_a_backend.md").read_text()
+    names = {f.name for cls in (BackendSpec, Capabilities) for f in dataclasses.fields(cls)}
+    names |= set(_MANAGER_MEMBERS)
+    names |= {n for cls in (SplitPhases, RankMasking) for n in vars(cls) if not n.startswith("_")}
+    names |= {n for n in (*vars(PrepareFinalize), *PrepareFinalize.__annotations__)
+              if not n.startswith("_")}
+    missing = sorted(n for n in names if not re.search(rf"[`.]{n}\b", text))
+    assert not missing, f"docs/adding_a_backend.md does not name {missing}"

@@ -63,6 +63,7 @@ class LazyExpertTokensMeta(ExpertTokensMeta):
 
     @property  # type: ignore[override]
     def expert_num_tokens(self) -> torch.Tensor:
+        """int32 [num_local_experts], made by ``make(source)`` on the first read."""
         if self._counts is None:
             self._counts = self._make(self._source)
             self._source = None  # type: ignore[assignment]
@@ -127,6 +128,7 @@ class RowScatterTarget:
 
     @property
     def buffer(self) -> torch.Tensor:
+        """The shared expert's partial [num_tokens, hidden] the finalize adds into."""
         out = self.shared.output
         assert out is not None
         return out
@@ -326,6 +328,8 @@ class PrepareFinalize(ABC):
         return False
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
+        """The most tokens one rank may hand prepare per call, where the buffers are sized
+        for a fixed capacity (the low-latency backends); None: no fixed limit."""
         return None
 
     def topk_indices_dtype(self) -> Optional[torch.dtype]:
@@ -402,6 +406,10 @@ class PrepareFinalize(ABC):
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        """:meth:`prepare_async` with its receive completed: the same arguments
+        (hidden_states [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
+        topk_ids int32/int64 [num_tokens, num_topk] physical ids) and the
+        :class:`PrepareResult` its receiver gives."""
         res = self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
         if res.hook is not None:
             res.hook()
@@ -411,6 +419,12 @@ class PrepareFinalize(ABC):
 
     def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        """:meth:`finalize_async` with its receive completed. fused_expert_output: the experts'
+        outputs in the layout prepare handed them (STANDARD [num_recv_tokens, hidden], BATCHED
+        [num_local_experts, max_recv_tokens, hidden]); topk_weights/topk_ids: the ones given to
+        prepare; output: a plain [num_tokens, hidden] tensor, or a :class:`RowScatterTarget`.
+        Returns the tensor written (``output``, or the target's buffer); TypeError when the
+        backend returned another."""
         if isinstance(output, RowScatterTarget) and not self.supports_row_scatter_finalize():
             raise TypeError(f"{type(self).__name__} has no row-scatter finalize; pass a plain "
                             "output tensor or pick a backend whose capabilities list row_scatter")

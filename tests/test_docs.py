@@ -121,3 +121,20 @@ def test_adding_a_backend_names_every_member_a_backend_gives():
               if not n.startswith("_")}
     missing = sorted(n for n in names if not re.search(rf"[`.]{n}\b", text))
     assert not missing, f"docs/adding_a_backend.md does not name {missing}"
+
+
+def test_readmes_python_example_runs_as_written():
+    """README's "Use it from Python" block, extracted from the file and run as it stands in a
+    fresh interpreter (its own asserts check the shapes, the dtype and the reference)."""
+    import os
+    import subprocess
+    import sys
+
+    section = README.read_text().split("## Use it from Python", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "README's 'Use it from Python' holds one python block"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", blocks[0]], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("LOCAL DispatchStats(calls=1, pairs=10, rows=5,"), run.stdout

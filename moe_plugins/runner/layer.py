@@ -38,18 +38,25 @@ _LOGGED: set[tuple] = set()
 class MoELayer:
     """One MoE layer on one rank.
 
-    ``weights`` are the full weights (each rank takes its shard); ``strategy`` None picks the
-    default for the layout; ``backend_options`` goes to the backend as
-    ``DispatchConfig.backend_options`` (its typed options dataclass, None for its defaults).
-    ``forward(x)`` takes x [num_tokens, hidden], the same on every TP rank of a DP group, and
-    returns the layer output [num_tokens, hidden] in ``x.dtype``. ``placement`` (EP on): where
-    the physical experts are (None: linear); the router's logical ids are mapped to physical
-    ones (a replica per token, as vLLM's EPLB router does) before dispatch, and
-    :meth:`rebalance` moves the experts between forward passes. ``call_timeout_s`` (None:
-    ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off): a call not complete within it ends this
-    process with a clear error (:mod:`moe_plugins.callbound.watchdog`: a peer died or hangs mid-call); the
-    layer's first calls run under the longer start-up bound
-    (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
+    ``weights`` are the full weights (each rank takes its shard); ``ctx``: this rank's groups
+    (:func:`moe_plugins.groups.make_dist_context`); ``backend``: a registered backend
+    (:func:`moe_plugins.registry.get_backend`), checked against the layout, quant, dtype and
+    placement (:class:`moe_plugins.registry.BackendSelectionError` naming what is missing);
+    ``strategy`` None picks the default for the layout (ValueError for one that does not
+    apply); ``quant``: the dispatch quantization; ``overlap``: the shared-expert overlap
+    switches (None: from the environment); ``max_tokens_per_rank``: the most tokens a TP rank's
+    chunk may hold per call (the backend's buffers are sized for it); ``shared_placement``: how
+    the shared expert sits on the TP ranks when the strategy is chosen here;
+    ``backend_options`` goes to the backend as ``DispatchConfig.backend_options`` (its typed
+    options dataclass, None for its defaults). ``forward(x)`` takes x [num_tokens, hidden], the
+    same on every TP rank of a DP group, and returns the layer output [num_tokens, hidden] in
+    ``x.dtype``. ``placement`` (EP on): where the physical experts are (None: linear); the
+    router's logical ids are mapped to physical ones (a replica per token, as vLLM's EPLB
+    router does) before dispatch, and :meth:`rebalance` moves the experts between forward
+    passes. ``call_timeout_s`` (None: ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off): a
+    call not complete within it ends this process with a clear error
+    (:mod:`moe_plugins.callbound.watchdog`: a peer died or hangs mid-call); the layer's first
+    calls run under the longer start-up bound (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
     """
 
     def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
@@ -168,6 +175,8 @@ class MoELayer:
 
     @property
     def dispatch_stats(self) -> DispatchStats:
+        """What this rank's backend sent, summed over calls (all zeros when the strategy does
+        not dispatch)."""
         return self.pf.stats if self.pf is not None else DispatchStats()
 
     def rebalance(self, placement: ExpertPlacement) -> None:
@@ -193,7 +202,10 @@ class MoELayer:
         self.placement = placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One call; collective over the EP group. An input this rank refuses leaves the layer
+        """One call; collective over the EP group. x: [num_tokens, hidden], float, on the
+        layer's device (0 tokens allowed; at most ``max_tokens_per_rank`` per TP rank's chunk),
+        the same on every TP rank of a DP group. Returns [num_tokens, hidden] in ``x.dtype``:
+        the routed experts' weighted sum plus the shared expert, reduced over TP. An input this rank refuses leaves the layer
         usable and never lets a peer pair this call with another (:mod:`moe_plugins.faults`,
         rule "refused inputs"): through the backend's host exchange every rank raises at the same point; on a
         backend without one this rank takes part in the call with no tokens of its own (its

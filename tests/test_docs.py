@@ -138,3 +138,24 @@ def test_readmes_python_example_runs_as_written():
                          capture_output=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("LOCAL DispatchStats(calls=1, pairs=10, rows=5,"), run.stdout
+
+
+def test_the_call_bounds_cost_is_quoted_from_its_result_file():
+    """docs/results.md holds the call bound's cost (the other pages link to it): its figures are
+    those of benchmarks/results/watchdog_cost_h200.json, rounded as quoted."""
+    import json
+
+    data = json.loads((ROOT / "benchmarks" / "results" / "watchdog_cost_h200.json").read_text())
+    section = (ROOT / "docs" / "results.md").read_text().split(
+        "### The call bound's host cost", 1)[1].split("\n## ", 1)[0]
+    us = lambda ns: f"{ns / 1000:.1f} us"  # noqa: E731
+    steps = data["added_ns_per_call_in_steps"]
+    assert f"| a mark per call (a layer called outside any step window) | " \
+           f"{us(data['added_ns_per_call'])} |" in section
+    assert f"| step windows of 8 calls | **{us(steps['8'])}** |" in section
+    assert f"| step windows of 58 calls (DeepSeek-V3's MoE layers per forward pass) | " \
+           f"**{us(steps['58'])}** |" in section
+    assert f"{round(data['ns_per_call_off'])} ns per call with it off" in section
+    drivers = data["driver_ns_per_write"]
+    assert f"{us(drivers['cuStreamWriteValue32'])} for `cuStreamWriteValue32`" in section
+    assert f"{us(drivers['cuMemsetD32Async'])} for `cuMemsetD32Async`" in section

@@ -159,3 +159,26 @@ def test_the_call_bounds_cost_is_quoted_from_its_result_file():
     drivers = data["driver_ns_per_write"]
     assert f"{us(drivers['cuStreamWriteValue32'])} for `cuStreamWriteValue32`" in section
     assert f"{us(drivers['cuMemsetD32Async'])} for `cuMemsetD32Async`" in section
+
+
+def test_fault_rules_are_cited_by_the_names_design_md_gives_them():
+    """The fault rules have names, no numbers: docs/design.md, "Faults" and moe_plugins/faults.py
+    list the same rules in the same order, and every citation (rule "refused inputs") in the
+    code, the tests and the docs names one of them."""
+    def rules(text: str) -> list[str]:
+        return [n.lower() for n in re.findall(r"^- \*\*([A-Z][^*]*?)\.?\*\*", text, flags=re.M)]
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    faults_section = design.split("## Faults", 1)[1].split("State is per EP process group")[0]
+    names = rules(faults_section)
+    module = (ROOT / "moe_plugins" / "faults.py").read_text()
+    assert rules(module.split('"""', 2)[1]) == names
+    assert names[:2] == ["validated everywhere", "refused inputs"] and "the call bound" in names
+    files = [p for d in ("moe_plugins", "prepare_finalize", "all2all", "tests", "docs",
+                         "benchmarks") for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md")]
+    for path in [*files, README]:
+        text = path.read_text()
+        assert not re.search(r"\brules? \d", text), f"{path}: a fault rule cited by number"
+        for cited in re.findall(r'\brules? "([^"]+)"', text):
+            cited = " ".join(cited.replace("#", " ").split()).lower()  # wrapped in a comment
+            assert cited in names, f"{path}: rule {cited!r} is not one of {names}"

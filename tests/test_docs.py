@@ -182,3 +182,40 @@ def test_fault_rules_are_cited_by_the_names_design_md_gives_them():
         for cited in re.findall(r'\brules? "([^"]+)"', text):
             cited = " ".join(cited.replace("#", " ").split()).lower()  # wrapped in a comment
             assert cited in names, f"{path}: rule {cited!r} is not one of {names}"
+
+
+def _code_layout() -> dict[str, str]:
+    """README's "Code layout" block: path -> its description (continuation lines joined)."""
+    section = README.read_text().split("## Code layout", 1)[1]
+    block = re.findall(r"```\n(.*?)\n```", section, flags=re.S)[0]
+    entries: dict[str, str] = {}
+    for line in block.splitlines():
+        if line[:1].strip():
+            path, _, text = line.partition(" ")
+            entries[path] = text.strip()
+        else:
+            entries[path] += " " + line.strip()
+    return entries
+
+
+def _words(description: str) -> set[str]:
+    return {w.strip(" ,.") for w in re.split(r"[,:]", description.split(":", 1)[1])}
+
+
+def test_readmes_code_layout_is_the_tree():
+    """README's "Code layout" lists every top-level folder and every package of moe_plugins/,
+    each listed path exists, and the module list of moe_plugins/ (and the folder list of
+    tests/) is exactly what is there."""
+    entries = _code_layout()
+    ignored = {"build", "dist", "__pycache__"}
+    folders = {f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")
+               and p.name not in ignored and not p.name.endswith(".egg-info")}
+    packages = {f"moe_plugins/{p.parent.name}/" for p in (ROOT / "moe_plugins").glob("*/__init__.py")}
+    assert set(entries) == folders | packages, (
+        "README's code layout and the tree differ: listed, not there: "
+        f"{sorted(set(entries) - folders - packages)}; there, not listed: "
+        f"{sorted((folders | packages) - set(entries))}")
+    modules = {p.stem for p in (ROOT / "moe_plugins").glob("*.py") if p.stem != "__init__"}
+    assert _words(entries["moe_plugins/"]) == modules, entries["moe_plugins/"]
+    test_folders = {p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")}
+    assert set(entries["tests/"].split(", ")) == test_folders, entries["tests/"]

@@ -23,6 +23,7 @@ from all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, normal_mode_byte
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.planner.link_model import LinkModel
+from moe_plugins.interface import BackendManager
 
 __all__ = ["DeepEPAutoOptions", "DeepEPAutoLLManager", "DeepEPAutoManager"]
 # Buffers that ran normal mode since their last low-latency call. Per buffer, not per manager:
@@ -85,7 +86,7 @@ class DeepEPAutoLLManager(DeepEPLLManager):
         return max(self.num_local_experts, int(self.lib.Buffer.num_sms))
 
 
-class DeepEPAutoManager:
+class DeepEPAutoManager(BackendManager):
     """Both modes of one layer config over one EP group and one buffer.
 
     ``ll``: :class:`DeepEPAutoLLManager` (``max_tokens_per_rank`` is the low-latency capacity);

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from moe_plugins.interface import ActivationFormat
+from moe_plugins.interface import ActivationFormat, BackendManager, manager_gaps
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.quant import QuantScheme
 
@@ -132,12 +132,14 @@ class BackendSpec:
     """One registered backend.
 
     prepare_finalize(manager, cfg) and manager(ctx, cfg) are the classes built for a layer; their
-    constructors raise ImportError naming the extra when a required package is missing.
+    constructors raise ImportError naming the extra when a required package is missing. The
+    manager class keeps :class:`moe_plugins.interface.BackendManager` (the members the engines
+    use); a spec whose manager does not is skipped at loading, with a WARNING.
     """
 
     name: str
     prepare_finalize: Callable[..., "PrepareFinalize"]
-    manager: Callable[..., Any]
+    manager: type[BackendManager]
     capabilities: Capabilities
     quants: frozenset[QuantScheme]
     required: tuple[RequiredPackage, ...] = ()
@@ -222,6 +224,13 @@ def _load_entry_points() -> dict[str, BackendSpec]:
         if spec.name != ep.name:
             logger.warning("backend entry point %r from %s names spec %r; the entry point name "
                            "must equal BackendSpec.name; skipped", ep.name, dist_name, spec.name)
+            continue
+        gaps = manager_gaps(spec.manager)
+        if gaps:
+            logger.warning("backend %r from %s: its manager %r lacks %s of "
+                           "moe_plugins.interface.BackendManager; subclass BackendManager to take "
+                           "its defaults, or define them; skipped", spec.name, dist_name,
+                           spec.manager, ", ".join(gaps))
             continue
         if spec.name == AUTO or spec.name in specs:
             logger.warning("backend %r from %s is already registered by %s (or reserved); skipped",

@@ -55,11 +55,11 @@ that call, so every peer finished its first), its calls run under the start-up b
 ``max(10 x bound, 600 s)``), stated in the layers' INFO line.
 
 Off by default. On with ``call_timeout_s`` (``MoELayer``) or ``$MOE_PLUGINS_CALL_TIMEOUT_S``
-(the vLLM glue, and layers built without the argument); 0 turns it off in either. Cost when on,
-host time per call on an H200 host (``benchmarks/watchdog_cost.py``): about 4.4 us with a mark
-per call, most of it the driver call that enqueues the progress write, and 1.0 us in step
-windows of 58 calls (1.8 us in windows of 8); 16 KiB of page-locked host memory per process,
-and a daemon thread that wakes every :data:`POLL_S` s.
+(the vLLM glue, and layers built without the argument); 0 turns it off in either. Cost when on:
+host time per watched call, most of it the driver call that enqueues the progress write, which
+the calls of a step window share (figures: docs/results.md, "The call bound's host cost"); 16
+KiB of page-locked host memory per process, and a daemon thread that wakes every
+:data:`POLL_S` s.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.interface import BackendManager
 from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
                                        kernel_hidden_size, token_capacity)
 from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor
@@ -64,7 +65,7 @@ class LowLatencyOptions:
 _PADDING_LOGGED: set[tuple] = set()
 
 
-class LowLatencyManager(ABC):
+class LowLatencyManager(BackendManager, ABC):
     """Buffer and kernel limits of one low-latency backend for one layer config. The manager
     owns the library buffer (and its rank mask); the prepare/finalize makes the dispatch and
     combine calls on it (:class:`moe_plugins.lowlat.prepare_finalize.LowLatencyPrepareFinalize`).
@@ -91,8 +92,6 @@ class LowLatencyManager(ABC):
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
     query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
     clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
-    #: The library masks peers by itself (a timed-out peer), so an engine should always poll.
-    masks_by_itself: ClassVar[bool] = False
     #: The runtime calls the prepare/finalize makes instead of the buffer's Python methods (set
     #: by a manager whose library release is known; None: the methods named above).
     runtime_calls: Optional[RuntimeCalls] = None
@@ -139,16 +138,6 @@ class LowLatencyManager(ABC):
                     self.max_tokens_per_rank, self.num_rdma_bytes,
                     "on" if self.options.allow_nvlink else "off")
         return buffer
-
-    @classmethod
-    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
-                       ) -> Optional[LowLatencyOptions]:
-        """The ``backend_options`` an engine (the vLLM glue) builds this backend with when the
-        user gave none; ``tcp_store``: a torch.distributed Store shared by the EP group, for
-        libraries that exchange connection metadata through one; ``fault_tolerance``: the
-        engine will poll the rank mask (:meth:`masked_ranks`), so the buffer must have one.
-        None: the defaults."""
-        return None
 
     # -- configuration ---------------------------------------------------------------------
     @classmethod

@@ -204,4 +204,8 @@ def all_to_all_us(transport: Transport, phase: str, rows: _Matrix, row_bytes: in
         return _normal_us(rows, node_rows, row_bytes, link, constants)
     if transport is Transport.NVLINK_TWO_SIDED:
         return _nvlink_two_sided_us(rows, row_bytes, link, constants)
-    return _nccl_us(rows, row_bytes, link, constants, 2 if phase == "dispatch" else 1)
+    if transport is Transport.NCCL:
+        return _nccl_us(rows, row_bytes, link, constants, 2 if phase == "dispatch" else 1)
+    # a family added to Transport without its time function here (docs/adding_a_backend.md)
+    raise ValueError(f"the planner has no time model for transport {transport!r}; add one to "
+                     "moe_plugins/planner/transport_time.py")

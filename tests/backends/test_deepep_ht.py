@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.backends import deepep_ht_ranks as ht_rank_fns
+from tests.backend_lists import NORMAL_MODE
 from tests.checks import assert_matches_reference, faster_mode
 from moe_plugins.interface import ActivationFormat, BatchHint
 from moe_plugins.planner.link_model import LinkModel
@@ -23,7 +24,7 @@ from moe_plugins.strategy import ReductionStrategy as S
 
 BF16, FP8 = QuantSpec(), QuantSpec(QuantScheme.FP8_BLOCK128)
 QUANTS, QUANT_IDS = [BF16, FP8], ["bf16", "fp8"]
-BACKENDS = ["deepep_ht", "deepep_auto"]
+BACKENDS = NORMAL_MODE  # the registry's backends with DeepEP's normal mode (tests/backend_lists.py)
 
 
 def _cfg(**kw: object) -> MoEConfig:

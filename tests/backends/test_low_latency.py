@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tests.runner import faults_ranks as fault_rank_fns
 from tests.backends import low_latency_ranks as ll_rank_fns
+from tests.backend_lists import LOW_LATENCY
 from tests.checks import assert_matches_reference
 from tests.emulation import installed
 from moe_plugins.cli import main as cli_main
@@ -31,7 +32,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec, dequantize_fp8_block128, q
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 
-BACKENDS = ["deepep_ll", "nixl_ep"]
+BACKENDS = LOW_LATENCY  # the registry's low-latency backends (tests/backend_lists.py)
 BF16, FP8 = QuantSpec(), QuantSpec(QuantScheme.FP8_BLOCK128)
 QUANTS = [BF16, FP8]
 QUANT_IDS = ["bf16", "fp8"]
@@ -521,8 +522,8 @@ def test_missing_package_raises_import_error_naming_the_extra(backend):
     spec = get_backend(backend)
     module = spec.manager.required.module
     assert module not in sys.modules and importlib.util.find_spec(module) is None
-    extra = {"deepep_ll": "DeepEP publishes no wheel", "nixl_ep": "pip install 'nixl>=1.5'"}[backend]
-    with pytest.raises(ImportError, match=rf"needs the '{module}' package.*{re.escape(extra)}"):
+    install = spec.manager.required.install
+    with pytest.raises(ImportError, match=rf"needs the '{module}' package.*{re.escape(install)}"):
         spec.build(_ctx(), _config(backend))
 
 

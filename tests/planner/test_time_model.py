@@ -505,3 +505,17 @@ def test_ep1_rows_use_one_gpu_and_no_links():
     """At EP 1 every message is a self-send: the prediction is the fixed costs alone, the same
     at every token count (the measured round trips grow with tokens: docs/planner.md)."""
     assert len({r[3] for r in ep1_rows()}) == 1
+
+
+def test_every_transport_family_has_a_time_model():
+    """A backend's ``transport`` is one of Transport's members, and the planner times each
+    (docs/adding_a_backend.md: a new family comes with its time function); anything else is
+    refused, not timed as another family."""
+    from moe_plugins.planner.transport_time import all_to_all_us
+
+    rows, node_rows = [[0, 4], [4, 0]], [[4], [4]]  # 2 ranks of one node
+    for transport in Transport:
+        for phase in ("dispatch", "combine"):
+            assert all_to_all_us(transport, phase, rows, 2048, H800, node_rows) > 0, transport
+    with pytest.raises(ValueError, match="no time model for transport 'pigeon'"):
+        all_to_all_us("pigeon", "dispatch", rows, 2048, H800)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from tests.backend_lists import NORMAL_MODE
 from tests.gpu import deepep_ht_ranks
 from tests.gpu.ep_harness import run_world, verdict
 from tests.gpu.ep_matrix import (STATUSES, jobs, main, merge_records, rows_to_markdown,
@@ -48,7 +49,7 @@ def test_reduced_matrix_passes_on_cpu(tmp_path):
             assert rank["steps"], f"{rec['name']} rank {rank['rank']} reported no step"
 
 
-@pytest.mark.parametrize("backend", ["deepep_ht", "deepep_auto"])
+@pytest.mark.parametrize("backend", NORMAL_MODE)  # from the registry (tests/backend_lists.py)
 def test_two_process_normal_mode_rank_function_on_cpu(backend):
     """What tests/gpu/test_deepep_ht_gpu.py runs on the GPU, on the emulated deep_ep."""
     run = run_world(deepep_ht_ranks.run_ht, 2, backend, "cpu", device="cpu", timeout_s=120)

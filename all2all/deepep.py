@@ -1,22 +1,26 @@
-"""Transport of ``deepep_ll``: DeepEP's V1 ``deep_ep.Buffer`` in low-latency mode.
+"""Transport of ``deepep_ll``: DeepEP's ``deep_ep.Buffer`` in low-latency mode.
 
-Follows DeepEP's V1 line (commit 567632d, the last before the V2 rewrite): ``Buffer(group,
-num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
-allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink)``
-with ``low_latency_dispatch/low_latency_combine``. ``deep_ep`` is imported when a manager is
-built, never at import time.
+Runs on both DeepEP lines that have ``deep_ep.Buffer`` (:mod:`moe_plugins.stack.deepep` says
+which is installed and how they differ): the V1 line (commit 567632d, the last before the V2
+rewrite, ``deep_ep/buffer.py``) and the current line's legacy Buffer (d4f41e4 and later,
+``deep_ep/buffers/legacy.py``): ``Buffer(group, num_nvl_bytes, num_rdma_bytes,
+low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
+explicitly_destroy, enable_shrink)`` with ``low_latency_dispatch/low_latency_combine``.
+``deep_ep`` is imported when a manager is built, never at import time.
 
-The library calls. In 567632d each of ``Buffer.low_latency_dispatch`` / ``low_latency_combine``
-(deep_ep/buffer.py) is one call of the C++ runtime (``Buffer.runtime``, a ``deep_ep_cpp.Buffer``)
-wrapped in Python: an assert on the QP depth, the handle tuple, a tuple of the tensors to record
-and an ``EventOverlap``. None of that is used here (no ``async_finish``; the QP depth is checked
-once, when the layer is built; the handle is the two tensors the combine needs), and on the H200
-it is host time on every eager call. So where ``deep_ep.Buffer``'s two methods have 567632d's
-signatures, the manager hands the prepare/finalize that runtime's two methods
-(:class:`moe_plugins.lowlat.vendor.RuntimeCalls`); they call them with the arguments that wrapper
-passes, in the order the C++ takes them (csrc/deep_ep.cpp), and leave to the C++ host asserts
-what those check. With any other signature the calls go through the Python methods.
-``buffer.runtime`` is read on each call, so a destroyed buffer (runtime None) raises.
+The library calls. In both lines each of ``Buffer.low_latency_dispatch`` / ``low_latency_combine``
+is one call of the C++ runtime (``Buffer.runtime``: 567632d's ``deep_ep_cpp.Buffer``,
+csrc/deep_ep.cpp; the current line's ``deep_ep._C`` legacy Buffer, csrc/legacy/buffer.hpp, with
+the same positional parameters) wrapped in Python: an assert on the QP depth, the current line's
+``check_torch_deterministic()``, the handle tuple, a tuple of the tensors to record and an
+``EventOverlap``. None of that is used here (no ``async_finish``; the QP depth is checked once,
+when the layer is built; the determinism check is made by the prepare/finalize; the handle is the
+two tensors the combine needs), and on the H200 it is host time on every eager call. So where
+``deep_ep.Buffer``'s two methods have those signatures, the manager hands the prepare/finalize
+that runtime's two methods (:class:`moe_plugins.lowlat.vendor.RuntimeCalls`); they call them
+with the arguments that wrapper passes, in the order the C++ takes them, and leave to the C++
+host asserts what those check. With any other signature the calls go through the Python
+methods. ``buffer.runtime`` is read on each call, so a destroyed buffer (runtime None) raises.
 """
 from __future__ import annotations
 
@@ -30,13 +34,16 @@ from moe_plugins.lowlat.limits import token_capacity
 from moe_plugins.lowlat.manager import LowLatencyManager, LowLatencyOptions
 from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
 from moe_plugins.registry import RequiredPackage, TokenLimit
+from moe_plugins.stack.deepep import DeepEPFound, deepep_status, require_buffer_api
 
 __all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE", "DEEPEP_TIMEOUT_S"]
 
 DEEPEP_PACKAGE = RequiredPackage(
     module="deep_ep",
-    install="DeepEP publishes no wheel: build its V1 line (commit 567632d) from source against "
-            "CUDA + NVSHMEM (moe-plugins' docs/backends.md)",
+    install="DeepEP publishes no wheel: build its V1 line (commit 567632d, with the combine "
+            "fence of scripts/deepep/build.sh) from source against CUDA + NVSHMEM (moe-plugins' "
+            "docs/backends.md)",
+    describe=deepep_status,
 )
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
@@ -53,10 +60,11 @@ def qp_depth() -> int:
 
 
 def runtime_calls_known(buffer: Any) -> bool:
-    """Whether ``buffer`` (a deep_ep.Buffer) has 567632d's low-latency Python methods and a
-    runtime: then its runtime takes the calls those methods make (see the module doc)."""
+    """Whether ``buffer`` (a deep_ep.Buffer) has the low-latency Python methods of 567632d and
+    d4f41e4 (the same parameters) and a runtime: then its runtime takes the calls those methods
+    make (see the module doc)."""
     return wrappers_match(buffer, ("low_latency_dispatch", "low_latency_combine"), "deepep_ll",
-                          "DeepEP 567632d")
+                          "DeepEP 567632d / d4f41e4")
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class DeepEPLLManager(LowLatencyManager):
     query_mask_method = "low_latency_query_mask_buffer"
     clean_mask_method = "low_latency_clean_mask_buffer"
     options: DeepEPLLOptions
+    deepep: DeepEPFound
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         super().__init__(ctx, cfg)
@@ -113,6 +122,21 @@ class DeepEPLLManager(LowLatencyManager):
         """DeepEP's kernel timeout; it traps there unless the buffer has a mask
         (``enable_shrink``), which it sets instead."""
         return DEEPEP_TIMEOUT_S, not self.options.enable_shrink
+
+    def _probe_library(self) -> str:
+        self.deepep = require_buffer_api(self.lib, self.backend_name)
+        self.checks_determinism = self.deepep.checks_determinism
+        # switches the installed constructor lacks: refused here, before any collective
+        self._buffer_switches = self.deepep.buffer_kwargs(self._switches(), self.backend_name)
+        return self.deepep.describe()
+
+    def _switches(self) -> dict[str, bool]:
+        """The Buffer's optional switches this manager asks for (passed only when on)."""
+        return {"allow_mnnvl": self.options.allow_mnnvl,
+                "enable_shrink": self.options.enable_shrink}
+
+    def determinism_error(self) -> Optional[ValueError]:
+        return self.deepep.determinism_error(self.backend_name)
 
     def _check_limits(self) -> None:
         self._check_qp_depth(qp_depth())
@@ -153,12 +177,6 @@ class DeepEPLLManager(LowLatencyManager):
                                                                   num_experts))
 
     def _create_buffer(self) -> Any:
-        extra: dict[str, Any] = {}
-        # Passed only when set: DeepEP builds older than 567632d do not take them.
-        if self.options.allow_mnnvl:
-            extra["allow_mnnvl"] = True
-        if self.options.enable_shrink:
-            extra["enable_shrink"] = True
         return self.lib.Buffer(
             self.group,
             num_nvl_bytes=self._num_nvl_bytes(),
@@ -167,7 +185,7 @@ class DeepEPLLManager(LowLatencyManager):
             num_qps_per_rank=self._num_qps_per_rank(),
             allow_nvlink_for_low_latency_mode=self.options.allow_nvlink,
             explicitly_destroy=True,
-            **extra,
+            **self._buffer_switches,
         )
 
     def _num_nvl_bytes(self) -> int:

@@ -1,4 +1,5 @@
-"""Transport of ``deepep_auto``: ONE DeepEP V1 ``deep_ep.Buffer`` with both modes.
+"""Transport of ``deepep_auto``: ONE DeepEP ``deep_ep.Buffer`` (either line,
+:mod:`moe_plugins.stack.deepep`) with both modes.
 
 The buffer is built in low-latency mode with the NVLink bytes of normal mode as well (DeepEP's
 normal-mode hints, :func:`all2all.deepep_ht.normal_mode_bytes`) and RDMA bytes for the larger

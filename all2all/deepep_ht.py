@@ -1,6 +1,8 @@
-"""Transport of ``deepep_ht``: DeepEP's V1 ``deep_ep.Buffer`` in normal (high-throughput) mode.
+"""Transport of ``deepep_ht``: DeepEP's ``deep_ep.Buffer`` in normal (high-throughput) mode.
 
-Follows DeepEP's V1 line (commit 567632d, the last before the V2 rewrite): the buffer's NVLink
+Runs on DeepEP's V1 line (commit 567632d, the last before the V2 rewrite) and on the current
+line's legacy Buffer (d4f41e4 and later; :mod:`moe_plugins.stack.deepep` says which is
+installed and how they differ): the buffer's NVLink
 (and, across nodes, RDMA) bytes come from DeepEP's own hints, the larger of
 ``Buffer.get_dispatch_config(R)`` and ``get_combine_config(R)``'s
 ``get_nvl_buffer_size_hint / get_rdma_buffer_size_hint(hidden_bytes, R)`` with ``hidden_bytes =
@@ -27,6 +29,7 @@ from moe_plugins.interface import BackendManager
 from moe_plugins.lowlat.limits import check_kernel_layer
 from moe_plugins.lowlat.vendor import buffer_cache, import_vendor
 from moe_plugins.quant import QuantScheme
+from moe_plugins.stack.deepep import require_buffer_api
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,9 @@ class DeepEPHTOptions:
     """``DispatchConfig.backend_options`` of ``deepep_ht``.
 
     allow_mnnvl: allow multi-node NVLink (DeepEP ``allow_mnnvl``).
-    use_fabric: allocate the NVLink buffer through the fabric API (DeepEP ``use_fabric``).
+    use_fabric: allocate the NVLink buffer through the fabric API (DeepEP 567632d's
+        ``use_fabric``; the current line has no such switch and uses the fabric API exactly
+        with ``allow_mnnvl``, so there it needs ``allow_mnnvl=True``).
     """
 
     allow_mnnvl: bool = False
@@ -104,7 +109,8 @@ class DeepEPHTManager(BackendManager):
 
     Attributes: ``num_ranks``/``rank`` (EP group), ``placement`` (the config's, linear by
     default), ``num_experts`` (physical experts), ``num_local_experts``, ``experts_per_rank``
-    (same), ``hidden``, ``bytes`` (:class:`NormalModeBytes`), ``buffer``.
+    (same), ``hidden``, ``bytes`` (:class:`NormalModeBytes`), ``buffer``, ``deepep`` (the
+    installed DeepEP, :class:`moe_plugins.stack.deepep.DeepEPFound`).
     """
 
     backend_name = "deepep_ht"
@@ -113,6 +119,10 @@ class DeepEPHTManager(BackendManager):
         self.options = self._options(cfg.backend_options)
         check_normal_mode_layer(cfg, self.backend_name)
         self.lib = import_vendor(DEEPEP_PACKAGE, self.backend_name)
+        self.deepep = require_buffer_api(self.lib, self.backend_name)
+        self._buffer_switches = self.deepep.buffer_kwargs(
+            {"allow_mnnvl": self.options.allow_mnnvl, "use_fabric": self.options.use_fabric},
+            self.backend_name)
         self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
         self.group = ctx.ep_group
@@ -156,20 +166,15 @@ class DeepEPHTManager(BackendManager):
         return given
 
     def _create_buffer(self) -> Any:
-        extra: dict[str, Any] = {}
-        if self.options.allow_mnnvl:
-            extra["allow_mnnvl"] = True
-        if self.options.use_fabric:
-            extra["use_fabric"] = True
         buffer = self.lib.Buffer(self.group, num_nvl_bytes=self.bytes.nvl,
                                  num_rdma_bytes=self.bytes.rdma, low_latency_mode=False,
                                  # internode normal mode: one QP per channel (DeepEP's tests)
                                  num_qps_per_rank=max(1, int(self.lib.Buffer.num_sms)),
-                                 explicitly_destroy=True, **extra)
+                                 explicitly_destroy=True, **self._buffer_switches)
         logger.info("%s: buffer for EP rank %d/%d, %d local experts, hidden %d, %d NVLink bytes, "
-                    "%d RDMA bytes (DeepEP's size hints)", self.backend_name, self.rank,
+                    "%d RDMA bytes (DeepEP's size hints); %s", self.backend_name, self.rank,
                     self.num_ranks, self.num_local_experts, self.hidden, self.bytes.nvl,
-                    self.bytes.rdma)
+                    self.bytes.rdma, self.deepep.describe())
         return buffer
 
     def destroy(self) -> None:

@@ -15,6 +15,7 @@ import importlib.util
 import logging
 from dataclasses import dataclass
 from enum import Enum
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -100,6 +101,9 @@ class RequiredPackage:
     module: str
     install: str
     extra: str = ""
+    #: Where a package has API lines that differ (DeepEP), what the installed one is, probed
+    #: from the imported module: (what was found, in words; why it cannot serve, or None).
+    describe: Optional[Callable[[ModuleType], tuple[str, Optional[str]]]] = None
 
     def missing(self) -> str | None:
         try:
@@ -107,6 +111,19 @@ class RequiredPackage:
         except (ImportError, ValueError):
             found = False
         return None if found else f"package '{self.module}' not installed ({self.install})"
+
+    def found(self) -> tuple[Optional[str], Optional[str]]:
+        """(what is installed, in words, or None where the package does not say; why it cannot
+        serve, or None). Imports the package where it has :attr:`describe`; a package that
+        fails to import is unusable with that error."""
+        if self.describe is None or self.missing() is not None:
+            return None, None
+        try:
+            module = importlib.import_module(self.module)
+        except Exception as e:  # a vendor package may check its environment at import
+            return None, (f"package '{self.module}' failed to import ({type(e).__name__}: {e}); "
+                          f"{self.install}")
+        return self.describe(module)
 
 
 class Transport(Enum):
@@ -174,7 +191,7 @@ class BackendSpec:
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be built on this machine, else exactly why not."""
-        reasons = [r for r in (p.missing() for p in self.required) if r]
+        reasons = [r for r in (p.missing() or p.found()[1] for p in self.required) if r]
         if self.needs_cuda and not torch.cuda.is_available():
             reasons.append("needs a CUDA GPU, none visible")
         return "; ".join(reasons) or None

@@ -1,4 +1,4 @@
-"""Backend ``deepep_ht``: DeepEP's V1 normal (high-throughput) mode, STANDARD format.
+"""Backend ``deepep_ht``: DeepEP's normal (high-throughput) mode, STANDARD format.
 
 Built for prefill: one message per (token, destination rank) with the layout computed on the
 GPU, NVLink inside a node and RDMA + NVLink forwarding across nodes, no token capacity (the
@@ -108,6 +108,9 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
         if hidden_states.dtype != torch.bfloat16:
             raise TypeError(f"{m.backend_name}: hidden_states must be bfloat16 (DeepEP's combine "
                             f"reduces bf16), got {hidden_states.dtype}")
+        refused = m.deepep.determinism_error(m.backend_name)  # the library would assert
+        if refused is not None:
+            raise refused
         if capturing():
             # In step, not a refusal that owes the call: an EP layer is captured on every rank
             # at once (its captured kernels communicate), and while capturing no rank sends

@@ -100,6 +100,8 @@ class LowLatencyManager(BackendManager, ABC):
         self.options = self._options(cfg.backend_options)
         self.kernel_hidden = self.wire_layout(cfg).hidden
         self.lib = import_vendor(self.required, self.backend_name)
+        #: The installed library, in words (the buffer's INFO line names it).
+        self.library = self._probe_library()
         self.topk_idx_dtype: torch.dtype = getattr(self.lib, "topk_idx_t", torch.int64)
         self.ctx, self.cfg = ctx, cfg
         self.group = ctx.ep_group
@@ -133,10 +135,10 @@ class LowLatencyManager(BackendManager, ABC):
     def _create_logged(self) -> Any:
         buffer = self._create_buffer()
         logger.info("%s: buffer for EP rank %d/%d, %d local experts, kernel hidden %d, %d tokens "
-                    "per rank, %d RDMA bytes, NVLink %s", self.backend_name, self.rank,
+                    "per rank, %d RDMA bytes, NVLink %s; %s", self.backend_name, self.rank,
                     self.num_ranks, self.num_local_experts, self.kernel_hidden,
                     self.max_tokens_per_rank, self.num_rdma_bytes,
-                    "on" if self.options.allow_nvlink else "off")
+                    "on" if self.options.allow_nvlink else "off", self.library)
         return buffer
 
     # -- configuration ---------------------------------------------------------------------
@@ -147,6 +149,22 @@ class LowLatencyManager(BackendManager, ABC):
         runs; None: no limit but memory."""
         return None
 
+    def _probe_library(self) -> str:
+        """Check the imported library (``self.lib``) can serve this backend (ImportError naming
+        what was found and what to install where it cannot) and describe it in words."""
+        return self.required.module
+
+    def determinism_error(self) -> Optional[ValueError]:
+        """The error for a call the library would refuse in torch's current deterministic
+        settings (None: it runs it). Read by the prepare/finalize where
+        :attr:`checks_determinism` is set."""
+        return None
+
+    #: The library refuses calls under some of torch's deterministic settings
+    #: (:meth:`determinism_error`).
+    checks_determinism: bool = False
+
+    # -- configuration ---------------------------------------------------------------------
     @classmethod
     def wire_layout(cls, cfg: DispatchConfig) -> WireLayout:
         """Check the layer against the kernels' limits (the errors building a manager raises,

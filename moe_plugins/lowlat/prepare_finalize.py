@@ -97,6 +97,9 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         # getattr by name per call is host time on every dispatch and combine.
         self._wrapper_dispatch = first_method(self._buffer, manager.dispatch_methods)
         self._wrapper_combine = first_method(self._buffer, manager.combine_methods)
+        # The library refuses calls under some deterministic settings of torch (DeepEP's current
+        # line): checked on every call, before anything is sent (a flag read in the common case).
+        self._determinism = manager.checks_determinism
         self._checked_quant: Optional[QuantSpec] = None  # the last quant spec prepare accepted
         self._fp8 = False  # and whether it puts FP8 on the wire
         self._calls = 0
@@ -223,7 +226,9 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                           and quant is self._checked_quant and self._state is None
                           and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
                           and (rt is not None or hidden_states.dtype is _BF16
-                               and h_shape[0] <= self._max_tokens))
+                               and h_shape[0] <= self._max_tokens)
+                          and not (self._determinism
+                                   and torch.are_deterministic_algorithms_enabled()))
             except AttributeError:  # not tensors: the full checks say which
                 common = False
             if not common:
@@ -340,6 +345,10 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                              "DispatchConfig.max_tokens_per_rank")
         if self._state is not None:
             raise self.faults.call_in_flight(self.name)
+        if self._determinism:
+            refused = m.determinism_error()
+            if refused is not None:
+                raise refused
 
     def finalize_async(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget
@@ -385,6 +394,10 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         handle, n, expert_shape, prepared_ids, prepared_weights, ids, weights = st
         rt = self.runtime_calls
         try:
+            if self._determinism and torch.are_deterministic_algorithms_enabled():
+                refused = self.manager.determinism_error()
+                if refused is not None:
+                    raise refused
             if fused_expert_output.shape != expert_shape:
                 raise ValueError(f"fused_expert_output has shape {tuple(fused_expert_output.shape)}"
                                  f", expected {list(expert_shape)} (prepare's layout)")

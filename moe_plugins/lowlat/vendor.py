@@ -36,10 +36,12 @@ def first_method(obj: Any, names: tuple[str, ...]) -> Callable[..., Any]:
 
 
 def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
-    """Import a backend's vendor package; ImportError naming the install step when missing."""
+    """Import a backend's vendor package; ImportError naming the install step when it is
+    missing or its import fails (a package may check its environment at import: DeepEP's
+    current line asserts that torch's NCCL is the one it was built against)."""
     try:
         return importlib.import_module(required.module)
-    except ImportError as e:
+    except Exception as e:  # ImportError, or a package's own check at import (DeepEP's NCCL)
         raise ImportError(
             f"backend {backend!r} needs the '{required.module}' package, which is not "
             f"importable ({type(e).__name__}: {e}); {required.install}"

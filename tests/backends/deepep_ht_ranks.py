@@ -222,7 +222,7 @@ def build_ht(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: M
             b = pf.manager.buffer
             return dict(num_nvl_bytes=b.num_nvl_bytes, num_rdma_bytes=b.num_rdma_bytes,
                         low_latency_mode=b.low_latency_mode,
-                        num_qps_per_rank=b.num_qps_per_rank)
+                        num_qps_per_rank=b.num_qps_per_rank, use_fabric=b.use_fabric)
         finally:
             pf.manager.destroy()
 
@@ -308,3 +308,19 @@ def auto_choice_without_a_peer(rank: int, world: int, layout: ParallelLayout, cf
         if rank == absent_rank:
             return dict(error=(None, None, 0.0))
         return dict(error=_error(lambda: layer(demo_inputs(cfg, 4, layout.dp_rank(rank), 0))))
+
+
+def deterministic_layer_call(rank: int, world: int, *args: Any) -> tuple[str, str]:
+    """:func:`run_ht_layer` under torch.use_deterministic_algorithms(True) (restored after);
+    returns the error it raised (type, message). Every rank refused the same call: the group's
+    fault state is forgotten after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        run_ht_layer(rank, world, *args)
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    finally:
+        torch.use_deterministic_algorithms(before)
+        forget_faults(rank, world, args[1])
+    raise AssertionError("the call ran")

@@ -583,3 +583,25 @@ def owed_call(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: 
         finally:
             pf.reset_call_state()
             pf.manager.destroy()
+
+
+def deterministic_round_trip(rank: int, world: int, backend: str, layout: ParallelLayout,
+                             cfg: MoEConfig) -> dict:
+    """One blocking round trip under torch.use_deterministic_algorithms(True) (restored after):
+    the error prepare raised (type, message) or None, and the library launches made."""
+    with built(backend, layout, cfg) as pf:
+        runtime = pf.manager.buffer.runtime
+        x, w, ids = _zeros_call(pf, 2)
+        start, error = runtime.launches, None
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            prep = pf.prepare(x, w, ids, QuantSpec())
+            pf.finalize(torch.zeros(prep.x.shape, dtype=torch.bfloat16), w, ids,
+                        torch.empty(2, cfg.hidden, dtype=torch.bfloat16))
+        except (ValueError, TypeError) as e:
+            error = (type(e).__name__, str(e))
+        finally:
+            torch.use_deterministic_algorithms(before)
+        return dict(error=error, launches=runtime.launches - start,
+                    direct=pf.runtime_calls is not None)

@@ -1,6 +1,7 @@
-"""deepep_ht and deepep_auto on CPU against the emulation of DeepEP V1 (567632d) normal and
-low-latency modes (tests/emulation), multi-rank over gloo, compared with the single-process
-reference; and the registry rows and refusals of both."""
+"""deepep_ht and deepep_auto on CPU against the emulation of DeepEP's normal and low-latency
+modes (tests/emulation: 567632d's V1 Buffer unless a test says otherwise; the ``legacy`` tests
+run on the current line's legacy Buffer, d4f41e4 and later), multi-rank over gloo, compared with
+the single-process reference; and the registry rows and refusals of both."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from tests.backends import deepep_ht_ranks as ht_rank_fns
 from tests.backend_lists import NORMAL_MODE
 from tests.checks import assert_matches_reference, faster_mode
+from tests.emulation import in_deep_ep_shape
 from moe_plugins.interface import ActivationFormat, BatchHint
 from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.runner.launch import RankError
@@ -60,6 +62,18 @@ def test_layer_matches_reference(rank_pool, backend, quant, layout, strategy, nu
         assert (s["sf_bytes"] > 0) == (quant.quantized_on_wire and r["owned"] > 0)
         if backend == "deepep_auto":
             assert s["modes"] == {"low_latency": 1}  # the default capacity: max_tokens_per_rank
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_matches_reference_on_the_current_deepep_line(rank_pool, backend, quant):
+    """Both backends on the current line's legacy Buffer (the tests above run on 567632d's)."""
+    layout, strategy = LAYER_CASES[1]
+    cfg = _cfg()
+    results = rank_pool(4).run(in_deep_ep_shape, "legacy", ht_rank_fns.run_ht_layer, backend,
+                               layout, cfg, strategy, 5, quant)
+    assert_matches_reference(results, layout, cfg, 5, quant)
 
 
 @pytest.mark.multirank
@@ -140,19 +154,23 @@ def test_prepare_gives_the_reference_rows(rank_pool, quant):
 
 # -- deepep_auto: the switch -------------------------------------------------------------------
 
+_TP1, _TP2 = ParallelLayout(2, 1, True), ParallelLayout(2, 2, True)
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [ParallelLayout(2, 1, True), ParallelLayout(2, 2, True)],
-                         ids=["tp1", "tp2"])
-@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
-def test_auto_switches_at_its_threshold(rank_pool, quant, layout):
+@pytest.mark.parametrize("quant,layout,shape", [
+    (BF16, _TP1, "v1"), (FP8, _TP1, "v1"), (BF16, _TP2, "v1"), (FP8, _TP2, "v1"),
+    (FP8, _TP1, "legacy")], ids=["bf16-tp1", "fp8-tp1", "bf16-tp2", "fp8-tp2", "fp8-tp1-legacy"])
+def test_auto_switches_at_its_threshold(rank_pool, quant, layout, shape):
     """One layer, calls of C and C + 1 tokens per rank (C the low-latency capacity; with tp 2 a
     rank owns half the tokens): low-latency, then normal mode, then low-latency again; the rows
-    both calls share have the same outputs, and each call matches the reference."""
+    both calls share have the same outputs, and each call matches the reference. Also on the
+    current DeepEP line's legacy Buffer (both modes on one buffer)."""
     cfg, cap = _cfg(), 8  # token_capacity(8, ranks) == 8
     per_dp = [cap * layout.tp, cap * layout.tp + 1, cap * layout.tp]
     calls = [[n] * layout.dp for n in per_dp]
-    results = rank_pool(layout.world_size).run(ht_rank_fns.run_auto_calls, layout, cfg, calls,
-                                               cap, quant)
+    results = rank_pool(layout.world_size).run(in_deep_ep_shape, shape, ht_rank_fns.run_auto_calls,
+                                               layout, cfg, calls, cap, quant)
     for rank, r in enumerate(results):
         assert r["capacity"] == cap
         assert r["modes"] == [{"low_latency": 1}, {"low_latency": 1, "normal": 1},
@@ -299,9 +317,42 @@ def test_buffers_are_sized_from_deepep_hints(rank_pool):
     assert hint == -(-(40 * 5 * 4 + 40 * 256 * (4096 + 8 + 128 * 16)) // 128) * 128
     for r in ht:
         assert r == dict(num_nvl_bytes=hint, num_rdma_bytes=0, low_latency_mode=False,
-                         num_qps_per_rank=Buffer.num_sms)
+                         num_qps_per_rank=Buffer.num_sms, use_fabric=False)
     for r in auto:
         assert r["num_nvl_bytes"] == hint and r["low_latency_mode"] and r["num_rdma_bytes"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("shape,mnnvl,fabric", [("v1", False, True), ("legacy", True, True),
+                                                ("legacy", False, False)],
+                         ids=["v1", "legacy-with-mnnvl", "legacy-without"])
+def test_use_fabric_follows_the_deepep_line(rank_pool, shape, mnnvl, fabric):
+    """DeepEPHTOptions(use_fabric=True): 567632d's constructor takes it; the current line's has
+    no such switch and allocates through the fabric API exactly with allow_mnnvl, so there it
+    is dropped with allow_mnnvl and refused without (on every rank, before the buffer's
+    collectives)."""
+    from all2all.deepep_ht import DeepEPHTOptions
+
+    options = DeepEPHTOptions(allow_mnnvl=mnnvl, use_fabric=True)
+    args = (in_deep_ep_shape, shape, ht_rank_fns.build_ht, "deepep_ht", ParallelLayout(2, 1, True),
+            _cfg(), options)
+    if not fabric:
+        with pytest.raises(RankError) as e:
+            rank_pool(2).run(*args)
+        assert e.value.exc_type == "ValueError"
+        assert "has no use_fabric" in e.value.message and "allow_mnnvl=True" in e.value.message
+        return
+    assert all(r["use_fabric"] for r in rank_pool(2).run(*args))
+
+
+@pytest.mark.multirank
+def test_deterministic_torch_is_refused_on_the_current_deepep_line(rank_pool):
+    """The current line's dispatch asserts check_torch_deterministic(): deepep_ht refuses the
+    call on every rank first, with the fix."""
+    errors = rank_pool(2).run(in_deep_ep_shape, "legacy", ht_rank_fns.deterministic_layer_call,
+                              "deepep_ht", ParallelLayout(2, 1, True), _cfg(), S.LOCAL, 3)
+    for err_type, msg in errors:
+        assert err_type == "ValueError" and "fill_uninitialized_memory = False" in msg
 
 
 # -- registry rows and refusals -------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""The low-latency backends (deepep_ll, nixl_ep) on CPU, against emulations of deep_ep V1 and
-nixl_ep (tests/emulation), multi-rank over gloo, compared with the single-process reference."""
+"""The low-latency backends (deepep_ll, nixl_ep) on CPU, against emulations of deep_ep and
+nixl_ep (tests/emulation), multi-rank over gloo, compared with the single-process reference.
+deep_ep presents 567632d's V1 Buffer unless a test says otherwise; the tests parametrized by
+``shape`` also run on the current line's legacy Buffer (d4f41e4 and later)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +19,7 @@ from tests.runner import faults_ranks as fault_rank_fns
 from tests.backends import low_latency_ranks as ll_rank_fns
 from tests.backend_lists import LOW_LATENCY
 from tests.checks import assert_matches_reference
-from tests.emulation import installed
+from tests.emulation import in_deep_ep_shape, installed
 from moe_plugins.cli import main as cli_main
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
@@ -33,6 +35,14 @@ from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 
 BACKENDS = LOW_LATENCY  # the registry's low-latency backends (tests/backend_lists.py)
+#: (backend, deep_ep API shape) of the tests run on both DeepEP lines; nixl_ep has one shape.
+ON_EACH_LINE = [("deepep_ll", "v1"), ("deepep_ll", "legacy"), ("nixl_ep", None)]
+LINE_IDS = ["deepep_ll-v1", "deepep_ll-legacy", "nixl_ep"]
+
+
+def _run(pool, shape, fn, *args):
+    """``pool.run(fn, *args)``, with deep_ep presenting ``shape`` where it is not None."""
+    return pool.run(fn, *args) if shape is None else pool.run(in_deep_ep_shape, shape, fn, *args)
 BF16, FP8 = QuantSpec(), QuantSpec(QuantScheme.FP8_BLOCK128)
 QUANTS = [BF16, FP8]
 QUANT_IDS = ["bf16", "fp8"]
@@ -69,6 +79,18 @@ def test_layer_matches_reference(rank_pool, backend, quant, layout, strategy, nu
         assert (r["sf_bytes"] > 0) == (quant.quantized_on_wire and r["owned"] > 0)
         if strategy is S.ROW_SCATTER_ALLREDUCE:
             assert r["tp_collectives"] == ["all_reduce"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+@pytest.mark.parametrize("layout,strategy", LAYER_CASES[:2], ids=LAYER_IDS[:2])
+def test_layer_matches_reference_on_the_current_deepep_line(rank_pool, quant, layout, strategy):
+    """deepep_ll on the current line's legacy Buffer (the tests above run on 567632d's)."""
+    cfg = _cfg()
+    results = _run(rank_pool(layout.world_size), "legacy", ll_rank_fns.run_ll_layer, "deepep_ll",
+                   layout, cfg, strategy, 5, quant)
+    assert_matches_reference(results, layout, cfg, 5, quant)
+    assert all(r["strategy"] is strategy for r in results)
 
 
 @pytest.mark.multirank
@@ -130,14 +152,14 @@ def test_blocking_calls_launch_once_and_match_the_hooked_ones(rank_pool, backend
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_runtime_calls_match_the_python_methods(rank_pool, backend):
-    """Both backends call the emulated C++ runtime directly (DeepEP 567632d's and nixl_ep
-    1.5.1's signatures, as the real buffers have them); the same round trips through the
-    buffer's Python methods (the path for other signatures) give bit-equal outputs, and both
-    give the tokens back."""
-    results = rank_pool(2).run(ll_rank_fns.runtime_and_wrapper_round_trips, backend,
-                               ParallelLayout(2, 1, True), _cfg())
+@pytest.mark.parametrize("backend,shape", ON_EACH_LINE, ids=LINE_IDS)
+def test_runtime_calls_match_the_python_methods(rank_pool, backend, shape):
+    """Both backends call the emulated C++ runtime directly (DeepEP 567632d's and d4f41e4's
+    signatures, the same, and nixl_ep 1.5.1's, as the real buffers have them); the same round
+    trips through the buffer's Python methods (the path for other signatures) give bit-equal
+    outputs, and both give the tokens back."""
+    results = _run(rank_pool(2), shape, ll_rank_fns.runtime_and_wrapper_round_trips, backend,
+                   ParallelLayout(2, 1, True), _cfg())
     for r in results:
         assert r["chosen"] is True
         for mode in ("blocking", "hooked"):
@@ -280,14 +302,14 @@ def test_layer_dispatches_blocking_when_nothing_runs_between(rank_pool, backend,
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_masked_rank_is_left_out(rank_pool, backend):
+@pytest.mark.parametrize("backend,shape", ON_EACH_LINE, ids=LINE_IDS)
+def test_masked_rank_is_left_out(rank_pool, backend, shape):
     """Elastic masking: ranks 0-2 mask rank 3; their tokens get no contribution from rank 3's
     experts (as if those experts output zero). nixl_ep's receive layout shrinks to 3 ranks."""
     layout, cfg = ParallelLayout(4, 1, True), _cfg()
     options = {"enable_shrink": True} if backend == "deepep_ll" else None
-    results = rank_pool(4).run(ll_rank_fns.run_ll_layer, backend, layout, cfg, S.LOCAL, 6, BF16,
-                               0, options, 3)
+    results = _run(rank_pool(4), shape, ll_rank_fns.run_ll_layer, backend, layout, cfg, S.LOCAL,
+                   6, BF16, 0, options, 3)
     w = MoEWeights.random(cfg, 0)
     per_rank = cfg.num_experts // 4
     w2 = w.w2.clone()
@@ -574,11 +596,12 @@ def test_layers_share_one_buffer_destroyed_by_the_last(rank_pool, backend):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("shape", ["v1", "legacy"])
 @pytest.mark.parametrize("nvlink", [True, False], ids=["nvlink", "no-nvlink"])
-def test_deepep_buffer_arguments(rank_pool, nvlink):
+def test_deepep_buffer_arguments(rank_pool, nvlink, shape):
     cfg = _cfg(hidden=256)
-    results = rank_pool(2).run(ll_rank_fns.buffer_state, "deepep_ll", ParallelLayout(2, 1, True),
-                               cfg, {"allow_nvlink": nvlink})
+    results = _run(rank_pool(2), shape, ll_rank_fns.buffer_state, "deepep_ll",
+                   ParallelLayout(2, 1, True), cfg, {"allow_nvlink": nvlink})
     for r in results:
         b = r["buffer"]
         assert (r["kernel_hidden"], r["max_tokens"]) == (2048, 4)
@@ -586,7 +609,7 @@ def test_deepep_buffer_arguments(rank_pool, nvlink):
         assert b["num_rdma_bytes"] == r["expected_rdma"] and b["num_nvl_bytes"] == 0
         assert b["num_qps_per_rank"] == r["num_local_experts"] == 4
         assert b["allow_nvlink_for_low_latency_mode"] is nvlink
-        assert b["enable_shrink"] is False
+        assert b["enable_shrink"] is False and b["use_fabric"] is False
 
 
 @pytest.mark.multirank
@@ -708,3 +731,22 @@ def test_a_refused_prepare_is_owed_and_only_the_call_without_tokens_settles_it(r
     assert err_type == "LayerBrokenError" and seconds < 1.0
     assert "refused its inputs to a call of" in err and "with 2 token(s)" in err
     assert paired[1]["call"][0] is not None and paired[1]["out"] is None
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("shape", ["v1", "legacy"])
+def test_deterministic_torch_is_refused_where_deepep_refuses_it(rank_pool, shape):
+    """torch's deterministic algorithms with fill_uninitialized_memory: the current line's
+    Buffer asserts in every call (check_torch_deterministic), so deepep_ll refuses the call on
+    every rank before anything is sent, also where it calls the runtime without the wrapper;
+    567632d checks nothing and the call runs."""
+    results = _run(rank_pool(2), shape, ll_rank_fns.deterministic_round_trip, "deepep_ll",
+                   ParallelLayout(2, 1, True), _cfg())
+    for r in results:
+        assert r["direct"]  # the runtime is called without the wrapper on both lines
+        if shape == "legacy":
+            assert r["error"][0] == "ValueError" and "fill_uninitialized_memory = False" in \
+                r["error"][1] and "current line" in r["error"][1]
+            assert r["launches"] == 0
+        else:
+            assert r["error"] is None and r["launches"] == 2

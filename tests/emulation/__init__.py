@@ -12,23 +12,35 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["installed"]
+T = TypeVar("T")
+
+__all__ = ["installed", "DEEP_EP_SHAPES", "deep_ep_shape", "in_deep_ep_shape"]
 
 _EMULATED = ("deep_ep", "nixl_ep")
+#: The API shapes the deep_ep emulation presents: 567632d's V1 Buffer (tests.emulation.deep_ep)
+#: and the current line's legacy Buffer (tests.emulation.deep_ep_legacy, d4f41e4 and later).
+DEEP_EP_SHAPES = {"v1": "tests.emulation.deep_ep", "legacy": "tests.emulation.deep_ep_legacy"}
+_SHAPE = ["v1"]  # what ``installed("deep_ep")`` presents in this process (deep_ep_shape)
 
 
 @contextlib.contextmanager
-def installed(*names: str) -> Iterator[None]:
+def installed(*names: str, deep_ep_shape: str | None = None) -> Iterator[None]:
     """Make ``import <name>`` return the emulation of ``name`` (deep_ep, nixl_ep) in this
-    process until the block exits; whatever was in sys.modules before is put back."""
+    process until the block exits; whatever was in sys.modules before is put back. deep_ep
+    presents ``deep_ep_shape`` (a key of :data:`DEEP_EP_SHAPES`; None: this process's shape,
+    :func:`deep_ep_shape`, "v1" by default)."""
     unknown = set(names) - set(_EMULATED)
     if unknown:
         raise ValueError(f"no emulation for {sorted(unknown)}; emulated: {list(_EMULATED)}")
+    shape = _SHAPE[0] if deep_ep_shape is None else deep_ep_shape
+    if shape not in DEEP_EP_SHAPES:
+        raise ValueError(f"no deep_ep shape {shape!r}; shapes: {sorted(DEEP_EP_SHAPES)}")
     saved = {n: sys.modules.get(n) for n in names}
     for n in names:
-        sys.modules[n] = importlib.import_module(f"tests.emulation.{n}")
+        sys.modules[n] = importlib.import_module(
+            DEEP_EP_SHAPES[shape] if n == "deep_ep" else f"tests.emulation.{n}")
     try:
         yield
     finally:
@@ -37,3 +49,23 @@ def installed(*names: str) -> Iterator[None]:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = module
+
+
+@contextlib.contextmanager
+def deep_ep_shape(shape: str) -> Iterator[None]:
+    """Inside the block, ``installed("deep_ep")`` presents ``shape`` in this process."""
+    if shape not in DEEP_EP_SHAPES:
+        raise ValueError(f"no deep_ep shape {shape!r}; shapes: {sorted(DEEP_EP_SHAPES)}")
+    before, _SHAPE[0] = _SHAPE[0], shape
+    try:
+        yield
+    finally:
+        _SHAPE[0] = before
+
+
+def in_deep_ep_shape(rank: int, world: int, shape: str, fn: Callable[..., T], *args: Any,
+                     **kwargs: Any) -> T:
+    """A rank function: ``fn(rank, world, *args, **kwargs)`` with the deep_ep emulation
+    presenting ``shape`` (``pool.run(in_deep_ep_shape, "legacy", fn, ...)``)."""
+    with deep_ep_shape(shape):
+        return fn(rank, world, *args, **kwargs)

@@ -1,6 +1,10 @@
 """Emulation of DeepEP's V1 Python API: ``deep_ep.Buffer``, ``deep_ep.Config`` and
 ``deep_ep.EventOverlap`` at commit 567632d (the last before the V2 rewrite), deep_ep/buffer.py,
-for low-latency mode and intranode normal (high-throughput) mode.
+for low-latency mode and intranode normal (high-throughput) mode. Its C++ classes' module is
+``deep_ep_cpp``, as 567632d's extension. The current line's legacy Buffer (d4f41e4 and later,
+deep_ep/buffers/legacy.py) is :mod:`tests.emulation.deep_ep_legacy`, built on this one; every
+public method's parameters and defaults of both are checked against those two upstream files
+(:mod:`tests.emulation.deep_ep_upstream`, ``test_emulations_have_the_upstream_signatures``).
 
 Same constructor signature; like the real one it all-gathers over ``group`` while constructing
 (a collective), reads ``NVSHMEM_QP_DEPTH`` (default 1024) and asserts in
@@ -30,8 +34,8 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from tests.emulation._ht_kernels import (NUM_MAX_NVL_PEERS, Config, EmulatedNormalRuntime,
-                                   EventHandle)
+from tests.emulation import _ht_kernels
+from tests.emulation._ht_kernels import NUM_MAX_NVL_PEERS, EmulatedNormalRuntime, EventHandle
 from tests.emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
 
 __all__ = ["Buffer", "Config", "DeepEPRuntime", "EventOverlap", "topk_idx_t"]
@@ -39,6 +43,12 @@ __all__ = ["Buffer", "Config", "DeepEPRuntime", "EventOverlap", "topk_idx_t"]
 _NUM_BUFFER_ALIGNMENT_BYTES = 128
 
 topk_idx_t = torch.int64
+
+
+class Config(_ht_kernels.Config):
+    """``deep_ep_cpp.Config`` (567632d's extension module)."""
+
+    __module__ = "deep_ep_cpp"
 
 
 def _all_gather_rank(rank: int, size: int, group: "dist.ProcessGroup") -> None:
@@ -142,6 +152,7 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric  # the C++ runtime's fabric flag (567632d passes use_fabric)
 
         # The real constructor all-gathers (all_gather_object) device ids, IPC handles and the
         # NVSHMEM unique id: the same collectives, on tensors (no numpy here).

@@ -1,5 +1,6 @@
-"""The deep_ep normal-mode emulation (tests/emulation/_ht_kernels.py) against what DeepEP
-567632d documents and its own tests/test_intranode.py checks, on gloo ranks: the layout, the
+"""The deep_ep normal-mode emulation (tests/emulation/_ht_kernels.py), in both API shapes,
+against what DeepEP 567632d documents (d4f41e4's legacy Buffer the same) and its own
+tests/test_intranode.py checks, on gloo ranks: the layout, the
 received rows (grouped by source rank), local top-k ids, per-expert counts, num_worst_tokens,
 cached dispatch, unweighted combine, the events, and the host checks."""
 from __future__ import annotations
@@ -8,15 +9,18 @@ import pytest
 import torch
 
 from tests.backends import deepep_ht_ranks as ht_rank_fns
+from tests.emulation import in_deep_ep_shape
 
 pytestmark = pytest.mark.multirank
 
 WORLD, TOKENS, EXPERTS, HIDDEN, TOPK = 4, 11, 16, 128, 3
 
 
-@pytest.fixture(scope="module")
-def results(rank_pool):
-    return rank_pool(WORLD).run(ht_rank_fns.raw_normal_mode, TOKENS, EXPERTS, HIDDEN, TOPK)
+@pytest.fixture(scope="module", params=["v1", "legacy"])
+def results(rank_pool, request):
+    """Both API shapes of the emulation: 567632d's Buffer and the current line's legacy one."""
+    return rank_pool(WORLD).run(in_deep_ep_shape, request.param, ht_rank_fns.raw_normal_mode,
+                                TOKENS, EXPERTS, HIDDEN, TOPK)
 
 
 def test_layout(results):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.emulation import installed
+from tests.emulation import in_deep_ep_shape, installed
 from moe_plugins.runner.launch import RankError
 
 pytestmark = pytest.mark.multirank
@@ -207,3 +207,109 @@ def test_out_of_range_expert_ids_are_not_checked_by_the_kernels(rank_pool, lib):
     sent = sum(sum(c) for c in counts)
     ids = [_inputs(r)[1] for r in range(2)]
     assert sent == sum(int((i >= 0).sum()) for i in ids) - 2  # one dropped pair per rank
+
+
+# -- the deep_ep emulation's two API shapes against their upstream files ----------------------
+
+#: The Buffer methods our DeepEP backends call: every shape emulates them.
+CALLED = {"__init__", "low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer",
+          "get_low_latency_rdma_size_hint", "get_local_buffer_tensor", "destroy",
+          "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
+          "low_latency_clean_mask_buffer", "get_dispatch_config", "get_combine_config",
+          "get_dispatch_layout", "dispatch", "combine"}
+
+
+def _emulated_methods(buffer_cls: type) -> dict[str, tuple[tuple[str, Optional[str]], ...]]:
+    import inspect
+
+    out = {}
+    for name in dir(buffer_cls):
+        attr = inspect.getattr_static(buffer_cls, name)
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        if not inspect.isfunction(attr) or (name.startswith("_") and name != "__init__"):
+            continue
+        params = inspect.signature(attr).parameters.values()
+        out[name] = tuple((p.name, None if p.default is p.empty else repr(p.default))
+                          for p in params if p.name != "self")
+    return out
+
+
+@pytest.mark.parametrize("shape", ["v1", "legacy"])
+def test_emulations_have_the_upstream_signatures(shape):
+    """Every method the emulated Buffer has is upstream's, with upstream's parameters and
+    defaults (567632d deep_ep/buffer.py; d4f41e4 deep_ep/buffers/legacy.py), and it has every
+    method our backends call."""
+    from tests.emulation.deep_ep_upstream import UPSTREAM
+
+    with installed("deep_ep", deep_ep_shape=shape):
+        import deep_ep
+
+        emulated = _emulated_methods(deep_ep.Buffer)
+    upstream = UPSTREAM[shape]
+    assert CALLED <= set(emulated), CALLED - set(emulated)
+    assert set(emulated) <= set(upstream), set(emulated) - set(upstream)
+    for name, params in emulated.items():
+        assert params == upstream[name], (shape, name)
+
+
+def test_the_two_upstream_shapes_differ_where_the_backends_probe():
+    """What moe_plugins.stack.deepep handles: the constructor's use_fabric and internode
+    dispatch's num_worst_tokens are the only parameter differences of the two files."""
+    from tests.emulation.deep_ep_upstream import UPSTREAM
+
+    v1, legacy = UPSTREAM["v1"], UPSTREAM["legacy"]
+    assert set(v1) == set(legacy)
+    differ = {n for n in v1 if v1[n] != legacy[n]}
+    assert differ == {"__init__", "internode_dispatch"}
+    assert [p for p, _ in v1["__init__"] if p not in dict(legacy["__init__"])] == ["use_fabric"]
+    assert [p for p, _ in v1["internode_dispatch"]
+            if p not in dict(legacy["internode_dispatch"])] == ["num_worst_tokens"]
+
+
+def test_the_legacy_shape_round_trips_like_the_v1_shape(rank_pool):
+    """The current line's legacy Buffer moves the same rows as 567632d's (same kernels): hook
+    and FP8 round trips bit-equal between the two shapes."""
+    v1 = rank_pool(2).run(roundtrip, "deep_ep", True, True)
+    legacy = rank_pool(2).run(in_deep_ep_shape, "legacy", roundtrip, "deep_ep", True, True)
+    for a, b in zip(v1, legacy):
+        for key in ("count", "layout_range", "combined"):
+            torch.testing.assert_close(a[key], b[key], atol=0, rtol=0)
+        for e, n in enumerate(a["count"].tolist()):  # the slots past the count hold no row
+            torch.testing.assert_close(a["recv_x"][e, :n], b["recv_x"][e, :n], atol=0, rtol=0)
+            assert torch.equal(a["src_info"][e, :n], b["src_info"][e, :n])
+
+
+def legacy_module_facts(rank: int, world: int) -> dict:
+    with installed("deep_ep", deep_ep_shape="legacy"):
+        import deep_ep
+
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=1 << 20, low_latency_mode=True,
+                                num_qps_per_rank=4, allow_mnnvl=True, explicitly_destroy=True)
+        fabric = buffer.use_fabric
+        buffer.destroy()
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=1 << 20,
+                                    low_latency_mode=True, num_qps_per_rank=4,
+                                    explicitly_destroy=True)
+            x, topk_idx, _ = _inputs(rank)
+            try:
+                buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS, use_fp8=False)
+                refused = False
+            except AssertionError:
+                refused = True
+            buffer.destroy()
+        finally:
+            torch.use_deterministic_algorithms(before)
+        return dict(fabric=fabric, refused=refused, version=deep_ep.__version__,
+                    extension=deep_ep.Config.__module__, elastic=hasattr(deep_ep, "ElasticBuffer"))
+
+
+def test_the_legacy_shape_has_the_current_lines_behaviour(rank_pool):
+    """d4f41e4's legacy.py: the runtime's fabric flag is allow_mnnvl, the calls assert
+    check_torch_deterministic(), the extension is deep_ep._C, ElasticBuffer beside it."""
+    for r in rank_pool(2).run(legacy_module_facts):
+        assert r == dict(fabric=True, refused=True, version="2.1.0", extension="deep_ep._C",
+                         elastic=True)

@@ -1,0 +1,2 @@
+"""The libraries moe-plugins runs on: which ones are installed and what they offer
+(:mod:`moe_plugins.stack.deepep`)."""

@@ -30,12 +30,13 @@ from typing import Any, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.lowlat.limits import token_capacity
 from moe_plugins.lowlat.manager import LowLatencyManager, LowLatencyOptions
 from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
-from moe_plugins.registry import RequiredPackage
+from moe_plugins.registry import RequiredPackage, TokenLimit
 from moe_plugins.stack.deepep import DeepEPFound, deepep_status, require_buffer_api
 
-__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
+__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE", "DEEPEP_TIMEOUT_S"]
 
 DEEPEP_PACKAGE = RequiredPackage(
     module="deep_ep",
@@ -46,6 +47,16 @@ DEEPEP_PACKAGE = RequiredPackage(
 )
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
+#: DeepEP's own bound on a kernel's wait for a peer (csrc/kernels/configs.cuh at 567632d:
+#: NUM_TIMEOUT_CYCLES, 200G SM cycles, "~= 100s"; 101.7 s measured on an H200) and on its host
+#: waits (NUM_CPU_TIMEOUT_SECS, 100 s). At it a kernel traps (without a mask buffer) or masks
+#: the peer (with ``enable_shrink``).
+DEEPEP_TIMEOUT_S = 100.0
+
+
+def qp_depth() -> int:
+    """NVSHMEM_QP_DEPTH as DeepEP's Buffer reads it (environment, default 1024)."""
+    return int(os.environ.get("NVSHMEM_QP_DEPTH", _DEFAULT_QP_DEPTH))
 
 
 def runtime_calls_known(buffer: Any) -> bool:
@@ -107,6 +118,11 @@ class DeepEPLLManager(LowLatencyManager):
         as vLLM's in-tree DeepEP LL manager builds it; otherwise the defaults."""
         return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None
 
+    def library_timeout(self) -> tuple[Optional[float], bool]:
+        """DeepEP's kernel timeout; it traps there unless the buffer has a mask
+        (``enable_shrink``), which it sets instead."""
+        return DEEPEP_TIMEOUT_S, not self.options.enable_shrink
+
     def _probe_library(self) -> str:
         self.deepep = require_buffer_api(self.lib, self.backend_name)
         self.checks_determinism = self.deepep.checks_determinism
@@ -123,18 +139,38 @@ class DeepEPLLManager(LowLatencyManager):
         return self.deepep.determinism_error(self.backend_name)
 
     def _check_limits(self) -> None:
-        self._check_qp_depth(int(os.environ.get("NVSHMEM_QP_DEPTH", _DEFAULT_QP_DEPTH)))
+        self._check_qp_depth(qp_depth())
 
     def _check_qp_depth(self, depth: int) -> None:
-        # Buffer.low_latency_dispatch asserts qp_depth >= 2 * (max tokens + 1).
-        need = 2 * (self.max_tokens_per_rank + 1)
-        if need > depth:
-            raise ValueError(
-                f"deepep_ll: {self.max_tokens_per_rank} tokens per rank need NVSHMEM_QP_DEPTH >= "
-                f"{need} (DeepEP asserts qp depth >= 2 * (tokens + 1)), it is {depth}; set "
+        why = self._qp_depth_error(self.max_tokens_per_rank, depth)
+        if why is not None:
+            raise ValueError(why)
+
+    @classmethod
+    def _qp_depth_error(cls, capacity: int, depth: int) -> Optional[str]:
+        """Why a buffer of ``capacity`` tokens per rank cannot run at QP depth ``depth``, or
+        None: Buffer.low_latency_dispatch asserts qp_depth >= 2 * (max tokens + 1)."""
+        need = 2 * (capacity + 1)
+        if need <= depth:
+            return None
+        return (f"{cls.backend_name}: {capacity} tokens per rank need NVSHMEM_QP_DEPTH >= {need} "
+                f"(DeepEP asserts qp depth >= 2 * (tokens + 1)), it is {depth}; set "
                 f"NVSHMEM_QP_DEPTH={need} before the first layer is built, or lower "
-                "max_tokens_per_rank"
-            )
+                "max_tokens_per_rank")
+
+    @classmethod
+    def token_limit(cls, num_ranks: int) -> TokenLimit:
+        """The most tokens per rank whose buffer capacity (rounded up as the kernels need,
+        :func:`moe_plugins.lowlat.limits.token_capacity`) passes the QP-depth check
+        :meth:`_check_limits` makes, at this process's NVSHMEM_QP_DEPTH."""
+        depth = qp_depth()
+        tokens = depth // 2
+        while tokens > 0 and cls._qp_depth_error(token_capacity(tokens, num_ranks),
+                                                 depth) is not None:
+            tokens -= 1
+        return TokenLimit(tokens, f"NVSHMEM_QP_DEPTH={depth}: DeepEP's low-latency dispatch "
+                          "asserts a depth of at least 2 x (tokens + 1); set NVSHMEM_QP_DEPTH "
+                          "higher for larger batches")
 
     def _size_hint(self, max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
         return int(self.lib.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks,

@@ -17,10 +17,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from all2all.deepep import DeepEPLLManager, DeepEPLLOptions
 from all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, normal_mode_bytes
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.planner.link_model import LinkModel
+from moe_plugins.interface import BackendManager
 
 __all__ = ["DeepEPAutoOptions", "DeepEPAutoLLManager", "DeepEPAutoManager"]
 # Buffers that ran normal mode since their last low-latency call. Per buffer, not per manager:
@@ -35,18 +39,30 @@ class DeepEPAutoOptions(DeepEPLLOptions):
 
     ll_max_tokens_per_rank: the low-latency buffers' token capacity (rounded up as the kernels
         need), at most ``DispatchConfig.max_tokens_per_rank``; None: that value (as deepep_ll
-        sizes its buffers; under vLLM the MoE chunk size ``moe.max_num_tokens``). Calls with at
-        most this many tokens on every rank, and every CUDA-graph capture, take the low-latency
-        kernels; larger calls (and, under vLLM, prefill passes) take normal mode. Bigger means
-        more low-latency buffer memory and NVSHMEM QP depth (``2 * (tokens + 1)``).
+        sizes its buffers; under vLLM the MoE chunk size ``moe.max_num_tokens``). Every
+        CUDA-graph capture takes the low-latency kernels, so it must fit. Bigger means more
+        low-latency buffer memory and NVSHMEM QP depth (``2 * (tokens + 1)``).
+    link: the system's links (a :class:`moe_plugins.planner.link_model.LinkModel`, e.g. a
+        preset of :data:`moe_plugins.planner.presets.LINK_PRESETS`). Given, calls whose
+        largest rank has at most the time model's crossover less one tokens (at most the
+        capacity) take the low-latency kernels, larger ones normal mode
+        (:func:`moe_plugins.planner.crossover.low_latency_threshold`, the crossover
+        ``moe-plugins plan --sweep-tokens`` prints); its ``ll_nvlink`` is taken from
+        ``allow_nvlink``, the layer's own setting. None: up to the capacity. Either way, under
+        vLLM prefill passes take normal mode. Every rank must be given the same link.
     """
 
     ll_max_tokens_per_rank: Optional[int] = None
+    link: Optional[LinkModel] = None
 
     def __post_init__(self) -> None:
         if self.ll_max_tokens_per_rank is not None and self.ll_max_tokens_per_rank < 1:
             raise ValueError(f"ll_max_tokens_per_rank must be >= 1, got "
                              f"{self.ll_max_tokens_per_rank}")
+        if self.link is not None and not isinstance(self.link, LinkModel):
+            raise TypeError(f"DeepEPAutoOptions.link must be a LinkModel or None, got "
+                            f"{type(self.link).__name__}; pass e.g. "
+                            "moe_plugins.planner.presets.link_preset('h200-cx7')")
 
 
 class DeepEPAutoLLManager(DeepEPLLManager):
@@ -71,12 +87,13 @@ class DeepEPAutoLLManager(DeepEPLLManager):
         return max(self.num_local_experts, int(self.lib.Buffer.num_sms))
 
 
-class DeepEPAutoManager:
+class DeepEPAutoManager(BackendManager):
     """Both modes of one layer config over one EP group and one buffer.
 
-    ``ll``: :class:`DeepEPAutoLLManager` (``max_tokens_per_rank`` is the low-latency capacity,
-    the switching threshold); ``ht``: :class:`all2all.deepep_ht.DeepEPHTManager` on the same
-    buffer. ``low_latency_capacity``: the threshold, in tokens per rank."""
+    ``ll``: :class:`DeepEPAutoLLManager` (``max_tokens_per_rank`` is the low-latency capacity);
+    ``ht``: :class:`all2all.deepep_ht.DeepEPHTManager` on the same
+    buffer. ``low_latency_capacity``: the capacity, in tokens per rank (the switching threshold
+    is the prepare/finalize's: :class:`prepare_finalize.deepep_auto.DeepEPAutoPrepareFinalize`)."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         options = cfg.backend_options if cfg.backend_options is not None else DeepEPAutoOptions()
@@ -84,6 +101,8 @@ class DeepEPAutoManager:
             raise TypeError(f"deepep_auto: backend_options must be a DeepEPAutoOptions, got "
                             f"{type(options).__name__}; pass DispatchConfig(backend_options="
                             "DeepEPAutoOptions(...))")
+        if options.link is not None:  # before any buffer: the threshold is priced on it
+            options.link.check_fits(dist.get_world_size(ctx.ep_group))
         cap = min(options.ll_max_tokens_per_rank or cfg.max_tokens_per_rank,
                   cfg.max_tokens_per_rank)
         self.ll_cfg = dataclasses.replace(cfg, max_tokens_per_rank=cap, backend_options=options)
@@ -98,6 +117,13 @@ class DeepEPAutoManager:
             raise
         self.group, self.num_ranks, self.rank = self.ll.group, self.ll.num_ranks, self.ll.rank
         self.num_local_experts = self.ll.num_local_experts
+
+    @classmethod
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False,
+                       link: Optional[LinkModel] = None) -> Optional[DeepEPAutoOptions]:
+        """The options an engine (the vLLM glue) builds the layer with when the user gave none:
+        the link the engine's settings name (``--additional-config``), else the defaults."""
+        return DeepEPAutoOptions(link=link) if link is not None else None
 
     @property
     def buffer(self) -> Any:
@@ -125,6 +151,3 @@ class DeepEPAutoManager:
         self.ht.destroy()
         self.ll.destroy()
 
-    def describe(self) -> str:
-        return (f"low-latency up to {self.low_latency_capacity} tokens per rank and under "
-                "CUDA-graph capture, normal mode above")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from all2all.deepep import DEEPEP_PACKAGE
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.interface import BackendManager
 from moe_plugins.lowlat.limits import check_kernel_layer
 from moe_plugins.lowlat.vendor import buffer_cache, import_vendor
 from moe_plugins.quant import QuantScheme
@@ -98,7 +99,7 @@ def _check_ranks(num_ranks: int, backend: str) -> None:
                          "'torch' for this EP size")
 
 
-class DeepEPHTManager:
+class DeepEPHTManager(BackendManager):
     """One layer config's view of a normal-mode ``deep_ep.Buffer`` over the EP group.
 
     Construction order: options and layer checks (no collective), the vendor import (ImportError

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.interface import BackendManager
 
 logger = logging.getLogger(__name__)
 
@@ -431,7 +432,7 @@ _TRANSPORTS: dict[TwoSidedApi, type[_Transport]] = {
 }
 
 
-class FlashInferAll2AllManager:
+class FlashInferAll2AllManager(BackendManager):
     """One per layer config and EP group. The kernels dispatch PHYSICAL ids: physical expert
     ``p`` lives on EP rank ``p // num_local`` (``placement``, from the config; linear by default).
 

@@ -113,6 +113,12 @@ class NixlEPManager(LowLatencyManager):
         super().__init__(ctx, cfg)
         self.runtime_calls = runtime_calls(self.buffer)
 
+    def library_timeout(self) -> tuple[Optional[float], bool]:
+        """NIXL EP's kernel timeout where one is given (``timeout_ms``): it masks the peer
+        there, never traps."""
+        ms = self.options.timeout_ms
+        return (None if ms is None else ms / 1000.0), False
+
     def _layout_ranks_multiple(self) -> int:
         # The receive layout spans the active rank bound (highest unmasked rank + 1), which
         # masking changes: keep the token capacity itself a multiple of 4.

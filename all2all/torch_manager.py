@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.interface import BackendManager
 
 __all__ = ["TorchAll2AllManager"]
 
@@ -16,7 +17,7 @@ def _options(async_op: bool) -> "dist.AllToAllOptions":
     return opts
 
 
-class TorchAll2AllManager:
+class TorchAll2AllManager(BackendManager):
     """One per layer config and EP group: the process group, the all-to-all options made once
     (``blocking_opts``, ``async_opts``) and the placement. ``placement`` (from the config,
     linear by default) says where the physical experts are; the ids dispatched are physical.

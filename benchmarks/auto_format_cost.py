@@ -3,9 +3,10 @@
 Times :func:`moe_plugins.formats.batched_as_standard` (routing columns from the per-expert
 counts; x viewed, block scales copied row-major) and :func:`standard_as_batched` (a view) on
 CPU for DeepSeek-V3-like shapes: hidden 7168, 256 experts over 8 or 32 ranks, low-latency
-capacity 128 tokens per rank. Prints one JSON line per shape. Single process, no GPU.
+capacity 128 tokens per rank. Prints JSON lines: the run's conditions (benchmarks/conditions.py),
+then one line per shape. Single process, no GPU.
 
-    .venv/bin/python benchmarks/auto_format_cost.py
+    python benchmarks/auto_format_cost.py > benchmarks/results/auto_format_cost_cpu.jsonl
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from conditions import run_conditions
 from moe_plugins.formats import batched_as_standard, standard_as_batched
 from moe_plugins.interface import ExpertTokensMeta, PrepareResult
 
@@ -30,6 +32,7 @@ def _time(fn, iters: int = ITERS) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)
+    print(json.dumps({"conditions": run_conditions("cpu")}))
     for ranks in (8, 32):
         e_l, slots = EXPERTS // ranks, CAPACITY * ranks
         counts = torch.randint(0, slots // 4, (e_l,), dtype=torch.int32)

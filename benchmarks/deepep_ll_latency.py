@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from conditions import run_conditions  # noqa: E402
 from graph_timing import graph_ms  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.groups import DistContext  # noqa: E402
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         device=torch.cuda.get_device_name(), backend=args.backend,
                         library=getattr(libs[0], "__file__", "?")),
             results=rows, graph_round_trip_us=graph, overhead_ratio=ratio,
-            command="python " + " ".join(sys.argv)), indent=2))
+            conditions=run_conditions("cuda", [r.module for r in spec.required])), indent=2))
 
     pf.reset_call_state()
     m.destroy()

@@ -11,7 +11,8 @@ One process, an EP group of one rank (gloo), hidden 7168, topk 8, 32 experts by 
   ``benchmarks/vllm_stand_ins.py`` exists, its ``install()`` runs before the first vLLM import
   (vLLM's Python on a machine without its compiled extension). Eager and CUDA-graph replay.
 
-Paths (``path`` in the JSON rows):
+``--json``: an object of the run's ``conditions`` (commit, device, library versions, command:
+benchmarks/conditions.py) and its ``rows``. Paths (``path`` in the rows):
 
 - ``raw``: the library's calls for our backend's blocking ``prepare`` + ``finalize``, written
   directly against its public API (DeepEP: ``deep_ep.Buffer.low_latency_dispatch`` and
@@ -75,6 +76,8 @@ sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
 
 from all2all.deepep import DeepEPLLOptions  # noqa: E402
+from conditions import conditions_line, run_conditions  # noqa: E402
+from moe_plugins.cli.args import call_bound_seconds  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.groups import DistContext  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
@@ -170,10 +173,11 @@ def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, exper
     """Our vLLM adapter over a new backend object of ``spec`` (LOCAL: one rank); with
     ``call_timeout_s``, under the call bound (read from the environment, as under vLLM)."""
     from moe_plugins.vllm.prepare_finalize import MoEPluginsPrepareAndFinalize
-    from moe_plugins.callbound import CALL_TIMEOUT_ENV
+    from moe_plugins.callbound import CALL_TIMEOUT_ENV, reread_environment
 
     saved = os.environ.get(CALL_TIMEOUT_ENV)
-    os.environ[CALL_TIMEOUT_ENV] = "0" if call_timeout_s is None else f"{call_timeout_s:g}"
+    os.environ[CALL_TIMEOUT_ENV] = "0" if call_timeout_s is None else repr(call_timeout_s)
+    reread_environment()  # the environment is read once per process: this adapter's value
     try:
         adapter = MoEPluginsPrepareAndFinalize(
             spec.build(ctx, cfg), spec.name, ctx,
@@ -184,6 +188,7 @@ def _adapter(spec: Any, ctx: DistContext, cfg: DispatchConfig, quant: str, exper
             del os.environ[CALL_TIMEOUT_ENV]
         else:
             os.environ[CALL_TIMEOUT_ENV] = saved
+        reread_environment()
     adapter.post_init_setup(experts)
     return adapter
 
@@ -505,7 +510,7 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
-    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--json", type=Path, help="write the run's conditions and rows here")
     p.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 128])
     p.add_argument("--quants", nargs="+", choices=sorted(QUANTS), default=["bf16", "fp8"])
     p.add_argument("--backends", nargs="+", choices=("deepep_ll", "torch"),
@@ -524,22 +529,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="round trips per eager sample (with --call-timeout-s, a sample of "
                         "adapter_step is one step window of that many layer calls)")
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per repeat")
-    p.add_argument("--call-timeout-s", type=float, metavar="S",
+    p.add_argument("--call-timeout-s", type=call_bound_seconds, metavar="S",
                    help="also time the adapter with the call bound on at S seconds "
                         "(adapter_bound rows; moe_plugins.callbound.watchdog), in the same process")
     p.add_argument("--profile", type=Path,
                    help="also write torch.profiler op tables of every path and case here")
     args = p.parse_args(argv)
-    if args.call_timeout_s is not None:
-        from moe_plugins.callbound import call_timeout_seconds
-
-        try:
-            if call_timeout_seconds(args.call_timeout_s) is None:
-                raise ValueError("--call-timeout-s 0 turns the bound off; give the bound to "
-                                 "time, e.g. 60")
-        except ValueError as e:
-            print(f"--call-timeout-s: {e}", file=sys.stderr)
-            return 2
+    if args.call_timeout_s == 0.0:
+        print("--call-timeout-s: 0 turns the bound off; give the bound to time, e.g. 60",
+              file=sys.stderr)
+        return 2
     if args.samples is None:
         args.samples = 120 if args.device == "cuda" else 60
     if args.torch_hidden is None:
@@ -595,6 +594,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if args.device == "cuda" and backend == "deepep_ll":
                         for path, us in graph_us(paths, args.replays).items():
                             rows.append(Row(backend, path, "graph", tokens, quant, us))
+        if profiled:  # one file per run: the run's conditions, then a table per path and case
+            args.profile.write_text(conditions_line(run_conditions(
+                args.device, [n for n in ("deep_ep", "vllm") if n in sys.modules])))
         for case, paths in profiled:
             write_profile(paths, case, args.profile)
     finally:
@@ -605,7 +607,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print_table(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
+        used = [n for n in ("deep_ep", "vllm") if n in sys.modules]  # what the paths ran on
+        args.json.write_text(json.dumps(dict(conditions=run_conditions(args.device, used),
+                                             rows=[r.__dict__ for r in rows]), indent=1) + "\n")
     return 0
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import host_overhead as ho
+from conditions import conditions_line, run_conditions
 from moe_plugins.groups import DistContext
 from moe_plugins.layout import DestinationMap, LocalIdMap, ParallelLayout
 from prepare_finalize import torch_reference as tr
@@ -42,6 +43,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("needs line_profiler: pip install line_profiler", file=sys.stderr)
         return 2
     dev = torch.device(args.device)
+    sys.stdout.write(conditions_line(run_conditions(dev)))
     if args.device == "cuda":
         torch.cuda.set_device(0)
     else:

@@ -34,6 +34,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
+from conditions import run_conditions  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.groups import cached_dist_context  # noqa: E402
@@ -204,8 +205,12 @@ def main() -> int:
               f"{r['overhead']:>9.2%}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(command=" ".join(["python"] + sys.argv), gpus=args.gpus,
-                           gpu=torch.cuda.get_device_name(), numerics=num, latency=lat), f, indent=1)
+            used = sorted({r.module for name in {row["backend"] for row in num}
+                           for r in get_backend(name).required})
+            conditions = run_conditions("cuda", used, device_text=(
+                f"{args.gpus} x {torch.cuda.get_device_name()}"))
+            json.dump(dict(conditions=conditions, gpus=args.gpus, numerics=num, latency=lat), f,
+                      indent=1)
     return 1 if bad else 0
 
 

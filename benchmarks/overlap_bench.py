@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from conditions import run_conditions
 from graph_timing import graph_ms
 from moe_plugins.overlap import OverlapConfig, join, launch_shared, side_stream
 
@@ -125,8 +126,7 @@ def main() -> int:
                                 routed_ms=round(ms["routed_alone"], 4)))
             del layer
     if args.out:
-        doc = dict(command="python benchmarks/overlap_bench.py --out benchmarks/results/overlap_h200.json",
-                   gpu=torch.cuda.get_device_name(), torch=torch.__version__, results=results)
+        doc = dict(conditions=run_conditions(dev), results=results)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vllm_cuda_layer as H  # noqa: E402
+from conditions import run_conditions  # noqa: E402
 from graph_timing import graph_ms  # noqa: E402
 
 
@@ -82,17 +83,13 @@ def main() -> None:
         print(f"| {r['quant']} | {r['mode']} | {r['tokens']} | {r['ours_us']} | "
               f"{r['in_tree_us']} | {r['ratio']} |")
     if args.json:
-        import importlib.metadata
-
-        from tests.gpu.ep_matrix import current_commit
-
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    vllm=importlib.metadata.version("vllm"), commit=current_commit(),
-                    stood_in="vLLM's Python without its compiled extension "
+        meta = dict(stood_in="vLLM's Python without its compiled extension "
                              "(benchmarks/vllm_stand_ins.py); torch experts on both sides",
                     shape="hidden 7168, 32 local experts x intermediate 2048, top-8, "
-                          "shared intermediate 2048, EP world 1", command=" ".join(sys.argv))
-        args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                          "shared intermediate 2048, EP world 1")
+        args.json.write_text(json.dumps(dict(
+            conditions=run_conditions("cuda", ["vllm", "deep_ep"]), meta=meta, rows=rows),
+            indent=1))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from conditions import run_conditions  # noqa: E402
 from moe_plugins.callbound import CallBound, watch_step  # noqa: E402
 
 
@@ -135,6 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {ns:8.0f} ns per write: {how} alone (the completion mark's driver call)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {"conditions": run_conditions(device), **result}
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

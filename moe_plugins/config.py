@@ -18,7 +18,9 @@ __all__ = ["MoEConfig", "DispatchConfig"]
 class MoEConfig:
     """hidden: model width; num_experts routed experts of ``intermediate`` each; num_topk experts
     per token (softmax top-k, renormalized when ``renormalize``); one shared expert of
-    ``shared_intermediate`` (0: none), with a sigmoid gate when ``shared_gate``."""
+    ``shared_intermediate`` (0: none), with a sigmoid gate when ``shared_gate``; dtype: the
+    activations' and weights' dtype (the layer's input and output are [num_tokens, hidden] of
+    it). ValueError for a top-k outside [1, num_experts] or a non-positive size."""
 
     hidden: int = 256
     num_experts: int = 8
@@ -38,6 +40,7 @@ class MoEConfig:
 
     @property
     def has_shared_expert(self) -> bool:
+        """True when the layer has a shared expert (``shared_intermediate > 0``)."""
         return self.shared_intermediate > 0
 
 

@@ -1,46 +1,50 @@
 """Faults of a layer call across ranks: never a wrong answer, never an unbounded wait.
 
-The rules, named as in docs/design.md, "Faults" (code cites them by name). A check that raises on
-one rank only makes that rank skip the collectives its peers make; their next collectives then
-pair with the wrong ones and return results that belong to another batch, with no error. So:
+The rules, by name as in docs/design.md, "Faults" (code, tests and docs cite them by name). A
+check that raises on one rank only makes that rank skip the collectives its peers make; their
+next collectives then pair with the wrong ones and return results that belong to another batch,
+with no error. So:
 
-1. **Validated everywhere.** What can be validated before the first collective is validated
-   **identically on every rank**: configuration at construction (the same on all ranks), and,
-   where a backend has a host exchange at the start of a call (the ``torch`` backend's
-   split-size all-to-all), the per-rank input checks travel *in* that exchange as a status
-   word, so every rank learns that some rank rejected its inputs and all of them raise at the
-   same point (:func:`check_peers`).
-2. **Out of step.** The same exchange carries a per-group **call sequence number** and the
-   **layer-config digest**: a peer that skipped a call, or is in another layer's call, is
-   detected at once on every rank (:class:`OutOfStepError`) instead of pairing the wrong buffers.
-3. **Mid-way failures.** A call that fails **mid-way** (after its first collective, or on a
-   backend without a host exchange) leaves this rank's collectives out of step with its peers'.
-   The EP group's :class:`GroupFaults` is then broken: every later call on it raises
-   :class:`LayerBrokenError` naming the first failure, until the layer is rebuilt on new process
-   groups (:func:`moe_plugins.groups.make_dist_context`); reusing the group could pair this
-   rank's next collective with a peer's pending one.
-4. **Bounded waits.** Every collective a backend waits on runs under a bounded process-group
-   timeout (:func:`moe_plugins.groups.default_timeout`); :func:`collective_error` turns the
-   transport's error (timeout, peer gone) into :class:`CollectiveError` naming the layer, the
-   collective and the peers, and breaks the group.
+- **Validated everywhere.** What can be validated before the first collective is validated
+  **identically on every rank**: configuration at construction (the same on all ranks), and,
+  where a backend has a host exchange at the start of a call (the ``torch`` backend's
+  split-size all-to-all), the per-rank input checks travel *in* that exchange as a status
+  word, so every rank learns that some rank rejected its inputs and all of them raise at the
+  same point (:func:`check_peers`).
+- **Refused inputs.** A check that refuses this rank's inputs **before this rank sent
+  anything** (a refusal) leaves the layer usable, and the peers never pair this rank's next
+  call with the refused one:
 
-5. **Refused inputs.** A check that refuses this rank's inputs **before this rank sent
-   anything** (a refusal) leaves the layer usable, and the peers never pair this rank's next
-   call with the refused one:
-
-   - on a backend with a host exchange (``torch``) the refusal travels in it (rule "validated
-     everywhere"): every rank raises at that point, the refusing rank its own error, the others
-     :class:`PeerInputError`; a caller's own refusal goes the same way
-     (``PrepareFinalize.refuse``);
-   - on a backend without one (the DeepEP, NIXL EP and flashinfer kernels) the peers are in
-     this call's dispatch already and cannot be told. The refusing rank *owes* the call
-     (:meth:`GroupFaults.refuse`): its next call on the group must be that call with no tokens
-     of its own, so that its experts still serve the peers' tokens and their results are
-     right; then it raises its error. :class:`moe_plugins.runner.layer.MoELayer` and the vLLM
-     adapter make that call themselves where the layout allows it (one TP rank, or a refusal
-     of the layer input, which every TP rank of a DP group shares); any other next call breaks
-     the group (:meth:`GroupFaults.settle`) instead of pairing with the peers' pending one;
-   - with one rank in the group there is no peer to be out of step with.
+  - on a backend with a host exchange (``torch``) the refusal travels in it (rule "validated
+    everywhere"): every rank raises at that point, the refusing rank its own error, the others
+    :class:`PeerInputError`; a caller's own refusal goes the same way
+    (``PrepareFinalize.refuse``);
+  - on a backend without one (the DeepEP, NIXL EP and flashinfer kernels) the peers are in
+    this call's dispatch already and cannot be told. The refusing rank *owes* the call
+    (:meth:`GroupFaults.refuse`): its next call on the group must be that call with no tokens
+    of its own, so that its experts still serve the peers' tokens and their results are
+    right; then it raises its error. :class:`moe_plugins.runner.layer.MoELayer` and the vLLM
+    adapter make that call themselves where the layout allows it (one TP rank, or a refusal
+    of the layer input, which every TP rank of a DP group shares); any other next call breaks
+    the group (:meth:`GroupFaults.settle`) instead of pairing with the peers' pending one;
+  - with one rank in the group there is no peer to be out of step with.
+- **Out of step.** The same exchange carries a per-group **call sequence number** and the
+  **layer-config digest**: a peer that skipped a call, or is in another layer's call, is
+  detected at once on every rank (:class:`OutOfStepError`) instead of pairing the wrong buffers.
+- **Mid-way failures.** A call that fails **mid-way** (after its first collective, or on a
+  backend without a host exchange) leaves this rank's collectives out of step with its peers'.
+  The EP group's :class:`GroupFaults` is then broken: every later call on it raises
+  :class:`LayerBrokenError` naming the first failure, until the layer is rebuilt on new process
+  groups (:func:`moe_plugins.groups.make_dist_context`); reusing the group could pair this
+  rank's next collective with a peer's pending one.
+- **Bounded waits.** Every collective a backend waits on runs under a bounded process-group
+  timeout (:func:`moe_plugins.groups.default_timeout`); :func:`collective_error` turns the
+  transport's error (timeout, peer gone) into :class:`CollectiveError` naming the layer, the
+  collective and the peers, and breaks the group.
+- **Peers the library masks.** A result without the experts of a peer the library masked on
+  its own is not returned: :class:`PeerMaskedError` (raised by ``MoELayer``).
+- **The call bound.** A call not complete within the optional bound ends the process
+  (:mod:`moe_plugins.callbound`).
 
 State is per EP process group (all layers on a group share its collective sequence), held by
 :func:`group_faults`; nothing here runs per token, and the per-call cost is an attribute read.
@@ -59,7 +63,7 @@ from moe_plugins.callbound import FaultNotice, notice_for
 T = TypeVar("T")
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
-           "PeerMaskedError",
+           "PeerMaskedError", "library_timeout_error",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "told_error",
            "HEADER_WORDS",
            "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
@@ -290,6 +294,38 @@ def owes_call(exc: BaseException) -> BaseException:
 
 def is_owed_call(exc: BaseException) -> bool:
     return getattr(exc, _OWES, False)
+
+
+#: What a vendor library's own timeout on a peer looks like when it reaches the host: a CUDA
+#: kernel that trapped (the error of the next CUDA call: "unspecified launch failure"), or
+#: DeepEP's host waits ("DeepEP error: CPU recv timeout", "DeepEP error: timeout (dispatch
+#: CPU)", csrc/deep_ep.cpp at 567632d).
+_LIBRARY_TIMEOUT_SIGNS = ("unspecified launch failure", "DeepEP error: CPU recv timeout",
+                          "DeepEP error: timeout")
+
+
+def library_timeout_error(layer: str, library: str, timeout_s: Optional[float],
+                          exc: BaseException) -> Optional[CollectiveError]:
+    """The error to raise where a library's call (or the next CUDA call after one of its
+    kernels trapped) failed with ``exc`` at the library's own timeout on a peer (``timeout_s``
+    seconds; None: the library has none, and nothing is wrapped): :class:`CollectiveError`
+    saying that a peer died or hangs and every rank of the EP group must restart, to be raised
+    ``from exc``; None when ``exc`` is something else."""
+    if timeout_s is None or not isinstance(exc, RuntimeError) or isinstance(
+            exc, (LayerBrokenError, OutOfStepError, CollectiveError, PeerMaskedError)):
+        return None
+    text = str(exc)
+    if not any(sign in text for sign in _LIBRARY_TIMEOUT_SIGNS):
+        return None
+    lines = text.strip().splitlines()
+    trapped = "launch failure" in text
+    return CollectiveError(
+        f"{layer}: {library}'s wait for a peer ended at the library's own timeout (about "
+        f"{timeout_s:g} s; {type(exc).__name__}: {lines[0] if lines else ''}): a peer rank died "
+        "or hangs in the middle of the call. "
+        + ("Its kernel trapped, so this process's CUDA context is lost. " if trapped else "")
+        + "Restart every rank of the EP group (under vLLM, the engine); "
+        "$MOE_PLUGINS_CALL_TIMEOUT_S ends such a call earlier, with this package's error")
 
 
 def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Optional[float],

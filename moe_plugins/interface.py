@@ -9,12 +9,13 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats
+from moe_plugins.groups import DistContext
 from moe_plugins.layout import OwnedRows
 from moe_plugins.overlap import SharedExpertHandle, join
 from moe_plugins.quant import QuantSpec
@@ -24,6 +25,7 @@ __all__ = [
     "RowScatterTarget", "Hook", "AsyncResult", "PrepareFinalize", "capturing",
     "check_prepare_inputs", "check_finalize_routing", "check_finalize_result", "check_output",
     "row_scatter_add", "write_output", "BatchHint", "SplitPhases", "RankMasking",
+    "BackendManager", "manager_gaps",
 ]
 
 Hook = Callable[[], None]
@@ -61,6 +63,7 @@ class LazyExpertTokensMeta(ExpertTokensMeta):
 
     @property  # type: ignore[override]
     def expert_num_tokens(self) -> torch.Tensor:
+        """int32 [num_local_experts], made by ``make(source)`` on the first read."""
         if self._counts is None:
             self._counts = self._make(self._source)
             self._source = None  # type: ignore[assignment]
@@ -125,6 +128,7 @@ class RowScatterTarget:
 
     @property
     def buffer(self) -> torch.Tensor:
+        """The shared expert's partial [num_tokens, hidden] the finalize adds into."""
         out = self.shared.output
         assert out is not None
         return out
@@ -324,6 +328,8 @@ class PrepareFinalize(ABC):
         return False
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
+        """The most tokens one rank may hand prepare per call, where the buffers are sized
+        for a fixed capacity (the low-latency backends); None: no fixed limit."""
         return None
 
     def topk_indices_dtype(self) -> Optional[torch.dtype]:
@@ -384,6 +390,14 @@ class PrepareFinalize(ABC):
     #: in seconds, bound on or off); the layers then leave the notice out of their watched calls,
     #: so the watchdog does not end the process for what the backend raises
     hears_peer_failures: bool = False
+    #: The library's own bound on a wait for a peer, in seconds (None: none; the backend's waits
+    #: are bounded by the process group's timeout), and whether at it the library's kernels trap
+    #: (the process's CUDA context is lost before any error reaches the host) rather than mask
+    #: the peer or raise. With no call bound set, the layers bound their calls by a backstop
+    #: derived from these (moe_plugins.callbound.CallBound.backstop), so that no rank waits
+    #: forever where the library's own timeout does not end it.
+    library_timeout_s: Optional[float] = None
+    library_traps: bool = False
 
     def refuse(self, error: BaseException) -> None:
         """A caller refused this call's inputs before calling prepare: take this rank's part in
@@ -400,6 +414,10 @@ class PrepareFinalize(ABC):
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
+        """:meth:`prepare_async` with its receive completed: the same arguments
+        (hidden_states [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
+        topk_ids int32/int64 [num_tokens, num_topk] physical ids) and the
+        :class:`PrepareResult` its receiver gives."""
         res = self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
         if res.hook is not None:
             res.hook()
@@ -409,6 +427,12 @@ class PrepareFinalize(ABC):
 
     def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
+        """:meth:`finalize_async` with its receive completed. fused_expert_output: the experts'
+        outputs in the layout prepare handed them (STANDARD [num_recv_tokens, hidden], BATCHED
+        [num_local_experts, max_recv_tokens, hidden]); topk_weights/topk_ids: the ones given to
+        prepare; output: a plain [num_tokens, hidden] tensor, or a :class:`RowScatterTarget`.
+        Returns the tensor written (``output``, or the target's buffer); TypeError when the
+        backend returned another."""
         if isinstance(output, RowScatterTarget) and not self.supports_row_scatter_finalize():
             raise TypeError(f"{type(self).__name__} has no row-scatter finalize; pass a plain "
                             "output tensor or pick a backend whose capabilities list row_scatter")
@@ -430,6 +454,64 @@ def check_finalize_result(backend: object, output: torch.Tensor | RowScatterTarg
             "into that buffer in place and return it"
         )
     return expected
+
+
+class BackendManager(Protocol):
+    """A backend's communication manager (``BackendSpec.manager``), one per layer config and EP
+    group: it owns what the calls need (process groups, library buffers, workspaces), and the
+    prepare/finalize built on it (``BackendSpec.prepare_finalize(manager, cfg)``) makes the
+    calls. These members are what the engines (:class:`moe_plugins.runner.layer.MoELayer`, the
+    vLLM glue) use of a manager; a manager that can mask EP ranks also implements
+    :class:`RankMasking`.
+
+    A manager class may subclass this protocol to take the defaults below (every built-in one
+    does); one that does not must define every member itself: the registry skips a backend
+    whose manager lacks one, with a WARNING naming it (:func:`manager_gaps`).
+    """
+
+    #: True when the library masks a failed peer by itself (NIXL EP: a peer whose kernels time
+    #: out), so an engine's fault tolerance polls the mask even where the user did not turn it
+    #: on (vLLM: ``support_fault_tolerance``). Only read for backends with ``rank_masking``.
+    masks_by_itself: ClassVar[bool] = False
+
+    def __init__(self, ctx: DistContext, cfg: DispatchConfig) -> None:
+        """Build for the layer config ``cfg`` over the EP group of ``ctx``. Raises ImportError
+        naming the extra when a package is missing, ValueError/TypeError for a config the
+        backend cannot serve (before any collective); may then be collective over the EP group
+        (a library buffer)."""
+
+    @classmethod
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False) -> Optional[object]:
+        """The ``DispatchConfig.backend_options`` an engine (the vLLM glue) builds this backend
+        with when the user gave none. ``tcp_store``: a ``torch.distributed.Store`` shared by the
+        EP group, for libraries that exchange connection metadata through one;
+        ``fault_tolerance``: the engine will poll the rank mask (:class:`RankMasking`), so the
+        buffer must have one. Returns the backend's options object, or None for its defaults."""
+        return None
+
+    def destroy(self) -> None:
+        """Release what the manager holds (its share of a library buffer, workspaces);
+        idempotent. The layer (``MoELayer.destroy``) and the engine (vLLM's communicator
+        teardown) call it; a prepare/finalize built on the manager is unusable afterwards."""
+
+
+def manager_gaps(manager: object) -> list[str]:
+    """What the class ``manager`` lacks of :class:`BackendManager`: one line per member that is
+    missing or of another kind (a bool where the protocol's is a bool, else a callable); []
+    when it conforms. The registry checks every backend's manager with it."""
+    if not isinstance(manager, type):
+        return [f"{manager!r} is not a class"]
+    gaps = []
+    for name in _MANAGER_MEMBERS:
+        want_bool = isinstance(vars(BackendManager)[name], bool)
+        have = getattr(manager, name, None)
+        if not (isinstance(have, bool) if want_bool else callable(have)):
+            gaps.append(f"{name} ({'a bool class attribute' if want_bool else 'a method'})")
+    return gaps
+
+
+# the protocol's members, in the order declared (the dunders and typing's own names left out)
+_MANAGER_MEMBERS = tuple(n for n in vars(BackendManager) if not n.startswith("_"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,9 +563,17 @@ class RankMasking(Protocol):
         ...
 
     def set_rank_masked(self, rank: int, masked: bool = True) -> None:
-        """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``."""
+        """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``: an int
+        in [0, EP size); ``masked``: a bool or the int 0/1. Anything else is refused before
+        the mask changes (:func:`moe_plugins.masking.checked_mask_request`)."""
         ...
 
     def clean_buffers(self) -> None:
         """After a fault, rank-local: zero the library's buffers and unmask every rank."""
+        ...
+
+    def masked_by_library(self) -> list[int]:
+        """EP ranks masked that no caller masked (:meth:`set_rank_masked`): the library masked
+        them by itself (a peer that did not answer within its timeout), so a call since then
+        left their experts out of its result; [] for a buffer without a mask."""
         ...

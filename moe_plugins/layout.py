@@ -44,6 +44,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
+        """Ranks of the EP group: dp * tp."""
         return self.dp * self.tp
 
     @property
@@ -52,12 +53,15 @@ class ParallelLayout:
         return self.world_size if self.ep else 1
 
     def dp_rank(self, rank: int) -> int:
+        """The DP group of EP rank ``rank``."""
         return rank // self.tp
 
     def tp_rank(self, rank: int) -> int:
+        """The rank's place inside its DP group's TP ranks."""
         return rank % self.tp
 
     def tp_group_ranks(self, dp_rank: int) -> list[int]:
+        """The EP ranks of DP group ``dp_rank``'s TP group, in TP order."""
         return [dp_rank * self.tp + t for t in range(self.tp)]
 
     def sequence_parallel(self, backend_supports_sp: bool) -> bool:
@@ -65,6 +69,7 @@ class ParallelLayout:
         return self.ep and self.tp > 1 and self.dp > 1 and backend_supports_sp
 
     def describe(self) -> str:
+        """``dp=2 tp=2 ep=on``: how logs and errors name the layout."""
         return f"dp={self.dp} tp={self.tp} ep={'on' if self.ep else 'off'}"
 
 
@@ -83,10 +88,12 @@ class OwnedRows:
 
     @property
     def num_owned(self) -> int:
+        """Real rows this rank owns (0 for a trailing rank of a short batch)."""
         return self.stop - self.start
 
     @property
     def as_slice(self) -> slice:
+        """``slice(start, stop)``: index a [num_tokens, ...] tensor with it for the owned rows."""
         return slice(self.start, self.stop)
 
 

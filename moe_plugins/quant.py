@@ -83,9 +83,13 @@ class QuantSpec:
 
     @property
     def quantized_on_wire(self) -> bool:
+        """True when prepare sends quantized activations with ``x_sf`` (a scheme, not
+        deferred to the experts)."""
         return self.scheme is not QuantScheme.NONE and not self.defer_input_quant
 
     def check_hidden(self, hidden: int) -> None:
+        """ValueError unless ``hidden`` is a multiple of the scheme's scale block (fp8: 128,
+        nvfp4: 16)."""
         block = {QuantScheme.FP8_BLOCK128: FP8_BLOCK, QuantScheme.NVFP4: NVFP4_BLOCK}.get(self.scheme)
         if block is not None and hidden % block:
             raise ValueError(

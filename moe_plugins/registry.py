@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from moe_plugins.interface import ActivationFormat
+from moe_plugins.interface import ActivationFormat, BackendManager, manager_gaps
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.quant import QuantScheme
 
@@ -36,8 +36,9 @@ ENTRY_POINT_GROUP = "moe_plugins.backends"
 AUTO = "auto"
 
 __all__ = ["Transport", "Capabilities", "WireLayout", "RequiredPackage", "BackendSpec",
-           "BackendSelectionError", "ENTRY_POINT_GROUP", "AUTO", "registered_backends", "get_backend", "select_backend",
-           "refusal_reason", "reload_backends"]
+           "CallModes", "TokenLimit", "BackendSelectionError", "ENTRY_POINT_GROUP", "AUTO",
+           "registered_backends", "get_backend", "select_backend", "refusal_reason",
+           "reload_backends"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,15 @@ class WireLayout:
     hidden: int
     header_bytes: int = 0
     topk_id_bytes: int = 8
+
+
+@dataclass(frozen=True)
+class TokenLimit:
+    """The most tokens per rank a backend's layer can be built for (``tokens``) and what sets
+    that limit (``reason``, with the fix), as its manager would refuse more."""
+
+    tokens: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -139,12 +149,14 @@ class BackendSpec:
     """One registered backend.
 
     prepare_finalize(manager, cfg) and manager(ctx, cfg) are the classes built for a layer; their
-    constructors raise ImportError naming the extra when a required package is missing.
+    constructors raise ImportError naming the extra when a required package is missing. The
+    manager class keeps :class:`moe_plugins.interface.BackendManager` (the members the engines
+    use); a spec whose manager does not is skipped at loading, with a WARNING.
     """
 
     name: str
     prepare_finalize: Callable[..., "PrepareFinalize"]
-    manager: Callable[..., Any]
+    manager: type[BackendManager]
     capabilities: Capabilities
     quants: frozenset[QuantScheme]
     required: tuple[RequiredPackage, ...] = ()
@@ -159,25 +171,19 @@ class BackendSpec:
     dtypes: Optional[frozenset[torch.dtype]] = None
     # EP group sizes the kernels run on (with EP on); None: any
     ep_sizes: Optional[frozenset[int]] = None
-    # backends that pick their transport per call: the wire format (BATCHED: one row per
-    # (token, expert) pair; STANDARD: per (token, rank)) of a call whose busiest rank hands
-    # prepare this many rows; None: always the capabilities' activation format
-    wire_format_for: Optional[Callable[[int], ActivationFormat]] = None
-    # how the all-to-alls move data (the planner's time model); a backend that picks its
-    # transport per call gives ``transport_for`` (rows of the busiest rank -> its transport)
+    # how the all-to-alls move data (the planner's time model)
     transport: Transport = Transport.NCCL
-    transport_for: Optional[Callable[[int], Transport]] = None
+    # a backend that picks its transport per call (deepep_auto): the two backends whose wire
+    # rows and transport its calls have; None: one transport, ``transport``
+    call_modes: Optional["CallModes"] = None
+    # the most tokens per rank a layer over this many EP ranks can be built for, from the
+    # manager's own check (e.g. DeepEP's NVSHMEM QP depth); None: no limit but memory
+    token_limit: Optional[Callable[[int], Optional[TokenLimit]]] = None
 
     # The backend's own check of a layer config, raising what building it would raise (dtype,
     # hidden, topk limits), and the row its kernels put on the wire; needs no process group.
     # None: rows carry the layer's hidden and no header.
     wire_layout: Optional[Callable[["DispatchConfig"], WireLayout]] = None
-
-    def transport_at(self, max_rows_per_rank: int) -> Transport:
-        """The transport of a call whose busiest rank hands prepare ``max_rows_per_rank`` rows."""
-        if self.transport_for is not None:
-            return self.transport_for(max_rows_per_rank)
-        return self.transport
 
     def wire_layout_for(self, cfg: "DispatchConfig") -> WireLayout:
         """:attr:`wire_layout` of ``cfg``, or the layer's own hidden without a header."""
@@ -198,6 +204,19 @@ class BackendSpec:
     def build(self, ctx: "DistContext", cfg: "DispatchConfig") -> "PrepareFinalize":
         """Create the manager and the prepare/finalize for one layer."""
         return self.prepare_finalize(self.manager(ctx, cfg), cfg)
+
+
+@dataclass(frozen=True)
+class CallModes:
+    """The two modes of a backend that picks its transport per call (``deepep_auto``): a call
+    moves what ``low_latency`` would (one message per (token, expert) pair) while the busiest
+    rank's rows are at most the layer's threshold, what ``normal`` would above it.
+    ``capacity``: the low-latency rows per rank `moe-plugins plan` assumes the layer is built
+    for (the threshold is the time model's crossover, at most this)."""
+
+    low_latency: BackendSpec
+    normal: BackendSpec
+    capacity: int
 
 
 class BackendSelectionError(ValueError):
@@ -222,6 +241,13 @@ def _load_entry_points() -> dict[str, BackendSpec]:
         if spec.name != ep.name:
             logger.warning("backend entry point %r from %s names spec %r; the entry point name "
                            "must equal BackendSpec.name; skipped", ep.name, dist_name, spec.name)
+            continue
+        gaps = manager_gaps(spec.manager)
+        if gaps:
+            logger.warning("backend %r from %s: its manager %r lacks %s of "
+                           "moe_plugins.interface.BackendManager; subclass BackendManager to take "
+                           "its defaults, or define them; skipped", spec.name, dist_name,
+                           spec.manager, ", ".join(gaps))
             continue
         if spec.name == AUTO or spec.name in specs:
             logger.warning("backend %r from %s is already registered by %s (or reserved); skipped",

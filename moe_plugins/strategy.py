@@ -27,6 +27,7 @@ class ReductionStrategy(str, enum.Enum):
 
     @property
     def shared_placement(self) -> "SharedPlacement":
+        """How this strategy holds the shared expert: replicated under SP, else TP-sharded."""
         if self is ReductionStrategy.SP_ALLGATHER:
             return SharedPlacement.REPLICATED
         return SharedPlacement.TP_SHARDED
@@ -66,7 +67,11 @@ class StrategyChoice:
 def choose_strategy(layout: ParallelLayout, *, supports_sp: bool, supports_row_scatter: bool,
                     has_shared_expert: bool, single_collective: bool = True,
                     shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED) -> StrategyChoice:
-    """The strategy a layer uses, and why (logged once per layer config by the caller)."""
+    """The strategy a layer uses, and why (logged once per layer config by the caller).
+    ``supports_sp`` / ``supports_row_scatter``: the backend's capabilities;
+    ``single_collective``: the switch that prefers ROW_SCATTER_ALLREDUCE; ``shared_placement``:
+    REPLICATED prefers SP where it applies. Returns a :class:`StrategyChoice` (strategy,
+    reason)."""
     options = applicable_strategies(layout, supports_sp=supports_sp,
                                     supports_row_scatter=supports_row_scatter,
                                     has_shared_expert=has_shared_expert)

@@ -1,13 +1,18 @@
 """Backend ``deepep_auto``: DeepEP V1 low-latency or normal mode, chosen per call.
 
 One layer object holds both modes over one EP group and one buffer (:mod:`all2all.deepep_auto`).
-Per call it takes the **low-latency** kernels when the batch fits their buffers on every rank
-(``max_tokens_per_rank <= low_latency_capacity``) and for every CUDA-graph capture (normal mode
-waits on the host and cannot be captured), **normal mode** otherwise, and under vLLM for prefill
-passes (:class:`moe_plugins.interface.BatchHint`, read from vLLM's forward context by
-:mod:`moe_plugins.vllm.batch_hint`). All EP ranks must take the same mode (the two are different
-collectives), so the choice uses only what is the same on every rank: the engine's hint, or
-without one the largest token count over the EP group (one small all_reduce MAX per call).
+Per call it takes the **low-latency** kernels when the largest rank's batch is at most the
+layer's threshold, and for every CUDA-graph capture (normal mode waits on the host and cannot be
+captured), **normal mode** otherwise, and under vLLM for prefill passes
+(:class:`moe_plugins.interface.BatchHint`, read from vLLM's forward context by
+:mod:`moe_plugins.vllm.batch_hint`). The threshold is set once, when the layer is built: with a
+link (``DeepEPAutoOptions.link``) the batch below the one where the time model puts normal mode
+under the low-latency one for this layer's shape, quant and EP size, at most the low-latency
+buffers' capacity; without one, the capacity. All EP ranks must take the same mode (the two are
+different collectives), so the choice uses only what is the same on every rank: the threshold
+(from the layer config and the link; the ranks check at construction that they computed the
+same one) and the engine's hint, or without one the largest token count over the EP group (one
+small all_reduce MAX per call).
 
 One format for the experts: STANDARD. Normal mode is STANDARD already; the low-latency receive
 layout is presented as STANDARD rows without a copy of the activations
@@ -19,29 +24,33 @@ The threshold is logged once per layer config; ``stats.modes`` counts the calls 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from all2all.deepep import DEEPEP_TIMEOUT_S
 from all2all.deepep_auto import DeepEPAutoManager
-from moe_plugins.config import DispatchConfig
+from moe_plugins.config import DispatchConfig, MoEConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.faults import collective_error, group_faults, layer_name
 from moe_plugins.formats import batched_as_standard, standard_as_batched
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
                                    PrepareResult, RowScatterTarget, capturing,
                                    check_prepare_inputs)
+from moe_plugins.planner.crossover import low_latency_threshold
 from moe_plugins.quant import QuantSpec
-from moe_plugins.registry import Transport
+from moe_plugins.registry import CallModes
+from prepare_finalize.deepep_ht import SPEC as DEEPEP_HT_SPEC
 from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, deepep_spec
+from prepare_finalize.deepep_ll import SPEC as DEEPEP_LL_SPEC
 from prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeepEPAutoPrepareFinalize", "SPEC", "LOW_LATENCY", "NORMAL", "PLANNED_CAPACITY",
-           "planned_wire_format", "planned_transport"]
+__all__ = ["DeepEPAutoPrepareFinalize", "SPEC", "LOW_LATENCY", "NORMAL", "PLANNED_CAPACITY"]
 
 LOW_LATENCY = "low_latency"
 NORMAL = "normal"
@@ -49,20 +58,15 @@ NORMAL = "normal"
 #: vLLM's default MoE chunk (VLLM_MOE_DP_CHUNK_SIZE), which the capacity defaults to.
 PLANNED_CAPACITY = 256
 _LOGGED: set[tuple] = set()
+#: The backends whose wire and transport each mode has (the time model prices them).
+_MODES = CallModes(DEEPEP_LL_SPEC, DEEPEP_HT_SPEC, PLANNED_CAPACITY)
 
 
-def planned_wire_format(max_rows_per_rank: int) -> ActivationFormat:
-    """The wire format `moe-plugins plan` counts for a call (see :data:`PLANNED_CAPACITY`)."""
-    return (ActivationFormat.BATCHED if max_rows_per_rank <= PLANNED_CAPACITY
-            else ActivationFormat.STANDARD)
-
-
-def planned_transport(max_rows_per_rank: int) -> Transport:
-    """The transport `moe-plugins plan` times a call with: low-latency up to
-    :data:`PLANNED_CAPACITY` rows on the busiest rank, normal mode above (as
-    :func:`planned_wire_format`)."""
-    return (Transport.LOW_LATENCY if max_rows_per_rank <= PLANNED_CAPACITY
-            else Transport.NORMAL)
+def _layer_shape(cfg: DispatchConfig, num_experts: int) -> MoEConfig:
+    """The MoE shape the all-to-alls depend on (hidden, experts as the kernels number them,
+    top-k, dtype); the expert sizes do not enter them."""
+    return MoEConfig(hidden=cfg.hidden, num_experts=num_experts, num_topk=cfg.num_topk,
+                     intermediate=1, shared_intermediate=0, dtype=cfg.dtype)
 
 
 class DeepEPAutoPrepareFinalize(PrepareFinalize):
@@ -74,6 +78,8 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
 
     activation_format = ActivationFormat.STANDARD
     waits_on_host = True  # in normal mode, as deepep_ht (whose dispatch arms the timer)
+    # as deepep_ht: in normal mode the host wait raises at DeepEP's timeout first
+    library_timeout_s = DEEPEP_TIMEOUT_S
 
     def __init__(self, manager: DeepEPAutoManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPAutoManager):
@@ -88,12 +94,27 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         # The two modes' objects share this group's fault state (moe_plugins.faults).
         self.faults = group_faults(manager.group)
         self.name = layer_name("deepep_auto", cfg, manager.rank)
-        key = (manager.num_ranks, cfg.num_experts, cfg.hidden, manager.low_latency_capacity)
+        cap = manager.low_latency_capacity
+        link = manager.options.link
+        if link is None:
+            self.threshold = cap
+            why = ("the low-latency buffer capacity; no link given, so the time model is not "
+                   "used: name one with DeepEPAutoOptions(link=...) or, under vLLM, "
+                   "--additional-config moe_plugins.link")
+        else:
+            if link.ll_nvlink != manager.options.allow_nvlink:  # the layer's own setting
+                link = dataclasses.replace(link, ll_nvlink=manager.options.allow_nvlink)
+            found = low_latency_threshold(_layer_shape(cfg, manager.ll.num_experts),
+                                          manager.num_ranks, cfg.quant, link, _MODES, cap)
+            self.threshold, why = found.rows, found.reason
+            self._check_agreed(found.rows)
+        key = (manager.num_ranks, cfg, cap, link)
         if key not in _LOGGED:
             _LOGGED.add(key)
-            logger.info("deepep_auto: %s (threshold %d tokens per rank: the low-latency buffer "
-                        "capacity); under vLLM prefill passes take normal mode", manager.describe(),
-                        manager.low_latency_capacity)
+            logger.info("deepep_auto: low-latency up to %d tokens per rank (%s), normal mode "
+                        "above; a CUDA-graph capture takes low-latency up to the capacity of %d "
+                        "tokens per rank; under vLLM prefill passes take normal mode",
+                        self.threshold, why, cap)
 
     @property
     def stats(self) -> DispatchStats:  # type: ignore[override]
@@ -144,9 +165,24 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         self.ht.reset_call_state()
         self._mode = None
 
+    def _check_agreed(self, rows: int) -> None:
+        """ValueError on every rank when the EP ranks computed different thresholds (they were
+        given different links or layer configs): their calls would pair different
+        collectives. One all_reduce at construction."""
+        m = self.manager
+        t = torch.tensor([rows, -rows], dtype=torch.int64, device=m.ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m.group)
+        high, low = int(t[0]), -int(t[1])
+        if high != low:
+            raise ValueError(f"deepep_auto: the EP ranks computed low-latency thresholds from "
+                             f"{low} to {high} tokens per rank (this rank: {rows}); give every "
+                             "rank the same layer config and DeepEPAutoOptions.link")
+
     # -- the choice ----------------------------------------------------------------------------
     def choose_mode(self, num_tokens: int) -> str:
-        """The mode of a call with ``num_tokens`` rows on this rank: the same on every rank."""
+        """The mode of a call with ``num_tokens`` rows on this rank: the same on every rank
+        (capture: low-latency; else by :attr:`threshold` and the engine's prefill hint, or the
+        largest count over the EP group)."""
         cap = self.low_latency_capacity
         hint, self._hint = self._hint, None  # a hint covers one call
         if capturing():
@@ -164,7 +200,7 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
             largest, prefill = hint.max_tokens_per_rank, bool(hint.prefill)
         else:
             largest, prefill = self._largest_over_ranks(num_tokens), False
-        return LOW_LATENCY if largest <= cap and not prefill else NORMAL
+        return LOW_LATENCY if largest <= self.threshold and not prefill else NORMAL
 
     def _largest_over_ranks(self, num_tokens: int) -> int:
         m = self.manager
@@ -269,6 +305,6 @@ SPEC = deepep_spec(
     "DeepEP V1 low-latency for batches that fit its buffers and CUDA graphs, normal mode above "
     "and for prefill (one buffer); STANDARD format for both",
     # after deepep_ll (auto-selection keeps its choice), before flashinfer and the reference
-    priority=28, wire_format_for=planned_wire_format, transport_for=planned_transport,
+    priority=28, call_modes=_MODES,
     use_for="decode and prefill on one DeepEP buffer: low-latency mode while a batch fits, "
             "normal mode above it")

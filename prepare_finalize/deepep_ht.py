@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from all2all.deepep import DEEPEP_PACKAGE
+from all2all.deepep import DEEPEP_PACKAGE, DEEPEP_TIMEOUT_S
 from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
@@ -64,6 +64,8 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
 
     activation_format = ActivationFormat.STANDARD
     waits_on_host = True  # the dispatch waits for the peers' counts on the host (host_wait)
+    # DeepEP's host wait raises at its timeout (its kernels' waits trap): the backstop after it
+    library_timeout_s = DEEPEP_TIMEOUT_S
 
     def __init__(self, manager: DeepEPHTManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPHTManager):

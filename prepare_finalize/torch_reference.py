@@ -300,7 +300,8 @@ class TorchPrepareFinalize(PrepareFinalize):
         work = self._all_to_all_single(recv, wire, recv_splits, send_splits, blocking, what)
         return recv.view(send.dtype) if recv.dtype != send.dtype else recv, work
 
-    # -- the host exchange (moe_plugins.faults, rules 1, 2 and 5) ------------------------------
+    # -- the host exchange (moe_plugins.faults, rules "validated everywhere", "out of step" and
+    # "refused inputs") -----------------------------------------------------------------------
     host_exchange = True
 
     def refuse(self, error: BaseException) -> None:

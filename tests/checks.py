@@ -1,6 +1,6 @@
 """Checks the tests share: the one element-wise check of multi-rank outputs against the
-single-process reference, the counter of torch.distributed collectives, and the command line
-run as a user runs it."""
+single-process reference, the counter of torch.distributed collectives, the mode the time model
+prices faster for a deepep_auto call, and the command line run as a user runs it."""
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +39,21 @@ def assert_matches_reference(results: list[dict], layout: ParallelLayout, cfg: M
             f"rank {rank}: {out.dtype} {tuple(out.shape)}"
         torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol,
                                    msg=lambda m: f"rank {rank}: {m}")
+
+
+def faster_mode(cfg: MoEConfig, ep: int, rows: int, quant: QuantSpec, link: Any,
+                capacity: int) -> str:
+    """The mode (``low_latency`` / ``normal``) the time model prices faster for a deepep_auto
+    call over ``ep`` ranks whose busiest rank has ``rows`` rows on ``link``: each mode's
+    dispatch + combine from its own plan at that batch (no crossover search, ties to the
+    low-latency mode); low-latency only within the ``capacity``."""
+    from moe_plugins.planner.compare import compare_backends
+
+    if rows > capacity:
+        return "normal"
+    times = {b.backend: b.total_us for b in compare_backends(
+        cfg, ParallelLayout(ep, 1, True), rows, quant, ["deepep_ll", "deepep_ht"], link=link)}
+    return "low_latency" if times["deepep_ll"] <= times["deepep_ht"] else "normal"
 
 
 _COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather",

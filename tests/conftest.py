@@ -33,6 +33,17 @@ _use_vllm_release()
 from moe_plugins.runner.launch import RankPool
 
 
+@pytest.fixture(autouse=True)
+def _call_bound_environment_read_per_test() -> Iterator[None]:
+    """The call bound's variables are read once per process
+    (moe_plugins.callbound.settings.reread_environment): each test reads its own."""
+    from moe_plugins.callbound import reread_environment
+
+    reread_environment()
+    yield
+    reread_environment()
+
+
 @pytest.fixture(scope="session")
 def rank_pool() -> Iterator[Callable[[int], RankPool]]:
     """rank_pool(n) -> a live pool of n gloo ranks, started on first use and reused."""

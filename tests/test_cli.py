@@ -87,8 +87,9 @@ def test_demo_rejects_dp_without_ep():
     (("demo", "--ranks", "x"), "argument --ranks: expected an integer, got 'x'"),
     (("demo", "--timeout", "0"), "argument --timeout: must be > 0, got 0"),
     (("plan", "--layers", "0"), "argument --layers: must be >= 1, got 0"),
-    (("demo", "--call-timeout-s", "bad"), "argument --call-timeout-s: expected a number, got 'bad'"),
-    (("demo", "--ep", "--call-timeout-s", "0.01"), "0.01 s is below the floor of 0.5 s"),
+    (("demo", "--call-timeout-s", "bad"),
+     "argument --call-timeout-s: --call-timeout-s='bad' is not a number of seconds"),
+    (("demo", "--ep", "--call-timeout-s", "0.01"), "'0.01' is below the floor of 0.5 s"),
     (("demo", "--ranks", "2", "--ep", "--experts", "7"),
      "--experts 7 is not divisible by the EP size 2"),
     # issue 28: each through the console script; the neighbours in-process below
@@ -275,6 +276,10 @@ def test_bad_flag_values_exit_2_with_one_line(capsys, argv, message):
     (["plan", "--shared-expert-budget-gb", "0"], "shared_expert_budget_gb", 0.0),
     (["plan"], "tokens", None),  # plan resolves it against --tokens-per-dp
     (["demo"], "tokens", 8),
+    (["demo"], "call_timeout_s", None),  # not given: the environment's, else off
+    (["demo", "--call-timeout-s", "-0"], "call_timeout_s", 0.0),  # off
+    (["demo", "--call-timeout-s", "0.5"], "call_timeout_s", 0.5),
+    (["demo", "--call-timeout-s", "30"], "call_timeout_s", 30.0),
 ])
 def test_good_flag_values_parse(argv, attr, value):
     from moe_plugins.cli import build_parser
@@ -282,17 +287,29 @@ def test_good_flag_values_parse(argv, attr, value):
     assert getattr(build_parser().parse_args(argv), attr) == value
 
 
-@pytest.mark.parametrize("raw,message", [
-    ("soon", "$MOE_PLUGINS_CALL_TIMEOUT_S='soon' is not a number of seconds"),
-    ("0.001", "$MOE_PLUGINS_CALL_TIMEOUT_S=0.001 s is below the floor of 0.5 s"),
-])
-def test_a_bad_call_bound_in_the_environment_is_one_line_before_ranks_start(raw, message):
-    """Checked once in the demo's process, before any rank starts (not once per rank after
-    they started, with exit status 1)."""
-    env = {**cli_env(), "MOE_PLUGINS_CALL_TIMEOUT_S": raw}
-    res = subprocess.run([str(BIN), "demo", "--ranks", "2", "--ep"], capture_output=True,
-                         text=True, timeout=60, env=env)
+BAD_BOUNDS = [("soon", "'soon' is not a number of seconds"),
+              ("off", "'off' is not a number of seconds"),
+              ("1e-400", "'1e-400' is below the floor of 0.5 s"),
+              ("0.4999999", "'0.4999999' is below the floor of 0.5 s")]
+
+
+@pytest.mark.parametrize("raw,message", BAD_BOUNDS, ids=[b[0] for b in BAD_BOUNDS])
+@pytest.mark.parametrize("where", ["env", "first-env", "flag"])
+def test_a_bad_call_bound_is_one_line_before_ranks_start(raw, message, where):
+    """Checked once in the demo's process, through the call bound's parser, before any rank
+    starts (not once per rank after they started, with exit status 1): the variable, the
+    start-up bound's variable and --call-timeout-s alike."""
+    env, argv = cli_env(), [str(BIN), "demo", "--ranks", "2", "--ep"]
+    if where == "env":
+        env["MOE_PLUGINS_CALL_TIMEOUT_S"], source = raw, "$MOE_PLUGINS_CALL_TIMEOUT_S="
+    elif where == "first-env":
+        env["MOE_PLUGINS_FIRST_CALL_TIMEOUT_S"] = raw
+        source = "$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S="
+    else:
+        argv += ["--call-timeout-s", raw]
+        source = "--call-timeout-s="
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], res.stderr
-    assert "0 turns the bound off" in lines[0] and res.stdout == ""
+    assert len(lines) == 1 and source + message in lines[0], res.stderr
+    assert "accepted: 0 in any spelling" in lines[0] and res.stdout == ""

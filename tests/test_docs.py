@@ -101,3 +101,121 @@ def test_docs_and_gpu_kit_are_written_for_a_users_host(path: Path):
     hits = [f"{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
             if SET_UP_WORDS.search(line)]
     assert not hits, f"{path}: words of one test set-up, not of a user's host: {hits}"
+
+
+def test_adding_a_backend_names_every_member_a_backend_gives():
+    """docs/adding_a_backend.md is the checklist for a new backend: it names every field of
+    BackendSpec and Capabilities and every member of the protocols a backend or its manager
+    keeps, so a member added to the code is added to the checklist."""
+    import dataclasses
+
+    from moe_plugins.interface import (_MANAGER_MEMBERS, PrepareFinalize, RankMasking,
+                                       SplitPhases)
+    from moe_plugins.registry import BackendSpec, Capabilities
+
+    text = (ROOT / "docs" / "adding_a_backend.md").read_text()
+    names = {f.name for cls in (BackendSpec, Capabilities) for f in dataclasses.fields(cls)}
+    names |= set(_MANAGER_MEMBERS)
+    names |= {n for cls in (SplitPhases, RankMasking) for n in vars(cls) if not n.startswith("_")}
+    names |= {n for n in (*vars(PrepareFinalize), *PrepareFinalize.__annotations__)
+              if not n.startswith("_")}
+    missing = sorted(n for n in names if not re.search(rf"[`.]{n}\b", text))
+    assert not missing, f"docs/adding_a_backend.md does not name {missing}"
+
+
+def test_readmes_python_example_runs_as_written():
+    """README's "Use it from Python" block, extracted from the file and run as it stands in a
+    fresh interpreter (its own asserts check the shapes, the dtype and the reference)."""
+    import os
+    import subprocess
+    import sys
+
+    section = README.read_text().split("## Use it from Python", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "README's 'Use it from Python' holds one python block"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", blocks[0]], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("LOCAL DispatchStats(calls=1, pairs=10, rows=5,"), run.stdout
+
+
+def test_the_call_bounds_cost_is_quoted_from_its_result_file():
+    """docs/results.md holds the call bound's cost (the other pages link to it): its figures are
+    those of benchmarks/results/watchdog_cost_h200.json, rounded as quoted."""
+    import json
+
+    data = json.loads((ROOT / "benchmarks" / "results" / "watchdog_cost_h200.json").read_text())
+    section = (ROOT / "docs" / "results.md").read_text().split(
+        "### The call bound's host cost", 1)[1].split("\n## ", 1)[0]
+    us = lambda ns: f"{ns / 1000:.1f} us"  # noqa: E731
+    steps = data["added_ns_per_call_in_steps"]
+    assert f"| a mark per call (a layer called outside any step window) | " \
+           f"{us(data['added_ns_per_call'])} |" in section
+    assert f"| step windows of 8 calls | **{us(steps['8'])}** |" in section
+    assert f"| step windows of 58 calls (DeepSeek-V3's MoE layers per forward pass) | " \
+           f"**{us(steps['58'])}** |" in section
+    assert f"{round(data['ns_per_call_off'])} ns per call with it off" in section
+    drivers = data["driver_ns_per_write"]
+    assert f"{us(drivers['cuStreamWriteValue32'])} for `cuStreamWriteValue32`" in section
+    assert f"{us(drivers['cuMemsetD32Async'])} for `cuMemsetD32Async`" in section
+
+
+def test_fault_rules_are_cited_by_the_names_design_md_gives_them():
+    """The fault rules have names, no numbers: docs/design.md, "Faults" and moe_plugins/faults.py
+    list the same rules in the same order, and every citation (rule "refused inputs") in the
+    code, the tests and the docs names one of them."""
+    def rules(text: str) -> list[str]:
+        return [n.lower() for n in re.findall(r"^- \*\*([A-Z][^*]*?)\.?\*\*", text, flags=re.M)]
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    faults_section = design.split("## Faults", 1)[1].split("State is per EP process group")[0]
+    names = rules(faults_section)
+    module = (ROOT / "moe_plugins" / "faults.py").read_text()
+    assert rules(module.split('"""', 2)[1]) == names
+    assert names[:2] == ["validated everywhere", "refused inputs"] and "the call bound" in names
+    files = [p for d in ("moe_plugins", "prepare_finalize", "all2all", "tests", "docs",
+                         "benchmarks") for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md")]
+    for path in [*files, README]:
+        text = path.read_text()
+        assert not re.search(r"\brules? \d", text), f"{path}: a fault rule cited by number"
+        for cited in re.findall(r'\brules? "([^"]+)"', text):
+            cited = " ".join(cited.replace("#", " ").split()).lower()  # wrapped in a comment
+            assert cited in names, f"{path}: rule {cited!r} is not one of {names}"
+
+
+def _code_layout() -> dict[str, str]:
+    """README's "Code layout" block: path -> its description (continuation lines joined)."""
+    section = README.read_text().split("## Code layout", 1)[1]
+    block = re.findall(r"```\n(.*?)\n```", section, flags=re.S)[0]
+    entries: dict[str, str] = {}
+    for line in block.splitlines():
+        if line[:1].strip():
+            path, _, text = line.partition(" ")
+            entries[path] = text.strip()
+        else:
+            entries[path] += " " + line.strip()
+    return entries
+
+
+def _words(description: str) -> set[str]:
+    return {w.strip(" ,.") for w in re.split(r"[,:]", description.split(":", 1)[1])}
+
+
+def test_readmes_code_layout_is_the_tree():
+    """README's "Code layout" lists every top-level folder and every package of moe_plugins/,
+    each listed path exists, and the module list of moe_plugins/ (and the folder list of
+    tests/) is exactly what is there."""
+    entries = _code_layout()
+    ignored = {"build", "dist", "__pycache__"}
+    folders = {f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")
+               and p.name not in ignored and not p.name.endswith(".egg-info")}
+    packages = {f"moe_plugins/{p.parent.name}/" for p in (ROOT / "moe_plugins").glob("*/__init__.py")}
+    assert set(entries) == folders | packages, (
+        "README's code layout and the tree differ: listed, not there: "
+        f"{sorted(set(entries) - folders - packages)}; there, not listed: "
+        f"{sorted((folders | packages) - set(entries))}")
+    modules = {p.stem for p in (ROOT / "moe_plugins").glob("*.py") if p.stem != "__init__"}
+    assert _words(entries["moe_plugins/"]) == modules, entries["moe_plugins/"]
+    test_folders = {p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")}
+    assert set(entries["tests/"].split(", ")) == test_folders, entries["tests/"]

@@ -19,7 +19,11 @@ def test_cpu_mode_runs_every_path(tmp_path):
          "--json", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    conditions, rows = written["conditions"], written["rows"]
+    assert conditions["benchmark"] == "benchmarks/host_overhead.py"
+    assert conditions["command"].endswith(f"--call-timeout-s 60 --json {out}")
+    assert conditions["versions"]["deep_ep"] == "stand-in benchmarks/zero_cost_deep_ep.py"
     assert rows and all(set(r) == {"backend", "path", "mode", "tokens", "quant", "us"}
                         for r in rows)
     assert all(r["mode"] == "eager" and r["tokens"] == 8 and r["us"] > 0 for r in rows)

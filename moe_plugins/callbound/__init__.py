@@ -7,7 +7,8 @@ from moe_plugins.callbound.fault_notice import FaultNotice, notice_for, wait_or_
 from moe_plugins.callbound.host_timer import bound_host_waits, host_wait
 from moe_plugins.callbound.settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
                                             MIN_TIMEOUT_S, call_timeout_seconds,
-                                            first_call_timeout_seconds)
+                                            first_call_timeout_seconds, parse_seconds,
+                                            reread_environment)
 from moe_plugins.callbound.watchdog import (CallBound, WatchedCall, capture_calls,
                                             expect_replay, on_call_timeout,
                                             replays_in_step_windows, watch_call, watch_step,
@@ -16,6 +17,7 @@ from moe_plugins.callbound.watchdog import (CallBound, WatchedCall, capture_call
 __all__ = ["EXIT_CODE", "CallTimeoutError", "PeerFailedError", "FaultNotice", "notice_for",
            "wait_or_told", "bound_host_waits", "host_wait", "CALL_TIMEOUT_ENV",
            "FIRST_CALL_TIMEOUT_ENV", "MIN_TIMEOUT_S", "call_timeout_seconds",
-           "first_call_timeout_seconds", "CallBound", "WatchedCall", "capture_calls",
+           "first_call_timeout_seconds", "parse_seconds", "reread_environment", "CallBound",
+           "WatchedCall", "capture_calls",
            "expect_replay", "on_call_timeout", "replays_in_step_windows", "watch_call",
            "watch_step", "watchdog_alive"]

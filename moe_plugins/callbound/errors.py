@@ -15,6 +15,7 @@ class WatchedFacts(Protocol):
     name: str
     number: int
     what: str
+    why: str
     seq: int
     started: float
     bound: float
@@ -55,6 +56,14 @@ def timeout_error(call: WatchedFacts, now: float) -> CallTimeoutError:
     cover = call.cover
     if call.covered == call.seq and cover is not None:  # its completion is its step's
         what += f" (or a later call of {cover.what} {cover.number}, whose completion it shares)"
+    if call.why:  # the backstop: no bound was set
+        return CallTimeoutError(
+            f"{call.name}: {what} did not complete within {bound:g} s (started "
+            f"{now - call.started:.1f} s ago; {call.why}): a peer rank died or hangs in the middle "
+            "of the call. Its kernels cannot be cancelled and every rank of the EP group waits "
+            f"for that peer, so moe-plugins ends this process (exit status {EXIT_CODE}); restart "
+            "every rank of the EP group (under vLLM, the engine: its executor shuts down when a "
+            f"worker dies). ${CALL_TIMEOUT_ENV} sets an earlier bound, 0 none")
     return CallTimeoutError(
         f"{call.name}: {what} did not complete within {bound:g} s "
         f"(started {now - call.started:.1f} s ago; ${CALL_TIMEOUT_ENV}, "

@@ -55,11 +55,11 @@ that call, so every peer finished its first), its calls run under the start-up b
 ``max(10 x bound, 600 s)``), stated in the layers' INFO line.
 
 Off by default. On with ``call_timeout_s`` (``MoELayer``) or ``$MOE_PLUGINS_CALL_TIMEOUT_S``
-(the vLLM glue, and layers built without the argument); 0 turns it off in either. Cost when on,
-host time per call on an H200 host (``benchmarks/watchdog_cost.py``): about 4.4 us with a mark
-per call, most of it the driver call that enqueues the progress write, and 1.0 us in step
-windows of 58 calls (1.8 us in windows of 8); 16 KiB of page-locked host memory per process,
-and a daemon thread that wakes every :data:`POLL_S` s.
+(the vLLM glue, and layers built without the argument); 0 turns it off in either. Cost when on:
+host time per watched call, most of it the driver call that enqueues the progress write, which
+the calls of a step window share (figures: docs/results.md, "The call bound's host cost"); 16
+KiB of page-locked host memory per process, and a daemon thread that wakes every
+:data:`POLL_S` s.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ from moe_plugins.callbound.errors import (EXIT_CODE, CallTimeoutError, PeerFaile
                                            peer_failed_error, timeout_error)
 from moe_plugins.callbound.settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
                                              MIN_TIMEOUT_S, POLL_S, call_timeout_seconds,
-                                             first_call_timeout_seconds)
+                                             first_call_timeout_seconds, UNSET, environment_seconds)
 from moe_plugins.callbound.fault_notice import READ_AFTER_S, FaultNotice
 from moe_plugins.callbound.gpu_progress import CudaProgress as _CudaProgress
 from moe_plugins.callbound.gpu_progress import raw_stream as _raw_stream
@@ -101,6 +101,12 @@ RING_SLOTS = 4096
 _MASK = RING_SLOTS - 1
 _U32 = 0xFFFFFFFF
 _ERROR_EVERY_S = 60.0  # the watchdog's own errors: logged at most this often
+#: The backstop of a layer whose library traps at its own timeout, as a fraction of that timeout
+#: (:meth:`CallBound.backstop`): DeepEP's 100 s give 90 s.
+BACKSTOP_TRAP_FRACTION = 0.9
+#: The backstop of a layer whose library masks a peer or raises at its own timeout: this many
+#: seconds after that timeout (:meth:`CallBound.backstop`).
+BACKSTOP_GRACE_S = 20.0
 
 
 class WatchedCall:
@@ -109,12 +115,13 @@ class WatchedCall:
     The objects are preallocated, one per ring slot, and reused: ``seq`` (the process's call
     count at its start) says which call a slot holds now."""
 
-    __slots__ = ("slot", "seq", "name", "number", "what", "started", "bound", "deadline", "done",
-                 "gpu", "covered", "cover", "cover_seq", "notice")
+    __slots__ = ("slot", "seq", "name", "number", "what", "why", "started", "bound", "deadline",
+                 "done", "gpu", "covered", "cover", "cover_seq", "notice")
 
     def __init__(self, slot: int) -> None:
         self.slot, self.seq = slot, -1
         self.name, self.number, self.what = "", 0, "call"
+        self.why = ""  # where the bound comes from, when it is not the user's (the backstop)
         self.started = self.bound = self.deadline = 0.0
         self.done = self.gpu = -1  # seq of the call ended on the host / whose GPU write is queued
         # seq of the call whose completion is the mark of the step window it ran in (cover, the
@@ -335,12 +342,13 @@ def _capturing() -> bool:
 
 
 def watch_call(name: str, number: int, timeout_s: Optional[float], what: str = "call",
-               notice: Optional[FaultNotice] = None) -> Optional[WatchedCall]:
+               notice: Optional[FaultNotice] = None, why: str = "") -> Optional[WatchedCall]:
     """Start watching call ``number`` of layer ``name`` under ``timeout_s`` seconds (None: off,
     nothing watched). During a CUDA-graph capture nothing is watched (None): the call is recorded
     for :func:`capture_calls`, and no CUDA call is made for it. ``what`` names it in the
     error ("call", "start-up call", "CUDA-graph replay"). ``notice``: its EP group's, read while
-    the call is in flight (a peer's failure then ends the process at once)."""
+    the call is in flight (a peer's failure then ends the process at once). ``why``: where the
+    bound comes from when it is not the user's (the error says it; see :meth:`CallBound.backstop`)."""
     if timeout_s is None:
         return None
     # Inside this thread's open step window the driver's capture query (half a microsecond) is
@@ -351,17 +359,17 @@ def watch_call(name: str, number: int, timeout_s: Optional[float], what: str = "
     if _STEP.window is None and _capturing():
         _captured(name, number, timeout_s)
         return None
-    return _start(name, number, timeout_s, what, notice)
+    return _start(name, number, timeout_s, what, notice, why=why)
 
 
 def _start(name: str, number: int, timeout_s: float, what: str,
-           notice: Optional[FaultNotice], late_s: float = 0.0) -> WatchedCall:
+           notice: Optional[FaultNotice], late_s: float = 0.0, why: str = "") -> WatchedCall:
     """Publish a watched call in its ring slot (no capture check: the caller made it);
     ``late_s``: its deadline that much after its bound."""
     wd = _WATCHDOG
     seq = next(wd.counter)
     call = wd.ring[seq & _MASK]
-    call.name, call.number, call.what = name, number, what
+    call.name, call.number, call.what, call.why = name, number, what, why
     call.started = now = time.monotonic()
     call.bound = timeout_s
     call.deadline = now + timeout_s + late_s
@@ -425,26 +433,71 @@ class CallBound:
     under the start-up bound until one of the layer's calls after its first has completed (every peer entered that call, so every peer
     finished its first one); from then on under ``timeout_s``."""
 
-    __slots__ = ("name", "timeout_s", "first_timeout_s", "notice", "_warm", "_proof",
-                 "_proof_seq", "__weakref__")
+    __slots__ = ("name", "timeout_s", "first_timeout_s", "notice", "why", "_note", "_set",
+                 "_device", "_first_given", "_warm", "_proof", "_proof_seq", "__weakref__")
 
     def __init__(self, name: str, call_timeout_s: Optional[float] = None,
                  first_call_timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None) -> None:
         self.name = name
-        self.timeout_s = call_timeout_seconds(call_timeout_s)
-        self.first_timeout_s = first_call_timeout_seconds(self.timeout_s, first_call_timeout_s)
-        if self.timeout_s is not None and _has_cuda() and device is not None \
-                and device.type == "cuda":
-            _WATCHDOG.prepare_cuda()  # now, not at a first call during a capture
-        self._warm = self.timeout_s is None or self.first_timeout_s == self.timeout_s
+        # set by the user (a bound, or 0 for none), as the argument or in the environment: then
+        # no backstop (see backstop)
+        self._set = call_timeout_s is not None or environment_seconds(CALL_TIMEOUT_ENV) is not UNSET
+        self._device, self._first_given = device, first_call_timeout_s
+        self.why = ""  # where the bound comes from when the user set none (the backstop)
+        self._note = ""  # the same, for the INFO line
+        self.timeout_s: Optional[float] = None
+        self.first_timeout_s: Optional[float] = None
+        self._warm = True
         self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
         self._proof_seq = -1
         # the layer's EP group's notice of a peer's failure (moe_plugins.callbound.fault_notice): the
         # layer sets it once it has its group
         self.notice: Optional[FaultNotice] = None
-        if self.timeout_s is not None:
+        self._turn_on(call_timeout_seconds(call_timeout_s))
+
+    def _turn_on(self, timeout_s: Optional[float]) -> None:
+        self.timeout_s = timeout_s
+        self.first_timeout_s = first_call_timeout_seconds(timeout_s, self._first_given)
+        device = self._device
+        if timeout_s is not None and _has_cuda() and device is not None \
+                and device.type == "cuda":
+            _WATCHDOG.prepare_cuda()  # now, not at a first call during a capture
+        self._warm = timeout_s is None or self.first_timeout_s == timeout_s
+        if timeout_s is not None:
             _BOUNDS.add(self)
+
+    def backstop(self, library: str, library_timeout_s: Optional[float], traps: bool,
+                 start_up: bool = True) -> None:
+        """With no bound set by the user (neither the argument nor the environment; 0 there is
+        a choice too), bound the calls anyway where the library's own timeout does not end every
+        rank: ``library`` waits ``library_timeout_s`` seconds for a peer, then ``traps`` (its
+        kernels trap, the CUDA context is lost, and on a GPU shared by several ranks a rank may
+        not trap at all) or masks the peer / raises. A library that traps gets the backstop
+        :data:`BACKSTOP_TRAP_FRACTION` of its timeout, so the process ends with this package's
+        error before the trap; one that masks or raises gets :data:`BACKSTOP_GRACE_S` after its
+        timeout, so its own outcome comes first. None (no timeout known): nothing.
+        ``start_up``: the layer's first calls keep the start-up bound (a caller whose watched
+        calls include work that compiles on first use: vLLM's experts run inside the adapter's
+        call); False: every call runs under the backstop from the first (a wait on a peer longer
+        than that ends in the library's own timeout anyway)."""
+        if self._set or self.timeout_s is not None or library_timeout_s is None:
+            return
+        if traps:
+            seconds = BACKSTOP_TRAP_FRACTION * library_timeout_s
+            self.why = (f"no call bound was set; this is moe-plugins' backstop under {library}'s "
+                        f"own timeout (about {library_timeout_s:g} s), after which its kernels "
+                        "trap and this process's CUDA context is lost")
+            self._note = f"under {library}'s {library_timeout_s:g} s timeout"
+        else:
+            seconds = library_timeout_s + BACKSTOP_GRACE_S
+            self.why = (f"no call bound was set; this is moe-plugins' backstop "
+                        f"{BACKSTOP_GRACE_S:g} s past {library}'s own timeout (about "
+                        f"{library_timeout_s:g} s), which did not end the call")
+            self._note = f"past {library}'s {library_timeout_s:g} s timeout"
+        if not start_up:
+            self._first_given = 0  # no separate start-up bound
+        self._turn_on(seconds)
 
     def current_timeout_s(self) -> Optional[float]:
         """The bound a call started now runs under (the start-up bound until the layer is warm;
@@ -455,12 +508,13 @@ class CallBound:
         """For the layers' INFO line: ``off``, or the bound and the start-up bound."""
         if self.timeout_s is None:
             return "off"
-        return f"{self.timeout_s:g} s (first calls {self.first_timeout_s:g} s)"
+        text = f"{self.timeout_s:g} s (first calls {self.first_timeout_s:g} s)"
+        return f"{text}: no bound set, the backstop {self._note}" if self._note else text
 
     def watch(self, number: int) -> Optional[WatchedCall]:
         """Watch call ``number`` of the layer (None: not watched)."""
         if self._warm:
-            return watch_call(self.name, number, self.timeout_s, "call", self.notice)
+            return watch_call(self.name, number, self.timeout_s, "call", self.notice, self.why)
         return self._watch_starting(number)
 
     def _watch_starting(self, number: int) -> Optional[WatchedCall]:
@@ -468,8 +522,9 @@ class CallBound:
         if proof is not None and (proof.seq != self._proof_seq or proof.finished()):
             self._warm = True  # completed (or lapped by the ring: long since done)
             _BOUNDS.changed()
-            return watch_call(self.name, number, self.timeout_s, "call", self.notice)
-        call = watch_call(self.name, number, self.first_timeout_s, "start-up call", self.notice)
+            return watch_call(self.name, number, self.timeout_s, "call", self.notice, self.why)
+        call = watch_call(self.name, number, self.first_timeout_s, "start-up call", self.notice,
+                          self.why)
         if proof is None and call is not None and number >= 2:
             self._proof, self._proof_seq = call, call.seq
         return call

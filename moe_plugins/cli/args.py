@@ -7,8 +7,10 @@ from typing import Callable
 
 import torch
 
+from moe_plugins.callbound.settings import parse_seconds
+
 __all__ = ["DTYPES", "int_at_least", "finite_float", "positive_float", "nonnegative_float",
-           "token_counts", "add_layout_args", "layout_from_args"]
+           "call_bound_seconds", "token_counts", "add_layout_args", "layout_from_args"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -51,6 +53,17 @@ def nonnegative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
+
+
+def call_bound_seconds(text: str) -> float:
+    """An argparse type for ``--call-timeout-s``: the call bound's own parser
+    (:func:`moe_plugins.callbound.parse_seconds`, as for ``$MOE_PLUGINS_CALL_TIMEOUT_S``);
+    0.0 when it is off."""
+    try:
+        bound = parse_seconds(text, "--call-timeout-s")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return 0.0 if bound is None else bound
 
 
 def token_counts(text: str) -> list[int]:

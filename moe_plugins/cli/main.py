@@ -11,8 +11,8 @@ from dataclasses import asdict
 import signal
 from typing import TYPE_CHECKING, Any, Iterable, NoReturn, Sequence
 
-from moe_plugins.cli.args import (DTYPES, add_layout_args, int_at_least, layout_from_args,
-                                  nonnegative_float, positive_float)
+from moe_plugins.cli.args import (DTYPES, add_layout_args, call_bound_seconds, int_at_least,
+                                  layout_from_args, positive_float)
 from moe_plugins.cli.plan import add_plan_parser
 
 if TYPE_CHECKING:
@@ -184,10 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=positive_float, default=None,
                       help="seconds a collective may wait for its peers (default "
                       "$MOE_PLUGINS_TIMEOUT_S, else 300)")
-    demo.add_argument("--call-timeout-s", type=nonnegative_float, default=None, metavar="S",
+    demo.add_argument("--call-timeout-s", type=call_bound_seconds, default=None, metavar="S",
                       help="bound on each layer call: a call not complete within S seconds "
                       "ends its rank (moe_plugins.callbound.watchdog; default "
-                      "$MOE_PLUGINS_CALL_TIMEOUT_S, else off; 0: off)")
+                      "$MOE_PLUGINS_CALL_TIMEOUT_S, else off; 0: off; else at least 0.5)")
     demo.add_argument("--json", action="store_true", help="one JSON object per strategy and line")
     demo.set_defaults(fn=_cmd_demo)
     add_plan_parser(sub)

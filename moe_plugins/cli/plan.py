@@ -356,8 +356,9 @@ def _comparison_table(comparison: list) -> None:
 
 def _sweep(args: argparse.Namespace, model: Any, layout: Any, quant: Any, kw: dict) -> int:
     """--sweep-tokens: dispatch + combine per backend at each count, and the crossover."""
-    from moe_plugins.planner.compare import crossover_backends, crossover_tokens, sweep_tokens
-    from moe_plugins.registry import AUTO
+    from moe_plugins.planner.compare import crossover_backends, sweep_tokens
+    from moe_plugins.planner.crossover import mode_crossover
+    from moe_plugins.registry import AUTO, get_backend
 
     if args.tokens is not None or args.tokens_per_dp is not None:
         raise ValueError("--sweep-tokens sets the tokens of every DP group itself; leave out "
@@ -367,8 +368,13 @@ def _sweep(args: argparse.Namespace, model: Any, layout: Any, quant: Any, kw: di
         n for n in (args.backend, low, normal) if n is not None))
     counts = args.sweep_tokens
     points = sweep_tokens(model, layout, counts, quant, names, **kw)
-    at, text = ((None, "no crossover: a low-latency and a normal-mode backend are needed")
-                if low is None or normal is None else crossover_tokens(counts, points, low, normal))
+    cross = None
+    if low is not None and normal is not None:  # what a deepep_auto layer with this link uses
+        cross = mode_crossover(model.moe, layout, quant, get_backend(low), get_backend(normal),
+                               kw["link"], kw["placement"])
+    text = ("no crossover: a low-latency and a normal-mode backend are needed" if cross is None
+            else cross.text)
+    thresholds = _call_mode_thresholds(model, layout, quant, kw["link"])
     order = sorted({b.backend for b in points[0]})
     if args.json:
         print(json.dumps({
@@ -376,8 +382,12 @@ def _sweep(args: argparse.Namespace, model: Any, layout: Any, quant: Any, kw: di
             "link": _link_json(kw["link"]),
             "sweep": [{"tokens_per_dp_group": n, "backends": [_time_json(b) for b in row]}
                       for n, row in zip(counts, points)],
-            "crossover": {"low_latency": low, "normal": normal, "tokens_per_dp_group": at,
-                          "text": text}}))
+            "crossover": {"low_latency": low, "normal": normal,
+                          "tokens_per_dp_group": None if cross is None else cross.tokens,
+                          "rows_per_rank": None if cross is None else cross.rows_per_rank,
+                          "text": text},
+            "thresholds": [{"backend": n, "rows_per_rank": None if t is None else t.rows,
+                            "capacity": cap, "text": why} for n, cap, t, why in thresholds]}))
         return 0
     print(f"layout {layout.describe()}, model {model.name}, quant {quant.scheme.value}")
     print(_link_text(kw["link"]))
@@ -388,11 +398,41 @@ def _sweep(args: argparse.Namespace, model: Any, layout: Any, quant: Any, kw: di
         t = {b.backend: b for b in row}
         print(f"{n:>15} " + " ".join(
             f"{t[name].total_us:>28.1f}" if t[name].usable else f"{'-':>28}" for name in order))
-    for b in points[0]:
-        if not b.usable:
-            print(f"{b.backend}: {b.reason}")
+    said = set()
+    for n, row in zip(counts, points):  # each backend's first refusal, from that count on
+        for b in row:
+            if not b.usable and b.backend not in said:
+                said.add(b.backend)
+                print(f"{b.backend}" + (f" from {n} tokens per DP group" if n != counts[0] else "")
+                      + f": {b.reason}")
     print(text)
+    for name, cap, t, why in thresholds:
+        print(f"{name} built with this link: " + (
+            f"low-latency up to {t.rows} tokens per rank ({why}), normal mode above"
+            if t is not None else why) + f"; capacity {cap}")
     return 0
+
+
+def _call_mode_thresholds(model: Any, layout: Any, quant: Any, link: Any) -> list[tuple]:
+    """(backend, capacity, ModeThreshold or None, why) of every registered backend that picks
+    its transport per call: where a layer of it built with ``link`` switches modes, with the
+    capacity the plan assumes (the threshold's rows are per rank: tp 1)."""
+    from moe_plugins.planner.crossover import low_latency_threshold
+    from moe_plugins.registry import registered_backends
+
+    out = []
+    for name, spec in sorted(registered_backends().items()):
+        modes = spec.call_modes
+        if modes is None or not layout.ep:
+            continue
+        try:
+            t = low_latency_threshold(model.moe, layout.ep_size, quant, link, modes,
+                                      modes.capacity)
+        except ValueError as e:
+            out.append((name, modes.capacity, None, f"cannot be priced: {e}"))
+            continue
+        out.append((name, modes.capacity, t, t.reason))
+    return out
 
 
 def _preset_name(text: str) -> str:
@@ -466,6 +506,7 @@ def add_plan_parser(sub: Any) -> None:
                       help="SMs of DeepEP's normal mode (default 20, DeepEP V1's)")
     plan.add_argument("--sweep-tokens", type=_sweep_counts, metavar="N1,N2,...",
                       help="dispatch + combine per backend at each count of tokens per DP group, "
-                      "and where the normal mode overtakes the low-latency one")
+                      "where the normal mode overtakes the low-latency one, and the threshold a "
+                      "deepep_auto layer built with this link switches at")
     plan.add_argument("--per-rank", action="store_true", help="table: a line per rank as well")
     plan.add_argument("--json", action="store_true", help="one JSON object per strategy and line")

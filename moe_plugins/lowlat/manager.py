@@ -17,10 +17,12 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
+from moe_plugins.interface import BackendManager
 from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
                                        kernel_hidden_size, token_capacity)
 from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor
-from moe_plugins.registry import RequiredPackage, WireLayout
+from moe_plugins.masking import checked_mask_request
+from moe_plugins.registry import RequiredPackage, TokenLimit, WireLayout
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class LowLatencyOptions:
 _PADDING_LOGGED: set[tuple] = set()
 
 
-class LowLatencyManager(ABC):
+class LowLatencyManager(BackendManager, ABC):
     """Buffer and kernel limits of one low-latency backend for one layer config. The manager
     owns the library buffer (and its rank mask); the prepare/finalize makes the dispatch and
     combine calls on it (:class:`moe_plugins.lowlat.prepare_finalize.LowLatencyPrepareFinalize`).
@@ -90,8 +92,6 @@ class LowLatencyManager(ABC):
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
     query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
     clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
-    #: The library masks peers by itself (a timed-out peer), so an engine should always poll.
-    masks_by_itself: ClassVar[bool] = False
     #: The runtime calls the prepare/finalize makes instead of the buffer's Python methods (set
     #: by a manager whose library release is known; None: the methods named above).
     runtime_calls: Optional[RuntimeCalls] = None
@@ -141,14 +141,12 @@ class LowLatencyManager(ABC):
                     "on" if self.options.allow_nvlink else "off", self.library)
         return buffer
 
+    # -- configuration ---------------------------------------------------------------------
     @classmethod
-    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
-                       ) -> Optional[LowLatencyOptions]:
-        """The ``backend_options`` an engine (the vLLM glue) builds this backend with when the
-        user gave none; ``tcp_store``: a torch.distributed Store shared by the EP group, for
-        libraries that exchange connection metadata through one; ``fault_tolerance``: the
-        engine will poll the rank mask (:meth:`masked_ranks`), so the buffer must have one.
-        None: the defaults."""
+    def token_limit(cls, num_ranks: int) -> Optional[TokenLimit]:
+        """The most tokens per rank a layer over ``num_ranks`` EP ranks can be built for
+        (``BackendSpec.token_limit``, read by the plan), from the checks :meth:`__init__`
+        runs; None: no limit but memory."""
         return None
 
     def _probe_library(self) -> str:
@@ -227,9 +225,11 @@ class LowLatencyManager(ABC):
     # -- elastic rank masking --------------------------------------------------------------
     def set_rank_masked(self, rank: int, masked: bool = True) -> None:
         """Stop (``masked``) or resume sending to and receiving from EP rank ``rank``; combine
-        then leaves out the experts of masked ranks (their topk weights count as zero)."""
-        if not 0 <= rank < self.num_ranks:
-            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        then leaves out the experts of masked ranks (their topk weights count as zero).
+        ``rank``: an int in [0, EP size); ``masked``: a bool or the int 0/1 (anything else is
+        refused before the mask changes: :func:`moe_plugins.masking.checked_mask_request`)."""
+        rank, masked = checked_mask_request(rank, masked, self.num_ranks,
+                                            f"{self.backend_name} set_rank_masked")
         self._check_can_mask(rank)
         getattr(self.buffer, self.update_mask_method)(rank, masked)
         chosen = _CALLER_MASKED.setdefault(self._buffer_key, set())
@@ -273,6 +273,11 @@ class LowLatencyManager(ABC):
         getattr(self.buffer, self.clean_mask_method)()
         _synchronize(self.ctx.device)
         _CALLER_MASKED.pop(self._buffer_key, None)
+
+    def library_timeout(self) -> tuple[Optional[float], bool]:
+        """The library's own bound on a wait for a peer (seconds; None: none known) and whether
+        its kernels trap at it (see ``PrepareFinalize.library_timeout_s``)."""
+        return None, False
 
     def _check_can_mask(self, rank: Optional[int]) -> None:
         """Raise ValueError when this buffer cannot mask ``rank`` (None: cannot mask at all)."""

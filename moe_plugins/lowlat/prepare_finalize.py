@@ -91,6 +91,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         #: The library runtime's calls this object makes (None: the buffer's Python methods);
         #: with them, the runtime's host asserts check what they check (RuntimeCalls).
         self.runtime_calls: Optional[RuntimeCalls] = manager.runtime_calls
+        self.library_timeout_s, self.library_traps = manager.library_timeout()
         self._buffer = manager.buffer
         # The buffer's Python methods (the calls where runtime_calls is None), bound once: a
         # getattr by name per call is host time on every dispatch and combine.
@@ -482,5 +483,6 @@ def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize
         priority=priority,
         dtypes=frozenset({torch.bfloat16}),  # the kernels dispatch bf16 (and quantize to FP8)
         wire_layout=manager.wire_layout,
+        token_limit=manager.token_limit,
         transport=Transport.LOW_LATENCY,
     )

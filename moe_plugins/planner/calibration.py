@@ -1,41 +1,68 @@
-"""The published measurements the time model was fitted on, and its residual on each.
+"""The published measurements the time model is fitted on and checked against, each with its
+source, turned into times the way DeepEP counts bytes; and the model's residual on each.
 
-Every row is from DeepEP V1's README (deepseek-ai/DeepEP, the tables "Normal kernels with
-NVLink and RDMA forwarding" and "Low-latency kernels with pure RDMA"): H800, one ConnectX-7
-400 Gb/s NIC per GPU, hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine. Nothing
-else was fitted. The low-latency rows are times (128 tokens per rank). The normal-mode rows
-are bandwidths at 4096 tokens per rank, turned into times the way DeepEP's tests count bytes:
-intranode, every received (token, rank) row (the rank's own included); internode, every
-(token, node) row sent over RDMA (the own node included); each row hidden x (1 + 4/128) bytes
-in FP8 and hidden x 2 in BF16, with uniform routing's expected rows.
+Every row is from DeepEP V1's README at commit 567632d (deepseek-ai/DeepEP, section
+"Performance"): H800, one ConnectX-7 400 Gb/s InfiniBand NIC per GPU, hidden 7168, top-8
+experts, FP8 dispatch, BF16 combine. The low-latency rows are times at 128 tokens per rank;
+EP 8, 16 and 32 are fitted (:mod:`moe_plugins.planner.fit`), EP 64, 128 and 256 are not (they
+check the model away from its fit). The normal-mode rows are bandwidths at 4096 tokens per rank
+(EP 8 intranode, EP 16 and 32 internode, all fitted), turned into times by
+:func:`published_us` with DeepEP's own byte counting. The README's internode EP 64 row is not
+used: DeepEP's test routes it to 4 of the 8 nodes (``num_topk_groups = min(num_nodes, 4)``),
+routing the model does not count; at 2 and 4 nodes that limit keeps every node.
+
+DeepEP's byte counting, read from its tests at 567632d and written here without the model's
+traffic code (so an error there cannot cancel in the comparison):
+
+- ``tests/test_intranode.py``: bandwidth = rank 0's received bytes / time, the received rows
+  being ``recv_x`` (one row per (token, rank 0) pair of every rank's tokens, rank 0's own
+  included), ``hidden x 2`` bytes each, times ``fp8_factor = (1 + 4/128) / 2`` for FP8.
+- ``tests/test_internode.py``: bandwidth = rank 0's RDMA bytes / time, the rows being
+  ``num_rdma_token_sent`` (one per (token, node) pair of rank 0's tokens, its own node
+  included), ``hidden x 2`` bytes each, ``fp8_factor`` for FP8; the combine counts the same rows
+  in BF16.
+- Routing: each token's top-k of ``randn().abs() + 1`` scores over all experts, so its experts
+  are a uniform draw of k distinct ones; a block of ``b`` of the ``E`` experts (a rank's, a
+  node's) is missed with probability ``prod_{i<k} (E - b - i) / (E - i)``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
+from moe_plugins.config import MoEConfig
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.planner.plan import plan_layer
 from moe_plugins.planner.presets import LINK_PRESETS
-from moe_plugins.planner.traffic import expected_ranks_hit
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend
-from moe_plugins.config import MoEConfig
 
-__all__ = ["CalibrationRow", "CALIBRATION_ROWS", "CALIBRATION_MODEL", "predict_us",
-           "published_us", "residuals"]
+__all__ = ["PublishedRow", "PUBLISHED_ROWS", "FITTED_ROWS", "CHECK_ROWS", "CALIBRATION_MODEL",
+           "CALIBRATION_QUANT", "published_us", "predict_us", "residuals"]
 
-#: The published tests' layer: hidden 7168, 256 experts, top-8 (DeepSeek-V3's MoE).
+#: The published tests' layer: hidden 7168, 256 experts, top-8 (DeepSeek-V3's MoE; DeepEP's
+#: normal-mode tests default to 256 experts; its low-latency test to 288, which changes no
+#: low-latency time: one message per (token, expert) pair, spread evenly over the ranks).
 CALIBRATION_MODEL = MoEConfig(hidden=7168, num_experts=256, num_topk=8, intermediate=2048,
                               shared_intermediate=0, dtype=torch.bfloat16)
+#: FP8 dispatch (block-128 scales), BF16 combine.
+CALIBRATION_QUANT = QuantSpec(QuantScheme.FP8_BLOCK128)
+
+_README = "deepseek-ai/DeepEP README.md at 567632d, Performance"
+_LL_TABLE = f"{_README}, 'Low-latency kernels with pure RDMA' (128 tokens per batch)"
+_NORMAL_TABLE = (f"{_README}, 'Normal kernels with NVLink and RDMA forwarding' (4096 tokens per "
+                 "batch)")
 
 
 @dataclass(frozen=True)
-class CalibrationRow:
-    """One published figure: ``backend`` at EP ``ep`` with ``tokens`` per rank, ``phase``
-    'dispatch' or 'combine'; ``value`` in ``unit`` ('us', or 'GB/s' as DeepEP counts it)."""
+class PublishedRow:
+    """One published figure: ``backend`` (the transport it measured) at EP ``ep`` with
+    ``tokens`` per rank, ``phase`` 'dispatch' or 'combine'; ``value`` in ``unit`` ('us', or
+    'GB/s' as DeepEP counts it); ``source`` names the table and row; ``fitted``: the fit uses
+    it (else it checks the model)."""
 
     backend: str
     ep: int
@@ -43,6 +70,8 @@ class CalibrationRow:
     phase: str
     value: float
     unit: str
+    source: str
+    fitted: bool
 
     @property
     def label(self) -> str:
@@ -51,44 +80,68 @@ class CalibrationRow:
         return f"{mode} EP {self.ep} {self.phase}"
 
 
-# EP -> (dispatch, combine), as the README's tables give them
-_LOW_LATENCY_US = {8: (77.0, 114.0), 16: (118.0, 195.0), 32: (155.0, 273.0)}  # 128 tokens/rank
-_NORMAL_GBPS = {8: (153.0, 158.0), 16: (43.0, 43.0), 32: (58.0, 57.0)}  # 4096 tokens/rank
-
-CALIBRATION_ROWS: tuple[CalibrationRow, ...] = tuple(
-    CalibrationRow(backend, ep, tokens, phase, value, unit)
-    for backend, tokens, unit, table in (("deepep_ll", 128, "us", _LOW_LATENCY_US),
-                                         ("deepep_ht", 4096, "GB/s", _NORMAL_GBPS))
-    for ep, values in table.items()
-    for phase, value in zip(("dispatch", "combine"), values))
+def _ll(ep: int, dispatch_us: float, combine_us: float, fitted: bool) -> list[PublishedRow]:
+    return [PublishedRow("deepep_ll", ep, 128, phase, value, "us",
+                         f"{_LL_TABLE}, row #EP {ep}, {phase} latency", fitted)
+            for phase, value in (("dispatch", dispatch_us), ("combine", combine_us))]
 
 
-def published_us(row: CalibrationRow, gpus_per_node: int = 8) -> float:
-    """The published figure as a time (us); bandwidths are converted as the module docstring
-    says."""
+def _normal(ep: int, dispatch_gbps: float, combine_gbps: float) -> list[PublishedRow]:
+    kind = "Intranode" if ep <= 8 else "Internode"
+    return [PublishedRow("deepep_ht", ep, 4096, phase, value, "GB/s",
+                         f"{_NORMAL_TABLE}, row {kind} #EP {ep}, {phase} bottleneck bandwidth",
+                         True)
+            for phase, value in (("dispatch", dispatch_gbps), ("combine", combine_gbps))]
+
+
+#: Every published row the planner uses, as the README gives them.
+PUBLISHED_ROWS: tuple[PublishedRow, ...] = tuple(
+    _ll(8, 77, 114, True) + _ll(16, 118, 195, True) + _ll(32, 155, 273, True)
+    + _ll(64, 173, 314, False) + _ll(128, 192, 369, False) + _ll(256, 194, 360, False)
+    + _normal(8, 153, 158) + _normal(16, 43, 43) + _normal(32, 58, 57))
+FITTED_ROWS = tuple(r for r in PUBLISHED_ROWS if r.fitted)
+CHECK_ROWS = tuple(r for r in PUBLISHED_ROWS if not r.fitted)
+
+
+def _hit(num_experts: int, block: int, num_topk: int) -> Fraction:
+    """Probability that a token's ``num_topk`` distinct uniform experts touch a given block of
+    ``block`` experts."""
+    miss = Fraction(1)
+    for i in range(num_topk):
+        miss *= Fraction(num_experts - block - i, num_experts - i)
+    return 1 - miss
+
+
+def published_us(row: PublishedRow, gpus_per_node: int = 8) -> float:
+    """The published figure as a time (us): a latency as given; a bandwidth converted with the
+    bytes DeepEP's test divided by the time (module doc)."""
     if row.unit == "us":
         return row.value
     m = CALIBRATION_MODEL
-    row_bytes = m.hidden * (1 + 4 / 128) if row.phase == "dispatch" else m.hidden * 2
+    row_bytes = m.hidden * 2 * (Fraction(1 + Fraction(4, 128), 2) if row.phase == "dispatch"
+                                else 1)
     nodes = -(-row.ep // gpus_per_node)
-    # intranode: (token, rank) rows received; internode: (token, node) rows sent over RDMA
-    hits = float(expected_ranks_hit(m.num_experts, m.num_topk, row.ep if nodes == 1 else nodes))
-    return row.tokens * hits * row_bytes / (row.value * 1e3)
+    if nodes == 1:  # rank 0's received rows: every rank's tokens that touch rank 0
+        rows = row.ep * row.tokens * _hit(m.num_experts, m.num_experts // row.ep, m.num_topk)
+    else:  # rank 0's RDMA rows: its tokens times the nodes they touch, its own included
+        rows = row.tokens * nodes * _hit(m.num_experts, m.num_experts // nodes, m.num_topk)
+    return float(rows * row_bytes) / (row.value * 1e3)
 
 
-def predict_us(row: CalibrationRow, link: LinkModel = LINK_PRESETS["h800-cx7"]) -> float:
+def predict_us(row: PublishedRow, link: LinkModel = LINK_PRESETS["h800-cx7"]) -> float:
     """The model's busiest-rank time (us) for ``row``'s set-up, through :func:`plan_layer`."""
     plan = plan_layer(CALIBRATION_MODEL, ParallelLayout(row.ep, 1, True), row.tokens,
-                      get_backend(row.backend), QuantSpec(QuantScheme.FP8_BLOCK128), link=link)
+                      get_backend(row.backend), CALIBRATION_QUANT, link=link)
     t = plan.recommended.time
     return t.dispatch_us if row.phase == "dispatch" else t.combine_us
 
 
-def residuals(link: LinkModel = LINK_PRESETS["h800-cx7"]) -> list[tuple[CalibrationRow, float,
-                                                                         float, float]]:
-    """(row, published us, predicted us, relative residual) for every calibration row."""
+def residuals(rows: tuple[PublishedRow, ...] = FITTED_ROWS,
+              link: LinkModel = LINK_PRESETS["h800-cx7"]
+              ) -> list[tuple[PublishedRow, float, float, float]]:
+    """(row, published us, predicted us, relative residual) for each of ``rows``."""
     out = []
-    for row in CALIBRATION_ROWS:
+    for row in rows:
         pub, pred = published_us(row, link.gpus_per_node), predict_us(row, link)
         out.append((row, pub, pred, pred / pub - 1))
     return out

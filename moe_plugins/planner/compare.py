@@ -1,8 +1,9 @@
 """Backends side by side under the time model: which is fastest for a layout and batch
 (:func:`compare_backends`), how the dispatch + combine time grows with tokens per DP group
-(:func:`sweep_tokens`), and where the normal mode overtakes the low-latency one
-(:func:`crossover_tokens`). Times are the busiest rank's, per MoE layer, of the strategy each
-backend's plan recommends."""
+(:func:`sweep_tokens`), and which two backends the low-latency / normal-mode crossover is read
+between (:func:`crossover_backends`; the crossover itself:
+:func:`moe_plugins.planner.crossover.mode_crossover`). Times are the busiest rank's, per MoE
+layer, of the strategy each backend's plan recommends."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,7 @@ from typing import Any, Optional, Sequence
 from moe_plugins.planner.plan import plan_layer
 from moe_plugins.registry import Transport, registered_backends
 
-__all__ = ["BackendTime", "compare_backends", "sweep_tokens", "crossover_backends",
-           "crossover_tokens"]
+__all__ = ["BackendTime", "compare_backends", "sweep_tokens", "crossover_backends"]
 
 
 @dataclass(frozen=True)
@@ -76,32 +76,6 @@ def crossover_backends() -> tuple[Optional[str], Optional[str]]:
 
     def first(t: Transport) -> Optional[str]:
         return next((n for n in sorted(specs)
-                     if specs[n].transport is t and specs[n].transport_for is None), None)
+                     if specs[n].transport is t and specs[n].call_modes is None), None)
 
     return first(Transport.LOW_LATENCY), first(Transport.NORMAL)
-
-
-def crossover_tokens(token_counts: Sequence[int], points: Sequence[Sequence[BackendTime]],
-                     low_latency: str, normal: str) -> tuple[Optional[float], str]:
-    """Tokens per DP group where ``normal`` becomes as fast as ``low_latency`` (linear between
-    the swept counts), and a sentence saying so. None when the sweep does not bracket it (the
-    sentence says which side wins throughout) or a backend cannot serve the layer."""
-    diff = []
-    for n, row in zip(token_counts, points):
-        times = {b.backend: b for b in row}
-        for name in (low_latency, normal):
-            if name not in times or not times[name].usable:
-                why = times[name].reason if name in times else "not registered"
-                return None, f"no crossover: {name} cannot serve the layer at {n} tokens ({why})"
-        diff.append(times[normal].total_us - times[low_latency].total_us)
-    if diff[0] <= 0:
-        return None, (f"{normal} is as fast as {low_latency} or faster from the first swept "
-                      f"count ({token_counts[0]} tokens)")
-    for i in range(1, len(diff)):
-        if diff[i] <= 0:
-            n0, n1 = token_counts[i - 1], token_counts[i]
-            at = n0 + (n1 - n0) * diff[i - 1] / (diff[i - 1] - diff[i])
-            return at, (f"{normal} overtakes {low_latency} at about {at:.0f} tokens per DP group "
-                        f"(between {n0} and {n1})")
-    return None, (f"{low_latency} stays faster than {normal} up to {token_counts[-1]} tokens per "
-                  "DP group")

@@ -37,8 +37,10 @@ torch.distributed counted on a real multi-rank run):
   evenly over the ranks). Pass the measured routing (:class:`Routing`) and every quantity is exact.
   A BATCHED-format (per-expert, DeepEP-LL-style) backend sends one row per pair: its sent rows are
   exact without routing. DeepEP's normal mode (``deepep_ht``) is STANDARD: one row per (token,
-  destination rank). ``deepep_auto`` is planned in the mode it takes for the busiest rank's rows
-  (``BackendSpec.wire_format_for``: low-latency, per pair, up to its default capacity).
+  destination rank). ``deepep_auto`` (``BackendSpec.call_modes``) is planned as the mode a layer
+  of it built with the plan's link takes for the busiest rank's rows: low-latency (per pair) up
+  to the time model's crossover, at most the capacity of ``CallModes.capacity`` rows per rank,
+  normal mode above (:func:`moe_plugins.planner.crossover.low_latency_threshold`).
 
 Experts are placed by an :class:`moe_plugins.placement.ExpertPlacement` (linear by default:
 expert ``e`` on EP rank ``e // (num_experts // num_ranks)``); its slots per rank, redundant
@@ -48,21 +50,21 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from moe_plugins.config import DispatchConfig
+from moe_plugins.config import MoEConfig
 from moe_plugins.layout import ParallelLayout, owned_rows
 from moe_plugins.placement import ExpertPlacement
+from moe_plugins.planner.all_to_all import (AllToAllPlan, check_backend, check_dispatch,
+                                            plan_all_to_all)
+from moe_plugins.planner.crossover import low_latency_threshold
 from moe_plugins.planner.decoder import attention_collectives, moe_tp_collectives, weight_bytes
 from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.planner.recommend import recommend_strategy
 from moe_plugins.planner.results import (CollectivePlan, LayerPlan, RankPlan, StrategyPlan,
                                          TimeEstimate)
-from moe_plugins.planner.traffic import (Estimate, Routing, check_routing, itemsize, node_traffic,
-                                         rank_traffic, tokens_per_dp, wire_format)
-from moe_plugins.planner.transport_time import all_to_all_us
+from moe_plugins.planner.traffic import Estimate, Routing, itemsize, tokens_per_dp, wire_format
 from moe_plugins.quant import QuantSpec
-from moe_plugins.registry import BackendSpec, Transport, WireLayout, refusal_reason
-from moe_plugins.config import MoEConfig
+from moe_plugins.registry import BackendSpec, WireLayout
 from moe_plugins.strategy import SharedPlacement, applicable_strategies, choose_strategy
 
 __all__ = ["plan_layer"]
@@ -107,29 +109,24 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                                     has_shared_expert=cfg.has_shared_expert)
     # As MoELayer builds a backend: EP on and a dispatching strategy (one rank sends to itself).
     dispatching = [s for s in options if s.dispatches and layout.ep]
-    wire_row = WireLayout(cfg.hidden)
-    if dispatching:  # the backend's own checks, as building it for a layer runs them
-        wire_row = backend.wire_layout_for(DispatchConfig(
-            cfg.num_experts, cfg.hidden, cfg.num_topk, max(1, *tokens), cfg.dtype, quant,
-            backend_options, placement))
-    why = refusal_reason(backend, layout, quant.scheme, require_available=False,
-                         dtype=cfg.dtype if dispatching else None,
-                         placement=placement if layout.ep else None)
-    if why:
-        raise ValueError(f"backend {backend.name!r} cannot serve layout {layout.describe()} with "
-                         f"quant {quant.scheme.value}: {why}; change the layout, quant or backend")
-    if layout.ep and cfg.num_experts % layout.ep_size:
-        raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
-                         f"{layout.ep_size}; pick an EP size that divides the experts")
     world = layout.world_size
     rows = [owned_rows(tokens[layout.dp_rank(r)], layout.tp, layout.tp_rank(r)) for r in range(world)]
     owned = [o.num_owned for o in rows]
-    # a per-call backend (deepep_auto) sends per pair below its threshold, per rank above
-    fmt = (backend.wire_format_for(max(owned)) if backend.wire_format_for is not None
-           else caps.activation_format)
-    wire = wire_format(fmt, cfg, quant, wire_row)
+    traffic: Optional[AllToAllPlan] = None
+    transport = backend.transport
+    if dispatching:  # every dispatching strategy sends the same rows
+        traffic = _all_to_all(cfg, layout, owned, max(1, *owned), backend, quant, link, routing,
+                              backend_options, placement)
+        transport = traffic.transport
+    else:
+        check_backend(backend, layout, quant, cfg, False, placement)
+        if layout.ep and cfg.num_experts % layout.ep_size:
+            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
+                             f"{layout.ep_size}; pick an EP size that divides the experts")
+    disp, comb = traffic.times() if traffic is not None else (0.0, 0.0)
+    wire = traffic.wire if traffic is not None else wire_format(
+        caps.activation_format, cfg, quant, WireLayout(cfg.hidden))
     item = itemsize(cfg.dtype)
-    transport = backend.transport_at(max(owned))
 
     default = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
                               has_shared_expert=cfg.has_shared_expert,
@@ -138,17 +135,6 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                                 supports_row_scatter=caps.row_scatter, num_tokens=tokens,
                                 shared_expert_budget_bytes=shared_expert_budget_bytes,
                                 single_collective=single_collective)
-    if routing is not None and dispatching:
-        check_routing(routing, owned, cfg.num_topk)
-    sent, recv, recv_pairs, row_matrix = (
-        rank_traffic(cfg, world, owned, wire, routing) if dispatching else ([], [], [], []))
-    disp = comb = 0.0
-    if dispatching:  # every dispatching strategy sends the same rows
-        nodes = (node_traffic(cfg, owned, link.gpus_per_node, routing)
-                 if transport is Transport.NORMAL else None)
-        disp = all_to_all_us(transport, "dispatch", row_matrix,
-                             wire.act_bytes + wire.sf_bytes + wire.meta_bytes, link, nodes)
-        comb = all_to_all_us(transport, "combine", row_matrix, wire.combine_bytes, link, nodes)
 
     def collectives(kinds: list[tuple[str, int]], r: int) -> tuple[CollectivePlan, ...]:
         group = layout.tp_group_ranks(layout.dp_rank(r))
@@ -172,8 +158,8 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                                                      spec.sp_attention), r)
             tp_time = max(tp_time, sum(c.time_us for c in colls))
             attn_time = max(attn_time, sum(c.time_us for c in attn))
-            s_rows = sent[r] if dispatches else _ZERO
-            r_rows = recv[r] if dispatches else _ZERO
+            s_rows = traffic.sent[r] if dispatches and traffic else _ZERO
+            r_rows = traffic.recv[r] if dispatches and traffic else _ZERO
             ranks.append(RankPlan(
                 rank=r, dp_rank=layout.dp_rank(r), tp_rank=layout.tp_rank(r),
                 num_tokens=rows[r].num_tokens, owned=owned[r] if dispatches else 0,
@@ -181,7 +167,8 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                 rows=s_rows, act_bytes=s_rows.scaled(wire.act_bytes),
                 sf_bytes=s_rows.scaled(wire.sf_bytes), meta_bytes=s_rows.scaled(wire.meta_bytes),
                 combine_bytes=r_rows.scaled(wire.combine_bytes),
-                recv_pairs=recv_pairs[r] if dispatches else _ZERO, recv_rows=r_rows,
+                recv_pairs=traffic.recv_pairs[r] if dispatches and traffic else _ZERO,
+                recv_rows=r_rows,
                 recv_act_bytes=r_rows.scaled(wire.act_bytes),
                 recv_sf_bytes=r_rows.scaled(wire.sf_bytes),
                 recv_meta_bytes=r_rows.scaled(wire.meta_bytes),
@@ -197,6 +184,36 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
     plans = [_with_comparison(p, plans) for p in plans]
     return LayerPlan(spec, layout, tokens, backend.name, quant, link, wire, routing is not None,
                      tuple(plans), placement if layout.ep else None, transport)
+
+
+def _all_to_all(cfg: MoEConfig, layout: ParallelLayout, owned: list[int], max_tokens: int,
+                backend: BackendSpec, quant: QuantSpec, link: LinkModel,
+                routing: Optional[Routing], backend_options: object,
+                placement: Optional[ExpertPlacement]) -> AllToAllPlan:
+    """The layer's all-to-alls on ``backend``; a per-call backend (``BackendSpec.call_modes``)
+    in the mode a layer of it built with ``link`` takes for the busiest rank's rows (its
+    threshold: :func:`moe_plugins.planner.crossover.low_latency_threshold`, with the
+    capacity the plan assumes), after both modes' own checks (its low-latency buffers hold
+    that capacity)."""
+    modes = backend.call_modes
+    if modes is None:
+        return plan_all_to_all(cfg, layout, owned, backend, quant, link, max_tokens=max_tokens,
+                               routing=routing, backend_options=backend_options,
+                               placement=placement)
+    check_backend(backend, layout, quant, cfg, True, placement)
+    # building the layer builds both modes
+    sizes = ((modes.low_latency, modes.capacity), (modes.normal, max_tokens))
+    for half, size in sizes:
+        try:
+            check_dispatch(cfg, layout, half, quant, size, backend_options, placement)
+        except ValueError as e:
+            raise ValueError(f"backend {backend.name!r}: its mode as {half.name!r}"
+                             + (f" with {size} tokens per rank (the capacity the plan assumes)"
+                                if half is modes.low_latency else "") + f": {e}") from None
+    threshold = low_latency_threshold(cfg, layout.ep_size, quant, link, modes, modes.capacity)
+    half, size = sizes[0] if max(owned) <= threshold.rows else sizes[1]
+    return plan_all_to_all(cfg, layout, owned, half, quant, link, max_tokens=size,
+                           routing=routing, backend_options=backend_options, placement=placement)
 
 
 def _with_comparison(p: StrategyPlan, plans: list[StrategyPlan]) -> StrategyPlan:

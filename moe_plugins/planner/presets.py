@@ -6,10 +6,11 @@ H800 rows alone and are assumed to carry over to the other systems."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
 from moe_plugins.planner.link_model import LinkModel
 
-__all__ = ["LINK_PRESETS", "link_preset"]
+__all__ = ["LINK_PRESETS", "link_preset", "link_from_config"]
 
 _LATENCY = dict(nvlink_latency_us=3.0, rdma_latency_us=5.0)
 
@@ -48,3 +49,40 @@ def link_preset(name: str, **overrides: object) -> LinkModel:
         return base
     return dataclasses.replace(base, **changed,
                                name=f"{name} (with {', '.join(sorted(changed))})")
+
+
+_LINK_FIELDS = tuple(f.name for f in dataclasses.fields(LinkModel) if f.name != "name")
+
+
+def link_from_config(value: Any, where: str) -> LinkModel:
+    """The link model an engine's settings name (``where`` says which setting, for errors): a
+    preset name (``"h200-cx7"``), or an object of :class:`LinkModel` fields, optionally over a
+    preset (``{"preset": "h200-cx7", "rdma_gbps": 25}``, ``{"nvlink_gbps": 450,
+    "gpus_per_node": 8}``). ValueError / TypeError say what was given and what is expected."""
+    if isinstance(value, str):
+        return _named(value, where)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where} must be a preset name or an object of link fields, got "
+                        f"{type(value).__name__}; e.g. \"h200-cx7\" or "
+                        "{\"preset\": \"h200-cx7\", \"rdma_gbps\": 25}")
+    fields = dict(value)
+    preset = fields.pop("preset", None)
+    unknown = sorted(set(fields) - set(_LINK_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown link field(s) {unknown}; expected 'preset' and any of "
+                         f"{list(_LINK_FIELDS)}")
+    try:
+        if preset is None:
+            return LinkModel(**fields)
+        if not isinstance(preset, str):
+            raise TypeError(f"the preset must be a name, got {type(preset).__name__}")
+        return link_preset(_named(preset, where).name, **fields)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+def _named(name: str, where: str) -> LinkModel:
+    if name not in LINK_PRESETS:
+        raise ValueError(f"{where}: unknown link preset {name!r}; expected one of "
+                         f"{', '.join(sorted(LINK_PRESETS))}, or an object of link fields")
+    return LINK_PRESETS[name]

@@ -33,9 +33,11 @@ The families, from how their kernels move data:
 
 :data:`CALIBRATED` names the families the published rows cover; the others borrow constants.
 
-Calibration: the constants in :data:`FITTED` were fitted on the published DeepEP V1 README rows
-(H800, one ConnectX-7 400 Gb/s per GPU) and nothing else; :mod:`moe_plugins.planner.calibration`
-lists those rows and the model's residual on each. Every other figure is a prediction.
+Calibration: the constants in :data:`FITTED` are fitted on the published DeepEP V1 README rows
+(H800, one ConnectX-7 400 Gb/s per GPU, EP 8-32) and nothing else, by
+:mod:`moe_plugins.planner.fit` (``python -m moe_plugins.planner.fit``; a test holds
+:data:`FITTED` to its result); :mod:`moe_plugins.planner.calibration` lists those rows with
+their sources and the model's residual on each. Every other figure is a prediction.
 """
 from __future__ import annotations
 
@@ -72,8 +74,8 @@ class FittedConstants:
     reference_sms: int = 24
 
 
-#: Fitted on the DeepEP V1 README rows only (see the module docstring and
-#: :mod:`moe_plugins.planner.calibration`).
+#: Fitted on the DeepEP V1 README rows only, by :mod:`moe_plugins.planner.fit` (rounded to
+#: the digits written here; see the module docstring).
 FITTED = FittedConstants()
 
 #: The transport families a published row was fitted on; the others borrow their constants.
@@ -202,4 +204,8 @@ def all_to_all_us(transport: Transport, phase: str, rows: _Matrix, row_bytes: in
         return _normal_us(rows, node_rows, row_bytes, link, constants)
     if transport is Transport.NVLINK_TWO_SIDED:
         return _nvlink_two_sided_us(rows, row_bytes, link, constants)
-    return _nccl_us(rows, row_bytes, link, constants, 2 if phase == "dispatch" else 1)
+    if transport is Transport.NCCL:
+        return _nccl_us(rows, row_bytes, link, constants, 2 if phase == "dispatch" else 1)
+    # a family added to Transport without its time function here (docs/adding_a_backend.md)
+    raise ValueError(f"the planner has no time model for transport {transport!r}; add one to "
+                     "moe_plugins/planner/transport_time.py")

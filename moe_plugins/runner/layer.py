@@ -12,9 +12,10 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import (PeerMaskedError, group_faults, in_step, is_in_step,
-                                is_owed_call)
+                                is_owed_call, library_timeout_error)
 from moe_plugins.groups import DistContext, all_gather_tensor
-from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget, capturing
+from moe_plugins.interface import (BackendManager, PrepareFinalize, PrepareResult, RankMasking,
+                                   RowScatterTarget, capturing)
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
 from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.placement import ExpertPlacement
@@ -37,18 +38,25 @@ _LOGGED: set[tuple] = set()
 class MoELayer:
     """One MoE layer on one rank.
 
-    ``weights`` are the full weights (each rank takes its shard); ``strategy`` None picks the
-    default for the layout; ``backend_options`` goes to the backend as
-    ``DispatchConfig.backend_options`` (its typed options dataclass, None for its defaults).
-    ``forward(x)`` takes x [num_tokens, hidden], the same on every TP rank of a DP group, and
-    returns the layer output [num_tokens, hidden] in ``x.dtype``. ``placement`` (EP on): where
-    the physical experts are (None: linear); the router's logical ids are mapped to physical
-    ones (a replica per token, as vLLM's EPLB router does) before dispatch, and
-    :meth:`rebalance` moves the experts between forward passes. ``call_timeout_s`` (None:
-    ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off): a call not complete within it ends this
-    process with a clear error (:mod:`moe_plugins.callbound.watchdog`: a peer died or hangs mid-call); the
-    layer's first calls run under the longer start-up bound
-    (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
+    ``weights`` are the full weights (each rank takes its shard); ``ctx``: this rank's groups
+    (:func:`moe_plugins.groups.make_dist_context`); ``backend``: a registered backend
+    (:func:`moe_plugins.registry.get_backend`), checked against the layout, quant, dtype and
+    placement (:class:`moe_plugins.registry.BackendSelectionError` naming what is missing);
+    ``strategy`` None picks the default for the layout (ValueError for one that does not
+    apply); ``quant``: the dispatch quantization; ``overlap``: the shared-expert overlap
+    switches (None: from the environment); ``max_tokens_per_rank``: the most tokens a TP rank's
+    chunk may hold per call (the backend's buffers are sized for it); ``shared_placement``: how
+    the shared expert sits on the TP ranks when the strategy is chosen here;
+    ``backend_options`` goes to the backend as ``DispatchConfig.backend_options`` (its typed
+    options dataclass, None for its defaults). ``forward(x)`` takes x [num_tokens, hidden], the
+    same on every TP rank of a DP group, and returns the layer output [num_tokens, hidden] in
+    ``x.dtype``. ``placement`` (EP on): where the physical experts are (None: linear); the
+    router's logical ids are mapped to physical ones (a replica per token, as vLLM's EPLB
+    router does) before dispatch, and :meth:`rebalance` moves the experts between forward
+    passes. ``call_timeout_s`` (None: ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off): a
+    call not complete within it ends this process with a clear error
+    (:mod:`moe_plugins.callbound.watchdog`: a peer died or hangs mid-call); the layer's first
+    calls run under the longer start-up bound (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
     """
 
     def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
@@ -110,23 +118,36 @@ class MoELayer:
         self.faults = group_faults(ctx.ep_group)
         self._destroyed = False
         self._num_calls = 0
+        #: the backend's manager and the prepare/finalize built on it (None: no dispatch)
+        self.manager: Optional[BackendManager] = None
         self.pf: Optional[PrepareFinalize] = None
         if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
-            self.pf = backend.build(ctx, DispatchConfig(
+            dispatch = DispatchConfig(
                 num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                 max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant,
-                backend_options=backend_options, placement=self.placement))
+                backend_options=backend_options, placement=self.placement)
+            self.manager = backend.manager(ctx, dispatch)
+            try:
+                self.pf = backend.prepare_finalize(self.manager, dispatch)
+            except BaseException:
+                self.manager.destroy()
+                raise
 
         # the watchdog hears the group's notice for a backend whose waits do not (hears_peer_
         # failures: the backend raises; the process lives)
         if self.pf is None or not self.pf.hears_peer_failures:
             self._bound.notice = self.faults.notice
+        if self.pf is not None:  # no bound set: where the library's timeout does not end a rank
+            # nothing in this layer's call compiles on first use (torch experts): no start-up
+            # bound, so a peer that dies after call 1 is bounded too
+            self._bound.backstop(backend.name, self.pf.library_timeout_s, self.pf.library_traps,
+                                 start_up=False)
         self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
         # the library's own masks, watched where the buffer has a mask (see _check_library_masks)
-        manager = getattr(self.pf, "manager", None)
-        can_mask = getattr(manager, "can_mask", None)
+        manager = self.manager
         self._masks_by_library = (manager.masked_by_library
-                                  if can_mask is not None and can_mask() else None)
+                                  if isinstance(manager, RankMasking) and manager.can_mask()
+                                  else None)
         key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type,
                self.placement.kind)
         if key not in _LOGGED:
@@ -159,7 +180,9 @@ class MoELayer:
 
     @property
     def dispatch_stats(self) -> DispatchStats:
-        return getattr(self.pf, "stats", None) or DispatchStats()
+        """What this rank's backend sent, summed over calls (all zeros when the strategy does
+        not dispatch)."""
+        return self.pf.stats if self.pf is not None else DispatchStats()
 
     def rebalance(self, placement: ExpertPlacement) -> None:
         """Move the experts to ``placement`` between forward passes (EPLB): this rank loads the
@@ -184,7 +207,10 @@ class MoELayer:
         self.placement = placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One call; collective over the EP group. An input this rank refuses leaves the layer
+        """One call; collective over the EP group. x: [num_tokens, hidden], float, on the
+        layer's device (0 tokens allowed; at most ``max_tokens_per_rank`` per TP rank's chunk),
+        the same on every TP rank of a DP group. Returns [num_tokens, hidden] in ``x.dtype``:
+        the routed experts' weighted sum plus the shared expert, reduced over TP. An input this rank refuses leaves the layer
         usable and never lets a peer pair this call with another (:mod:`moe_plugins.faults`,
         rule "refused inputs"): through the backend's host exchange every rank raises at the same point; on a
         backend without one this rank takes part in the call with no tokens of its own (its
@@ -229,6 +255,11 @@ class MoELayer:
                 self._serve_without_tokens(e)
             if not is_in_step(e):
                 self.faults.mark_broken(f"{self.name} raised on this rank", e)
+            if self.pf is not None:  # the library's own timeout on a peer: say what it means
+                wrapped = library_timeout_error(self.name, self.backend_spec.name,
+                                                self.pf.library_timeout_s, e)
+                if wrapped is not None:
+                    raise wrapped from e
             raise
 
     def _check_library_masks(self) -> None:
@@ -244,7 +275,7 @@ class MoELayer:
                 "their experts and is not returned; this layer's EP group is broken (later "
                 "calls raise LayerBrokenError). If a masked rank's process died, restart every "
                 "rank of the EP group (under vLLM, the engine); if every rank lives (a slow "
-                "peer), clean the buffers (layer.pf.manager.clean_buffers()) on every rank and "
+                "peer), clean the buffers (layer.manager.clean_buffers()) on every rank and "
                 "rebuild the layer on new process groups on every rank")
 
     def _input_error(self, x: object) -> Optional[Exception]:
@@ -368,7 +399,5 @@ class MoELayer:
     def destroy(self) -> None:
         """Release the backend's buffers; calling the layer afterwards raises."""
         self._destroyed = True
-        if self.pf is not None:
-            destroy = getattr(getattr(self.pf, "manager", None), "destroy", None)
-            if destroy is not None:
-                destroy()
+        if self.manager is not None:
+            self.manager.destroy()

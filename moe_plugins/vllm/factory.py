@@ -79,6 +79,11 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
         _warn_once("moe-plugins overlap_max_tokens is not used under vLLM: vLLM runs the shared "
                    "expert on its own side stream below VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD; "
                    "set that instead")
+    link = plan.settings.link
+    if link is not None and spec.call_modes is None:
+        _warn_once(f"moe-plugins link {link.name or '(link fields)'} is not used: backend "
+                   f"{spec.name} has one transport; the link sets where a per-call backend "
+                   "(deepep_auto) switches modes")
     wire_scheme = quant_scheme_of(quant_config)
     manager = ep_manager()
     ctx = manager.dist_context(layout, moe.device)
@@ -89,9 +94,9 @@ def make_prepare_finalize(moe: Any, quant_config: Any, use_monolithic: bool = Fa
             num_experts=moe.num_experts, hidden=moe.hidden_dim, num_topk=moe.experts_per_token,
             max_tokens_per_rank=max(1, moe.max_num_tokens), dtype=moe.in_dtype,
             quant=QuantSpec(wire_scheme if wire_scheme in spec.quants else QuantScheme.NONE))
-        backend = manager.build(spec, ctx, cfg)
+        backend = manager.build(spec, ctx, cfg, link)
         # one more object per further micro-batch, on the manager (buffer) cached for cfg
-        slots = [manager.build(spec, ctx, cfg) for _ in range(micro_batches(spec) - 1)]
+        slots = [manager.build(spec, ctx, cfg, link) for _ in range(micro_batches(spec) - 1)]
     pf = MoEPluginsPrepareAndFinalize(backend, spec.name, ctx, choice, plan.settings.overlap,
                                       moe.num_experts, wire_scheme, spec.quants,
                                       None if routing_tables is None else routing_tables[0],

@@ -20,8 +20,10 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import PrepareFinalize, RankMasking
+from moe_plugins.interface import BackendManager, PrepareFinalize, RankMasking
 from moe_plugins.layout import ParallelLayout
+from moe_plugins.masking import checked_mask_request
+from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.registry import BackendSpec
 from moe_plugins.vllm.layer_plan import parallel_config_plan
 
@@ -62,7 +64,8 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         super().__init__(cpu_group, tcp_store_group)
         # device_group: NCCL on CUDA, gloo on CPU; our transports use it for the all-to-alls.
         self.device_group = device_group if device_group is not None else cpu_group
-        self._managers: dict[tuple[str, DispatchConfig], Any] = {}
+        self._managers: dict[tuple[str, DispatchConfig], BackendManager] = {}
+        self._device = torch.device("cpu")  # the layers' (every layer of a rank has one)
         self.timeout_s = bound_vllm_timeout(cpu_group, self.device_group)
         self._store: Optional[dist.Store] = None
         self._last_mask: Optional[torch.Tensor] = None
@@ -100,18 +103,24 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         return DistContext(layout, self.rank, self.device_group, tp_group, torch.device(device),
                            self.timeout_s)
 
-    def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig) -> PrepareFinalize:
-        """A new prepare/finalize for one layer, on the cached manager of its config."""
-        engine_options = getattr(spec.manager, "engine_options", None)
-        if cfg.backend_options is None and engine_options is not None:
-            options = engine_options(self.tcp_store, fault_tolerance=self.support_fault_tolerance)
+    def build(self, spec: BackendSpec, ctx: DistContext, cfg: DispatchConfig,
+              link: Optional[LinkModel] = None) -> PrepareFinalize:
+        """A new prepare/finalize for one layer, on the cached manager of its config. ``link``:
+        the engine's link model (``--additional-config``), handed to a backend that picks its
+        transport per call (``BackendSpec.call_modes``)."""
+        if cfg.backend_options is None:
+            extra = {"link": link} if link is not None and spec.call_modes is not None else {}
+            options = spec.manager.engine_options(self.tcp_store,
+                                                  fault_tolerance=self.support_fault_tolerance,
+                                                  **extra)
             if options is not None:
                 cfg = dataclasses.replace(cfg, backend_options=options)
         key = (spec.name, cfg)
         manager = self._managers.get(key)
         if manager is None:
             manager = self._managers[key] = spec.manager(ctx, cfg)
-            if self._masks and manager in self._masking_managers():
+            self._device = ctx.device
+            if self._masks and isinstance(manager, RankMasking) and manager.can_mask():
                 for rank, masked in self._masks.items():
                     manager.set_rank_masked(rank, masked)
         return spec.prepare_finalize(manager, cfg)
@@ -128,7 +137,7 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
     combine = _not_served
 
     # -- fault tolerance (vLLM polls these when support_fault_tolerance is set) -----------
-    def _masking_managers(self) -> list[Any]:
+    def _masking_managers(self) -> list[RankMasking]:
         return [m for m in self._managers.values()
                 if isinstance(m, RankMasking) and m.can_mask()]
 
@@ -136,13 +145,11 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         """int32 [EP size] on this rank's device: 1 where a rank is masked (dead or unreachable)
         in any of our layers' library buffers, 0 where it is live; all zeros before the first
         layer is built."""
-        device = torch.device("cpu")
         mask = torch.zeros(self.world_size, dtype=torch.int32)
         for m in self._masking_managers():
-            device = m.ctx.device
             for r in m.masked_ranks():
                 mask[r] = 1
-        return mask.to(device)
+        return mask.to(self._device)
 
     def query_fault(self) -> torch.Tensor:
         """Scalar bool tensor: True when the mask differs from the one of the last recovery
@@ -167,10 +174,10 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         buffer our layers use stops (or resumes) sending to and receiving from ``rank`` (its
         experts then count as zero in the combine, as the library defines), layers built later
         get the same mask, and the recovery point takes it in, so :meth:`query_fault` reports
-        only masks the library sets by itself from here on."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"update_mask: rank must be an EP rank in [0, {self.world_size}), "
-                             f"got {rank!r}")
+        only masks the library sets by itself from here on. ``rank``: an int in [0, EP size);
+        ``masked``: a bool or the int 0/1; anything else is refused before any mask changes
+        (:func:`moe_plugins.masking.checked_mask_request`)."""
+        rank, masked = checked_mask_request(rank, masked, self.world_size, "update_mask")
         if not self.support_fault_tolerance:
             raise ValueError(
                 "update_mask: this EP group's backend cannot mask ranks (or fault tolerance is "
@@ -178,16 +185,14 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
                 "rank_masking capability (`moe-plugins list`)")
         for m in self._masking_managers():
             m.set_rank_masked(rank, masked)
-        self._masks[rank] = bool(masked)
+        self._masks[rank] = masked
         if self._last_mask is None or self._last_mask.shape[0] != self.world_size:
             self._last_mask = torch.zeros(self.world_size, dtype=torch.int32)
         self._last_mask[rank] = int(masked)
 
     def destroy(self) -> None:
         for manager in self._managers.values():
-            destroy = getattr(manager, "destroy", None)
-            if destroy is not None:
-                destroy()
+            manager.destroy()
         self._managers.clear()
 
 
@@ -239,7 +244,7 @@ def _fault_tolerance_wanted() -> bool:
     if not spec.capabilities.rank_masking:
         return False
     return (bool(getattr(parallel, "enable_fault_tolerance", False))
-            or bool(getattr(spec.manager, "masks_by_itself", False)))
+            or spec.manager.masks_by_itself)
 
 
 def ep_manager() -> MoEPluginsAll2AllManager:

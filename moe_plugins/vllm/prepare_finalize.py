@@ -46,7 +46,8 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook
 
 from moe_plugins.counters import DispatchStats
-from moe_plugins.faults import group_faults, in_step, is_in_step, is_owed_call
+from moe_plugins.faults import (group_faults, in_step, is_in_step, is_owed_call,
+                                library_timeout_error)
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    SplitPhases,
@@ -167,6 +168,11 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         # the watchdog hears the group's notice unless the backends' waits do (they raise)
         if not (self._backends and all(b.hears_peer_failures for b in self._backends)):
             self._bound.notice = self.faults.notice
+        if self._backends:  # no bound set: where the library's timeout does not end a rank
+            # (the first calls keep the start-up bound: vLLM's experts, inside the watched
+            # call, compile on first use)
+            self._bound.backstop(backend_name, self._backends[0].library_timeout_s,
+                                 self._backends[0].library_traps)
         # backends with split phases (moe_plugins.interface.SplitPhases; every micro-batch's
         # object): the adapter calls their send and receive halves directly
         self._low_latency = bool(self._backends) and all(
@@ -418,6 +424,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if is_in_step(e) or is_owed_call(e):  # nothing in flight: no call to reset later
                 del self._calls[slot]
             self._end_watch(watched, backend)  # the error reached the caller
+            self._raise_library_timeout(backend, e)
             raise
 
         def receiver() -> mk.PrepareResultType:
@@ -427,6 +434,15 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                  defer_input_quant)
 
         return (sent.hook, receiver) if sent.hook is not None else receiver
+
+    def _raise_library_timeout(self, backend: PrepareFinalize, e: BaseException) -> None:
+        """Where ``e`` is the library's own timeout on a peer (a trapped kernel, DeepEP's host
+        wait), raise what it means instead, from ``e`` (the group is broken)."""
+        wrapped = library_timeout_error(self._name, self.backend_name, backend.library_timeout_s,
+                                        e)
+        if wrapped is not None:
+            self.faults.mark_broken(f"{self._name}: the library timed out on a peer", e)
+            raise wrapped from e
 
     def _end_watch(self, watched: Optional[WatchedCall], backend: PrepareFinalize) -> None:
         """The end of a watched call's host part (and of its lock-free timer, where armed)."""
@@ -556,8 +572,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             else:
                 sent: AsyncResult = backend.finalize_async(expert_out, weights, ids, target)
                 hook, received = sent.hook, sent.receiver
-        except BaseException:
+        except BaseException as e:
             backend.reset_call_state()
+            self._raise_library_timeout(backend, e)
             raise
         finally:  # the combine is enqueued (a hang in a later receive stalls the next call)
             self._end_watch(watched, backend)

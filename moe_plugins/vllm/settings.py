@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from moe_plugins.overlap import OverlapConfig
+from moe_plugins.planner.link_model import LinkModel
+from moe_plugins.planner.presets import link_from_config
 from moe_plugins.strategy import ReductionStrategy
 
 __all__ = ["ADDITIONAL_CONFIG_KEY", "PluginSettings", "plugin_settings"]
@@ -31,12 +33,17 @@ class PluginSettings:
         --shared-expert-budget-gb``) in bytes: what the shared experts of all MoE layers may
         take per rank when :func:`moe_plugins.planner.recommend.recommend_strategy` weighs SP (replicated
         shared experts) against row-scatter (TP-sharded ones); None: no limit.
+    link: ``link``, the system's links (:func:`moe_plugins.planner.presets.link_from_config`:
+        a preset name, or an object of link fields over an optional preset): a backend that
+        picks its transport per call (deepep_auto) switches where the time model puts its
+        modes' crossover for each layer; None: at its low-latency capacity.
     """
 
     overlap: OverlapConfig
     strategy: Optional[ReductionStrategy] = None
     max_tokens_set: bool = False
     shared_expert_budget_bytes: Optional[int] = None
+    link: Optional[LinkModel] = None
 
 
 def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSettings:
@@ -50,6 +57,9 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
     values = dict(section)
     raw_strategy = values.pop("strategy", None)
     budget = _budget_bytes(values.pop("shared_expert_budget_gb", None))
+    raw_link = values.pop("link", None)
+    link = (None if raw_link is None else
+            link_from_config(raw_link, f"--additional-config {ADDITIONAL_CONFIG_KEY}.link"))
     strategy = None
     if raw_strategy is not None:
         try:
@@ -63,10 +73,10 @@ def plugin_settings(additional_config: Optional[Mapping[str, Any]]) -> PluginSet
         overlap = OverlapConfig.from_env(**values)
     except ValueError as e:
         raise ValueError(f"--additional-config {ADDITIONAL_CONFIG_KEY}: {e} "
-                         "(or 'strategy', 'shared_expert_budget_gb')") from None
+                         "(or 'strategy', 'shared_expert_budget_gb', 'link')") from None
     max_tokens_set = ("overlap_max_tokens" in values
                       or "MOE_PLUGINS_OVERLAP_MAX_TOKENS" in os.environ)
-    return PluginSettings(overlap, strategy, max_tokens_set, budget)
+    return PluginSettings(overlap, strategy, max_tokens_set, budget, link)
 
 
 def _budget_bytes(gib: Any) -> Optional[int]:

@@ -15,7 +15,7 @@
 #
 # Each half builds what it needs with the shared set-up stages (scripts/gpu/setup_stages.sh),
 # then runs its jobs in order inside what is left of its time budget CALL_S (default 570 s);
-# each job is bounded, a job that cannot get its time is recorded "timed_out: not started" (run
+# each job is bounded, a job that cannot get its time is recorded "not_run: not started" (run
 # it later with ONLY=), and the record is rewritten after every job. In $OUT:
 #   ep_one_gpu_<HALF>.json   the record: rows backend/path/ep/tp/quant/case/status/max_rel_err/
 #                            detail, each with from_run.commit (MOE_PLUGINS_COMMIT names it
@@ -32,7 +32,9 @@
 # without flashinfer's set-up, for ONLY= runs of DeepEP jobs), GPU_TESTS_S (> 0: the
 # one-rank GPU tests of the half's libraries first, bounded to that many seconds; MATRIX=0:
 # only those),
-# DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script).
+# DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script),
+# DUMP_S (every DUMP_S s, each rank's thread stacks into the logs' stacks/: Python's, and native
+# ones where py-spy is installed; for a rank that does not end).
 # Never under CUDA MPS (DeepEP's low-latency kernels fail there); no latency is reported.
 set -uo pipefail
 T0=$(date +%s)
@@ -102,13 +104,32 @@ for p in ${SKIP:-}; do ARGS+=(--skip "$p"); done
 LEFT=$(( CALL_S - ($(date +%s) - T0) ))
 # every process the matrix starts inherits this: afterwards none may be left
 export EP_MATRIX_TAG="ep-matrix-$$-$T0"
+# DUMP_S: where a rank that does not end waits: every DUMP_S s each rank writes every thread's
+# Python stack (faulthandler), and, where py-spy is installed, its native stack is taken too
+if [ -n "${DUMP_S:-}" ]; then
+  export EP_HARNESS_DUMP_S=$DUMP_S EP_HARNESS_DUMP_DIR=$LOGS/stacks
+  mkdir -p "$EP_HARNESS_DUMP_DIR"
+  if command -v py-spy >/dev/null 2>&1; then
+    ( while sleep "$DUMP_S"; do
+        for f in $(env -u EP_MATRIX_TAG sh -c 'grep -lsz "^EP_MATRIX_TAG=$1\$" /proc/[0-9]*/environ \
+            2>/dev/null' sh "$EP_MATRIX_TAG"); do
+          pid=$(echo "$f" | cut -d/ -f3)
+          grep -qsz "^EP_HARNESS_DUMP_S=" "/proc/$pid/environ" || continue
+          { echo "== $(date +%T) pid $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-120)"
+            timeout 20 py-spy dump --native --pid "$pid" 2>&1; } >> "$EP_HARNESS_DUMP_DIR/pyspy-$pid.txt"
+        done
+      done ) &
+    DUMPER=$!
+  fi
+fi
 python3 -m tests.gpu.ep_matrix --device "$DEVICE" --half "$HALF" --list "${ARGS[@]}"
 # SIGINT first: the harness then kills and reaps every rank; SIGKILL 10 s later at the latest
 timeout -k 10 -s INT "$LEFT" python3 -m tests.gpu.ep_matrix --device "$DEVICE" --half "$HALF" \
   --budget-s $(( LEFT - 15 )) --min-job-s "${MIN_JOB_S:-45}" "${ARGS[@]}" \
   --record "$OUT/ep_one_gpu_$HALF.json" --runs "$LOGS/ep_runs_$HALF.json" > "$LOGS/matrix_$HALF.txt" 2>&1
 rc=$?
-grep -E "^== |^   (passed|failed|timed_out|refused)|^   [0-9.]+ s" "$LOGS/matrix_$HALF.txt" | cut -c1-220
+[ -n "${DUMPER:-}" ] && kill "$DUMPER" 2>/dev/null
+grep -E "^== |^   (passed|failed|not_run|refused)|^   [0-9.]+ s" "$LOGS/matrix_$HALF.txt" | cut -c1-220
 echo "matrix rc=$rc ($(( $(date +%s) - T0 )) s since the call started)"
 if [ -f "$OUT/ep_one_gpu_$HALF.json" ]; then
   python3 -m tests.gpu.ep_matrix --markdown "$OUT/ep_one_gpu_$HALF.json" | tail -1

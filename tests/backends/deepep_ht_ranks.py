@@ -5,8 +5,10 @@ backend through the registry as a layer does, and returns plain tensors/values.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional
+import logging
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -57,16 +59,17 @@ def run_ht_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cf
 
 def run_auto_calls(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
                    tokens_per_dp: list[list[int]], capacity: int, quant: QuantSpec = QuantSpec(),
-                   hints: Optional[list[Optional[BatchHint]]] = None, seed: int = 0) -> dict:
-    """Several forwards of ONE deepep_auto layer: call i runs the first tokens_per_dp[i][dp]
-    rows of one input per DP group (so every call's rows are a prefix of the same tokens), with
-    ``hints[i]`` given to the backend first. Returns the outputs and the mode counts after each
-    call."""
+                   hints: Optional[list[Optional[BatchHint]]] = None, seed: int = 0,
+                   link: Any = None) -> dict:
+    """Several forwards of ONE deepep_auto layer (built with ``link``, a LinkModel or None):
+    call i runs the first tokens_per_dp[i][dp] rows of one input per DP group (so every call's
+    rows are a prefix of the same tokens), with ``hints[i]`` given to the backend first. Returns
+    the outputs, the mode counts after each call and the layer's threshold."""
     from all2all.deepep_auto import DeepEPAutoOptions
 
-    with installed("deep_ep"):
+    with installed("deep_ep"), _logged("prepare_finalize.deepep_auto") as logs:
         layer = _layer("deepep_auto", layout, cfg, None, quant, seed, 4096,
-                       DeepEPAutoOptions(ll_max_tokens_per_rank=capacity))
+                       DeepEPAutoOptions(ll_max_tokens_per_rank=capacity, link=link))
         try:
             assert layer.pf is not None
             dp = layout.dp_rank(rank)
@@ -81,6 +84,7 @@ def run_auto_calls(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
                 modes.append(dict(layer.dispatch_stats.modes))
                 launches.append(runtime.launches - start)  # low-latency kernel launches
             return dict(outs=outs, x=x, modes=modes, ll_launches=launches,
+                        threshold=layer.pf.threshold, logs=logs,  # type: ignore[attr-defined]
                         capacity=layer.pf.low_latency_capacity,  # type: ignore[attr-defined]
                         ll_dirty=layer.pf.manager.buffer.low_latency_dirty)  # type: ignore[attr-defined]
         finally:
@@ -92,8 +96,6 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
     """deepep_auto (FP8) paired with experts that ask for packed UE8M0 scales: the scale dtype
     and shape each mode's prepare hands them (one call of ``capacity`` tokens: low-latency
     mode; one of ``capacity + 1``: normal mode), and the INFO lines logged."""
-    import logging
-
     from all2all.deepep_auto import DeepEPAutoOptions
     from moe_plugins.faults import clear_group_faults
     from moe_plugins.quant import QuantScheme
@@ -102,18 +104,8 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
         def supports_packed_ue8m0_act_scales(self) -> bool:
             return True
 
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    log = logging.getLogger("prepare_finalize.deepep_auto")
-    handler, level = Keep(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
     quant = QuantSpec(QuantScheme.FP8_BLOCK128)
-    try:
+    with _logged("prepare_finalize.deepep_auto") as records:
         with installed("deep_ep"):
             ctx = cached_dist_context(layout)
             pf = get_backend("deepep_auto").build(ctx, DispatchConfig(
@@ -134,6 +126,23 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
                 return dict(scales=scales, modes=dict(pf.stats.modes), logs=records)
             finally:
                 pf.manager.destroy()
+
+
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages logger ``name`` emits (INFO and above) during the block."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger(name)
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield records
     finally:
         log.removeHandler(handler)
         log.setLevel(level)

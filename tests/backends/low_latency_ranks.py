@@ -392,6 +392,83 @@ def mask_peer(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: 
         return pf.manager.masked_ranks()
 
 
+def bad_mask_requests(peer: int, world: int) -> list[tuple[str, Any, Any, str]]:
+    """Every mask request a masking entry point must refuse (``set_rank_masked``,
+    ``update_mask``), as (label, rank, masked, the exception type expected): flags that are not
+    a bool or the int 0/1 (a string, a float, None, tensors of any shape, 0-d included) and
+    ranks that are not an int in [0, world). ``peer``: a valid rank other than the caller's."""
+    return [
+        ("masked='False'", peer, "False", "TypeError"),  # bool('False') is True: masked it
+        ("masked='True'", peer, "True", "TypeError"),
+        ("masked='1'", peer, "1", "TypeError"),
+        ("masked=''", peer, "", "TypeError"),
+        ("masked=1.5", peer, 1.5, "TypeError"),
+        ("masked=1.0", peer, 1.0, "TypeError"),
+        ("masked=0.0", peer, 0.0, "TypeError"),
+        ("masked=None", peer, None, "TypeError"),
+        ("masked=2", peer, 2, "ValueError"),
+        ("masked=-1", peer, -1, "ValueError"),
+        ("masked=tensor(1)", peer, torch.tensor(1), "TypeError"),
+        ("masked=tensor(True)", peer, torch.tensor(True), "TypeError"),
+        ("masked=tensor([1])", peer, torch.tensor([1]), "TypeError"),
+        ("masked=tensor([0, 1])", peer, torch.tensor([0, 1]), "TypeError"),
+        ("rank=True", True, True, "TypeError"),
+        ("rank=1.0", float(peer), True, "TypeError"),
+        ("rank='1'", str(peer), True, "TypeError"),
+        ("rank=None", None, True, "TypeError"),
+        ("rank=tensor(1)", torch.tensor(peer), True, "TypeError"),
+        ("rank=-1", -1, True, "ValueError"),
+        ("rank=world", world, True, "ValueError"),
+    ]
+
+
+def refused_masks(mask: Any, current: Any) -> list[tuple[str, Optional[tuple[str, str]], Any]]:
+    """Each request of :func:`bad_mask_requests` (for this rank's next peer) through ``mask``
+    (a masking entry point: ``(rank, masked) -> None``): (label, (exception type, message) or
+    None where it was taken, ``current()`` afterwards: the mask state it must not change)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for label, r, m, _ in bad_mask_requests((rank + 1) % world, world):
+        try:
+            mask(r, m)
+            got = None
+        except (TypeError, ValueError) as e:
+            got = (type(e).__name__, str(e))
+        out.append((label, got, current()))
+    return out
+
+
+def bad_masks_then_forward(rank: int, world: int, backend: str, layout: ParallelLayout,
+                           cfg: MoEConfig, num_tokens: int, options: Optional[dict] = None
+                           ) -> dict:
+    """A layer on the backend; every bad mask request through its manager's
+    ``set_rank_masked`` (:func:`refused_masks`: the library's mask and the ranks callers masked
+    after each), then a forward; then the int 1 and 0 mask and unmask the next rank."""
+    from moe_plugins.lowlat.manager import _CALLER_MASKED
+
+    with installed(vendor_module(backend)):
+        ctx = cached_dist_context(layout)
+        layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend(backend), None, QuantSpec(),
+                         OverlapConfig(overlap=False), max_tokens_per_rank=max(num_tokens, 1),
+                         backend_options=make_options(backend, **(options or {})))
+        try:
+            assert layer.pf is not None
+            manager = layer.pf.manager
+            before = (manager.masked_ranks(), sorted(_CALLER_MASKED.get(manager._buffer_key, ())))
+            refused = refused_masks(manager.set_rank_masked, lambda: (
+                manager.masked_ranks(), sorted(_CALLER_MASKED.get(manager._buffer_key, ()))))
+            out = layer(demo_inputs(cfg, num_tokens, ctx.dp_rank, 0))
+            peer = (rank + 1) % world
+            manager.set_rank_masked(peer, 1)
+            after_one = manager.masked_ranks()
+            manager.set_rank_masked(peer, 0)
+            after_zero = manager.masked_ranks()
+        finally:
+            layer.destroy()
+    return dict(before=before, refused=refused, out=out, after_one=after_one,
+                after_zero=after_zero)
+
+
 def buffer_sharing(rank: int, world: int, backend: str, layout: ParallelLayout,
                    cfg: MoEConfig) -> dict:
     """Two layers of the same sizes share one buffer; the last destroy() destroys it."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tests.runner import faults_ranks as fault_rank_fns
 from tests.backends import low_latency_ranks as ll_rank_fns
+from tests.backend_lists import LOW_LATENCY
 from tests.checks import assert_matches_reference
 from tests.emulation import in_deep_ep_shape, installed
 from moe_plugins.cli import main as cli_main
@@ -33,7 +34,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec, dequantize_fp8_block128, q
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy as S
 
-BACKENDS = ["deepep_ll", "nixl_ep"]
+BACKENDS = LOW_LATENCY  # the registry's low-latency backends (tests/backend_lists.py)
 #: (backend, deep_ep API shape) of the tests run on both DeepEP lines; nixl_ep has one shape.
 ON_EACH_LINE = [("deepep_ll", "v1"), ("deepep_ll", "legacy"), ("nixl_ep", None)]
 LINE_IDS = ["deepep_ll-v1", "deepep_ll-legacy", "nixl_ep"]
@@ -318,6 +319,31 @@ def test_masked_rank_is_left_out(rank_pool, backend, shape):
     assert [r["masked"] for r in results[:3]] == [[3]] * 3
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_mask_requests_are_refused_before_the_mask_changes(rank_pool, backend):
+    """set_rank_masked refuses every flag that is not a bool or the int 0/1 (``'False'`` would
+    otherwise mask the rank: a result without its experts and no error) and every rank that is
+    not an int of the group, with a TypeError/ValueError naming what was given and the fix,
+    before the library's mask or the record of caller masks changes; the layer then still
+    gives the reference result, and the int 1 / 0 mask and unmask."""
+    layout, cfg = ParallelLayout(2, 1, True), _cfg()
+    options = {"enable_shrink": True} if backend == "deepep_ll" else None
+    results = rank_pool(2).run(ll_rank_fns.bad_masks_then_forward, backend, layout, cfg, 5,
+                               options)
+    expected = ll_rank_fns.bad_mask_requests(1, 2)
+    for rank, r in enumerate(results):
+        assert r["before"] == ([], [])
+        assert [label for label, _, _ in r["refused"]] == [e[0] for e in expected]
+        for (label, got, state), (_, _, _, err_type) in zip(r["refused"], expected):
+            assert got is not None, f"rank {rank}: {label} was taken"
+            assert got[0] == err_type, f"rank {rank}: {label}: {got}"
+            assert "set_rank_masked" in got[1] and "got " in got[1] and "Pass " in got[1], got
+            assert state == ([], []), f"rank {rank}: {label} changed the mask: {state}"
+        assert r["after_one"] == [(rank + 1) % 2] and r["after_zero"] == []
+    assert_matches_reference(results, layout, cfg, 5)
+
+
 # -- what prepare hands the experts ----------------------------------------------------------
 
 def _order(rows: torch.Tensor) -> torch.Tensor:
@@ -518,8 +544,8 @@ def test_missing_package_raises_import_error_naming_the_extra(backend):
     spec = get_backend(backend)
     module = spec.manager.required.module
     assert module not in sys.modules and importlib.util.find_spec(module) is None
-    extra = {"deepep_ll": "DeepEP publishes no wheel", "nixl_ep": "pip install 'nixl>=1.5'"}[backend]
-    with pytest.raises(ImportError, match=rf"needs the '{module}' package.*{re.escape(extra)}"):
+    install = spec.manager.required.install
+    with pytest.raises(ImportError, match=rf"needs the '{module}' package.*{re.escape(install)}"):
         spec.build(_ctx(), _config(backend))
 
 
@@ -607,6 +633,20 @@ def test_deepep_qp_depth_limit(rank_pool):
                          600)
     assert e.value.exc_type == "ValueError"
     assert "NVSHMEM_QP_DEPTH >= 1202" in e.value.message
+
+
+@pytest.mark.multirank
+def test_deepep_builds_up_to_the_planned_token_limit(rank_pool):
+    """The most tokens per rank the plan lets deepep_ll take (``BackendSpec.token_limit``, 510
+    at EP 2 with the default QP depth: the capacity rounds up to even there) is where the
+    manager on the emulated DeepEP stops building: that many builds, one more is refused."""
+    layout, limit = ParallelLayout(2, 1, True), get_backend("deepep_ll").token_limit(2).tokens
+    assert limit == 510
+    pool = rank_pool(2)
+    pool.run(ll_rank_fns.build_only, "deepep_ll", layout, _cfg(), limit)
+    with pytest.raises(RankError) as e:
+        pool.run(ll_rank_fns.build_only, "deepep_ll", layout, _cfg(), limit + 1)
+    assert e.value.exc_type == "ValueError" and "NVSHMEM_QP_DEPTH >= 1026" in e.value.message
 
 
 @pytest.mark.multirank

@@ -36,29 +36,27 @@ def random_placement(num_logical: int, num_ranks: int, num_redundant: int, seed:
 
 @contextlib.contextmanager
 def _vendor(backend: str) -> Iterator[Optional[object]]:
-    """The emulated vendor package of ``backend`` (none for ``torch``) and the backend_options
-    the layer is built with."""
-    if backend == "torch":
-        yield None
-    elif backend in ("deepep_ht", "deepep_auto"):
-        from all2all.deepep_auto import DeepEPAutoOptions
-        from tests.emulation import installed
+    """The emulations of the packages ``backend`` needs, for the block, and the backend_options
+    the layer is built with: what an engine passes (``engine_options``), but deepep_auto gets a
+    low-latency capacity below the tests' 9 tokens, so its calls take normal mode through its
+    own managers (its low-latency mode is deepep_ll's, tested as such)."""
+    from tests.backends.low_latency_ranks import default_store
+    from tests.emulation import installed
 
-        with installed("deep_ep"):
-            # deepep_auto with a low-latency capacity below the tests' 9 tokens: normal mode
-            # through auto's own managers (its low-latency mode is deepep_ll's, tested as such)
-            yield DeepEPAutoOptions(ll_max_tokens_per_rank=4) if backend == "deepep_auto" else None
-    elif backend == _FLASHINFER:
+    spec = get_backend(backend)
+    if backend == _FLASHINFER:
         from tests.emulation import flashinfer_two_sided as emu
 
         with emu.installed("0.7.2.post1"):
             yield None
-    else:
-        from tests.emulation import installed
-        from tests.backends.low_latency_ranks import make_options, vendor_module
+        return
+    with installed(*(p.module for p in spec.required)):
+        if backend == "deepep_auto":
+            from all2all.deepep_auto import DeepEPAutoOptions
 
-        with installed(vendor_module(backend)):
-            yield make_options(backend)
+            yield DeepEPAutoOptions(ll_max_tokens_per_rank=4)
+        else:
+            yield spec.manager.engine_options(default_store())
 
 
 def run_placed_layer(rank: int, world: int, backend: str, layout: ParallelLayout, cfg: MoEConfig,

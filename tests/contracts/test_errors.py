@@ -46,3 +46,24 @@ def test_recovery_texts_after_a_dead_peer_say_restart():
     assert "restart every rank of the EP group" in text and "executor shuts down" in text
     source = (ROOT / "moe_plugins" / "runner" / "layer.py").read_text()
     assert "set_rank_masked) to serve" not in source  # impossible on a broken group
+
+
+def test_a_library_timeout_on_a_peer_is_wrapped_with_what_it_means():
+    """What DeepEP's own timeout looks like on the host (a trapped kernel's CUDA error at the
+    next CUDA call, its host wait's runtime_error) becomes CollectiveError saying a peer died
+    or hangs and every rank must restart; anything else, or a library without a timeout, is
+    left alone."""
+    from moe_plugins.faults import CollectiveError, LayerBrokenError, library_timeout_error
+
+    trap = RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be ...")
+    wrapped = library_timeout_error("layer X", "deepep_ll", 100.0, trap)
+    assert isinstance(wrapped, CollectiveError)
+    text = str(wrapped)
+    assert "layer X" in text and "about 100 s" in text and "unspecified launch failure" in text
+    assert "CUDA context is lost" in text and "Restart every rank of the EP group" in text
+    host = RuntimeError("DeepEP error: CPU recv timeout")
+    assert "CUDA context" not in str(library_timeout_error("L", "deepep_ht", 100.0, host))
+    assert library_timeout_error("L", "deepep_ll", None, trap) is None
+    assert library_timeout_error("L", "deepep_ll", 100.0, RuntimeError("shape mismatch")) is None
+    assert library_timeout_error("L", "deepep_ll", 100.0, ValueError("unspecified launch failure")) is None
+    assert library_timeout_error("L", "deepep_ll", 100.0, LayerBrokenError("x timeout")) is None

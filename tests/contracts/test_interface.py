@@ -256,6 +256,7 @@ def test_optional_protocols_are_met_by_their_methods_not_a_base_class():
         def masked_ranks(self): return []
         def set_rank_masked(self, rank, masked=True): ...
         def clean_buffers(self): ...
+        def masked_by_library(self): return []
 
     assert isinstance(Halves(), SplitPhases) and not isinstance(Masks(), SplitPhases)
     assert isinstance(Masks(), RankMasking) and not isinstance(Halves(), RankMasking)

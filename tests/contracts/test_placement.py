@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.backend_lists import PLACEMENTS
 from tests.contracts import placement_ranks as prf
 from tests.checks import assert_matches_reference
 from moe_plugins.layout import ParallelLayout, destination_ranks, local_expert_ids
 from moe_plugins.config import MoEConfig
 from moe_plugins.runner.model import MoEWeights
 from moe_plugins.placement import ExpertPlacement
+from moe_plugins.registry import get_backend
 from moe_plugins.runner.reference import tolerance_for
 from moe_plugins.strategy import ReductionStrategy as S
 
@@ -85,18 +87,23 @@ def _cfg(dtype: torch.dtype, hidden: int) -> MoEConfig:
                      shared_intermediate=64, dtype=dtype)
 
 
-# (backend, dtype, hidden): the low-latency kernels move bf16 at a kernel hidden size
-BACKENDS = [("torch", torch.float32, 128), ("deepep_ll", torch.bfloat16, 2048),
-            ("nixl_ep", torch.bfloat16, 2048),
-            ("flashinfer_nvlink_two_sided", torch.bfloat16, 128),
-            ("deepep_ht", torch.bfloat16, 128), ("deepep_auto", torch.bfloat16, 2048)]
+def _dtype_hidden(backend: str) -> tuple[torch.dtype, int]:
+    """float32 where the kernels take any dtype; else bfloat16 at hidden 2048, the smallest
+    hidden the low-latency kernels run unpadded (deepep_auto's low-latency side too)."""
+    return (torch.float32, 128) if get_backend(backend).dtypes is None else (torch.bfloat16, 2048)
+
+
+# (backend, dtype, hidden) of every backend with the placements capability (the registry's,
+# tests/backend_lists.py)
+BACKENDS = [(b, *_dtype_hidden(b)) for b in PLACEMENTS]
+IDS = [b[0] for b in BACKENDS]
 LAYOUTS = [(ParallelLayout(2, 1, True), S.LOCAL),
            (ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE)]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout,strategy", LAYOUTS, ids=["dp2-tp1", "dp2-tp2-row_scatter"])
-@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS, ids=[b[0] for b in BACKENDS])
+@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS, ids=IDS)
 def test_random_redundant_placement_matches_reference(rank_pool, backend, dtype, hidden, layout,
                                                       strategy):
     cfg = _cfg(dtype, hidden)
@@ -124,9 +131,8 @@ def _check_outputs(results: list[dict], layout: ParallelLayout, cfg: MoEConfig, 
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend", ["torch", "deepep_ll"])
-def test_round_robin_placement_matches_reference(rank_pool, backend):
-    dtype, hidden = (torch.float32, 128) if backend == "torch" else (torch.bfloat16, 2048)
+@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS, ids=IDS)
+def test_round_robin_placement_matches_reference(rank_pool, backend, dtype, hidden):
     cfg, layout = _cfg(dtype, hidden), ParallelLayout(4, 1, True)
     results = rank_pool(4).run(prf.run_placed_layer, backend, layout, cfg, S.LOCAL, 5,
                                [ExpertPlacement.round_robin(8, 4)])
@@ -135,8 +141,7 @@ def test_round_robin_placement_matches_reference(rank_pool, backend):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS[:2] + BACKENDS[4:5],
-                         ids=[b[0] for b in BACKENDS[:2] + BACKENDS[4:5]])
+@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS, ids=IDS)
 def test_eplb_rebalance_between_passes_keeps_outputs(rank_pool, backend, dtype, hidden):
     """linear -> EPLB's (redundant copies) -> another EPLB map, on one layer: weights moved, map
     changed, every pass equals the reference and the first pass."""
@@ -156,7 +161,7 @@ def test_eplb_rebalance_between_passes_keeps_outputs(rank_pool, backend, dtype, 
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS[:3], ids=[b[0] for b in BACKENDS[:3]])
+@pytest.mark.parametrize("backend,dtype,hidden", BACKENDS, ids=IDS)
 def test_shared_overlap_with_eplb_equals_overlap_off(rank_pool, backend, dtype, hidden):
     """vLLM #28377 (EPLB + DeepEP LL + shared-expert overlap gave wrong answers): with EPLB's
     placement and a rebalance, overlap on gives exactly the outputs of overlap off."""

@@ -1,7 +1,11 @@
 """Entry-point registry, capability matrix, selection errors, and a real third-party backend."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
+import inspect
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +15,7 @@ import pytest
 import torch
 
 from moe_plugins import registry
+from moe_plugins.interface import BackendManager, RankMasking
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import (BackendSelectionError, BackendSpec, Capabilities, RequiredPackage,
@@ -80,6 +85,65 @@ def third_party_backend() -> Iterator[None]:
         registry.reload_backends()
 
 
+def _check_manager(spec: BackendSpec) -> None:
+    """The manager class of ``spec`` against moe_plugins.interface.BackendManager, by its
+    signatures: what the engines call on it must bind as they call it."""
+    m = spec.manager
+    assert isinstance(m, type), f"{spec.name}: manager {m!r} is not a class"
+    assert isinstance(m.masks_by_itself, bool), spec.name
+    # as MoELayer and the vLLM glue call them: m(ctx, cfg), m.engine_options(store,
+    # fault_tolerance=...), manager.destroy()
+    inspect.signature(m).bind(object(), object())
+    inspect.signature(m.engine_options).bind(object(), fault_tolerance=True)
+    inspect.signature(m.destroy).bind(object())
+    # the rank_masking capability is exactly a manager with the masking methods
+    assert spec.capabilities.rank_masking == issubclass(m, RankMasking), spec.name
+
+
+def _entry_point_names() -> list[str]:
+    return sorted(ep.name for ep in importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP))
+
+
+@pytest.mark.parametrize("name", _entry_point_names())
+def test_every_registered_manager_keeps_the_manager_protocol(name):
+    """Every backend of the entry-point group is registered (the loader skips one whose
+    manager lacks a member) and its manager binds the calls the engines make."""
+    assert name in registry.registered_backends()
+    _check_manager(registry.get_backend(name))
+
+
+class _NoDestroy:
+    def __init__(self, ctx: object, cfg: object):
+        pass
+
+
+class _WithDefaults(_NoDestroy, BackendManager):
+    pass
+
+
+_BARE = BackendSpec(name="bare_manager", prepare_finalize=TorchPrepareFinalize,
+                    manager=_NoDestroy,  # type: ignore[arg-type]
+                    capabilities=Capabilities(ep_dp=True, dp=True, tp=False, sp=False),
+                    quants=frozenset({QuantScheme.NONE}))
+_DEFAULTS = dataclasses.replace(_BARE, name="defaults_manager", manager=_WithDefaults)
+
+
+def test_a_backend_whose_manager_lacks_a_member_is_skipped_with_a_warning(monkeypatch, caplog):
+    """A manager without the protocol's members would fail inside an engine (destroy at
+    teardown); the loader refuses it at once, names what is missing and loads the others; the
+    same class taking the protocol's defaults is loaded."""
+    real = importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP)
+    extra = [importlib.metadata.EntryPoint(n, f"{__name__}:{v}", registry.ENTRY_POINT_GROUP)
+             for n, v in (("bare_manager", "_BARE"), ("defaults_manager", "_DEFAULTS"))]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [*real, *extra])
+    with caplog.at_level(logging.WARNING, logger=registry.__name__):
+        specs = registry._load_entry_points()
+    assert "bare_manager" not in specs and {"torch", "defaults_manager"} <= set(specs)
+    assert "masks_by_itself (a bool class attribute), engine_options (a method), destroy (a " \
+        "method) of moe_plugins.interface.BackendManager" in caplog.text
+    _check_manager(specs["defaults_manager"])
+
+
 def test_third_party_backend_registers_lists_and_is_selectable(third_party_backend):
     out = subprocess.run([str(BIN / "moe-plugins"), "list", "--json"], check=True,
                          capture_output=True, text=True).stdout
@@ -88,6 +152,7 @@ def test_third_party_backend_registers_lists_and_is_selectable(third_party_backe
         name="example_allgather", usable=True, reason=None, ep_dp=True, dp=True, tp=False,
         sp=False, placements=True, quants=["none"], distribution="moe-plugins-example-backend")
     assert select_backend(ParallelLayout(2, 1, True), name="example_allgather").name == "example_allgather"
+    _check_manager(registry.get_backend("example_allgather"))
     # and it really runs: the demo on 2 gloo ranks, checked against the reference
     demo = subprocess.run([str(BIN / "moe-plugins"), "demo", "--ranks", "2", "--ep", "--backend",
                            "example_allgather", "--json"], capture_output=True, text=True, timeout=120)
@@ -130,3 +195,16 @@ def test_auto_skips_a_backend_whose_kernels_refuse_the_dtype(fake_registry):
     assert select_backend(ParallelLayout(2, 1, True), dtype=torch.bfloat16).name == "bf16only"
     with pytest.raises(BackendSelectionError, match=r"bf16only: activations torch.float32 not in"):
         select_backend(ParallelLayout(2, 1, True), name="bf16only", dtype=torch.float32)
+
+
+def test_the_backend_lists_of_the_tests_are_not_empty():
+    """tests/backend_lists.py draws the lists the backend tests run over from the registry; an
+    empty one (a capability no backend of ours has any more, a registry that failed to load)
+    would leave its tests with no cases and pass them silently."""
+    from tests import backend_lists
+
+    for name in backend_lists.__all__:
+        value = getattr(backend_lists, name)
+        if isinstance(value, list):
+            assert value, f"tests/backend_lists.py: {name} is empty"
+            assert set(value) <= set(registry.registered_backends()), name

@@ -1,6 +1,6 @@
-"""moe_plugins.callbound.watchdog: its settings (argument, environment, floor, start-up bound), the ring of
-watched calls, completion read from host memory only, the start-up bound, CUDA-graph captures and
-replays, and a watchdog thread that survives its own errors. (The watchdog ending a process is
+"""moe_plugins.callbound.watchdog: the ring of watched calls, completion read from host memory
+only, the start-up bound, CUDA-graph captures and replays, and a watchdog thread that survives
+its own errors (its settings: test_callbound_settings.py). (The watchdog ending a process is
 tested on real ranks: tests/runner/test_watchdog_ranks.py, tests/vllm_glue/test_vllm_faults.py
 and the reduced EP matrix's fault-hang-watchdog job; on the GPU, tests/gpu/test_watchdog_gpu.py
 and the matrix's kill faults.)"""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import re
 import threading
 
@@ -16,10 +15,12 @@ import pytest
 import torch
 
 from moe_plugins.callbound import watchdog
-from moe_plugins.callbound.watchdog import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV, MIN_TIMEOUT_S,
-                                  RING_SLOTS, CallBound, call_timeout_seconds, capture_calls,
-                                  expect_replay, first_call_timeout_seconds,
-                                  replays_in_step_windows, watch_call, watch_step)
+from moe_plugins.callbound.watchdog import (RING_SLOTS, CallBound, capture_calls,
+                                           expect_replay, replays_in_step_windows, watch_call,
+                                           watch_step)
+
+from moe_plugins.callbound.settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
+                                            reread_environment)
 
 CPU = torch.device("cpu")
 
@@ -27,64 +28,6 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def fresh(fresh_watchdog):
     return fresh_watchdog
-
-
-# -- settings -----------------------------------------------------------------------------------
-def test_the_argument_wins_over_the_environment(monkeypatch):
-    monkeypatch.setenv(CALL_TIMEOUT_ENV, "30")
-    assert call_timeout_seconds(5) == 5.0
-    assert call_timeout_seconds() == 30.0
-    assert call_timeout_seconds(0) is None  # the argument's 0 turns it off despite the env
-
-
-@pytest.mark.parametrize("raw", ["", "0", "0.0", "00", "-0", "+0", "off", "None"])
-def test_zero_in_any_spelling_turns_the_bound_off(monkeypatch, raw):
-    monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
-    assert call_timeout_seconds() is None
-    assert watch_call("layer", 1, None) is None  # nothing watched, no thread needed
-
-
-@pytest.mark.parametrize("given,error,match", [
-    (-1.5, ValueError, "expected a finite number of seconds >= 0.5"),
-    (math.inf, ValueError, "finite"), (math.nan, ValueError, "finite"),
-    (0.001, ValueError, "0.001 s is below the floor of 0.5 s"),
-    ("30", TypeError, "number of seconds or None, got '30'"), (True, TypeError, "bool"),
-])
-def test_a_bad_argument_is_a_clear_error(given, error, match):
-    with pytest.raises(error, match=match):
-        call_timeout_seconds(given)
-
-
-@pytest.mark.parametrize("raw,match", [("soon", "is not a number of seconds"),
-                                       ("-3", r"\$MOE_PLUGINS_CALL_TIMEOUT_S=-3.0"),
-                                       ("0.01", "below the floor"),
-                                       ("inf", "finite")])
-def test_a_bad_environment_value_names_the_variable_and_says_0_is_off(monkeypatch, raw, match):
-    monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
-    with pytest.raises(ValueError, match=match) as e:
-        call_timeout_seconds()
-    assert "0 turns the bound off" in str(e.value)
-
-
-def test_the_floor_is_accepted():
-    assert call_timeout_seconds(MIN_TIMEOUT_S) == MIN_TIMEOUT_S
-
-
-def test_the_start_up_bound(monkeypatch):
-    monkeypatch.delenv(FIRST_CALL_TIMEOUT_ENV, raising=False)
-    assert first_call_timeout_seconds(None) is None
-    assert first_call_timeout_seconds(5.0) == 600.0
-    assert first_call_timeout_seconds(100.0) == 1000.0
-    assert first_call_timeout_seconds(5.0, 20) == 20.0
-    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "90")
-    assert first_call_timeout_seconds(5.0) == 90.0
-    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "0")
-    assert first_call_timeout_seconds(5.0) == 5.0  # 0: the first calls under the call bound
-    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "2")
-    with pytest.raises(ValueError, match=r"FIRST_CALL_TIMEOUT_S=2 s is below the call bound"):
-        first_call_timeout_seconds(5.0)
-    assert CallBound("layer", 5.0, 30.0).describe() == "5 s (first calls 30 s)"
-    assert CallBound("layer", 0).describe() == "off"
 
 
 # -- the ring and completion --------------------------------------------------------------------
@@ -423,3 +366,53 @@ def test_a_call_holding_the_interpreter_lock_is_ended_by_the_lock_free_timer():
     assert code == 1 and "RETURNED" not in out, (code, out, err[-2000:])
     assert took < 15, took
     assert "Timeout (0:00:01" in err and "<string>" in err, err[-2000:]
+
+
+# -- the backstop (no bound set) -------------------------------------------------------------------
+@pytest.mark.parametrize("traps,expected", [(True, 90.0), (False, 120.0)],
+                         ids=["library-traps", "library-masks"])
+def test_with_no_bound_set_the_backstop_follows_the_library(fresh, monkeypatch, traps, expected):
+    """Unset (argument None, variable absent or empty): a library that traps at its timeout gets
+    0.9 of it (the process ends with our error before the trap), one that masks or raises gets
+    20 s after it (its own outcome first); the INFO line and the error say it is the backstop."""
+    monkeypatch.delenv(FIRST_CALL_TIMEOUT_ENV, raising=False)
+    reread_environment()
+    for raw in (None, "", "  "):
+        if raw is None:
+            monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(CALL_TIMEOUT_ENV, raw)
+        reread_environment()
+        bound = CallBound("layer", device=CPU)
+        assert bound.timeout_s is None and bound.describe() == "off"
+        bound.backstop("deepep_ll", 100.0, traps)
+        assert bound.timeout_s == expected
+        assert bound.first_timeout_s == max(10 * expected, 600.0)
+        assert "no bound set, the backstop" in bound.describe()
+        call = bound.watch(1)
+        assert call is not None and "no call bound was set" in call.why
+        call.end(CPU)
+        text = str(watchdog.timeout_error(call, call.started + expected + 1))
+        assert "backstop" in text and "restart every rank of the EP group" in text
+
+
+@pytest.mark.parametrize("given,env", [(0, None), (None, "0"), (30.0, None), (None, "30")],
+                         ids=["argument-0", "env-0", "argument-30", "env-30"])
+def test_a_bound_the_user_set_or_turned_off_is_never_replaced(fresh, monkeypatch, given, env):
+    if env is None:
+        monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CALL_TIMEOUT_ENV, env)
+    reread_environment()
+    bound = CallBound("layer", given, device=CPU)
+    before = bound.timeout_s
+    bound.backstop("deepep_ll", 100.0, True)
+    assert bound.timeout_s == before and bound.why == ""
+
+
+def test_no_library_timeout_no_backstop(fresh, monkeypatch):
+    monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+    reread_environment()
+    bound = CallBound("layer", device=CPU)
+    bound.backstop("torch", None, False)
+    assert bound.timeout_s is None and bound.watch(1) is None

@@ -59,9 +59,20 @@ def rank_device(device: str) -> "Any":
 
 
 def _rank_init(device: str, env: dict[str, str], rank: int) -> None:
-    """First thing in every rank process (RankPool's ``init``), before the process group."""
+    """First thing in every rank process (RankPool's ``init``), before the process group.
+    With ``EP_HARNESS_DUMP_S`` and ``EP_HARNESS_DUMP_DIR`` set, every thread's Python stack is
+    written to ``<dir>/rank<rank>-<pid>.txt`` every that many seconds (faulthandler's C thread:
+    it writes also while a C call holds the interpreter lock), so where a rank that never ends
+    waits is in the run's logs."""
     for k, v in env.items():
         os.environ.setdefault(k, v)
+    dump_s, dump_dir = os.environ.get("EP_HARNESS_DUMP_S"), os.environ.get("EP_HARNESS_DUMP_DIR")
+    if dump_s and dump_dir:
+        import faulthandler
+
+        os.makedirs(dump_dir, exist_ok=True)
+        out = open(os.path.join(dump_dir, f"rank{rank}-{os.getpid()}.txt"), "w")  # noqa: SIM115
+        faulthandler.dump_traceback_later(float(dump_s), repeat=True, file=out)
     if device.startswith("cuda"):
         import torch
 

@@ -5,7 +5,7 @@ own MoE kernel beside vLLM's in-tree classes (tests/gpu/ep_vllm_ranks.py), plus 
 A job is one world of ranks (one bounded :func:`ep_harness.run_world`) that yields one or more
 rows of the record. The record is a JSON list of rows with keys ``backend``, ``path``
 (``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
-``timed_out`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
+``not_run`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
 ``vllm`` (the vLLM distribution and version the run imported, or null), ``from_run``
 (``{"commit": ...}``: the code that ran it; a merge adds ``note`` for a row kept from an earlier
 record, and ``record`` for a row without a commit, see :func:`merge_records`) and, in a fault
@@ -13,10 +13,10 @@ row, ``settings`` (the victim, the fault, the call bound and start-up bound, the
 and the library's timeouts and the job's bound). A row's
 status: ``passed`` when every rank reported it passed; ``failed`` when a rank reported a
 mismatch, or raised or died before reporting it; ``refused`` when the backend or library refused
-the configuration before running it (the same on every rank); ``timed_out`` when the job's bound
-ran out before every rank reported it (the detail names where each rank stopped), including
-jobs never started because the call's time budget was spent; except in a fault job, where a
-survivor that did not end within the bound is ``failed``. Where each rank of each job
+the configuration before running it (the same on every rank); ``failed`` too when the job's bound
+ran out before every rank reported it (the detail says so and names where each rank stopped;
+in a fault job, a survivor that did not end within the bound); ``not_run`` for a job never
+started because the call's time budget was spent. Where each rank of each job
 stopped (steps with times, errors) goes to a second file (``--runs``).
 
 Usage (from the repository root):
@@ -31,7 +31,7 @@ Usage (from the repository root):
 DeepEP's three backends, torch and flashinfer (the kit's DeepEP and flashinfer parts).
 ``--only``/``--skip`` take job-name substrings; ``--budget-s`` the seconds this process may take
 (jobs run in order, each bounded by its own bound and what is left; a job that cannot get
-``--min-job-s`` is not started and its rows are recorded ``timed_out``). ``--scale reduced`` is
+``--min-job-s`` is not started and its rows are recorded ``not_run``). ``--scale reduced`` is
 the small CPU run of the normal test suite (tests/runner/test_ep_matrix_cpu.py).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 __all__ = ["Job", "jobs", "run_job", "run_matrix", "rows_to_markdown", "merge_records",
            "current_commit", "STATUSES"]
 
-STATUSES = ("passed", "failed", "timed_out", "refused")
+STATUSES = ("passed", "failed", "not_run", "refused")
 LIB_TIMEOUT_S = {  # the library's own bound on a peer that never answers (fault jobs)
     "deepep_ll": 100.0,  # NUM_TIMEOUT_CYCLES 200G cycles (~100 s), then trap (567632d)
     "deepep_ht": 100.0,  # NUM_CPU_TIMEOUT_SECS / NUM_TIMEOUT_CYCLES (567632d)
@@ -101,12 +101,15 @@ def _layer_cases(backend: str, ep: int, scale: str) -> list[Any]:
     if scale == "reduced":
         return {"deepep_ll": [Case("ragged", "bf16", offset=1), Case("ragged", "ue8m0", offset=0)],
                 "deepep_auto": [Case("auto-ll", "bf16", offset=1),
-                                Case("auto-normal", "fp8_block128", offset=0)],
+                                Case("auto-normal", "fp8_block128", offset=0),
+                                Case("auto-link", "bf16")],
                 "torch": [Case("ragged", "fp8_block128", offset=3)] if ep == 2 else
                 [Case("sp", "bf16", tp=2, offset=3)],
                 "nixl_ep": [Case("mask")]}.get(backend, [])
     if backend == "deepep_auto":
-        cases = [Case("auto-ll", "bf16", offset=0), Case("auto-normal", "bf16", offset=0)]
+        # auto-link: a layer built with a link takes the time model's faster mode per batch
+        cases = [Case("auto-ll", "bf16", offset=0), Case("auto-normal", "bf16", offset=0),
+                 Case("auto-link", "bf16"), Case("auto-link", "fp8_block128")]
         if ep < 8:
             cases += [Case("auto-ll", "fp8_block128", offset=3),
                       Case("auto-normal", "fp8_block128", offset=3)]
@@ -289,9 +292,11 @@ def _rows_of(job: Job, run: Any) -> list[dict]:
             row["detail"] = f"{job.world} ranks within tolerance (worst rank {worst[0]}: " \
                             f"{worst[1]['detail']})"
         else:
-            row["status"] = "timed_out" if run.timed_out else "failed"
+            # a run that ran out of its bound failed: it did not show what it is there for
+            row["status"] = "failed"
             missing = sorted(set(range(job.world)) - {rk for rk, _ in got})
-            row["detail"] = (f"no result from ranks {missing}: " if missing else "") + _where(run)
+            row["detail"] = (f"timed out after {job.bound_s:g} s; " if run.timed_out else "") + \
+                (f"no result from ranks {missing}: " if missing else "") + _where(run)
         rows.append(row)
     return rows
 
@@ -332,7 +337,7 @@ def _fault_row(job: Job, run: Any) -> list[dict]:
                 wrong.append(o.rank)
         parts.append(f"rank {o.rank}: {what}")
     if run.bounded is None:
-        status, head = ("timed_out" if run.timed_out else "failed"), _where(run)
+        status, head = "failed", _where(run)
     elif wrong or run.stray:
         status = "failed"
         head = (f"ranks {wrong} returned a wrong result" if wrong else "") + \
@@ -366,7 +371,7 @@ def run_job(job: Job, device: str, bound_s: Optional[float] = None) -> tuple[lis
 
 
 def _not_started(job: Job, why: str) -> list[dict]:
-    return [dict(k, status="timed_out", max_rel_err=None, detail=f"not started: {why}")
+    return [dict(k, status="not_run", max_rel_err=None, detail=f"not started: {why}")
             for k in job.row_keys()]
 
 

@@ -50,6 +50,13 @@ RAGGED = (0, 64, 7, 33, 1, 50, 0, 19)
 #: deepep_auto's low-latency capacity in these runs, and token counts that fit it everywhere
 AUTO_LL_CAPACITY = 16
 AUTO_LL_TOKENS = (0, 16, 7, 3, 1, 15, 0, 9)
+#: the ``auto-link`` case: deepep_auto built with a link (NVLink at 2 GB/s, DeepEP's test SMs:
+#: slow enough that the time model's crossover of AUTO_LINK_CFG's layer falls inside
+#: AUTO_LINK_CAPACITY at EP 2, 4 and 8, or just above it), on top-8 of the 16 experts (more
+#: experts per token than ranks hit: normal mode's one row per rank pays off)
+AUTO_LINK = {"nvlink_gbps": 2.0, "sms": 24}
+AUTO_LINK_CAPACITY = 32
+AUTO_LINK_CFG = dataclasses.replace(CFG, num_topk=8)
 LL = ("deepep_ll", "nixl_ep")
 FLASHINFER = "flashinfer_nvlink_two_sided"
 QUANTS = {"bf16": QuantSpec(), "fp8_block128": QuantSpec(QuantScheme.FP8_BLOCK128),
@@ -58,7 +65,8 @@ QUANTS = {"bf16": QuantSpec(), "fp8_block128": QuantSpec(QuantScheme.FP8_BLOCK12
 
 @dataclass(frozen=True)
 class Case:
-    """One row of the layer path: ``name`` (``ragged``, ``auto-ll``, ``auto-normal``, ``eplb``
+    """One row of the layer path: ``name`` (``ragged``, ``auto-ll``, ``auto-normal``,
+    ``auto-link`` (:func:`_auto_link_rows`), ``eplb``
     (also yields the ``rebalance`` row), ``row_scatter``, ``sp``, ``mask`` (yields
     ``mask-before``, ``mask``, ``unmask``: :func:`mask_job`'s calls), ``graph`` (CUDA only: the
     layer captured in a CUDA graph and replayed on new inputs, :func:`_graph_rows`)); ``quant`` (``bf16``,
@@ -262,6 +270,8 @@ def _run_case(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> 
         return _mask_rows(layers, rank, world, world - 1, seed)
     if case.name == "graph":
         return _graph_rows(layers, rank, case, seed)
+    if case.name == "auto-link":
+        return _auto_link_rows(layers, rank, world, case, seed)
     quant = QUANTS[case.quant]
     layout = ParallelLayout(world // case.tp, case.tp, True)
     dp = layout.dp_rank(rank)
@@ -301,6 +311,64 @@ def _run_case(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> 
     rows.append(_check("rebalance", case.quant, case.tp, out, ref, n,
                        f"after MoELayer.rebalance to {placements[1].describe()}"))
     return rows
+
+
+def _link_calls(crossover: int, capacity: int, world: int) -> list[list[int]]:
+    """Tokens per rank of each call of the ``auto-link`` case: every rank at 1, below the
+    crossover, at it; ragged calls whose largest rank is just below or at it (the others
+    small or empty); the capacity and one beyond it on one rank."""
+    c = crossover
+
+    def one(n: int, rest: int, at: int = 0) -> list[int]:
+        return [n if r == at else rest for r in range(world)]
+
+    return [[1] * world, [c - 1] * world, [c] * world, one(c - 1, 0), one(c, 1, world - 1),
+            one(c - 1, c - 2, world - 1), one(capacity, 0), one(capacity + 1, 2)]
+
+
+def _auto_link_rows(layers: _Layers, rank: int, world: int, case: Case, seed: int) -> list[dict]:
+    """deepep_auto built with the link :data:`AUTO_LINK`: one layer, a call per batch of
+    :func:`_link_calls` around the time model's crossover; each call must take the mode the
+    model prices faster for its largest rank's rows (``tests.checks.faster_mode``: each mode's
+    own plan, no crossover search) and match the reference of this rank's tokens. Every rank
+    reports the threshold, the crossover and the mode of each call in its detail."""
+    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.planner.crossover import mode_crossover
+    from moe_plugins.planner.link_model import LinkModel
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.registry import get_backend
+    from tests.checks import faster_mode
+
+    cfg, quant, link = AUTO_LINK_CFG, QUANTS[case.quant], LinkModel(**AUTO_LINK)
+    cross = mode_crossover(cfg, ParallelLayout(world, 1, True), quant, get_backend("deepep_ll"),
+                           get_backend("deepep_ht"), link).tokens
+    if cross is None or not 1 < cross <= MAX_TOKENS:
+        return [_row(case.name, case.quant, 1, "failed", None,
+                     f"the link gives no crossover in 2..{MAX_TOKENS} tokens: {cross}")]
+    weights = MoEWeights.random(cfg, seed)
+    layer = layers.build(cfg, weights, 1, None, quant, options=DeepEPAutoOptions(
+        ll_max_tokens_per_rank=AUTO_LINK_CAPACITY, link=link))
+    calls = _link_calls(cross, AUTO_LINK_CAPACITY, world)
+    worst, taken, wrong = 0.0, [], []
+    for i, counts in enumerate(calls):
+        step(f"deepep_auto auto-link call {i}: {counts[rank]} of max {max(counts)} tokens")
+        want = faster_mode(cfg, world, max(counts), quant, link, AUTO_LINK_CAPACITY)
+        x = demo_inputs(cfg, counts[rank], rank, seed + i)
+        before = _modes(layer)
+        out = _forward(layer, x, layers.dev)
+        mode = "+".join(_modes_since(layer, before)) or "none"
+        ok, _, rel = compare(out, reference_moe(x, weights, quant), cfg.dtype)
+        worst = max(worst, rel)
+        taken.append(f"{max(counts)}:{mode}")
+        if mode != want or not ok:
+            wrong.append(f"call {i} (max {max(counts)} tokens): {mode}, model {want}"
+                         + ("" if ok else f", rel err {rel:.3g}"))
+    threshold = layer.pf.threshold  # type: ignore[union-attr]
+    detail = (f"threshold {threshold} (crossover {cross}, capacity {AUTO_LINK_CAPACITY}, "
+              f"link {AUTO_LINK}); max tokens:mode {' '.join(taken)}"
+              + (f"; WRONG {'; '.join(wrong)}" if wrong else ""))
+    return [_row(case.name, case.quant, 1, "failed" if wrong else "passed", worst, detail,
+                 threshold=threshold, crossover=cross)]
 
 
 def _graph_rows(layers: _Layers, rank: int, case: Case, seed: int) -> list[dict]:
@@ -548,7 +616,7 @@ def fault_job(rank: int, world: int, backend: str, device: str, kind: str, victi
                 layer.experts.apply = hang_between  # type: ignore[method-assign]
             step(f"{backend}: call 2 ({kind} on rank {victim})")
             t0 = time.monotonic()
-            if call_timeout_s is not None and rank != victim:
+            if rank != victim:  # the bound, or with none set the backstop, may end this rank
                 from moe_plugins.callbound import on_call_timeout
 
                 on_call_timeout(lambda e: result({

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.planner import plan_ranks as plan_rank_fns
+from tests.backend_lists import LOW_LATENCY
 from tests.checks import assert_matches_reference, run_cli
 from moe_plugins.runner.demo import demo_inputs
 from moe_plugins.faults import HEADER_WORDS
@@ -745,7 +746,7 @@ def test_recommendation_refuses_a_budget_that_is_not_bytes(budget, error):
 # --------------------------------------------------------------------------------------------
 # Low-latency backends: what their kernels send, against their own counters
 # --------------------------------------------------------------------------------------------
-LL_BACKENDS = ["deepep_ll", "nixl_ep"]
+LL_BACKENDS = LOW_LATENCY  # the registry's low-latency backends (tests/backend_lists.py)
 LL_CASES = [(ParallelLayout(2, 2, True), S.ROW_SCATTER_ALLREDUCE, (5, 3), QuantSpec()),
             (ParallelLayout(2, 2, True), S.SP_ALLGATHER, (5, 3), QuantSpec(QuantScheme.FP8_BLOCK128)),
             (ParallelLayout(4, 1, True), S.LOCAL, (3, 0, 2, 1), QuantSpec())]

@@ -282,11 +282,13 @@ def _refuse_in_the_backend(layer: MoELayer) -> None:
 
 def refused_layer_call(rank: int, world: int, backend: str, layout: ParallelLayout,
                        cfg: MoEConfig, bad_ranks: list[int], kind: str, tokens: int,
-                       capacity: int, timeout_s: float) -> dict:
+                       capacity: int, timeout_s: float,
+                       call_timeout_s: Optional[float] = None) -> dict:
     """Every rank calls a layer of ``backend`` (on new groups with a short timeout; the
-    emulated library where the backend needs one); the ``bad_ranks`` give it an input they
-    refuse. Then every rank calls the layer again with its good input. Returns each call's
-    (error type, message, seconds) and output, and whether the group ended up broken."""
+    emulated library where the backend needs one; ``call_timeout_s`` as the layer's argument)
+    ; the ``bad_ranks`` give it an input they refuse. Then every rank calls the layer again
+    with its good input. Returns each call's (error type, message, seconds) and output, and
+    whether the group ended up broken."""
     from tests.backends.low_latency_ranks import make_options, vendor_module
     from tests.emulation import installed
 
@@ -296,7 +298,7 @@ def refused_layer_call(rank: int, world: int, backend: str, layout: ParallelLayo
         options = make_options(backend) if vendor else None
         layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend(backend), None, QuantSpec(),
                          OverlapConfig(overlap=False), max_tokens_per_rank=capacity,
-                         backend_options=options)
+                         backend_options=options, call_timeout_s=call_timeout_s)
         try:
             x = demo_inputs(cfg, tokens, ctx.dp_rank, 0)
             given = refused_input(kind, x, cfg, capacity, ctx.dp_rank) if rank in bad_ranks else x

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.backend_lists import RANK_MASKING
 from tests.runner import ep_findings_ranks as fns
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("backend", ["nixl_ep", "deepep_ll"])
+@pytest.mark.parametrize("backend", RANK_MASKING)  # from the registry (tests/backend_lists.py)
 def test_a_peer_masked_by_the_library_during_a_call_is_an_error_not_a_partial_result(
         rank_pool, backend):
     victim = 1

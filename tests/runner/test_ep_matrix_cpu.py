@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from tests.backend_lists import NORMAL_MODE
 from tests.gpu import deepep_ht_ranks
 from tests.gpu.ep_harness import run_world, verdict
 from tests.gpu.ep_matrix import (STATUSES, jobs, main, merge_records, rows_to_markdown,
@@ -35,8 +36,8 @@ def test_reduced_matrix_passes_on_cpu(tmp_path):
     if HAS_VLLM:
         assert ("vllm", "deepep_ll") in paths
     cases = {r["case"] for r in rows}
-    assert {"ragged", "auto-ll", "auto-normal", "sp", "mask", "unmask", "fault-kill",
-            "fault-hang-watchdog"} <= cases
+    assert {"ragged", "auto-ll", "auto-normal", "auto-link", "sp", "mask", "unmask",
+            "fault-kill", "fault-hang-watchdog"} <= cases
     hang = next(r for r in rows if r["case"] == "fault-hang-watchdog")
     # rank 0 ended by the 3 s watchdog, not by gloo's 20 s timeout
     took = re.search(r"rank 0: CallTimeoutError after ([\d.]+) s", hang["detail"])
@@ -48,7 +49,7 @@ def test_reduced_matrix_passes_on_cpu(tmp_path):
             assert rank["steps"], f"{rec['name']} rank {rank['rank']} reported no step"
 
 
-@pytest.mark.parametrize("backend", ["deepep_ht", "deepep_auto"])
+@pytest.mark.parametrize("backend", NORMAL_MODE)  # from the registry (tests/backend_lists.py)
 def test_two_process_normal_mode_rank_function_on_cpu(backend):
     """What tests/gpu/test_deepep_ht_gpu.py runs on the GPU, on the emulated deep_ep."""
     run = run_world(deepep_ht_ranks.run_ht, 2, backend, "cpu", device="cpu", timeout_s=120)
@@ -69,6 +70,9 @@ def test_the_full_matrix_covers_the_issue():
         | {("flashinfer_nvlink_two_sided", 2), ("flashinfer_nvlink_two_sided", 4)} \
         | {("torch", 4)}
     assert want <= layer, want - layer
+    # deepep_auto built with a link, both quants, at every EP size of the matrix
+    assert {(e, q) for e in (2, 4, 8) for q in ("bf16", "fp8_block128")} <= {
+        (j.world, r[2]) for j in full for r in j.rows if r[:2] == ("deepep_auto", "auto-link")}
     vllm = {(r[0], j.world) for j in full if j.path == "vllm" for r in j.rows}
     assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep") for e in (2, 4)} <= vllm
     faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}
@@ -98,13 +102,13 @@ def test_record_as_markdown(tmp_path, capsys):
     rows = [dict(backend="deepep_ll", path="layer", ep=4, tp=1, quant="bf16", case="ragged",
                  status="passed", max_rel_err=0.0061, detail="4 ranks | within", job="j"),
             dict(backend="nixl_ep", path="vllm", ep=2, tp=1, quant="bf16", case="graph",
-                 status="timed_out", max_rel_err=None, detail="not started", job="k")]
+                 status="not_run", max_rel_err=None, detail="not started", job="k")]
     table = rows_to_markdown(rows)
     assert table.splitlines()[0].startswith(
         "| path | vllm | backend | ep | tp | quant | case | status")
     line = "| layer |  | deepep_ll | 4 | 1 | bf16 | ragged | passed | 6.10e-03 | 4 ranks \\| within |"
     assert line in table
-    assert table.splitlines()[-1] == "1 passed, 1 timed_out (2 rows)"
+    assert table.splitlines()[-1] == "1 passed, 1 not_run (2 rows)"
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(rows[:1]))
     b.write_text(json.dumps(rows[1:]))
@@ -118,7 +122,7 @@ def test_record_as_markdown(tmp_path, capsys):
     # the merged rows say vllm "unknown" where the record did not say
     assert capsys.readouterr().out.strip() == table.replace(
         "| vllm |  | nixl_ep", "| vllm | unknown | nixl_ep") + "\n\nCommits: unknown: 2 rows"
-    assert set(STATUSES) == {"passed", "failed", "timed_out", "refused"}
+    assert set(STATUSES) == {"passed", "failed", "not_run", "refused"}
 
 
 def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, capsys):
@@ -130,7 +134,7 @@ def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, caps
                     from_run={"commit": commit})
 
     new_a, new_b = [row("ragged", "bbbbbbb")], [row("fault-refuse", "bbbbbbb")]
-    old = [row("ragged", "aaaaaaa", "failed"), row("fault-kill", "aaaaaaa", "timed_out")]
+    old = [row("ragged", "aaaaaaa", "failed"), row("fault-kill", "aaaaaaa", "failed")]
     paths = {}
     for name, rows in (("A.json", new_a), ("B.json", new_b), ("old.json", old)):
         paths[name] = tmp_path / name
@@ -141,7 +145,7 @@ def test_merge_keeps_earlier_rows_only_where_the_new_run_has_none(tmp_path, caps
     merged = json.loads(out.read_text())
     assert [(r["case"], r["status"], r["from_run"]["commit"]) for r in merged] == [
         ("ragged", "passed", "bbbbbbb"), ("fault-refuse", "passed", "bbbbbbb"),
-        ("fault-kill", "timed_out", "aaaaaaa")]
+        ("fault-kill", "failed", "aaaaaaa")]
     assert merged[0]["from_run"] == {"commit": "bbbbbbb"}  # the commit says where it came from
     kept = merged[2]
     assert kept["detail"] == "fault-kill at aaaaaaa"  # the row itself is unchanged

@@ -306,10 +306,12 @@ def test_low_latency_capacity_is_checked_on_the_tp_chunk_alike_on_every_tp_rank(
 def test_low_latency_backend_refusal_with_tp_inside_ep_breaks_instead_of_pairing(rank_pool):
     """With TP inside EP, a rank whose BACKEND refuses its owned rows cannot complete the call
     without them (its TP peer sent its own): it raises its error and breaks its group; every
-    peer ends in an error within the group timeout, and no rank returns a result of any call."""
+    peer ends in an error within the group timeout, and no rank returns a result of any call.
+    The call bound is off (0): with none set, the backstop's watchdog would end the peers' processes
+    at once with the refusing rank's error instead (exit 70: tests/runner/test_watchdog_ranks.py)."""
     t0 = time.monotonic()
     results = rank_pool(4).run(frf.refused_layer_call, "deepep_ll", DP2_TP2, LL_CFG, [0],
-                               "backend_refusal", 3, 4, TIMEOUT_S)
+                               "backend_refusal", 3, 4, TIMEOUT_S, 0)
     assert time.monotonic() - t0 < 6 * TIMEOUT_S
     err_type, err, _ = results[0]["first"]
     assert err_type == "ValueError" and "injected backend refusal" in err, err

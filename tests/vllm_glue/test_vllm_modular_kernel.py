@@ -19,6 +19,7 @@ from moe_plugins.strategy import ReductionStrategy as S  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.vllm]
 
+from tests.backend_lists import LOW_LATENCY, NORMAL_MODE  # noqa: E402
 from tests.vllm_glue import vllm_modular_kernel_ranks as vllm_rank_fns  # noqa: E402
 
 
@@ -131,7 +132,7 @@ def test_router_weight_on_input_with_the_batched_test_backend(rank_pool, layout,
     assert not torch.allclose(reference_moe(x, w), reference_moe(x, w, apply_router_weight_on_input=True))
 
 
-@pytest.mark.parametrize("backend", ["deepep_ll", "nixl_ep"])
+@pytest.mark.parametrize("backend", LOW_LATENCY)  # from the registry (tests/backend_lists.py)
 @pytest.mark.parametrize("weight_on_input", [True, False], ids=["on-input", "on-output"])
 def test_router_weight_on_input_with_low_latency_backends(rank_pool, backend, weight_on_input):
     """Through the real low-latency prepare/finalize on the emulated DeepEP / NIXL EP kernels,
@@ -212,7 +213,7 @@ DEEPEP_CASES = [
 
 @pytest.mark.parametrize("layout,strategy", DEEPEP_CASES,
                          ids=[f"dp{l.dp}-tp{l.tp}-{s.value}" for l, s in DEEPEP_CASES])
-@pytest.mark.parametrize("backend", ["deepep_ht", "deepep_auto"])
+@pytest.mark.parametrize("backend", NORMAL_MODE)  # from the registry (tests/backend_lists.py)
 def test_vllm_kernel_with_deepep_normal_mode(rank_pool, backend, layout, strategy):
     """Standard-format experts for both: deepep_ht's rows, and deepep_auto's low-latency receive
     presented as rows (9 tokens fit its default capacity)."""

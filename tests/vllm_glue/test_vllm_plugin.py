@@ -129,7 +129,28 @@ def test_settings_read_our_section(monkeypatch):
     assert not plugin_settings({"moe_plugins": {"overlap": True}}).max_tokens_set
 
 
+def test_settings_name_a_link():
+    from moe_plugins.planner.link_model import LinkModel
+    from moe_plugins.planner.presets import LINK_PRESETS, link_preset
+
+    assert plugin_settings(None).link is None
+    assert plugin_settings({"moe_plugins": {"link": "h200-cx7"}}).link is LINK_PRESETS["h200-cx7"]
+    over = plugin_settings({"moe_plugins": {"link": {"preset": "h800-cx7", "rdma_gbps": 25}}})
+    assert over.link == link_preset("h800-cx7", rdma_gbps=25)
+    assert over.link.name == "h800-cx7 (with rdma_gbps)"
+    flags = plugin_settings({"moe_plugins": {"link": {"nvlink_gbps": 2, "sms": 24}}})
+    assert flags.link == LinkModel(nvlink_gbps=2, sms=24)
+
+
 @pytest.mark.parametrize("section,error,match", [
+    ({"link": "h9"}, ValueError, r"moe_plugins.link: unknown link preset 'h9'; expected one of "
+                                 "h100-cx7, h200-cx7, h200-nvlink, h800-cx7"),
+    ({"link": {"rdma": 1}}, ValueError, r"unknown link field\(s\) \['rdma'\]; expected 'preset'"),
+    ({"link": {"nvlink_gbps": -1}}, ValueError,
+     "moe_plugins.link: LinkModel.nvlink_gbps must be > 0 GB/s"),
+    ({"link": {"preset": "h800-cx7", "sms": "many"}}, TypeError,
+     "moe_plugins.link: LinkModel.sms must be an int, got 'many'"),
+    ({"link": 5}, TypeError, "moe_plugins.link must be a preset name or an object"),
     ({"overlapp": True}, ValueError, "unknown overlap settings.*overlapp"),
     ({"strategy": "fastest"}, ValueError, "not a reduction strategy"),
     ({"overlap_max_tokens": -1}, ValueError, "overlap_max_tokens must be >= 0"),
@@ -718,6 +739,7 @@ def test_fault_tolerance_with_the_call_bound_warns_once(monkeypatch, caplog):
     ParallelConfig: the one attribute read)."""
     from types import SimpleNamespace
 
+    from moe_plugins.callbound import reread_environment
     from moe_plugins.vllm import manager as vllm_manager
 
     monkeypatch.setattr(vllm_manager, "_WARNED", [])
@@ -731,4 +753,5 @@ def test_fault_tolerance_with_the_call_bound_warns_once(monkeypatch, caplog):
     assert "unset $MOE_PLUGINS_CALL_TIMEOUT_S" in record.getMessage()
     monkeypatch.setattr(vllm_manager, "_WARNED", [])
     monkeypatch.setenv("MOE_PLUGINS_CALL_TIMEOUT_S", "0")
+    reread_environment()  # read once per process
     assert not vllm_manager.warn_if_the_bound_defeats_fault_tolerance(ft)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,25 +123,62 @@ def test_plugin_registers_in_release(probe, release):
 RUN_UNDER = ("0.34.0",)
 
 
+#: Why a vLLM test may skip under a release's Python alone: it lacks vLLM's compiled extension,
+#: or the test is of a hook point (or module) that another release has instead of this one.
+RELEASE_SKIPS = re.compile(r"vLLM here has no compiled kernel to quantize|"
+                           r"vLLM's compiled extension \S+ is missing|"
+                           r"does not apply to this vLLM|is not in this vLLM release")
+
+
+def junit_outcomes(report: Path) -> dict[str, tuple[str, str]]:
+    """A pytest JUnit XML report -> {test id: (outcome, message)}; outcome one of passed,
+    skipped, failed, error."""
+    import xml.etree.ElementTree as ET
+
+    out = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = "failed" if tag == "failure" else tag
+                message = found.get("message") or ""
+                break
+        out[name] = (outcome, message)
+    return out
+
+
 @pytest.mark.vllm
 @pytest.mark.multirank
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("release", RUN_UNDER)
-def test_vllm_tests_pass_under_release(release):
+def test_vllm_tests_pass_under_release(release, tmp_path):
     """The suite's vLLM tests (vLLM's own modular kernel over our prepare/finalize on gloo ranks
     beside vLLM's in-tree classes: activation formats, DBO micro-batches, fault tolerance with
     update_mask, sequence parallelism, the hooks) in a child pytest under ``release``'s Python
     on vLLM's CPU platform (tests/conftest.py, MOE_PLUGINS_VLLM_RELEASE). Left out: the
     `vllm serve` runs (a release's Python alone cannot serve: no compiled extension) and this
-    module. Skips of formats that need vLLM's compiled quantizer are listed in the output."""
+    module. Every test the child collects must pass, or skip because that Python lacks vLLM's
+    compiled extension or the test is of another release's hook point (RELEASE_SKIPS), and the
+    child's rank processes must have imported that
+    release (test_vllm_under_test.py passed there)."""
     release_tree(release)
     here = Path(__file__).resolve()
+    report = tmp_path / "release.xml"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-rs",
-         "-m", "not vllm_e2e", "--ignore", str(here), str(here.parent)],
+         "-m", "not vllm_e2e", "--junitxml", str(report), "--ignore", str(here),
+         str(here.parent)],
         cwd=ROOT, env=release_env(release), capture_output=True, text=True, timeout=1440)
     tail = done.stdout[-6000:]
     assert done.returncode == 0, \
         f"vLLM {release}: the vLLM tests failed:\n{tail}\n{done.stderr[-3000:]}"
-    summary = [ln for ln in done.stdout.splitlines() if " passed" in ln]
-    assert summary and "failed" not in summary[-1], tail
+    outcomes = junit_outcomes(report)
+    passed = [t for t, (o, _) in outcomes.items() if o == "passed"]
+    other = {t: v for t, v in outcomes.items()
+             if v[0] != "passed" and not (v[0] == "skipped" and RELEASE_SKIPS.search(v[1]))}
+    assert not other, f"vLLM {release}: neither passed nor skipped for a missing compiled " \
+        f"extension: {other}"
+    seen = [t for t in passed if t.endswith("test_ranks_import_the_vllm_under_test")]
+    assert seen, f"vLLM {release}: the ranks' vLLM was not checked:\n{tail}"

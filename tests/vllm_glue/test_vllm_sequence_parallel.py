@@ -93,9 +93,10 @@ def test_decoder_layer_under_vllm(rank_pool, sp_attention, section, sp, num_toke
 @pytest.mark.parametrize("sp_attention", ["reduce_scatter", "all_reduce"])
 def test_decoder_layer_on_either_cpu_communicator(rank_pool, sp_attention, cpu_shm):
     """vLLM's CPU communicator runs the TP group's all_reduce / all_gather through its
-    shared-memory collectives on processors whose vLLM kernels have them (x86 AVX-512, Arm, ...)
-    and through torch.distributed elsewhere (x86 AVX2); both paths run here, whichever this
-    machine would take (tests/vllm_glue/vllm_dist.py: how each is chosen; vLLM reads no switch
+    shared-memory collectives where its compiled kernels have them (x86 AVX-512, Arm, ...) and
+    through torch.distributed elsewhere (x86 AVX2, or vLLM's Python without its compiled
+    extension, as under MOE_PLUGINS_VLLM_RELEASE); both paths run here, whichever this machine
+    would take (tests/vllm_glue/vllm_dist.py: how each is chosen; vLLM reads no switch
     for it). The two SP cases cover all three TP collectives of the layer."""
     if cpu_shm:
         why_not = cpu_shm_unavailable()

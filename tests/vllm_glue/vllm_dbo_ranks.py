@@ -211,6 +211,88 @@ def run_fault_tolerance(rank: int, world: int, backend_name: str, cfg: MoEConfig
             manager.destroy()
 
 
+def bad_update_masks_then_forward(rank: int, world: int, backend_name: str, cfg: MoEConfig,
+                                  num_tokens: int) -> dict:
+    """Our manager of vLLM's EP group under ``--enable-fault-tolerance`` with one layer's
+    backend built through it; every bad mask request through ``update_mask``
+    (low_latency_ranks.refused_masks: after each, the library's mask, the masks the manager
+    replays to later layers and vLLM's poll), then a forward."""
+    from moe_plugins.quant import QuantSpec
+    from moe_plugins.runner.experts import TorchExperts
+    from moe_plugins.vllm.manager import ep_manager
+    from tests.backends.low_latency_ranks import refused_masks
+    from tests.vllm_glue.vllm_dist import vllm_parallel_state
+
+    layout = ParallelLayout(world, 1, True)
+    with installed(vendor_module(backend_name)), vllm_parallel_state(
+            rank, world, world, "moe_plugins_" + backend_name, enable_fault_tolerance=True):
+        manager = ep_manager()
+        backend = manager.build(get_backend(backend_name), cached_dist_context(layout),
+                                DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
+                                               num_tokens, cfg.dtype))
+        try:
+            def state() -> tuple:
+                return (manager.query_active_mask().tolist(), dict(manager._masks),
+                        bool(manager.query_fault()))
+
+            before = state()
+            refused = refused_masks(manager.update_mask, state)
+            weights = MoEWeights.random(cfg, 0)
+            experts = TorchExperts(weights.local_experts(world, rank), QuantSpec(), cfg.dtype)
+            x = demo_inputs(cfg, num_tokens, rank, 0)
+            w, ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+            prep = backend.prepare(x, w, ids, QuantSpec())
+            out = backend.finalize(experts.apply(prep), w, ids, torch.empty_like(x))
+            return dict(before=before, refused=refused, out=out)
+        finally:
+            backend.reset_call_state()
+            manager.destroy()
+
+
+def mask_before_the_layer(rank: int, world: int, backend_name: str, cfg: MoEConfig,
+                          num_tokens: int, dead: int) -> dict:
+    """vLLM 0.34's sentinel masks EP rank ``dead`` (``update_mask`` on every other rank) before
+    any layer exists; then a layer's backend is built through our manager: its library mask,
+    vLLM's poll and a forward (which must leave ``dead``'s experts out); then ``update_mask``
+    takes the rank back and a second forward."""
+    from moe_plugins.quant import QuantSpec
+    from moe_plugins.runner.experts import TorchExperts
+    from moe_plugins.vllm.manager import ep_manager
+    from tests.vllm_glue.vllm_dist import vllm_parallel_state
+
+    layout = ParallelLayout(world, 1, True)
+    with installed(vendor_module(backend_name)), vllm_parallel_state(
+            rank, world, world, "moe_plugins_" + backend_name, enable_fault_tolerance=True):
+        manager = ep_manager()
+        if rank != dead:
+            manager.update_mask(dead, masked=True)
+        mask_before = manager.query_active_mask().tolist()  # no layer: nothing to ask
+        backend = manager.build(get_backend(backend_name), cached_dist_context(layout),
+                                DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk,
+                                               num_tokens, cfg.dtype))
+        try:
+            weights = MoEWeights.random(cfg, 0)
+            experts = TorchExperts(weights.local_experts(world, rank), QuantSpec(), cfg.dtype)
+            x = demo_inputs(cfg, num_tokens, rank, 0)
+            w, ids = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+
+            def forward() -> torch.Tensor:
+                prep = backend.prepare(x, w, ids, QuantSpec())
+                return backend.finalize(experts.apply(prep), w, ids, torch.empty_like(x))
+
+            lib_mask = backend.manager.masked_ranks()  # type: ignore[attr-defined]
+            fault = bool(manager.query_fault())
+            masked = forward()
+            if rank != dead:
+                manager.update_mask(dead, masked=False)
+            unmasked = forward()
+            return dict(mask_before=mask_before, lib_mask=lib_mask, fault=fault, masked=masked,
+                        unmasked=unmasked)
+        finally:
+            backend.reset_call_state()
+            manager.destroy()
+
+
 def lib_rdma(backend: Any) -> Optional[torch.Tensor]:
     """The emulated library's RDMA bytes (what ``clean_buffers`` zeroes), if allocated."""
     return backend.manager.buffer.runtime.rdma_bytes

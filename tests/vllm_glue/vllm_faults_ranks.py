@@ -89,6 +89,7 @@ def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: 
     import os
     import time
 
+    from moe_plugins.callbound import reread_environment
     from tests.gpu.ep_harness import result, step
 
     if rank == 0:
@@ -96,6 +97,8 @@ def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: 
         # call 2 would run under the start-up bound (a peer may still be in its first call):
         # here the first calls run under the call bound itself
         os.environ["MOE_PLUGINS_FIRST_CALL_TIMEOUT_S"] = "0"
+    # read once per process: this pool's rank may have read them for an earlier test
+    reread_environment()
     layout, cfg = ParallelLayout(world, 1, True), MoEConfig(
         hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)
     ctx = make_dist_context(layout, timeout_s=60.0, fresh_ep_group=True)

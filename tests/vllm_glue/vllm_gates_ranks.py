@@ -57,3 +57,32 @@ def run_nixl_through_vllm_manager(rank: int, world: int, cfg: MoEConfig, num_tok
         finally:
             backend.reset_call_state()
             manager.destroy()
+
+
+def build_through_vllm_manager(rank: int, world: int, backend: str, cfg: MoEConfig,
+                               additional_config: dict) -> dict:
+    """Build ``backend`` the way the vLLM glue does (our all2all manager, no backend_options,
+    the link of ``additional_config``'s moe_plugins section) on the emulated deep_ep; returns
+    the options the manager built it with and, for deepep_auto, its threshold."""
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.registry import get_backend
+    from moe_plugins.vllm.manager import MoEPluginsAll2AllManager
+    from moe_plugins.vllm.settings import plugin_settings
+    from vllm.distributed import get_ep_group
+
+    from tests.vllm_glue.vllm_dist import vllm_parallel_state
+
+    layout = ParallelLayout(world, 1, True)
+    link = plugin_settings(additional_config).link
+    with installed("deep_ep"), vllm_parallel_state(rank, world, world, f"moe_plugins_{backend}"):
+        ep = get_ep_group()
+        manager = MoEPluginsAll2AllManager(ep.cpu_group, ep.device_group)
+        pf = manager.build(get_backend(backend), cached_dist_context(layout),
+                           DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk, 16,
+                                          cfg.dtype), link)
+        try:
+            options = pf.manager.options  # type: ignore[attr-defined]
+            return dict(link=getattr(options, "link", None),
+                        threshold=getattr(pf, "threshold", None))
+        finally:
+            manager.destroy()

@@ -14,15 +14,17 @@ import torch.distributed as dist
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.groups import DistContext, all_gather_tensor, reduce_scatter_tensor
-from moe_plugins.interface import (AsyncResult, PrepareFinalize, PrepareResult, RowScatterTarget,
-                                   check_prepare_inputs, write_output)
+from moe_plugins.interface import (AsyncResult, BackendManager, PrepareFinalize, PrepareResult,
+                                   RowScatterTarget, check_prepare_inputs, write_output)
 from moe_plugins.layout import local_expert_ids
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities
 
 
-class AllGatherManager:
-    """The EP group and the expert placement (``cfg.placement``, linear when None)."""
+class AllGatherManager(BackendManager):
+    """The EP group and the expert placement (``cfg.placement``, linear when None). It holds
+    no buffers, so BackendManager's defaults serve: ``destroy`` frees nothing, ``engine_options``
+    gives None (no options), ``masks_by_itself`` is False."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.group = ctx.ep_group

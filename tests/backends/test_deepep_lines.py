@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_plugins.stack import deepep as found_mod
+from tests.backend_lists import DEEPEP
 from moe_plugins.stack.deepep import (LEGACY, UNKNOWN, V1, V2_ONLY, describe_deepep,
                                       require_buffer_api)
 
@@ -155,7 +156,13 @@ def test_a_package_that_fails_its_own_import_check_is_an_import_error(tmp_path, 
 
 # -- `moe-plugins list` names the DeepEP found ------------------------------------------------
 
-DEEPEP_ROWS = ("deepep_ll", "deepep_ht", "deepep_auto")
+DEEPEP_ROWS = DEEPEP
+# what each emulated API shape is called (the legacy emulation has a __version__, no record)
+_LINE_WORDS = {
+    "v1": "DeepEP V1 line (deep_ep.Buffer of deep_ep/buffer.py), commit unknown (no build "
+          "record, no version)",
+    "legacy": "DeepEP current line, legacy Buffer (deep_ep.Buffer of deep_ep/buffers/legacy.py, "
+              "beside V2's ElasticBuffer), version 2.1.0 (no commit recorded)"}
 
 
 def _list_rows(capsys) -> dict:
@@ -165,12 +172,8 @@ def _list_rows(capsys) -> dict:
     return {r["name"]: r for r in json.loads(capsys.readouterr().out)}
 
 
-@pytest.mark.parametrize("shape,words", [
-    ("v1", "DeepEP V1 line (deep_ep.Buffer of deep_ep/buffer.py), commit unknown (no build "
-           "record, no version)"),
-    ("legacy", "DeepEP current line, legacy Buffer (deep_ep.Buffer of deep_ep/buffers/legacy.py, "
-               "beside V2's ElasticBuffer), version 2.1.0 (no commit recorded)")])
-def test_list_names_the_deepep_line_of_each_shape(capsys, shape, words):
+@pytest.mark.parametrize("shape", ["v1", "legacy"])
+def test_list_names_the_deepep_line_of_each_shape(capsys, shape):
     from tests.emulation import installed
 
     with installed("deep_ep", deep_ep_shape=shape):
@@ -179,6 +182,7 @@ def test_list_names_the_deepep_line_of_each_shape(capsys, shape, words):
 
         assert cli_main(["list"]) == 0
         text = capsys.readouterr().out
+    words = _LINE_WORDS[shape]
     for name in DEEPEP_ROWS:
         assert rows[name]["found"] == {"deep_ep": words}
         reason = rows[name]["reason"] or ""
@@ -220,16 +224,35 @@ def test_list_and_build_refuse_a_deepep_without_the_buffer_api(capsys, monkeypat
             get_backend(name).build(ctx, DispatchConfig(8, 2048, 2, dtype=torch.bfloat16))
 
 
-def test_the_buffer_info_line_names_the_deepep_found(rank_pool):
+def test_list_names_the_recorded_commit_and_fence(capsys, monkeypatch, tmp_path):
+    """A DeepEP built by scripts/deepep/build.sh: its rows name the commit and the fence patch
+    from deep_ep/moe_plugins_build.json and stay usable as far as the package goes."""
+    import importlib.machinery
+
+    from tests.emulation import deep_ep as emulated
+
+    module = _module(tmp_path, "built", {"line": "v1", "commit": "567632d",
+                                         "patches": ["pr642-combine-fence"]},
+                     Buffer=emulated.Buffer)
+    module.__spec__ = importlib.machinery.ModuleSpec("deep_ep", None, origin=module.__file__)
+    monkeypatch.setitem(__import__("sys").modules, "deep_ep", module)
+    rows = _list_rows(capsys)
+    for name in DEEPEP_ROWS:
+        assert rows[name]["found"] == {"deep_ep": "DeepEP V1 line (deep_ep.Buffer of "
+                                                  "deep_ep/buffer.py), commit 567632d with "
+                                                  "pr642-combine-fence"}
+        assert "deep_ep" not in (rows[name]["reason"] or "")
+
+
+@pytest.mark.parametrize("shape", sorted(_LINE_WORDS))
+@pytest.mark.parametrize("backend", ["deepep_ll", "deepep_ht"])
+def test_the_buffer_info_line_names_the_deepep_found(rank_pool, backend, shape):
     """The one INFO line per buffer (per worker and layer config) names the line."""
     from moe_plugins.layout import ParallelLayout
-    from tests.backends import low_latency_ranks as ll_rank_fns
-    from tests.emulation import in_deep_ep_shape
+    from tests.backends import deepep_lines_ranks
 
-    lines = rank_pool(2).run(in_deep_ep_shape, "legacy", ll_rank_fns.buffer_info_lines,
-                             "deepep_ll", ParallelLayout(2, 1, True))
+    lines = rank_pool(2).run(deepep_lines_ranks.buffer_info_lines, backend, shape,
+                             ParallelLayout(2, 1, True))
     for got in lines:
-        assert len(got) == 1 and got[0].startswith("deepep_ll: buffer for EP rank ")
-        assert got[0].endswith("; DeepEP current line, legacy Buffer (deep_ep.Buffer of "
-                               "deep_ep/buffers/legacy.py, beside V2's ElasticBuffer), version "
-                               "2.1.0 (no commit recorded)")
+        assert len(got) == 1 and got[0].startswith(f"{backend}: buffer for EP rank ")
+        assert got[0].endswith("; " + _LINE_WORDS[shape])

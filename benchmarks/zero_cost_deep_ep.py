@@ -7,6 +7,8 @@ its constructor, ``get_low_latency_rdma_size_hint``, ``low_latency_dispatch``,
 ``EventOverlap``), but no kernels and no transport: a call returns tensors allocated once per
 shape (the real receive layout's shapes, dtypes and the column-major scales) and a no-op hook.
 What is left of a round trip is the Python around it, which is what the benchmark measures.
+Normal mode's methods (``get_dispatch_layout``, ``dispatch``, ``combine``) exist by name, as
+they do on every DeepEP ``Buffer`` (moe-plugins' DeepEP probe looks for them), and raise.
 Not a test double: the outputs carry no data (tests use ``tests/emulation/deep_ep.py``).
 """
 from __future__ import annotations
@@ -179,3 +181,14 @@ class Buffer:
             return_recv_hook, out)
         tensors_to_record = (x, topk_idx, topk_weights, src_info, layout_range, combined_x)
         return combined_x, EventOverlap(event, tensors_to_record if async_finish else None), hook
+
+    # Normal mode: present by name, as on the real Buffer, so the package reads as DeepEP's V1
+    # line; the benchmark measures low-latency mode only.
+    def get_dispatch_layout(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the zero-cost stand-in has low-latency mode only")
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the zero-cost stand-in has low-latency mode only")
+
+    def combine(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the zero-cost stand-in has low-latency mode only")

@@ -11,7 +11,7 @@ from typing import Callable
 from moe_plugins.registry import BackendSpec, Transport, registered_backends
 
 __all__ = ["ours", "transports", "LOW_LATENCY", "NORMAL_MODE", "MICRO_BATCH", "RANK_MASKING",
-           "PLACEMENTS"]
+           "PLACEMENTS", "DEEPEP"]
 
 def ours(where: Callable[[BackendSpec], bool]) -> list[str]:
     """Names of this distribution's backends for which ``where(spec)`` holds, sorted."""
@@ -44,3 +44,6 @@ RANK_MASKING = ours(lambda s: s.capabilities.rank_masking)
 #: capability placements (round-robin and EPLB's redundant experts):
 #: tests/contracts/test_placement.py
 PLACEMENTS = ours(lambda s: s.capabilities.placements)
+#: backends on DeepEP (they name the DeepEP found, or refuse one without the Buffer API):
+#: tests/backends/test_deepep_lines.py
+DEEPEP = ours(lambda s: any(p.module == "deep_ep" for p in s.required))

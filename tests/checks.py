@@ -4,6 +4,7 @@ prices faster for a deepep_auto call, and the command line run as a user runs it
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -117,6 +118,26 @@ def count_dist_calls(groups: Optional[list[Any]] = None, also: Sequence[Any] = (
             else:
                 setattr(obj, n, own)
         dist.ProcessGroup.alltoall_base = saved_pg
+
+
+@contextlib.contextmanager
+def logged(name: str) -> Iterator[list[str]]:
+    """The messages logger ``name`` emits (INFO and above) during the block."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger(name)
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 ROOT = Path(__file__).resolve().parents[1]

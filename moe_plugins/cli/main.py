@@ -28,10 +28,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for name, spec in sorted(registered_backends().items()):
         reason = spec.unavailable_reason()
         ep_dp, dp, tp, sp = spec.ep_dp_tp_support
+        # what each required package that can say is installed (DeepEP: its line and commit)
+        found = {p.module: text for p in spec.required if (text := p.found()[0]) is not None}
         rows.append(dict(name=name, usable=reason is None, reason=reason, ep_dp=ep_dp, dp=dp,
                          tp=tp, sp=sp, placements=spec.capabilities.placements,
                          quants=sorted(q.value for q in spec.quants),
-                         distribution=spec.distribution))
+                         distribution=spec.distribution, found=found))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -40,11 +42,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
         return 0
     yn = {True: "yes", False: "no"}
     print(f"{'backend':<28} {'usable':<6} {'ep_dp':<5} {'dp':<3} {'tp':<3} {'sp':<3} "
-          f"{'placements':<10} {'quants':<32} reason")
+          f"{'placements':<10} {'quants':<32} reason / found")
     for r in rows:
+        found = "; ".join(f"found {m}: {text}" for m, text in r["found"].items())
+        note = "; ".join(t for t in (r["reason"], found) if t)
         print(f"{r['name']:<28} {yn[r['usable']]:<6} {yn[r['ep_dp']]:<5} {yn[r['dp']]:<3} "
               f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {'any' if r['placements'] else 'linear':<10} "
-              f"{','.join(r['quants']):<32} {r['reason'] or ''}")
+              f"{','.join(r['quants']):<32} {note}")
     return 0
 
 

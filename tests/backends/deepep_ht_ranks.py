@@ -5,10 +5,8 @@ backend through the registry as a layer does, and returns plain tensors/values.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -25,7 +23,7 @@ from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy
-from tests.checks import count_dist_calls
+from tests.checks import count_dist_calls, logged
 
 
 def _layer(backend: str, layout: ParallelLayout, cfg: MoEConfig,
@@ -67,7 +65,7 @@ def run_auto_calls(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
     the outputs, the mode counts after each call and the layer's threshold."""
     from all2all.deepep_auto import DeepEPAutoOptions
 
-    with installed("deep_ep"), _logged("prepare_finalize.deepep_auto") as logs:
+    with installed("deep_ep"), logged("prepare_finalize.deepep_auto") as logs:
         layer = _layer("deepep_auto", layout, cfg, None, quant, seed, 4096,
                        DeepEPAutoOptions(ll_max_tokens_per_rank=capacity, link=link))
         try:
@@ -105,7 +103,7 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
             return True
 
     quant = QuantSpec(QuantScheme.FP8_BLOCK128)
-    with _logged("prepare_finalize.deepep_auto") as records:
+    with logged("prepare_finalize.deepep_auto") as records:
         with installed("deep_ep"):
             ctx = cached_dist_context(layout)
             pf = get_backend("deepep_auto").build(ctx, DispatchConfig(
@@ -126,26 +124,6 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
                 return dict(scales=scales, modes=dict(pf.stats.modes), logs=records)
             finally:
                 pf.manager.destroy()
-
-
-@contextlib.contextmanager
-def _logged(name: str) -> Iterator[list[str]]:
-    """The messages logger ``name`` emits (INFO and above) during the block."""
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    log = logging.getLogger(name)
-    handler, level = Keep(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 def refused_capture_then_eager(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,

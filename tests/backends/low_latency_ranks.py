@@ -605,3 +605,4 @@ def deterministic_round_trip(rank: int, world: int, backend: str, layout: Parall
             torch.use_deterministic_algorithms(before)
         return dict(error=error, launches=runtime.launches - start,
                     direct=pf.runtime_calls is not None)
+

@@ -3,6 +3,7 @@ can tell, and the probes our DeepEP backends take their differences from."""
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from moe_plugins.stack import deepep as found_mod
+from tests.backend_lists import DEEPEP
 from moe_plugins.stack.deepep import (LEGACY, UNKNOWN, V1, V2_ONLY, describe_deepep,
                                       require_buffer_api)
 
@@ -150,3 +152,107 @@ def test_a_package_that_fails_its_own_import_check_is_an_import_error(tmp_path, 
         import_vendor(required, "deepep_ll")
     described, reason = required.found()
     assert described is None and "failed to import (AssertionError: Invalid NCCL" in reason
+
+
+# -- `moe-plugins list` names the DeepEP found ------------------------------------------------
+
+DEEPEP_ROWS = DEEPEP
+# what each emulated API shape is called (the legacy emulation has a __version__, no record)
+_LINE_WORDS = {
+    "v1": "DeepEP V1 line (deep_ep.Buffer of deep_ep/buffer.py), commit unknown (no build "
+          "record, no version)",
+    "legacy": "DeepEP current line, legacy Buffer (deep_ep.Buffer of deep_ep/buffers/legacy.py, "
+              "beside V2's ElasticBuffer), version 2.1.0 (no commit recorded)"}
+
+
+def _list_rows(capsys) -> dict:
+    from moe_plugins.cli import main as cli_main
+
+    assert cli_main(["list", "--json"]) == 0
+    return {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+
+
+@pytest.mark.parametrize("shape", ["v1", "legacy"])
+def test_list_names_the_deepep_line_of_each_shape(capsys, shape):
+    from tests.emulation import installed
+
+    with installed("deep_ep", deep_ep_shape=shape):
+        rows = _list_rows(capsys)
+        from moe_plugins.cli import main as cli_main
+
+        assert cli_main(["list"]) == 0
+        text = capsys.readouterr().out
+    words = _LINE_WORDS[shape]
+    for name in DEEPEP_ROWS:
+        assert rows[name]["found"] == {"deep_ep": words}
+        reason = rows[name]["reason"] or ""
+        assert "deep_ep" not in reason  # only the GPU can be missing here
+    assert f"found deep_ep: {words}" in text
+    assert rows["torch"]["found"] == {}
+
+
+def _fake_deepep(tmp_path: Path, **attrs) -> types.ModuleType:
+    import importlib.machinery
+
+    module = _module(tmp_path, "fake", {"line": "v2", "commit": "dd758ca"}, **attrs)
+    module.__spec__ = importlib.machinery.ModuleSpec("deep_ep", None, origin=module.__file__)
+    return module
+
+
+@pytest.mark.parametrize("attrs,words", [
+    ({"ElasticBuffer": object}, "DeepEP V2 API only (ElasticBuffer, no legacy deep_ep.Buffer), "
+                                "commit dd758ca"),
+    ({}, "not a DeepEP API moe-plugins knows")], ids=["v2-only", "unknown"])
+def test_list_and_build_refuse_a_deepep_without_the_buffer_api(capsys, monkeypatch, tmp_path,
+                                                               attrs, words):
+    """Not usable, saying what was found and what to install; building the backend is the
+    same ImportError, before any constructor of the package runs."""
+    from moe_plugins.config import DispatchConfig
+    from moe_plugins.groups import DistContext
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.registry import get_backend
+
+    monkeypatch.setitem(__import__("sys").modules, "deep_ep", _fake_deepep(tmp_path, **attrs))
+    rows = _list_rows(capsys)
+    for name in DEEPEP_ROWS:
+        row = rows[name]
+        assert row["usable"] is False and words in row["found"]["deep_ep"]
+        assert "moe-plugins' DeepEP backends call deep_ep.Buffer" in row["reason"]
+        assert "scripts/deepep/build.sh" in row["reason"]
+        ctx = DistContext(ParallelLayout(2, 1, True), 0, None, None, torch.device("cpu"))
+        with pytest.raises(ImportError, match=rf"backend .{name}.: deep_ep at .*{re.escape(words[:20])}"):
+            get_backend(name).build(ctx, DispatchConfig(8, 2048, 2, dtype=torch.bfloat16))
+
+
+def test_list_names_the_recorded_commit_and_fence(capsys, monkeypatch, tmp_path):
+    """A DeepEP built by scripts/deepep/build.sh: its rows name the commit and the fence patch
+    from deep_ep/moe_plugins_build.json and stay usable as far as the package goes."""
+    import importlib.machinery
+
+    from tests.emulation import deep_ep as emulated
+
+    module = _module(tmp_path, "built", {"line": "v1", "commit": "567632d",
+                                         "patches": ["pr642-combine-fence"]},
+                     Buffer=emulated.Buffer)
+    module.__spec__ = importlib.machinery.ModuleSpec("deep_ep", None, origin=module.__file__)
+    monkeypatch.setitem(__import__("sys").modules, "deep_ep", module)
+    rows = _list_rows(capsys)
+    for name in DEEPEP_ROWS:
+        assert rows[name]["found"] == {"deep_ep": "DeepEP V1 line (deep_ep.Buffer of "
+                                                  "deep_ep/buffer.py), commit 567632d with "
+                                                  "pr642-combine-fence"}
+        assert "deep_ep" not in (rows[name]["reason"] or "")
+
+
+@pytest.mark.parametrize("shape", sorted(_LINE_WORDS))
+@pytest.mark.parametrize("backend", ["deepep_ll", "deepep_ht"])
+def test_the_buffer_info_line_names_the_deepep_found(rank_pool, backend, shape):
+    """The one INFO line per buffer (per worker and layer config) names the line."""
+    from moe_plugins.layout import ParallelLayout
+    from tests.backends import deepep_lines_ranks
+
+    lines = rank_pool(2).run(deepep_lines_ranks.buffer_info_lines, backend, shape,
+                             ParallelLayout(2, 1, True))
+    for got in lines:
+        assert len(got) == 1 and got[0].startswith(f"{backend}: buffer for EP rank ")
+        assert got[0].endswith("; " + _LINE_WORDS[shape])

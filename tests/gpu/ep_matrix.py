@@ -7,7 +7,7 @@ rows of the record. The record is a JSON list of rows with keys ``backend``, ``p
 (``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
 ``not_run`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
 ``vllm`` (the vLLM distribution and version the run imported, or null), ``from_run``
-(``{"commit": ...}``: the code that ran it; a merge adds ``note`` for a row kept from an earlier
+(``{"commit": ..., "gpu": ...}``: the code that ran it and the GPU it ran on; a merge adds ``note`` for a row kept from an earlier
 record, and ``record`` for a row without a commit, see :func:`merge_records`) and, in a fault
 row, ``settings`` (the victim, the fault, the call bound and start-up bound, the process group's
 and the library's timeouts and the job's bound). A row's
@@ -411,6 +411,15 @@ def current_commit() -> str:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
+def current_gpu(device: str) -> Optional[str]:
+    """The name of the GPU the run uses (``torch.cuda.get_device_name``), None on the CPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = (),
                skip: Sequence[str] = (), budget_s: float = 1e9, min_job_s: float = 45.0,
                scale: str = "full", record: Optional[Path] = None,
@@ -421,7 +430,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
     start = time.monotonic()
     rows: list[dict] = []
     run_records: list[dict] = []
-    commit, vllm = current_commit(), current_vllm()
+    commit, vllm, gpu = current_commit(), current_vllm(), current_gpu(device)
     for job in _select(jobs(device, scale), half, only, skip):
         left = budget_s - (time.monotonic() - start)
         # a fault job needs its whole bound (the library's own timeout is what it measures)
@@ -434,7 +443,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
                 f"bound {bound:.0f} s)")
             job_rows, rec = run_job(job, device, bound)
         for r in job_rows:  # what ran it (see merge_records for what a merge adds)
-            r["from_run"] = {"commit": commit}
+            r["from_run"] = {"commit": commit, **({"gpu": gpu} if gpu else {})}
             r["vllm"] = vllm
         rows += job_rows
         if rec is not None:
@@ -484,7 +493,9 @@ def rows_to_markdown(rows: Sequence[dict]) -> str:
     runs: dict[str, list[dict]] = {}
     for r in rows:
         if "from_run" in r:
-            runs.setdefault(r["from_run"].get("commit", "unknown"), []).append(r)
+            run = r["from_run"]
+            where = run.get("commit", "unknown") + (f" on {run['gpu']}" if run.get("gpu") else "")
+            runs.setdefault(where, []).append(r)
     if runs:
         lines.append("")
         lines.append("Commits: " + "; ".join(
@@ -517,7 +528,8 @@ def _row_key(row: dict) -> tuple:
 
 
 def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
-                  earlier: Sequence[tuple[str, Sequence[dict]]] = ()) -> list[dict]:
+                  earlier: Sequence[tuple[str, Sequence[dict]]] = (),
+                  gpus: Optional[dict[str, str]] = None) -> list[dict]:
     """One record out of several: the rows of ``records`` in order (a row of a later record
     replaces an earlier row with the same path/backend/ep/tp/quant/case and, on vLLM's path,
     vLLM release), then the rows of the ``earlier`` records that no row of ``records``
@@ -528,10 +540,13 @@ def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
     row came from) and, for a row kept from ``earlier``, ``note`` saying that it was not re-run
     at the commits of ``records``; and ``vllm`` (``unknown`` for a record older than the field;
     an earlier row of unknown release on vLLM's path is replaced by any newer row of the same
-    case). Nothing else of a row changes."""
+    case). ``gpus`` (input name -> GPU name) gives ``from_run.gpu`` to the rows of a record
+    written before runs named their GPU. Nothing else of a row changes."""
     def stamped(row: dict, name: str, note: str = "") -> dict:
         run = dict(row.get("from_run") or {"commit": "unknown"})
         run.pop("record", None)
+        if "gpu" not in run and (gpus or {}).get(name):
+            run["gpu"] = gpus[name]
         if run.get("commit", "unknown") == "unknown":
             run["record"] = name
         if note:
@@ -575,6 +590,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--earlier", nargs="+", metavar="RECORD", default=[],
                     help="with --merge: earlier records whose rows are kept where the "
                     "merged records have none (marked in from_run.note)")
+    ap.add_argument("--gpu-of", action="append", default=[], metavar="RECORD=GPU",
+                    help="with --merge: the GPU that ran a record written before runs named "
+                    "it (RECORD: the file's name, as given to --merge or --earlier)")
     ap.add_argument("-o", "--output", type=Path, default=None)
     a = ap.parse_args(argv)
     if a.markdown:
@@ -583,8 +601,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.merge:
         if a.output is None:
             ap.error("--merge needs -o")
+        gpus = {}
+        for given in a.gpu_of:
+            name, sep, gpu = given.partition("=")
+            if not sep or not gpu:
+                ap.error(f"--gpu-of {given!r}: expected RECORD=GPU, e.g. "
+                         "ep_one_gpu_B.json='NVIDIA H100 80GB HBM3'")
+            gpus[Path(name).name] = gpu
         _write(a.output, merge_records([(Path(p).name, _load_record(p)) for p in a.merge],
-                                       [(Path(p).name, _load_record(p)) for p in a.earlier]))
+                                       [(Path(p).name, _load_record(p)) for p in a.earlier],
+                                       gpus))
         return 0
     if a.list:
         for j in _select(jobs(a.device, a.scale), a.half, a.only, a.skip):

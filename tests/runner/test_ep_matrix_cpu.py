@@ -204,3 +204,32 @@ def test_a_fault_row_whose_survivors_did_not_end_is_failed_and_carries_its_setti
                                "first_call_timeout_s": 600.0, "pg_timeout_s": 300.0,
                                "library_timeout_s": 100.0, "job_bound_s": 45.0}
     assert "[victim=1, fault=kill, tokens=8, prefill_hint=False, call_timeout_s=15" in rows_to_markdown([row])
+
+
+def test_merge_names_the_gpu_of_each_run(tmp_path, capsys):
+    """A run names its GPU in from_run; a record written before that gets it from --gpu-of,
+    and the table's last line says which commit ran on which GPU."""
+    def row(case: str, run: dict) -> dict:
+        return dict(backend="torch", path="layer", ep=2, tp=1, quant="bf16", case=case,
+                    status="passed", max_rel_err=None, detail="", job="j", from_run=run)
+
+    paths = {}
+    for name, rows in (("new.json", [row("ragged", {"commit": "bbbbbbb"})]),
+                       ("named.json", [row("eplb", {"commit": "ccccccc", "gpu": "GPU X"})]),
+                       ("old.json", [row("sp", {"commit": "aaaaaaa"})])):
+        paths[name] = tmp_path / name
+        paths[name].write_text(json.dumps(rows))
+    out = tmp_path / "merged.json"
+    assert main(["--merge", str(paths["new.json"]), str(paths["named.json"]), "--earlier",
+                 str(paths["old.json"]), "--gpu-of", "new.json=GPU Y", "--gpu-of",
+                 f"{paths['named.json']}=GPU Z", "--gpu-of", "old.json=GPU W",
+                 "-o", str(out)]) == 0
+    merged = {r["case"]: r["from_run"] for r in json.loads(out.read_text())}
+    assert merged["ragged"] == {"commit": "bbbbbbb", "gpu": "GPU Y"}
+    assert merged["eplb"] == {"commit": "ccccccc", "gpu": "GPU X"}  # what the run said stays
+    assert merged["sp"]["gpu"] == "GPU W"
+    assert main(["--markdown", str(out)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
+        "Commits: bbbbbbb on GPU Y: 1 rows; ccccccc on GPU X: 1 rows; aaaaaaa on GPU W: 1 rows")
+    with pytest.raises(SystemExit):
+        main(["--merge", str(paths["new.json"]), "--gpu-of", "new.json", "-o", str(out)])

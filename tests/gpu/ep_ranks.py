@@ -92,7 +92,14 @@ class Case:
 @contextlib.contextmanager
 def vendor(backend: str, device: str) -> Iterator[None]:
     """On CPU, the emulation of ``backend``'s library in sys.modules for the block (tests/
-    emulation); on a GPU nothing: the real library is imported."""
+    emulation); on a GPU the real library is imported (flashinfer's moe_ep past its NVLink
+    platform check on a one-GPU host: tests/gpu/flashinfer_one_gpu.py)."""
+    if not device.startswith("cpu") and backend == FLASHINFER:
+        from tests.gpu.flashinfer_one_gpu import nvlink_check_on_one_gpu
+
+        with nvlink_check_on_one_gpu():
+            yield
+        return
     if not device.startswith("cpu") or backend == "torch":
         yield
         return

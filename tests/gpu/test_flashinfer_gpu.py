@@ -1,4 +1,5 @@
-"""flashinfer_nvlink_two_sided against the REAL flashinfer (0.7.2.post1: MnnvlMoe) on ONE GPU
+"""flashinfer_nvlink_two_sided against the REAL flashinfer (0.7.2.post1: MnnvlMoe and moe_ep;
+0.7.4: moe_ep's NVLinkTwoSidedAlltoAll) on ONE GPU
 shared by two processes: our backend refuses a single rank, so two gloo ranks (a RankPool)
 both run on cuda:0, each mapping the other's MNNVL workspace (cuMemCreate memory shared as
 FABRIC handles, or on one host without FABRIC support as POSIX file descriptors).
@@ -7,7 +8,9 @@ Needs a CUDA GPU and flashinfer (scripts/gpu/flashinfer.sh installs the kit's wh
 all-to-all kernels are JIT-compiled with nvcc on first use); skipped cleanly otherwise. The rank
 functions are those of the emulation tests (tests/backends/flashinfer_two_sided_ranks.py) with the real library
 (``flavor=None``) on ``device="cuda:0"``; every output is compared element-wise with the
-single-process reference. Numerics only: timings from a shared GPU mean nothing.
+single-process reference. moe_ep's NVLink platform check is answered True on a one-GPU host
+(tests/gpu/flashinfer_one_gpu.py: why, and that nothing else changes). Numerics only: timings
+from a shared GPU mean nothing.
 
 Run: ``bash scripts/gpu/flashinfer.sh`` on the GPU machine.
 """
@@ -26,6 +29,7 @@ if importlib.util.find_spec("flashinfer") is None:
 from tests.backends import flashinfer_two_sided_ranks as fi  # noqa: E402
 from all2all.flashinfer import FlashInferTwoSidedOptions, TwoSidedApi, _available_apis  # noqa: E402
 from tests.checks import assert_matches_reference  # noqa: E402
+from tests.gpu.flashinfer_one_gpu import on_one_gpu  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402
 from moe_plugins.config import MoEConfig  # noqa: E402
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec  # noqa: E402
@@ -50,13 +54,13 @@ def _api(name: str) -> TwoSidedApi:
     api = TwoSidedApi(name)
     if api not in APIS:
         pytest.skip(f"flashinfer {VERSION} has no {api.value} API")
-    if api is TwoSidedApi.MOE_EP and torch.cuda.device_count() < 2:
-        # flashinfer's moe_ep NVLink backends start only over NVLink P2P between GPUs ("NVLink
-        # backends are not supported on EP ranks [0, 1]" with both ranks on one GPU, seen on
-        # the H200); MnnvlMoe, the API vLLM 0.33 calls, runs here
-        pytest.skip(f"flashinfer's {api.value} API needs two NVLink-connected GPUs, this "
-                    f"machine has {torch.cuda.device_count()}")
     return api
+
+
+def _run(pool: "object", fn: object, *args: object, **kwargs: object) -> list:
+    """``fn`` on both ranks; on a one-GPU host past moe_ep's NVLink platform check
+    (tests/gpu/flashinfer_one_gpu.py says why that is sound with both ranks on one GPU)."""
+    return pool.run(on_one_gpu, fn, *args, **kwargs)  # type: ignore[attr-defined]
 
 
 QUANTS = fi.QUANTS  # the emulation tests' (id, quant, activation dtype)
@@ -73,7 +77,7 @@ def test_layer_with_default_options(rank_pool):
     Mapping has torch.cuda.device_count() = 1 GPU per node. A failure here that the test below
     does not show is the Mapping's view of two ranks on one GPU, not the kernels."""
     cfg = _cfg()
-    results = rank_pool(2).run(fi.run_layer, EP2, cfg, 9, QuantSpec(), None, device=DEV)
+    results = _run(rank_pool(2), fi.run_layer, EP2, cfg, 9, QuantSpec(), None, device=DEV)
     assert_matches_reference(results, EP2, cfg, 9, QuantSpec())
     assert {r["api"] for r in results} == {APIS[0].value}
 
@@ -84,7 +88,7 @@ def test_routed_matches_reference(rank_pool, api_name, name, quant, dtype):
     api = _api(api_name)
     cfg = _cfg(shared_intermediate=0, dtype=dtype)  # routed only: the finalize output is the reference
     options = FlashInferTwoSidedOptions(api=api, gpus_per_node=GPUS_PER_NODE)
-    results = rank_pool(2).run(fi.run_routed, EP2, cfg, 8, quant, None, options, device=DEV)
+    results = _run(rank_pool(2), fi.run_routed, EP2, cfg, 8, quant, None, options, device=DEV)
     assert_matches_reference(results, EP2, cfg, 8, quant)
     for r in results:
         assert r["api"] == api.value
@@ -117,7 +121,7 @@ def test_prepare_x_sf(rank_pool, api_name, case, quant, swizzle, x, sf, swizzled
     cfg = _cfg(shared_intermediate=0, dtype=torch.float32)
     options = FlashInferTwoSidedOptions(api=api, nvfp4_swizzled_sf=swizzle,
                                         gpus_per_node=GPUS_PER_NODE)
-    results = rank_pool(2).run(fi.run_routed, EP2, cfg, 8, quant, None, options, device=DEV)
+    results = _run(rank_pool(2), fi.run_routed, EP2, cfg, 8, quant, None, options, device=DEV)
     assert_matches_reference(results, EP2, cfg, 8, quant)
     for r in results:
         assert (r["x_dtype"], r["x_shape"]) == (x[0], (R, x[1]))

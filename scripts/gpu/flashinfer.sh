@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
-# flashinfer_nvlink_two_sided against the real flashinfer-python 0.7.2.post1 on ONE GPU shared
-# by two processes (our backend refuses a single rank). flashinfer JIT-compiles its all-to-all
-# kernels (csrc/trtllm_alltoall*.cu) with the host's nvcc on first use. With network access,
-# `pip install 'flashinfer-python==0.7.2.post1'` and `pytest -m gpu tests/gpu/test_flashinfer_gpu.py`
+# flashinfer_nvlink_two_sided against the real flashinfer-python (FI_VERSION: 0.7.2.post1, the
+# default, or 0.7.4) on ONE GPU shared by two processes (our backend refuses a single rank).
+# flashinfer JIT-compiles its all-to-all kernels with the host's nvcc on first use: 0.7.2.post1's
+# MnnvlMoe csrc/trtllm_alltoall*.cu (JIT module "comm"), 0.7.4's moe_ep NVLinkTwoSidedAlltoAll
+# csrc/nvlink_two_sided_*.cu (JIT module "nvlink_two_sided_alltoall"). With network access,
+# `pip install 'flashinfer-python==0.7.4'` and `pytest -m gpu tests/gpu/test_flashinfer_gpu.py`
 # do the same without this script.
 #
 # The offline kit's part (git-ignored, made by scripts/gpu/prepare17.sh on a machine with network
 # access):
-#   .gpu17/flashinfer/flashinfer_python-0.7.2.post1-py3-none-any.whl   re-zipped, stripped (below)
-#   .gpu17/flashinfer/*.whl   the wheels `import flashinfer` needs that a plain torch environment lacks (--deps)
+#   .gpu17/flashinfer/flashinfer_python-<version>-py3-none-any.whl   re-zipped, stripped (below)
+#   .gpu17/flashinfer/*.whl   the wheels `import flashinfer` needs that a plain torch environment
+#                             lacks (--deps; the same for both versions)
 #
-# Left out of the flashinfer wheel (the MnnvlMoe all-to-all path never loads them):
+# Left out of the flashinfer wheel (the two-sided all-to-all paths never load them):
 #   - flashinfer/data/csrc, data/include, data/cutlass, data/spdlog: every file EXCEPT
-#     the #include closure of csrc/trtllm_alltoall.cu and csrc/trtllm_alltoall_prepare.cu (the
-#     only sources of the JIT module "comm", flashinfer/jit/comm.py:gen_comm_alltoall_module),
-#     resolved over the JIT include path (data/include, data/csrc, data/cutlass/*, data/spdlog,
+#     the #include closure of the two-sided all-to-all's JIT sources that the wheel has
+#     (csrc/trtllm_alltoall.cu, trtllm_alltoall_prepare.cu: flashinfer/jit/comm.py's
+#     gen_comm_alltoall_module; csrc/nvlink_two_sided_alltoall.cu, nvlink_two_sided_prepare.cu:
+#     gen_nvlink_two_sided_alltoall_module), resolved over the JIT include path (data/include, data/csrc, data/cutlass/*, data/spdlog,
 #     data/cccl/*); headers outside the wheel (CUDA, tvm_ffi) come from the host / tvm_ffi wheel.
 #     data/cccl stays whole (macro includes). Checked without a GPU with pip's nvcc 13.0.88:
 #     both .cu files compile for sm_90 from the stripped tree with flashinfer's JIT flags.
+#   - flashinfer/experimental's subpackages that `import flashinfer` does not import (it imports
+#     cake_nvfp4_per_token in 0.7.2.post1 and 0.7.4, and cake_w8a8_megamoe_ep16 in 0.7.4, seen
+#     without a GPU; the two-sided all-to-all imports none), so that each kit stays small.
 #   - non-Python kernel sources elsewhere (*.cu, *.cuh, *.c, *.h, *.md under flashinfer/
 #     experimental, moe_ep/kernel_src, fused_moe/backends, gdn_kernels, ...): JIT inputs of other
 #     kernels. Every *.py and *.json stays: `import flashinfer` imports nearly all modules.
 #
 # Modes:  flashinfer.sh --strip WHEEL OUTDIR   (the connected machine; used by prepare17.sh)
 #         flashinfer.sh --deps                 (prints the extra wheels to download)
-#         flashinfer.sh [pytest args...]       (the GPU host, repo root; results in $OUT)
+#         [FI_VERSION=0.7.4] flashinfer.sh [pytest args...]   (the GPU host, repo root; results
+#                                              in $OUT; the kit's wheel of that version)
 set -uo pipefail
 
 # import flashinfer.comm.trtllm_alltoall needs tvm_ffi, requests, pynvml, cuda.bindings,
@@ -58,7 +66,11 @@ def resolve(name, here):
             return p
     return None
 
-keep, todo, outside = set(), [D + "csrc/trtllm_alltoall.cu", D + "csrc/trtllm_alltoall_prepare.cu"], set()
+roots = [D + "csrc/" + f for f in ("trtllm_alltoall.cu", "trtllm_alltoall_prepare.cu",
+                                    "nvlink_two_sided_alltoall.cu", "nvlink_two_sided_prepare.cu")]
+keep, todo, outside = set(), [r for r in roots if r in names], set()
+assert todo, f"{whl}: none of the two-sided all-to-all's sources {roots}"
+todo_roots = list(todo)
 while todo:
     f = todo.pop()
     if f in keep:
@@ -71,6 +83,8 @@ while todo:
         elif p not in keep:
             todo.append(p)
 drop_ext = (".cu", ".cuh", ".c", ".h", ".hpp", ".md", ".cubin")
+X = "flashinfer/experimental/"
+EXPERIMENTAL_IMPORTED = {"cake_nvfp4_per_token", "cake_w8a8_megamoe_ep16"}
 os.makedirs(outdir, exist_ok=True)
 out = os.path.join(outdir, os.path.basename(whl))
 kept = 0
@@ -84,9 +98,13 @@ with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as o:
                 continue
         elif n.startswith("flashinfer/") and n.endswith(drop_ext):
             continue
+        elif (n.startswith(X) and n.count("/") > 2
+              and n.split("/")[2] not in EXPERIMENTAL_IMPORTED):
+            continue
         o.writestr(z.getinfo(n), z.read(n))  # RECORD is stale; installed with --no-deps only
         kept += 1
-print(f"{out}: {kept} of {len(names)} files; data/ closure {len(keep)} files; "
+print(f"{out}: {kept} of {len(names)} files; JIT sources {[r[len(D):] for r in todo_roots]}; "
+      f"data/ closure {len(keep)} files; "
       f"headers from outside the wheel: {sorted(outside)}")
 PY
   exit 0

@@ -10,9 +10,11 @@
 #                    for torch 2.12-2.14, the storage/telemetry plugins and their aws/azure libs,
 #                    UCX perftest); nixl_ep_src.tgz: nixl's examples/device/ep/csrc and the nixl
 #                    headers it includes; ucx_headers.tgz: UCX v1.22.x headers (the device API).
-#   DEST/flashinfer/ (flashinfer.sh, ~57 MB) the flashinfer-python 0.7.2.post1 wheel re-zipped without the parts
-#                    the MnnvlMoe all-to-all never loads (listed in scripts/gpu/flashinfer.sh)
-#                    plus the small wheels it imports that a plain torch environment lacks.
+#   DEST/flashinfer/ (flashinfer.sh) the flashinfer-python wheels of FI_VERSIONS (default
+#                    "0.7.2.post1 0.7.4", ~21 and ~24 MB) re-zipped without the parts their
+#                    two-sided all-to-all never loads (listed in scripts/gpu/flashinfer.sh), plus
+#                    the wheels `import flashinfer` needs that a plain torch environment lacks
+#                    (~31 MB, the same for both; FI_VERSION picks the version on the GPU host).
 #
 # Usage: scripts/gpu/prepare17.sh NIXL_GIT_DIR UCX_GIT_DIR [DEST]
 #   NIXL_GIT_DIR: a clone of ai-dynamo/nixl (a bare clone will do)
@@ -29,7 +31,7 @@ NIXL_REV=${NIXL_REV:-8770b655a}
 # The wheel's libucp says revision 65e342a, on UCX's v1.22.x line (UCX_REV=65e342a if you have it).
 UCX_REV=${UCX_REV:-v1.22.x}
 WHEEL=nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
-FI_WHEEL=flashinfer_python-0.7.2.post1-py3-none-any.whl
+FI_VERSIONS=${FI_VERSIONS:-0.7.2.post1 0.7.4}
 PY=${PYTHON:-python3}
 
 exclude_dest() {  # git-ignore DEST in the checkout that holds it
@@ -102,10 +104,13 @@ rm -rf "$UCX_TMP"
 echo "UCX headers from $UCX_REV ($(git -C "$UCX_GIT" rev-parse --short "$UCX_REV"), version $MAJ.$MIN.$PAT)"
 
 # ---- flashinfer.sh: flashinfer ---------------------------------------------------------------
-[ -f "$DEST/dl/$FI_WHEEL" ] || $PY -m pip download -q --no-deps --only-binary=:all: \
-  --python-version 3.12 --platform manylinux_2_28_x86_64 --platform any -d "$DEST/dl" \
-  flashinfer-python==0.7.2.post1
-bash scripts/gpu/flashinfer.sh --strip "$DEST/dl/$FI_WHEEL" "$DEST/flashinfer"
+for v in $FI_VERSIONS; do
+  FI_WHEEL=flashinfer_python-$v-py3-none-any.whl
+  [ -f "$DEST/dl/$FI_WHEEL" ] || $PY -m pip download -q --no-deps --only-binary=:all: \
+    --python-version 3.12 --platform manylinux_2_28_x86_64 --platform any -d "$DEST/dl" \
+    "flashinfer-python==$v"
+  bash scripts/gpu/flashinfer.sh --strip "$DEST/dl/$FI_WHEEL" "$DEST/flashinfer"
+done
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any -d "$DEST/flashinfer" -r <(bash scripts/gpu/flashinfer.sh --deps)

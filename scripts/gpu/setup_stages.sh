@@ -17,7 +17,7 @@
 #   setup_moe_plugins    pip install -e . (the entry points the registry reads)
 #   setup_nixl           .gpu17/nixl: NIXL EP's extension built against this torch into
 #                        /tmp/nixl_site/nixl_ep (nixl_ep.sh's stages 1-4; log nixl_build.log)
-#   setup_flashinfer     .gpu17/flashinfer -> /tmp/fisite, its comm module JIT-built
+#   setup_flashinfer     .gpu17/flashinfer -> /tmp/fisite (FI_VERSION), its all-to-all JIT-built
 #                        (flashinfer.sh's stages 2-3; log fi_jit.log)
 #   gpu_pythonpath PARTS...   the PYTHONPATH for the parts set up (deepep vllm nixl flashinfer)
 #
@@ -132,13 +132,20 @@ PY
   PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 -c "import nixl_ep" || { echo "import nixl_ep failed"; return 1; }
 }
 
-# flashinfer 0.7.2.post1: the stripped wheel and the wheels it imports, then
-# its all-to-all module JIT-built with the host's nvcc. Install moe-plugins before PYTHONPATH
-# holds these wheels (flashinfer.sh: pip itself must not see them).
+# flashinfer FI_VERSION (default 0.7.2.post1; or 0.7.4): the stripped wheel of that version and
+# the wheels it imports, then its two-sided all-to-all module JIT-built with the host's nvcc
+# (0.7.2.post1: MnnvlMoe's "comm"; 0.7.4: moe_ep's "nvlink_two_sided_alltoall"). Install
+# moe-plugins before PYTHONPATH holds these wheels (flashinfer.sh: pip itself must not see them).
 setup_flashinfer() {
-  stage "install flashinfer 0.7.2.post1 (stripped) and its missing dependencies into /tmp/fisite"
+  local v=${FI_VERSION:-0.7.2.post1} kit=.gpu17/flashinfer
+  stage "install flashinfer $v (stripped) and its missing dependencies into /tmp/fisite"
+  [ -f "$kit/flashinfer_python-$v-py3-none-any.whl" ] \
+    || { echo "no $kit/flashinfer_python-$v-py3-none-any.whl (scripts/gpu/prepare17.sh makes it)"; return 1; }
+  rm -rf /tmp/fisite
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
-    .gpu17/flashinfer/*.whl > "$OUT/fi_pip.log" 2>&1 || { tail -30 "$OUT/fi_pip.log"; return 1; }
+    "$kit/flashinfer_python-$v-py3-none-any.whl" \
+    $(ls "$kit"/*.whl | grep -v '/flashinfer_python-') > "$OUT/fi_pip.log" 2>&1 \
+    || { tail -30 "$OUT/fi_pip.log"; return 1; }
   export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
   export PATH=/usr/local/cuda/bin:$PATH CUDA_HOME=/usr/local/cuda
   nvidia-smi -q | grep -iE "fabric|clique|imex" | head -8 || true
@@ -148,10 +155,16 @@ setup_flashinfer() {
   PYTHONPATH=/tmp/fisite${PYTHONPATH:+:$PYTHONPATH} python3 - > "$OUT/fi_jit.log" 2>&1 <<'PY'
 import time, torch, flashinfer
 print("torch", torch.__version__, "flashinfer", flashinfer.__version__, flashinfer.__file__)
-from flashinfer.comm.trtllm_alltoall import MnnvlMoe, get_comm_alltoall_module  # noqa: F401
 t = time.time()
-get_comm_alltoall_module()
-print(f"comm module built and loaded in {time.time() - t:.1f} s")
+try:  # 0.7.2.post1: MnnvlMoe (its moe_ep runs on the same module)
+    from flashinfer.comm.trtllm_alltoall import get_comm_alltoall_module as build
+    name = "comm"
+except ImportError:  # 0.7.4: moe_ep's NVLinkTwoSidedAlltoAll only
+    from flashinfer.moe_ep.backends.split.comm.nvlink_two_sided.kernels import (
+        get_nvlink_two_sided_alltoall_module as build)
+    name = "nvlink_two_sided_alltoall"
+build()
+print(f"{name} module built and loaded in {time.time() - t:.1f} s")
 PY
   rc=$?; tail -25 "$OUT/fi_jit.log"
   if [ $rc -ne 0 ]; then

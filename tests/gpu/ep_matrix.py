@@ -6,7 +6,8 @@ A job is one world of ranks (one bounded :func:`ep_harness.run_world`) that yiel
 rows of the record. The record is a JSON list of rows with keys ``backend``, ``path``
 (``layer`` or ``vllm``), ``ep``, ``tp``, ``quant``, ``status`` (``passed``, ``failed``,
 ``not_run`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
-``vllm`` (the vLLM distribution and version the run imported, or null), ``from_run``
+``vllm`` (the vLLM distribution and version the run imported, or null), on a GPU run's
+flashinfer rows ``library`` (``flashinfer-python <version>``), ``from_run``
 (``{"commit": ..., "gpu": ...}``: the code that ran it and the GPU it ran on; a merge adds ``note`` for a row kept from an earlier
 record, and ``record`` for a row without a commit, see :func:`merge_records`) and, in a fault
 row, ``settings`` (the victim, the fault, the call bound and start-up bound, the process group's
@@ -397,6 +398,19 @@ def current_vllm() -> Optional[str]:
     return None
 
 
+def current_flashinfer(device: str) -> Optional[str]:
+    """``flashinfer-python <version>`` where a GPU run imports flashinfer (its rows say which
+    release ran: the two-sided API differs between releases), None otherwise."""
+    import importlib.metadata
+
+    if device != "cuda":
+        return None
+    try:
+        return f"flashinfer-python {importlib.metadata.version('flashinfer-python')}"
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def current_commit() -> str:
     """The commit of the code that runs: ``$MOE_PLUGINS_COMMIT`` (a copy without git history:
     a kit), else ``git rev-parse --short HEAD`` of this checkout, else ``unknown``."""
@@ -431,6 +445,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
     rows: list[dict] = []
     run_records: list[dict] = []
     commit, vllm, gpu = current_commit(), current_vllm(), current_gpu(device)
+    flashinfer = current_flashinfer(device)
     for job in _select(jobs(device, scale), half, only, skip):
         left = budget_s - (time.monotonic() - start)
         # a fault job needs its whole bound (the library's own timeout is what it measures)
@@ -445,6 +460,8 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
         for r in job_rows:  # what ran it (see merge_records for what a merge adds)
             r["from_run"] = {"commit": commit, **({"gpu": gpu} if gpu else {})}
             r["vllm"] = vllm
+            if r["backend"] == "flashinfer_nvlink_two_sided" and flashinfer:
+                r["library"] = flashinfer
         rows += job_rows
         if rec is not None:
             run_records.append(rec)
@@ -485,7 +502,8 @@ def rows_to_markdown(rows: Sequence[dict]) -> str:
             detail = detail[:237] + "..."
         # the vLLM release matters on vLLM's path only
         vllm = str(r.get("vllm") or "").removeprefix("vllm ") if r["path"] == "vllm" else ""
-        lines.append(f"| {r['path']} | {vllm} | {r['backend']} | {r['ep']} | {r['tp']} | "
+        backend = r["backend"] + (f" ({r['library']})" if r.get("library") else "")
+        lines.append(f"| {r['path']} | {vllm} | {backend} | {r['ep']} | {r['tp']} | "
                      f"{r['quant']} | {r.get('case', '')} | {r['status']} | {rel} | {detail} |")
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     lines.append("")
@@ -523,8 +541,10 @@ def _base_key(row: dict) -> tuple:
 
 
 def _row_key(row: dict) -> tuple:
-    # vLLM's path runs once per vLLM release: its rows of two releases are both kept
-    return _base_key(row) + (row.get("vllm") if row.get("path") == "vllm" else None,)
+    # vLLM's path runs once per vLLM release, flashinfer's rows once per flashinfer release:
+    # rows of two releases are both kept
+    return _base_key(row) + (row.get("vllm") if row.get("path") == "vllm" else None,
+                             row.get("library"))
 
 
 def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
@@ -565,7 +585,8 @@ def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
     for name, rows in earlier:
         for row in rows:
             row = stamped(row, name, note)
-            if row["vllm"] == "unknown" and _base_key(row) in newer_cases:
+            if (row["path"] == "vllm" and row["vllm"] == "unknown"
+                    and _base_key(row) in newer_cases):
                 continue
             merged.setdefault(_row_key(row), row)
     return list(merged.values())

@@ -233,3 +233,20 @@ def test_merge_names_the_gpu_of_each_run(tmp_path, capsys):
         "Commits: bbbbbbb on GPU Y: 1 rows; ccccccc on GPU X: 1 rows; aaaaaaa on GPU W: 1 rows")
     with pytest.raises(SystemExit):
         main(["--merge", str(paths["new.json"]), "--gpu-of", "new.json", "-o", str(out)])
+
+
+def test_merge_keeps_flashinfers_rows_per_release(tmp_path):
+    """flashinfer's rows name the release that ran (its two-sided API differs between
+    releases): rows of two releases are both kept, and the table names the release."""
+    def row(library: str, commit: str) -> dict:
+        return dict(backend="flashinfer_nvlink_two_sided", path="layer", ep=2, tp=1,
+                    quant="bf16", case="ragged", status="passed", max_rel_err=None, detail="",
+                    job="j", from_run={"commit": commit}, library=library)
+
+    merged = merge_records([("new.json", [row("flashinfer-python 0.7.4", "b")])],
+                           [("old.json", [row("flashinfer-python 0.7.2.post1", "a"),
+                                          row("flashinfer-python 0.7.4", "a")])])
+    assert sorted((r["library"], r["from_run"]["commit"]) for r in merged) == [
+        ("flashinfer-python 0.7.2.post1", "a"), ("flashinfer-python 0.7.4", "b")]
+    assert "| flashinfer_nvlink_two_sided (flashinfer-python 0.7.4) | 2 |" in \
+        rows_to_markdown(merged)

@@ -22,6 +22,7 @@ by default the layer's ``max_tokens_per_rank``. flashinfer is imported here, laz
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import math
 import pickle
@@ -391,13 +392,15 @@ class _MoeEpTransport(_Transport):
                                      hidden_size=m.cfg.hidden, dtype=m.cfg.dtype)
             self._comm = NVLinkTwoSidedAlltoAll(
                 bootstrap, params, NVLinkTwoSidedConfig(comm_backend=TorchGroupComm(m.group)))
+            self._bound_keyword = _per_call_bound_keyword(NVLinkTwoSidedAlltoAll.dispatch)
         return self._comm
 
     def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
         # params.max_tokens_per_rank sized the object; the call's bound sizes its receive rows.
-        res = self._communication().dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf,
-                                             max_tokens_per_rank=tokens_per_rank)
+        comm = self._communication()
+        res = comm.dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf,
+                            **{self._bound_keyword: tokens_per_rank})
         self._pending = True
         return Dispatched(res.hidden_states, res.hidden_states_scale, res.topk_ids,
                           res.topk_weights)
@@ -424,6 +427,21 @@ class _MoeEpTransport(_Transport):
         self._pending = False
         if comm is not None:
             comm.destroy()
+
+
+def _per_call_bound_keyword(dispatch: Any) -> str:
+    """The keyword of ``NVLinkTwoSidedAlltoAll.dispatch`` that bounds one call's tokens per rank:
+    ``max_tokens_per_rank`` in 0.7.2.post1, ``runtime_max_tokens_per_rank`` from 0.7.4 (read
+    from the signature, not the version)."""
+    params = inspect.signature(dispatch).parameters
+    for name in ("runtime_max_tokens_per_rank", "max_tokens_per_rank"):
+        if name in params:
+            return name
+    raise ImportError(
+        "flashinfer.moe_ep.NVLinkTwoSidedAlltoAll.dispatch takes neither "
+        "runtime_max_tokens_per_rank (0.7.4) nor max_tokens_per_rank (0.7.2.post1), which "
+        f"moe-plugins knows (its parameters: {list(params)}); install flashinfer-python 0.7.4 "
+        "or 0.7.2.post1")
 
 
 _TRANSPORTS: dict[TwoSidedApi, type[_Transport]] = {

@@ -600,6 +600,23 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
     return mod
 
 
+class NVLinkTwoSidedAlltoAll074(NVLinkTwoSidedAlltoAll):
+    """0.7.4's ``NVLinkTwoSidedAlltoAll`` (flashinfer/moe_ep/backends/split/comm/
+    nvlink_two_sided/communication.py): ``dispatch``'s per-call bound is
+    ``runtime_max_tokens_per_rank`` (0.7.2.post1: ``max_tokens_per_rank``), checked against
+    ``(0, params.max_tokens_per_rank]`` by the base class; the rest as in 0.7.2.post1."""
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,  # type: ignore[override]
+                 topk_weights: Optional[torch.Tensor] = None, *,
+                 hidden_states_scale: Optional[torch.Tensor] = None,
+                 runtime_max_tokens_per_rank: Optional[int] = None,
+                 eplb_local_stats: Optional[torch.Tensor] = None) -> MoEEpDispatchResult:
+        return super().dispatch(hidden_states, topk_ids, topk_weights,
+                                hidden_states_scale=hidden_states_scale,
+                                max_tokens_per_rank=runtime_max_tokens_per_rank,
+                                eplb_local_stats=eplb_local_stats)
+
+
 def _build(flavor: str) -> dict[str, types.ModuleType]:
     if flavor not in FLAVORS:
         raise ValueError(f"unknown flavor {flavor!r}; one of {FLAVORS}")
@@ -621,7 +638,8 @@ def _build(flavor: str) -> dict[str, types.ModuleType]:
         mods["flashinfer.moe_ep"] = _module(
             "flashinfer.moe_ep", BootstrapConfig=BootstrapConfig, MoEEpCommParams=MoEEpCommParams,
             MoEEpDispatchResult=MoEEpDispatchResult, NVLinkTwoSidedConfig=NVLinkTwoSidedConfig,
-            NVLinkTwoSidedAlltoAll=NVLinkTwoSidedAlltoAll)
+            NVLinkTwoSidedAlltoAll=(NVLinkTwoSidedAlltoAll074 if flavor == "0.7.4"
+                                    else NVLinkTwoSidedAlltoAll))
     for name, mod in mods.items():
         parent, _, child = name.rpartition(".")
         if parent:

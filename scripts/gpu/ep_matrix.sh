@@ -11,7 +11,8 @@
 #          nixl_ep through our layer (EP 2/4, masking), nixl_ep faults
 #   HALF=B bash scripts/gpu/ep_matrix.sh   kit: .gpu/deepep-567632d.tgz .gpu17/flashinfer
 #          deepep_ll / deepep_ht / deepep_auto through our layer at EP 2/4/8 (+ deepep_ll masking),
-#          torch over gloo at EP 4, flashinfer two-sided at EP 2/4, faults of torch / DeepEP
+#          torch over gloo at EP 4, flashinfer two-sided at EP 2/4 (FI_VERSION: 0.7.2.post1, the
+#          default, or 0.7.4), faults of torch / DeepEP
 #
 # Each half builds what it needs with the shared set-up stages (scripts/gpu/setup_stages.sh),
 # then runs its jobs in order inside what is left of its time budget CALL_S (default 570 s);

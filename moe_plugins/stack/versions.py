@@ -6,14 +6,12 @@ has run on each: for vLLM, DeepEP, flashinfer, nixl and torch.
 :data:`VLLM_RELEASES`, and :mod:`moe_plugins.vllm.patches` the releases its hooks were checked on
 from :data:`VLLM_CHECKED`. What ran on a GPU is not written here: :func:`gpu_runs` reads it from
 the GPU test record (``tests/gpu/results/*.json`` in a checkout), row by row: the library
-version a row names in ``from_run.versions``, else the one the GPU kit installed before the
-record named versions (:attr:`Library.unrecorded`); the GPU from ``from_run.gpu``; the commit the
-run was at from ``from_run.commit`` and that commit's date from git.
+versions a row's run names in ``from_run.versions``, the GPU in ``from_run.gpu``, the commit the
+run was at and the day it ran in ``from_run.commit`` and ``from_run.date``.
 """
 from __future__ import annotations
 
 import json
-import subprocess
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,25 +53,18 @@ class Library:
     """One row of the stack table.
 
     ``key``: the name in a GPU record row's ``from_run.versions``; ``rows``: which record rows ran
-    the library; ``unrecorded(commit, root)``: the version a row that names none ran (what the GPU
-    kit installed at that commit), or None where the row carries its own version elsewhere."""
+    the library."""
     name: str
     key: str
     supported: str
     install: str
     cpu_only: str
     rows: Callable[[dict], bool]
-    unrecorded: Callable[[str, Path], Optional[str]]
 
 
 def _vllm_supported() -> str:
     return "; ".join(f"`{d}` " + ", ".join(f"{mj}.{mn}.x" for mj, mn in lines)
                      for d, lines in VLLM_RELEASES.items())
-
-
-def _deepep_build(commit: str, root: Path) -> str:
-    has_fence = _git(root, "cat-file", "-e", f"{commit}:{_FENCE_PATCH}", check=False) is not None
-    return "567632d with the PR #642 fence" if has_fence else "567632d (without the fence)"
 
 
 LIBRARIES: tuple[Library, ...] = (
@@ -89,8 +80,7 @@ LIBRARIES: tuple[Library, ...] = (
                   "`vllm serve` on CPU; vLLM " + " and ".join(VLLM_CHECKED["vllm"])
                   + ": the suite's vLLM tests under each release's Python on CPU"),
         # the record names the vLLM a row imported in its own "vllm" field
-        rows=lambda r: str(r.get("vllm") or "").startswith("vllm "),
-        unrecorded=lambda commit, root: None),
+        rows=lambda r: str(r.get("vllm") or "").startswith("vllm "),),
     Library(
         name="DeepEP", key="deep_ep",
         supported=("V1 line, commit 567632d with the low-latency combine fence of DeepEP PR #642 "
@@ -101,16 +91,14 @@ LIBRARIES: tuple[Library, ...] = (
         cpu_only=("current line's legacy `Buffer` (d4f41e4 and later): the CPU suite on the "
                   "emulation of both API shapes only; its build needs NCCL >= 2.30.4, newer than "
                   "the 2.28.9 of the GPU host's torch"),
-        rows=lambda r: r.get("backend") in _DEEPEP_BACKENDS,
-        unrecorded=_deepep_build),
+        rows=lambda r: r.get("backend") in _DEEPEP_BACKENDS,),
     Library(
         name="flashinfer", key="flashinfer",
         supported="`flashinfer-python>=0.7.2`",
         install=("`pip install -e '.[flashinfer]'` (`flashinfer-python>=0.7.2`) installs 0.7.4; "
                  "with `[vllm]`, vLLM 0.33.0's pin: 0.7.2.post1"),
-        cpu_only="0.7.4: the CPU suite on the emulation only",
-        rows=lambda r: r.get("backend") == "flashinfer_nvlink_two_sided",
-        unrecorded=lambda commit, root: "0.7.2.post1"),
+        cpu_only="none (the CPU suite runs the emulation of 0.7.2.post1 and of 0.7.4)",
+        rows=lambda r: r.get("backend") == "flashinfer_nvlink_two_sided",),
     Library(
         name="nixl", key="nixl",
         supported="`nixl>=1.5`",
@@ -118,15 +106,13 @@ LIBRARIES: tuple[Library, ...] = (
                  "nixl-cu12 and nixl-cu13 1.5.2, which are not on the package index (pip steps "
                  "back to 1.5.1; nixl==1.5.2 does not install)"),
         cpu_only="none (the CPU suite runs nixl_ep's emulation)",
-        rows=lambda r: r.get("backend") == "nixl_ep",
-        unrecorded=lambda commit, root: "nixl-cu13 1.5.1"),
+        rows=lambda r: r.get("backend") == "nixl_ep",),
     Library(
         name="torch", key="torch",
         supported="`torch>=2.4` (moe-plugins' own requirement; each vLLM release pins its torch)",
         install="with vLLM (0.33.0 and 0.34.0 pin torch 2.14.0), or first, as the build you need",
         cpu_only="2.13.0 (the CPU build): the CPU suite",
-        rows=lambda r: True,
-        unrecorded=lambda commit, root: "2.11.0+cu130"),
+        rows=lambda r: True,),
 )
 
 
@@ -138,26 +124,15 @@ class GpuRun:
     version: str
     gpu: str
     statuses: tuple[tuple[str, int], ...]  # (status, rows): passed, refused, failed, others
-    commits: tuple[tuple[str, str], ...]   # (date, commit), newest first
+    commits: tuple[tuple[str, str], ...]   # (when, commit), newest first; when: ISO UTC
 
     def words(self) -> str:
         counts = ", ".join(f"{n} {s}" for s, n in self.statuses)
-        date, commit = self.commits[0]
-        runs = (f"at {commit} ({date})" if len(self.commits) == 1 else
-                f"from {len(self.commits)} runs, the newest at {commit} ({date}), the oldest at "
-                f"{self.commits[-1][1]} ({self.commits[-1][0]})")
+        when, commit = self.commits[0]
+        runs = (f"at {commit} ({when[:10]})" if len(self.commits) == 1 else
+                f"from {len(self.commits)} runs, the newest at {commit} ({when[:10]}), the oldest "
+                f"at {self.commits[-1][1]} ({self.commits[-1][0][:10]})")
         return f"{self.version} on {self.gpu}: {counts} {runs}"
-
-
-def _git(root: Path, *args: str, check: bool = True) -> Optional[str]:
-    run = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
-    if run.returncode != 0:
-        if check:
-            raise ValueError(f"`git {' '.join(args)}` failed in {root}: {run.stderr.strip()}; the "
-                             "stack table reads the GPU record's commits from the repository's "
-                             "git history: run it in a clone of moe-plugins")
-        return None
-    return run.stdout.strip()
 
 
 def _record_rows(root: Path) -> list[dict]:
@@ -175,37 +150,32 @@ def _record_rows(root: Path) -> list[dict]:
     return rows
 
 
-def _row_version(lib: Library, row: dict, root: Path) -> Optional[str]:
-    recorded = (row["from_run"].get("versions") or {}).get(lib.key)
-    if recorded:
-        return str(recorded)
-    if lib.key == "vllm":
+def _row_version(lib: Library, row: dict) -> Optional[str]:
+    if lib.key == "vllm":  # the vLLM a row imported: its own field
         return str(row["vllm"]).removeprefix("vllm ")
-    return lib.unrecorded(row["from_run"]["commit"], root)
+    recorded = (row["from_run"].get("versions") or {}).get(lib.key)
+    return str(recorded) if recorded else "version not recorded"
 
 
 def gpu_runs(lib: Library, root: Path) -> list[GpuRun]:
     """What ran ``lib`` on a GPU, from the record under ``root`` (a checkout): one entry per
     (version, GPU), the one with the newest run first."""
     statuses: dict[tuple[str, str], Counter] = defaultdict(Counter)
-    commits: dict[tuple[str, str], set[str]] = defaultdict(set)
+    commits: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     for row in _record_rows(root):
         if lib.rows(row):
-            version = _row_version(lib, row, root)
+            version = _row_version(lib, row)
             if version:
-                statuses[(version, row["from_run"]["gpu"])][row["status"]] += 1
-                commits[(version, row["from_run"]["gpu"])].add(row["from_run"]["commit"])
-    # (commit time, date) per commit: commits of one day are ordered by their time
-    when = {c: tuple(str(_git(root, "show", "-s", "--format=%ct %cs", c)).split())
-            for cs in commits.values() for c in cs}
+                key = (version, row["from_run"]["gpu"])
+                statuses[key][row["status"]] += 1
+                commits[key].add((row["from_run"].get("date", "date not recorded"),
+                                  row["from_run"]["commit"]))
+    # newest first: ISO dates sort as text; a commit orders the runs of one day
     runs = [GpuRun(version, gpu,
                    tuple(sorted(statuses[(version, gpu)].items(), key=_status_order)),
-                   tuple((when[c][1], c) for c in sorted(commits[(version, gpu)],
-                                                          key=lambda c: int(when[c][0]),
-                                                          reverse=True)))
+                   tuple(sorted(commits[(version, gpu)], reverse=True)))
             for version, gpu in statuses]
-    return sorted(runs, key=lambda r: (int(when[r.commits[0][1]][0]), r.version, r.gpu),
-                  reverse=True)
+    return sorted(runs, key=lambda r: (r.commits[0], r.version, r.gpu), reverse=True)
 
 
 def _status_order(item: tuple[str, int]) -> tuple[int, str]:

@@ -8,7 +8,8 @@ rows of the record. The record is a JSON list of rows with keys ``backend``, ``p
 ``not_run`` or ``refused``), ``max_rel_err`` and ``detail``, plus ``case``, ``job``,
 ``vllm`` (the vLLM distribution and version the run imported, or null), on a GPU run's
 flashinfer rows ``library`` (``flashinfer-python <version>``), ``from_run``
-(``{"commit": ..., "gpu": ...}``: the code that ran it and the GPU it ran on; a merge adds ``note`` for a row kept from an earlier
+(``{"commit", "date", "gpu", "versions"}``: the code that ran it, when (UTC), and on a GPU run
+the GPU and the libraries' versions; a merge adds ``note`` for a row kept from an earlier
 record, and ``record`` for a row without a commit, see :func:`merge_records`) and, in a fault
 row, ``settings`` (the victim, the fault, the call bound and start-up bound, the process group's
 and the library's timeouts and the job's bound). A row's
@@ -398,6 +399,40 @@ def current_vllm() -> Optional[str]:
     return None
 
 
+def current_versions(device: str) -> dict[str, str]:
+    """What a GPU run ran on, for the stack table (moe_plugins/stack/versions.py): torch, and
+    DeepEP (its commit and build patches), flashinfer and nixl where this process finds them;
+    {} on the CPU (the emulations)."""
+    import importlib.metadata
+
+    if device != "cuda":
+        return {}
+    import torch
+
+    out = {"torch": torch.__version__}
+    try:
+        import deep_ep
+
+        from moe_plugins.stack.deepep import describe_deepep
+
+        found = describe_deepep(deep_ep)
+        fence = "pr642-combine-fence" in found.patches
+        out["deep_ep"] = (f"{found.commit or found.version or 'unknown'}"
+                          + (" with the PR #642 fence" if fence else " (without the fence)"))
+    except ImportError:
+        pass
+    for key, dists in (("flashinfer", ("flashinfer-python",)),
+                       ("nixl", ("nixl-cu13", "nixl-cu12", "nixl"))):
+        for dist in dists:
+            try:
+                version = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            out[key] = version if key == "flashinfer" else f"{dist} {version}"
+            break
+    return out
+
+
 def current_flashinfer(device: str) -> Optional[str]:
     """``flashinfer-python <version>`` where a GPU run imports flashinfer (its rows say which
     release ran: the two-sided API differs between releases), None otherwise."""
@@ -446,6 +481,8 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
     run_records: list[dict] = []
     commit, vllm, gpu = current_commit(), current_vllm(), current_gpu(device)
     flashinfer = current_flashinfer(device)
+    versions = current_versions(device)
+    when = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
     for job in _select(jobs(device, scale), half, only, skip):
         left = budget_s - (time.monotonic() - start)
         # a fault job needs its whole bound (the library's own timeout is what it measures)
@@ -458,7 +495,8 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
                 f"bound {bound:.0f} s)")
             job_rows, rec = run_job(job, device, bound)
         for r in job_rows:  # what ran it (see merge_records for what a merge adds)
-            r["from_run"] = {"commit": commit, **({"gpu": gpu} if gpu else {})}
+            r["from_run"] = {"commit": commit, "date": when,
+                             **({"gpu": gpu, "versions": versions} if gpu else {})}
             r["vllm"] = vllm
             if r["backend"] == "flashinfer_nvlink_two_sided" and flashinfer:
                 r["library"] = flashinfer

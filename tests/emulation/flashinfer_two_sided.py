@@ -1,23 +1,32 @@
 """Emulation of flashinfer's NVLink two-sided MoE all-to-all Python API on torch.distributed.
 
-Follows flashinfer-python 0.7.2.post1 (the version vLLM 0.33 pins), read from flashinfer's
-python/flashinfer/comm/trtllm_alltoall.py, comm/mnnvl.py, comm/mapping.py and the kernels behind
-them (csrc/trtllm_alltoall.cu, csrc/trtllm_alltoall_prepare.cu):
+Follows the published wheels of flashinfer-python 0.7.2.post1 (the version vLLM 0.33 pins) and
+0.7.4, read from flashinfer/comm/trtllm_alltoall.py, comm/mnnvl.py, comm/mapping.py,
+moe_ep/config.py, moe_ep/core/comm/communication.py, moe_ep/backends/split/comm/nvlink_common.py
+and nvlink_two_sided/ and the kernels behind them (csrc/trtllm_alltoall.cu,
+csrc/trtllm_alltoall_prepare.cu); the names, parameters, defaults and dataclass fields are
+checked against the wheels' source by tests/emulation/test_flashinfer_upstream.py (the table in
+tests/emulation/flashinfer_upstream.py):
 
-- ``flashinfer.comm.trtllm_alltoall``: ``moe_prepare``, ``moe_comm``,
+- ``flashinfer.comm.trtllm_alltoall`` (0.7.2.post1 only): ``moe_prepare``, ``moe_comm``,
   ``get_moe_commworkspace_size_per_rank``, ``get_moe_prepare_workspace_size_per_rank``,
   ``MoEAlltoallInfo`` and ``MnnvlMoe`` (``get_moe_workspaces``, ``get_moe_prepare_workspace``,
-  ``mnnvl_moe_alltoallv_prepare_without_allgather``, ``mnnvl_moe_alltoallv``,
-  ``mnnvl_moe_alltoallv_combine``, with the class-level one-mapping workspace cache);
+  both warning that MnnvlMoe is deprecated, ``mnnvl_moe_alltoallv_prepare_without_allgather``,
+  ``mnnvl_moe_alltoallv``, ``mnnvl_moe_alltoallv_combine``, with the class-level one-mapping
+  workspace cache);
 - ``flashinfer.comm.mapping.Mapping``, ``flashinfer.comm.mnnvl.MnnvlConfig`` / ``MnnvlMemory``;
-- ``flashinfer.moe_ep`` (in 0.7.2.post1 too: ``moe_ep/backends/split/comm/nvlink_two_sided/
-  communication.py``, and documented for 0.7.4+ on docs.flashinfer.ai, "flashinfer.moe_ep:
-  Expert-Parallel Communication"): ``BootstrapConfig``, ``MoEEpCommParams``,
-  ``MoEEpDispatchResult``, ``NVLinkTwoSidedConfig``, ``NVLinkTwoSidedAlltoAll`` (workspaces cached
-  per (ep_rank, ep_size) for the process; ``destroy`` drops the instance's references only).
+- ``flashinfer.moe_ep``: ``BootstrapConfig``, ``MoEEpCommParams``, ``MoEEpDispatchResult``,
+  ``MoEEpCommunication``, ``NVLinkTwoSidedConfig``, ``NVLinkTwoSidedAlltoAll``. Its constructor
+  checks the ``comm_backend``'s rank and size against the bootstrap, all-gathers every rank's
+  platform verdict over it (a collective) and builds a pure-EP ``Mapping`` (``gpus_per_node`` =
+  EP size). 0.7.2.post1's takes its workspaces from ``MnnvlMoe`` (its one-mapping class cache),
+  its ``dispatch`` bound is ``max_tokens_per_rank``; 0.7.4's (:class:`NVLinkTwoSidedAlltoAll074`)
+  keeps its own per (ep_rank, ep_size) for the process, its bound is
+  ``runtime_max_tokens_per_rank`` and a destroyed instance refuses to dispatch. ``destroy`` drops
+  the instance's references only.
 
-Sizes follow each call's ``max_token_count_per_rank`` (MnnvlMoe) / ``dispatch(max_tokens_per_rank=)``
-(moe_ep, checked against ``(0, params.max_tokens_per_rank]``): the receive rows of that call are
+Sizes follow each call's ``max_token_count_per_rank`` (MnnvlMoe) / ``dispatch``'s bound (moe_ep,
+checked against ``(0, params.max_tokens_per_rank]``): the receive rows of that call are
 ``ep_size`` times it, the workspaces do not change. The kernels' index contract is reproduced
 exactly: ``moe_prepare`` lists, per destination rank, the
 tokens with at least one expert there (in an arbitrary order, as the kernel's atomicAdd gives),
@@ -43,7 +52,8 @@ import itertools
 import math
 import sys
 import types
-from dataclasses import KW_ONLY, dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -84,34 +94,77 @@ def _exchange_rows(t: torch.Tensor, send_counts: list[int], recv_counts: list[in
 
 # --- flashinfer.comm.mapping ------------------------------------------------------------------
 class Mapping:
-    """The parts of flashinfer.comm.mapping.Mapping the MNNVL code reads."""
+    """flashinfer.comm.mapping.Mapping: its constructor's sizes and checks, and the ranks and
+    equality the MNNVL code reads (no groups)."""
 
     def __init__(self, world_size: int = 1, rank: int = 0, gpus_per_node: int = 8, *,
-                 cp_size: int = 1, tp_size: int = 1, pp_size: int = 1, **_: Any):
-        if tp_size * pp_size * cp_size != world_size:
+                 cp_size: int = 1, cp_config: Optional[dict] = None, tp_size: int = 1,
+                 pp_size: int = 1, moe_cluster_size: int = -1, moe_tp_size: int = -1,
+                 moe_ep_size: int = -1, attn_tp_size: int = -1, attn_cp_size: int = -1,
+                 auto_parallel: bool = False, enable_attention_dp: bool = False):
+        if moe_cluster_size == -1:
+            moe_cluster_size = 1
+        if moe_tp_size == -1 and moe_ep_size == -1:
+            moe_tp_size, moe_ep_size = tp_size // moe_cluster_size, 1
+        elif moe_tp_size == -1:
+            moe_tp_size = tp_size // (moe_ep_size * moe_cluster_size)
+        elif moe_ep_size == -1:
+            moe_ep_size = tp_size // (moe_tp_size * moe_cluster_size)
+        if attn_tp_size == -1 and attn_cp_size == -1:
+            attn_tp_size, attn_cp_size = tp_size * cp_size, 1
+        elif attn_tp_size == -1:
+            attn_tp_size = cp_size * tp_size // attn_cp_size
+        elif attn_cp_size == -1:
+            attn_cp_size = cp_size * tp_size // attn_tp_size
+        if attn_cp_size != 1:
+            raise ValueError(f"attn_cp_size must be 1 for now, but got {attn_tp_size}, "
+                             f"{attn_cp_size}.")
+        if auto_parallel:
+            if tp_size != 1 or pp_size != 1:
+                raise ValueError("When auto parallel is enabled, tp_size, pp_size, cp_size must "
+                                 f"be 1, but got {tp_size}, {pp_size}, {cp_size}.")
+        elif tp_size * pp_size * cp_size != world_size:
             raise ValueError(f"world_size must equal to tp_size * pp_size * cp_size, but got "
                              f"{world_size} != {tp_size} * {pp_size} * {cp_size}.")
+        if moe_tp_size * moe_ep_size * moe_cluster_size != tp_size:
+            raise ValueError(f"tp_size must equal to moe_tp_size * moe_ep_size * "
+                             f"moe_cluster_size, but got {tp_size} != {moe_tp_size} * "
+                             f"{moe_ep_size} * {moe_cluster_size}")
+        if attn_tp_size * attn_cp_size != tp_size * cp_size:
+            raise ValueError(f"tp_size * cp_size must equal to attn_tp_size * attn_cp_size, but "
+                             f"got {tp_size} * {cp_size} != {attn_tp_size} * {attn_cp_size}")
+        if moe_ep_size != 1 and cp_size > 1:
+            raise NotImplementedError("CP don't support MoE tp/ep yet")
         self.world_size, self.rank, self.gpus_per_node = world_size, rank, gpus_per_node
         self.tp_size, self.pp_size, self.cp_size = tp_size, pp_size, cp_size
+        self.cp_config = cp_config if cp_config is not None else {}
+        self.moe_tp_size, self.moe_ep_size = moe_tp_size, moe_ep_size
+        self.moe_cluster_size = moe_cluster_size
+        self.attn_tp_size, self.attn_cp_size = attn_tp_size, attn_cp_size
+        self.auto_parallel, self.enable_attention_dp = auto_parallel, enable_attention_dp
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.tp_size
+        return 0 if self.auto_parallel else self.rank % self.tp_size
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.cp_size)
+        return 0 if self.auto_parallel else self.rank // (self.tp_size * self.cp_size)
 
     @property
     def cp_rank(self) -> int:
-        return self.rank % (self.tp_size * self.cp_size) // self.tp_size
+        return 0 if self.auto_parallel else \
+            self.rank % (self.tp_size * self.cp_size) // self.tp_size
 
     def _key(self) -> tuple:
-        return (self.world_size, self.rank, self.gpus_per_node, self.tp_size, self.pp_size,
-                self.cp_size)
+        return (self.world_size, self.rank, self.gpus_per_node, self.cp_size, self.tp_size,
+                self.moe_cluster_size, self.pp_size, self.moe_tp_size, self.moe_ep_size,
+                self.attn_tp_size, self.attn_cp_size, self.auto_parallel)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and self._key() == other._key()
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())
@@ -324,8 +377,13 @@ class MoEAlltoallInfo:
     local_token_allocation_count: int
 
 
+_MNNVL_MOE_DEPRECATION = ("MnnvlMoe is deprecated; use flashinfer.moe_ep.NVLinkTwoSidedAlltoAll. "
+                          "Its implementation will move into that class.")
+
+
 class MnnvlMoe:
-    """Static API over two process-wide workspaces for one mapping (as upstream)."""
+    """Static API over two process-wide workspaces for one mapping (as upstream); the two
+    workspace getters warn that MnnvlMoe is deprecated (``typing_extensions.deprecated``)."""
 
     moe_workspace: Any = None
     moe_prepare_workspace: Any = None
@@ -335,6 +393,7 @@ class MnnvlMoe:
 
     @staticmethod
     def get_moe_workspaces(mapping: Mapping, config: Optional[MnnvlConfig] = None) -> torch.Tensor:
+        warnings.warn(_MNNVL_MOE_DEPRECATION, DeprecationWarning, stacklevel=2)
         if MnnvlMoe.moe_workspace is not None:
             assert mapping == MnnvlMoe.moe_mapping, "only one moe mapping supported now"
             assert MnnvlMoe.moe_workspace_tensor is not None
@@ -350,6 +409,7 @@ class MnnvlMoe:
     @staticmethod
     def get_moe_prepare_workspace(mapping: Mapping,
                                   config: Optional[MnnvlConfig] = None) -> torch.Tensor:
+        warnings.warn(_MNNVL_MOE_DEPRECATION, DeprecationWarning, stacklevel=2)
         if MnnvlMoe.moe_prepare_workspace_tensor is not None:
             assert mapping == MnnvlMoe.moe_mapping, "only one moe mapping supported now"
             return MnnvlMoe.moe_prepare_workspace_tensor
@@ -399,17 +459,24 @@ class MnnvlMoe:
 
 
 # --- flashinfer.moe_ep ------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class BootstrapConfig:
     world_size: int
     rank: int
     stream: int = 0
     auto_bootstrap: bool = True
+    device: Optional[int] = field(default=None, kw_only=True)
     nccl_comm: Optional[int] = None
-    process_group: Any = None
+    process_group: Any = field(default=None, compare=False, hash=False)
     tcp_store: Any = None
-    _: KW_ONLY
-    device: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.world_size <= 0:
+            raise ValueError(f"world_size must be positive, got {self.world_size}")
+        if not (0 <= self.rank < self.world_size):
+            raise ValueError(f"rank {self.rank} not in [0, {self.world_size})")
+        if self.device is not None and self.device < 0:
+            raise ValueError(f"device must be non-negative, got {self.device}")
 
 
 @dataclass(frozen=True)
@@ -419,6 +486,7 @@ class MoEEpCommParams:
     max_tokens_per_rank: int
     hidden_size: int
     dtype: Optional[torch.dtype] = None
+    dispatch_format: Any = None
     invalid_expert_id: int = -1
 
     def __post_init__(self) -> None:
@@ -432,6 +500,8 @@ class MoEEpCommParams:
         if 0 <= self.invalid_expert_id < self.num_experts:
             raise ValueError("MoEEpCommParams.invalid_expert_id must lie outside "
                              f"[0, num_experts={self.num_experts}), got {self.invalid_expert_id}")
+        _check(self.dispatch_format is None, "dispatch_format (a flashinfer.fused_moe "
+                                             "QuantFormat) is not emulated")
 
 
 @dataclass(frozen=True)
@@ -444,35 +514,159 @@ class MoEEpDispatchResult:
     eplb_gathered_stats: Optional[torch.Tensor] = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class NVLinkTwoSidedConfig:
     backend_name: str = "nvlink_two_sided"
     comm_backend: Any = None
 
 
-class NVLinkTwoSidedAlltoAll:
-    """Rank-major dispatch/combine over moe_prepare/moe_comm; one dispatch in flight."""
+def _mnnvl_mapping_and_config(bootstrap: BootstrapConfig,
+                              comm_backend: Any) -> tuple[Mapping, MnnvlConfig]:
+    """moe_ep's ``mnnvl_mapping_and_config``: the communicator must match the bootstrap's rank
+    and size; every rank's platform verdict is all-gathered (a collective, so no rank fails
+    alone); a pure-EP Mapping with ``gpus_per_node = world_size``."""
+    _check(comm_backend is not None,
+           "the default comm_backend (torch.distributed over bootstrap.process_group) is not "
+           "emulated; pass NVLinkTwoSidedConfig(comm_backend=...)")
+    if comm_backend.Get_size() != bootstrap.world_size:
+        raise ValueError(f"MNNVL communicator has {comm_backend.Get_size()} ranks but the EP "
+                         f"group has world_size={bootstrap.world_size}")
+    if comm_backend.Get_rank() != bootstrap.rank:
+        raise ValueError(f"MNNVL communicator rank {comm_backend.Get_rank()} does not match "
+                         f"the EP rank {bootstrap.rank}")
+    verdicts = comm_backend.allgather(True)  # the emulated platform always qualifies
+    unsupported = [rank for rank, supported in enumerate(verdicts) if not supported]
+    if unsupported:
+        raise RuntimeError(f"NVLink backends are not supported on EP ranks {unsupported}; see "
+                           "their logs for the reason")
+    mapping = Mapping(world_size=bootstrap.world_size, rank=bootstrap.rank,
+                      gpus_per_node=bootstrap.world_size, tp_size=bootstrap.world_size,
+                      moe_ep_size=bootstrap.world_size)
+    return mapping, MnnvlConfig(comm_backend=comm_backend)
+
+
+class MoEEpCommunication:
+    """moe_ep's base class: the local platform check, EP rank and size, experts per rank."""
 
     backend_name = "nvlink_two_sided"
+    supports_cuda_graph = True
+
+    def __init__(self, bootstrap: BootstrapConfig, params: MoEEpCommParams):
+        if not self.is_platform_supported():
+            raise RuntimeError(f"{type(self).__name__} is not supported on this platform.")
+        self.bootstrap, self.params = bootstrap, params
+        self.ep_rank, self.ep_size = bootstrap.rank, bootstrap.world_size
+        if params.num_experts % self.ep_size != 0:
+            raise ValueError(f"{type(self).__name__} requires num_experts ({params.num_experts}) "
+                             f"divisible by the EP size ({self.ep_size})")
+        self.num_local_experts = params.num_experts // self.ep_size
+
+    @classmethod
+    def is_platform_supported(cls) -> bool:
+        return True
+
+
+class NVLinkTwoSidedAlltoAll(MoEEpCommunication):
+    """0.7.2.post1's NVLinkTwoSidedAlltoAll: rank-major dispatch/combine over MnnvlMoe, whose
+    class-level workspaces (one mapping per process) it shares; one dispatch in flight."""
+
+    def __init__(self, bootstrap: BootstrapConfig, params: MoEEpCommParams,
+                 config: Optional[NVLinkTwoSidedConfig] = None):
+        self.config = NVLinkTwoSidedConfig() if config is None else config
+        mapping, mnnvl_config = _mnnvl_mapping_and_config(bootstrap, self.config.comm_backend)
+        super().__init__(bootstrap, params)
+        if params.num_experts % 4 != 0:
+            raise ValueError("NVLinkTwoSidedAlltoAll requires num_experts divisible by 4, "
+                             f"got {params.num_experts}")
+        MnnvlMemory.initialize()
+        with warnings.catch_warnings():  # as upstream: MnnvlMoe's users see the warning
+            warnings.filterwarnings("ignore", "MnnvlMoe is deprecated", DeprecationWarning)
+            self._workspace: Optional[torch.Tensor] = MnnvlMoe.get_moe_workspaces(
+                mapping, mnnvl_config)
+            self._prepare_workspace: Optional[torch.Tensor] = \
+                MnnvlMoe.get_moe_prepare_workspace(mapping, mnnvl_config)
+        self._state: Optional[dict[str, Any]] = None
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: Optional[torch.Tensor] = None, *,
+                 hidden_states_scale: Optional[torch.Tensor] = None,
+                 max_tokens_per_rank: Optional[int] = None,
+                 eplb_local_stats: Optional[torch.Tensor] = None) -> MoEEpDispatchResult:
+        # 0.7.2.post1 has no destroyed check: after destroy the None workspace reaches the
+        # kernel wrapper, which fails.
+        if self._state is not None:
+            raise RuntimeError("dispatch called twice without an intervening combine")
+        tpr = self.params.max_tokens_per_rank if max_tokens_per_rank is None \
+            else max_tokens_per_rank
+        if not 0 < tpr <= self.params.max_tokens_per_rank:
+            raise ValueError(f"max_tokens_per_rank={tpr} must be in "
+                             f"(0, {self.params.max_tokens_per_rank}]")
+        _check(self._workspace is not None and self._prepare_workspace is not None,
+               "the workspace is None (the instance was destroyed)")
+        assert self._workspace is not None and self._prepare_workspace is not None
+        topk_ids = topk_ids.to(torch.int32)
+        if topk_weights is not None:
+            topk_weights = topk_weights.to(torch.float32)
+        e = self.params.num_experts
+        info, ids, weights, stats = MnnvlMoe.mnnvl_moe_alltoallv_prepare_without_allgather(
+            topk_ids, topk_weights, eplb_local_stats, self._prepare_workspace, tpr, self.ep_rank,
+            self.ep_size, e, e, self.params.top_k)
+        if self.params.invalid_expert_id != e:
+            ids.masked_fill_(ids == e, self.params.invalid_expert_id)
+        hidden = MnnvlMoe.mnnvl_moe_alltoallv(hidden_states, info, self._workspace, self.ep_rank,
+                                              self.ep_size)
+        scale = None
+        if hidden_states_scale is not None:
+            scale = MnnvlMoe.mnnvl_moe_alltoallv(hidden_states_scale, info, self._workspace,
+                                                 self.ep_rank, self.ep_size)
+        self._state = dict(alltoall_info=info, local_num_tokens=hidden_states.shape[0],
+                           tokens_per_rank=tpr)
+        return MoEEpDispatchResult(hidden_states=hidden, topk_ids=ids, topk_weights=weights,
+                                   tokens_per_rank=tpr, hidden_states_scale=scale,
+                                   eplb_gathered_stats=stats)
+
+    def combine(self, expert_output: torch.Tensor, *,
+                output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        state = self._state
+        if state is None:
+            raise RuntimeError("combine called before dispatch")
+        if expert_output.dim() == 3:
+            expert_output = expert_output.flatten(0, 1)
+        assert self._workspace is not None
+        combined = MnnvlMoe.mnnvl_moe_alltoallv_combine(
+            expert_output, state["alltoall_info"], self._workspace, ep_rank=self.ep_rank,
+            ep_size=self.ep_size, top_k=self.params.top_k, token_count=state["local_num_tokens"])
+        self._state = None
+        if output is not None:
+            output.copy_(combined)
+            return output
+        return combined
+
+    def destroy(self) -> None:
+        # MnnvlMoe caches its workspaces process-wide (as upstream).
+        self._workspace = None
+        self._prepare_workspace = None
+        self._state = None
+
+
+class NVLinkTwoSidedAlltoAll074(MoEEpCommunication):
+    """0.7.4's NVLinkTwoSidedAlltoAll (flashinfer/moe_ep/backends/split/comm/nvlink_two_sided/
+    communication.py): its own workspaces per (ep_rank, ep_size) for the process (MnnvlMoe is
+    gone), ``dispatch``'s per-call bound is ``runtime_max_tokens_per_rank``, a destroyed
+    instance refuses to dispatch."""
+
     _WORKSPACES: dict[tuple[int, int], dict[str, Any]] = {}
 
     def __init__(self, bootstrap: BootstrapConfig, params: MoEEpCommParams,
                  config: Optional[NVLinkTwoSidedConfig] = None):
         self.config = NVLinkTwoSidedConfig() if config is None else config
-        self.bootstrap, self.params = bootstrap, params
-        self.ep_rank, self.ep_size = bootstrap.rank, bootstrap.world_size
-        if params.num_experts % self.ep_size != 0:
-            raise ValueError(f"NVLinkTwoSidedAlltoAll requires num_experts ({params.num_experts}) "
-                             f"divisible by the EP size ({self.ep_size})")
+        mapping, mnnvl_config = _mnnvl_mapping_and_config(bootstrap, self.config.comm_backend)
+        super().__init__(bootstrap, params)
         if params.num_experts % 4 != 0:
             raise ValueError("NVLinkTwoSidedAlltoAll requires num_experts divisible by 4, "
                              f"got {params.num_experts}")
-        _check(self.config.comm_backend is not None,
-               "the default comm_backend (torch.distributed over bootstrap.process_group) is not "
-               "emulated; pass NVLinkTwoSidedConfig(comm_backend=...)")
-        mapping = Mapping(self.ep_size, self.ep_rank, 8, tp_size=self.ep_size)
         MnnvlMemory.initialize()
-        MnnvlMemory.set_comm_from_config(mapping, MnnvlConfig(comm_backend=self.config.comm_backend))
+        MnnvlMemory.set_comm_from_config(mapping, mnnvl_config)
         key = (self.ep_rank, self.ep_size)
         ws = self._WORKSPACES.get(key)
         if ws is None:
@@ -486,9 +680,15 @@ class NVLinkTwoSidedAlltoAll:
         self._prepare_workspace: Optional[torch.Tensor] = ws["prepare_workspace"]
         self._state: Optional[dict[str, Any]] = None
 
-    @classmethod
-    def is_platform_supported(cls) -> bool:
-        return True
+    def _resolve_runtime_max_tokens_per_rank(self, runtime_max_tokens_per_rank: Optional[int]
+                                             ) -> int:
+        capacity = self.params.max_tokens_per_rank
+        if runtime_max_tokens_per_rank is None:
+            return capacity
+        if not 0 < runtime_max_tokens_per_rank <= capacity:
+            raise ValueError(f"runtime_max_tokens_per_rank={runtime_max_tokens_per_rank} "
+                             f"must be in (0, {capacity}]")
+        return runtime_max_tokens_per_rank
 
     def _alltoallv(self, x: torch.Tensor, output: torch.Tensor, send_cumsum: torch.Tensor,
                    send_indices: torch.Tensor, recv_cumsum: torch.Tensor,
@@ -503,17 +703,13 @@ class NVLinkTwoSidedAlltoAll:
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: Optional[torch.Tensor] = None, *,
                  hidden_states_scale: Optional[torch.Tensor] = None,
-                 max_tokens_per_rank: Optional[int] = None,
+                 runtime_max_tokens_per_rank: Optional[int] = None,
                  eplb_local_stats: Optional[torch.Tensor] = None) -> MoEEpDispatchResult:
         if self._workspace is None or self._prepare_workspace is None:
             raise RuntimeError("NVLinkTwoSidedAlltoAll has been destroyed")
         if self._state is not None:
             raise RuntimeError("dispatch called twice without an intervening combine")
-        tpr = self.params.max_tokens_per_rank if max_tokens_per_rank is None \
-            else max_tokens_per_rank
-        if not 0 < tpr <= self.params.max_tokens_per_rank:
-            raise ValueError(f"max_tokens_per_rank={tpr} must be in "
-                             f"(0, {self.params.max_tokens_per_rank}]")
+        tpr = self._resolve_runtime_max_tokens_per_rank(runtime_max_tokens_per_rank)
         topk_ids = topk_ids.to(torch.int32)
         if topk_weights is not None:
             topk_weights = topk_weights.to(torch.float32)
@@ -555,8 +751,6 @@ class NVLinkTwoSidedAlltoAll:
             state["recv_cumsum"], state["recv_indices"], state["send_cumsum"],
             state["backward_recv_indices"])
         self._state = None
-        # 0.7.2.post1 sums through MnnvlMoe's combine, whose reshape names the hidden size (so
-        # a rank without tokens gets [0, hidden]).
         combined = torch.sum(per_slot.view(n, k, expert_output.shape[1]), dim=1)
         if output is not None:
             output.copy_(combined)
@@ -585,7 +779,7 @@ def reset_state() -> None:
     MnnvlMemory.config = None
     MnnvlMemory.initialized = False
     MnnvlMemory.allocated_map.clear()
-    NVLinkTwoSidedAlltoAll._WORKSPACES.clear()
+    NVLinkTwoSidedAlltoAll074._WORKSPACES.clear()
     TRAFFIC.clear()
 
 
@@ -598,23 +792,6 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
     mod = types.ModuleType(name, "emulated by tests/emulation/flashinfer_two_sided.py")
     mod.__dict__.update(attrs)
     return mod
-
-
-class NVLinkTwoSidedAlltoAll074(NVLinkTwoSidedAlltoAll):
-    """0.7.4's ``NVLinkTwoSidedAlltoAll`` (flashinfer/moe_ep/backends/split/comm/
-    nvlink_two_sided/communication.py): ``dispatch``'s per-call bound is
-    ``runtime_max_tokens_per_rank`` (0.7.2.post1: ``max_tokens_per_rank``), checked against
-    ``(0, params.max_tokens_per_rank]`` by the base class; the rest as in 0.7.2.post1."""
-
-    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,  # type: ignore[override]
-                 topk_weights: Optional[torch.Tensor] = None, *,
-                 hidden_states_scale: Optional[torch.Tensor] = None,
-                 runtime_max_tokens_per_rank: Optional[int] = None,
-                 eplb_local_stats: Optional[torch.Tensor] = None) -> MoEEpDispatchResult:
-        return super().dispatch(hidden_states, topk_ids, topk_weights,
-                                hidden_states_scale=hidden_states_scale,
-                                max_tokens_per_rank=runtime_max_tokens_per_rank,
-                                eplb_local_stats=eplb_local_stats)
 
 
 def _build(flavor: str) -> dict[str, types.ModuleType]:
@@ -637,7 +814,8 @@ def _build(flavor: str) -> dict[str, types.ModuleType]:
     if flavor in ("0.7.2.post1", "0.7.4"):
         mods["flashinfer.moe_ep"] = _module(
             "flashinfer.moe_ep", BootstrapConfig=BootstrapConfig, MoEEpCommParams=MoEEpCommParams,
-            MoEEpDispatchResult=MoEEpDispatchResult, NVLinkTwoSidedConfig=NVLinkTwoSidedConfig,
+            MoEEpDispatchResult=MoEEpDispatchResult, MoEEpCommunication=MoEEpCommunication,
+            NVLinkTwoSidedConfig=NVLinkTwoSidedConfig,
             NVLinkTwoSidedAlltoAll=(NVLinkTwoSidedAlltoAll074 if flavor == "0.7.4"
                                     else NVLinkTwoSidedAlltoAll))
     for name, mod in mods.items():

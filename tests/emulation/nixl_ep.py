@@ -6,7 +6,10 @@ Same signatures; checked against the released wheel nixl-cu13 1.5.1
 parameter lists of ``Buffer.__init__``, ``low_latency_dispatch``, ``low_latency_combine``,
 ``update_memory_buffers``, ``connect_ranks``, ``set_tcp_store_group``, the mask methods and both
 size hints are identical (``get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)``,
-which vLLM's ``clean_buffers`` calls, checked against the same wheel). Lifecycle as upstream: ``Buffer(rank=..., tcp_store_group=...)`` allocates
+which vLLM's ``clean_buffers`` calls, checked against the same wheel). The ``nixl`` 1.5.2 wheel
+ships the same ``nixl_ep`` re-export (its Python files are byte-identical to 1.5.1's); the
+nixl-cu12/cu13 1.5.2 wheels it requires, which would carry 1.5.2's ``buffer.py``, are not on the
+package index, so 1.5.1's is the newest checked. Lifecycle as upstream: ``Buffer(rank=..., tcp_store_group=...)`` allocates
 nothing; ``update_memory_buffers(num_ranks, num_experts_per_rank, num_rdma_bytes)`` sizes the
 layout (every other rank starts masked: not connected); ``connect_ranks(remote_ranks)`` exchanges
 agent metadata through the store exactly as upstream (``NIXL_EP/<rank>`` set, peers' keys waited

@@ -6,8 +6,11 @@ per-rank counts, ``moe_comm`` moves rows through per-peer FIFOs in MNNVL symmetr
 - ``flashinfer.comm.trtllm_alltoall.MnnvlMoe`` (flashinfer-python 0.7.2.post1, the version vLLM
   0.33 pins; gone in 0.7.4): static methods over two MNNVL workspaces (FIFOs and prepare) that the
   caller creates for an EP ``Mapping``. MnnvlMoe caches them on the class: one mapping per process.
-- ``flashinfer.moe_ep.NVLinkTwoSidedAlltoAll`` (0.7.4+): one object per EP group and layer shape
-  with ``dispatch``/``combine``/``destroy``.
+- ``flashinfer.moe_ep.NVLinkTwoSidedAlltoAll`` (0.7.2.post1 and later): one object per EP group
+  and layer shape with ``dispatch``/``combine``/``destroy``. In 0.7.2.post1 it takes its
+  workspaces from MnnvlMoe's class cache, so there too one EP mapping per process; 0.7.4 keeps
+  its own per EP group. Whoever uses MnnvlMoe's cache holds it here (``_hold_mnnvl_cache``):
+  another group is refused with a ValueError, and the cache is dropped after its last user.
 
 :class:`FlashInferAll2AllManager` picks one (``auto`` prefers MnnvlMoe, the API vLLM 0.33 runs)
 and hides it behind one small transport interface (:meth:`FlashInferAll2AllManager.transport`),
@@ -16,7 +19,7 @@ Workspaces are created on the first dispatch (a collective every rank reaches to
 by :meth:`FlashInferAll2AllManager.destroy`. The workspaces do not depend on the token count; the
 receive buffers do: each dispatch gets ``num_ranks * tokens_per_rank`` rows, where
 ``tokens_per_rank`` is the call's bound (the most tokens any rank sends in it, as both APIs take
-per call: MnnvlMoe's ``max_token_count_per_rank``, moe_ep's ``dispatch(max_tokens_per_rank=...)``),
+per call: MnnvlMoe's ``max_token_count_per_rank``, moe_ep's ``dispatch`` bound keyword),
 by default the layer's ``max_tokens_per_rank``. flashinfer is imported here, lazily.
 """
 from __future__ import annotations
@@ -59,7 +62,7 @@ class TwoSidedApi(str, enum.Enum):
 
     AUTO = "auto"
     MNNVL_MOE = "mnnvl_moe"  # flashinfer.comm.trtllm_alltoall.MnnvlMoe (0.7.2.post1)
-    MOE_EP = "moe_ep"  # flashinfer.moe_ep.NVLinkTwoSidedAlltoAll (0.7.4+)
+    MOE_EP = "moe_ep"  # flashinfer.moe_ep.NVLinkTwoSidedAlltoAll (0.7.2.post1+, alone from 0.7.4)
 
 
 @dataclass(frozen=True)
@@ -252,20 +255,71 @@ class _Transport(ABC):
 
 
 @dataclass
-class _MnnvlWorkspaces:
-    """MnnvlMoe's two workspaces (uint64 [num_ranks, words]) for one EP mapping, shared by every
-    manager of that mapping in this process (MnnvlMoe keeps one mapping per process)."""
+class _MnnvlMoeCache:
+    """flashinfer's MnnvlMoe class cache (0.7.2.post1): the workspaces of one EP mapping per
+    process. Its users are our MnnvlMoe transports and, on that release, moe_ep's
+    NVLinkTwoSidedAlltoAll, which takes its workspaces from the same cache; it is dropped when
+    the last user of either API goes, never under a live one. ``workspaces``: MnnvlMoe's
+    (workspace, prepare workspace), uint64 [num_ranks, words], once a MnnvlMoe transport made
+    them."""
 
     key: tuple
-    mapping: Any
-    workspace: torch.Tensor
-    prepare_workspace: torch.Tensor
     users: int = 0
+    workspaces: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
-_MNNVL_WORKSPACES: dict[tuple, _MnnvlWorkspaces] = {}
+_MNNVL_CACHE: Optional[_MnnvlMoeCache] = None
 _MNNVL_MOE_CACHE_ATTRS = ("moe_workspace", "moe_prepare_workspace", "moe_workspace_tensor",
                           "moe_prepare_workspace_tensor", "moe_mapping")
+
+
+def _hold_mnnvl_cache(m: "FlashInferAll2AllManager", api: TwoSidedApi) -> _MnnvlMoeCache:
+    """One more user of MnnvlMoe's cache for ``m``'s EP group through ``api``. Refused (before
+    flashinfer sees the mapping, whose own check is a bare assert) while another EP group holds
+    it, or the other API: each builds its own Mapping of the group (MnnvlMoe's as vLLM 0.33
+    does, moe_ep a pure-EP one), and the cache takes one."""
+    global _MNNVL_CACHE
+    key = (id(m.group), m.rank, m.num_ranks, api)
+    held = _MNNVL_CACHE
+    if held is not None and held.key != key:
+        holder = ("another EP group" if held.key[:3] != key[:3] else
+                  f"a layer of this EP group on the {held.key[3].value} API, whose mapping differs,")
+        shared = ", which its moe_ep shares" if TwoSidedApi.MOE_EP in (api, held.key[3]) else ""
+        raise ValueError(
+            f"flashinfer {m.flashinfer_version} holds the workspaces of one EP mapping per process "
+            f"(MnnvlMoe's class cache{shared}) and {holder} already uses them; destroy those "
+            "layers first, use one API for every layer of the process, or install "
+            "flashinfer-python 0.7.4, whose moe_ep keeps workspaces per EP group "
+            "(FlashInferTwoSidedOptions(api=TwoSidedApi.MOE_EP))")
+    if held is None:
+        _MNNVL_CACHE = held = _MnnvlMoeCache(key)
+    held.users += 1
+    return held
+
+
+def _release_mnnvl_cache(cache: _MnnvlMoeCache) -> None:
+    global _MNNVL_CACHE
+    cache.users -= 1
+    if cache.users:
+        return
+    assert _MNNVL_CACHE is cache
+    _MNNVL_CACHE = None
+    # MnnvlMoe caches the MnnvlMemory objects on the class; dropping them unmaps the memory
+    # (MnnvlMemory.__del__) and lets a later mapping allocate again.
+    from flashinfer.comm.trtllm_alltoall import MnnvlMoe
+
+    for attr in _MNNVL_MOE_CACHE_ATTRS:
+        setattr(MnnvlMoe, attr, None)
+
+
+def _moe_ep_shares_mnnvl_cache() -> bool:
+    """Whether this flashinfer's moe_ep takes its workspaces from MnnvlMoe's cache: the release
+    that has both (0.7.2.post1); 0.7.4 removed MnnvlMoe and keeps moe_ep's own."""
+    try:
+        from flashinfer.comm.trtllm_alltoall import MnnvlMoe  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class _MnnvlMoeTransport(_Transport):
@@ -275,22 +329,16 @@ class _MnnvlMoeTransport(_Transport):
 
     def __init__(self, manager: "FlashInferAll2AllManager"):
         super().__init__(manager)
-        self._ws: Optional[_MnnvlWorkspaces] = None
+        self._cache: Optional[_MnnvlMoeCache] = None
         self._info: Any = None
 
-    def _workspaces(self) -> _MnnvlWorkspaces:
-        if self._ws is not None:
-            return self._ws
+    def _workspaces(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache is not None and self._cache.workspaces is not None:
+            return self._cache.workspaces
         m = self.m
-        key = (id(m.group), m.rank, m.num_ranks)
-        ws = _MNNVL_WORKSPACES.get(key)
-        if ws is None:
-            if _MNNVL_WORKSPACES:
-                raise ValueError(
-                    "flashinfer's MnnvlMoe holds the workspaces of one EP mapping per process and "
-                    "another EP group already uses them; destroy that group's layers first, or "
-                    "use FlashInferTwoSidedOptions(api=TwoSidedApi.MOE_EP)"
-                )
+        cache = self._cache or _hold_mnnvl_cache(m, self.api)
+        self._cache = cache
+        if cache.workspaces is None:
             from flashinfer.comm.mapping import Mapping
             from flashinfer.comm.mnnvl import MnnvlConfig, MnnvlMemory
             from flashinfer.comm.trtllm_alltoall import MnnvlMoe
@@ -299,9 +347,11 @@ class _MnnvlMoeTransport(_Transport):
             config = MnnvlConfig(comm_backend=TorchGroupComm(m.group))
             try:
                 MnnvlMemory.initialize()
-                ws = _MnnvlWorkspaces(key, mapping, MnnvlMoe.get_moe_workspaces(mapping, config),
-                                      MnnvlMoe.get_moe_prepare_workspace(mapping, config))
+                cache.workspaces = (MnnvlMoe.get_moe_workspaces(mapping, config),
+                                    MnnvlMoe.get_moe_prepare_workspace(mapping, config))
             except Exception as e:  # the CUDA VMM calls say only which driver call failed
+                self._cache = None
+                _release_mnnvl_cache(cache)
                 fabric = getattr(MnnvlMemory, "_fabric_supported", None)
                 device = torch.cuda.current_device() if torch.cuda.is_available() else "none"
                 raise RuntimeError(
@@ -314,10 +364,7 @@ class _MnnvlMoeTransport(_Transport):
                     "host without FABRIC support, as POSIX file descriptors passed between the "
                     "ranks' processes. Use a GPU system with multi-node NVLink, or another "
                     "backend (e.g. 'torch')") from e
-            _MNNVL_WORKSPACES[key] = ws
-        ws.users += 1
-        self._ws = ws
-        return ws
+        return cache.workspaces
 
     def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
@@ -325,29 +372,29 @@ class _MnnvlMoeTransport(_Transport):
 
         if self._info is not None:
             raise RuntimeError("dispatch called twice without combine (or reset_call_state)")
-        m, ws = self.m, self._workspaces()
+        m, (workspace, prepare_workspace) = self.m, self._workspaces()
         info, recv_ids, recv_weights, _ = MnnvlMoe.mnnvl_moe_alltoallv_prepare_without_allgather(
-            topk_ids, topk_weights, None, ws.prepare_workspace, tokens_per_rank, m.rank,
+            topk_ids, topk_weights, None, prepare_workspace, tokens_per_rank, m.rank,
             m.num_ranks, m.num_experts, m.num_experts, m.num_topk)
         # Releases before flashinfer PR #2048 returned the float32 weights typed as int32.
         if recv_weights.dtype != torch.float32:
             recv_weights = recv_weights.view(torch.float32)
-        recv_x = MnnvlMoe.mnnvl_moe_alltoallv(x, info, ws.workspace, m.rank, m.num_ranks)
+        recv_x = MnnvlMoe.mnnvl_moe_alltoallv(x, info, workspace, m.rank, m.num_ranks)
         recv_sf = None
         if x_sf is not None:
-            recv_sf = MnnvlMoe.mnnvl_moe_alltoallv(x_sf, info, ws.workspace, m.rank, m.num_ranks)
+            recv_sf = MnnvlMoe.mnnvl_moe_alltoallv(x_sf, info, workspace, m.rank, m.num_ranks)
         self._info = info
         return Dispatched(recv_x, recv_sf, recv_ids, recv_weights)
 
     def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         from flashinfer.comm.trtllm_alltoall import MnnvlMoe
 
-        if self._info is None or self._ws is None:
+        if self._info is None or self._cache is None or self._cache.workspaces is None:
             raise RuntimeError("combine called without a matching dispatch")
         m, info = self.m, self._info
         self._info = None
         return MnnvlMoe.mnnvl_moe_alltoallv_combine(
-            expert_output, info, self._ws.workspace, ep_rank=m.rank, ep_size=m.num_ranks,
+            expert_output, info, self._cache.workspaces[0], ep_rank=m.rank, ep_size=m.num_ranks,
             top_k=m.num_topk, token_count=num_tokens)
 
     def reset(self) -> None:
@@ -355,23 +402,14 @@ class _MnnvlMoeTransport(_Transport):
 
     def destroy(self) -> None:
         self._info = None
-        ws, self._ws = self._ws, None
-        if ws is None:
-            return
-        ws.users -= 1
-        if ws.users:
-            return
-        del _MNNVL_WORKSPACES[ws.key]
-        # MnnvlMoe caches the MnnvlMemory objects on the class; dropping them unmaps the memory
-        # (MnnvlMemory.__del__) and lets a later mapping allocate again.
-        from flashinfer.comm.trtllm_alltoall import MnnvlMoe
-
-        for attr in _MNNVL_MOE_CACHE_ATTRS:
-            setattr(MnnvlMoe, attr, None)
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            _release_mnnvl_cache(cache)
 
 
 class _MoeEpTransport(_Transport):
-    """flashinfer.moe_ep.NVLinkTwoSidedAlltoAll (0.7.4+): one object per EP group and shape."""
+    """flashinfer.moe_ep.NVLinkTwoSidedAlltoAll: one object per EP group and shape (holding
+    MnnvlMoe's cache where this release's moe_ep shares it)."""
 
     api = TwoSidedApi.MOE_EP
 
@@ -379,6 +417,7 @@ class _MoeEpTransport(_Transport):
         super().__init__(manager)
         self._comm: Any = None
         self._pending = False
+        self._cache: Optional[_MnnvlMoeCache] = None
 
     def _communication(self) -> Any:
         if self._comm is None:
@@ -386,6 +425,8 @@ class _MoeEpTransport(_Transport):
                                            NVLinkTwoSidedAlltoAll, NVLinkTwoSidedConfig)
 
             m = self.m
+            if self._cache is None and _moe_ep_shares_mnnvl_cache():
+                self._cache = _hold_mnnvl_cache(m, self.api)
             bootstrap = BootstrapConfig(world_size=m.num_ranks, rank=m.rank, process_group=m.group)
             params = MoEEpCommParams(num_experts=m.num_experts, top_k=m.num_topk,
                                      max_tokens_per_rank=m.max_tokens_per_rank,
@@ -424,9 +465,12 @@ class _MoeEpTransport(_Transport):
 
     def destroy(self) -> None:
         comm, self._comm = self._comm, None
+        cache, self._cache = self._cache, None
         self._pending = False
         if comm is not None:
             comm.destroy()
+        if cache is not None:
+            _release_mnnvl_cache(cache)
 
 
 def _per_call_bound_keyword(dispatch: Any) -> str:

@@ -29,6 +29,7 @@ from moe_plugins.overlap import OverlapConfig, SharedExpertHandle
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy
+from all2all.flashinfer import FlashInferTwoSidedOptions
 
 BACKEND = "flashinfer_nvlink_two_sided"
 # (id, quant, activation dtype) of the layer tests, emulated and real: the quantized cases in
@@ -197,31 +198,68 @@ def lifecycle(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, fla
         return seen
 
 
-def second_mapping(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> dict:
-    """MnnvlMoe keeps one EP mapping per process: a layer on another EP group is refused at its
-    first dispatch (on every rank, before any collective) until the first group's layers go."""
+def second_mapping(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig, flavor: str,
+                   api: str) -> dict:
+    """Two EP groups in one process on ``api``. Where it lives in MnnvlMoe's class cache (0.7.2.post1:
+    MnnvlMoe, and moe_ep, which shares the cache) a layer on the other group is refused at its
+    first dispatch (on every rank, before any collective) until the first group's layers go;
+    0.7.4's moe_ep serves both groups at once."""
     quant, seen = QuantSpec(), {}
-    with emu.installed("0.7.2.post1"):
+    options = FlashInferTwoSidedOptions(api=api)
+    with emu.installed(flavor):
         ctx = cached_dist_context(layout)
         other = DistContext(layout, ctx.rank, dist.new_group(list(range(world))), None, ctx.device)
-        a, b = _build(ctx, cfg, 4, quant), _build(other, cfg, 4, quant)
+        a, b = _build(ctx, cfg, 4, quant, options), _build(other, cfg, 4, quant, options)
         r = _Routed.make(layout, cfg, 4, quant)
         try:
             out_a = r.call(a)
             try:
-                r.call(b)
+                seen["both_at_once"] = torch.equal(r.call(b), out_a)
+                seen["refused"] = None
             except ValueError as e:
                 seen["refused"] = str(e)
-            b.reset_call_state()
-            # the refusal came inside the dispatch, which breaks b's group; every rank was
-            # refused alike, so its state is forgotten to show the group working afterwards
-            seen["broken"] = b.faults.broken is not None
-            _forget_faults(b)
-            a.manager.destroy()  # type: ignore[attr-defined]
-            seen["after_first_group_went"] = torch.equal(r.call(b), out_a)
+                b.reset_call_state()
+                # the refusal came inside the dispatch, which breaks b's group; every rank was
+                # refused alike, so its state is forgotten to show the group working afterwards
+                seen["broken"] = b.faults.broken is not None
+                _forget_faults(b)
+                a.manager.destroy()  # type: ignore[attr-defined]
+                seen["after_first_group_went"] = torch.equal(r.call(b), out_a)
         finally:
             a.manager.destroy()  # type: ignore[attr-defined]
             b.manager.destroy()  # type: ignore[attr-defined]
+        return seen
+
+
+def mixed_apis(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig) -> dict:
+    """0.7.2.post1: a MnnvlMoe layer and a moe_ep layer of one EP group build different Mappings
+    of it, and MnnvlMoe's class cache holds one: the second API is refused at its first dispatch
+    (every rank alike, before any collective), never given the first one's cache to drop under
+    it; once the MnnvlMoe layer went, the moe_ep layer runs, and the cache goes with the last."""
+    quant, seen = QuantSpec(), {}
+    with emu.installed("0.7.2.post1"):
+        ctx = cached_dist_context(layout)
+        mnnvl = _build(ctx, cfg, 4, quant, FlashInferTwoSidedOptions(api="mnnvl_moe"))
+        moe_ep = _build(ctx, cfg, 4, quant, FlashInferTwoSidedOptions(api="moe_ep"))
+        r = _Routed.make(layout, cfg, 4, quant)
+        try:
+            out = r.call(mnnvl)
+            try:
+                r.call(moe_ep)
+                seen["refused"] = None
+            except ValueError as e:
+                seen["refused"] = str(e)
+            moe_ep.reset_call_state()
+            _forget_faults(moe_ep)  # every rank was refused alike
+            seen["live_with_mnnvl"] = emu.live_allocations()
+            mnnvl.manager.destroy()  # type: ignore[attr-defined]
+            seen["after_mnnvl_went"] = emu.live_allocations()
+            seen["moe_ep_right"] = torch.equal(r.call(moe_ep), out)
+        finally:
+            mnnvl.manager.destroy()  # type: ignore[attr-defined]
+            moe_ep.manager.destroy()  # type: ignore[attr-defined]
+        seen["after_both_went"] = emu.live_allocations()
+        seen["cache_cleared"] = emu.MnnvlMoe.moe_workspace is None
         return seen
 
 

@@ -151,10 +151,30 @@ def test_workspaces_are_lazy_shared_and_freed(rank_pool, flavor, api):
 
 
 @pytest.mark.multirank
-def test_mnnvl_moe_serves_one_ep_group_per_process(rank_pool):
-    for r in rank_pool(2).run(fi.second_mapping, EP2, _cfg()):
+@pytest.mark.parametrize("flavor,api", [("0.7.2.post1", "mnnvl_moe"), ("0.7.2.post1", "moe_ep")])
+def test_mnnvl_moe_cache_serves_one_ep_group_per_process(rank_pool, flavor, api):
+    # 0.7.2.post1's moe_ep takes MnnvlMoe's one-mapping cache too: ours refuses the second group
+    # (flashinfer's own check is a bare assert) and serves it once the first group went
+    for r in rank_pool(2).run(fi.second_mapping, EP2, _cfg(), flavor, api):
         assert "one EP mapping per process" in r["refused"] and r["broken"]
+        assert "flashinfer-python 0.7.4" in r["refused"]
         assert r["after_first_group_went"]
+
+
+@pytest.mark.multirank
+def test_moe_ep_of_0_7_4_serves_two_ep_groups_at_once(rank_pool):
+    for r in rank_pool(2).run(fi.second_mapping, EP2, _cfg(), "0.7.4", "moe_ep"):
+        assert r["refused"] is None and r["both_at_once"]
+
+
+@pytest.mark.multirank
+def test_mnnvl_moe_and_moe_ep_of_0_7_2_do_not_share_the_cache(rank_pool):
+    for r in rank_pool(2).run(fi.mixed_apis, EP2, _cfg()):
+        assert "on the mnnvl_moe API, whose mapping differs" in r["refused"]
+        assert r["live_with_mnnvl"] == 2  # the refusal allocated nothing
+        # the MnnvlMoe layer went with the cache; the moe_ep layer then made it anew
+        assert r["after_mnnvl_went"] == 0 and r["moe_ep_right"]
+        assert r["after_both_went"] == 0 and r["cache_cleared"]
 
 
 @pytest.mark.multirank

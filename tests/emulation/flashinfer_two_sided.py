@@ -6,7 +6,7 @@ moe_ep/config.py, moe_ep/core/comm/communication.py, moe_ep/backends/split/comm/
 and nvlink_two_sided/ and the kernels behind them (csrc/trtllm_alltoall.cu,
 csrc/trtllm_alltoall_prepare.cu); the names, parameters, defaults and dataclass fields are
 checked against the wheels' source by tests/emulation/test_flashinfer_upstream.py (the table in
-tests/emulation/flashinfer_upstream.py):
+tests/emulation/flashinfer_upstream.json, read from the wheels by flashinfer_upstream.py):
 
 - ``flashinfer.comm.trtllm_alltoall`` (0.7.2.post1 only): ``moe_prepare``, ``moe_comm``,
   ``get_moe_commworkspace_size_per_rank``, ``get_moe_prepare_workspace_size_per_rank``,
@@ -545,6 +545,40 @@ def _mnnvl_mapping_and_config(bootstrap: BootstrapConfig,
     return mapping, MnnvlConfig(comm_backend=comm_backend)
 
 
+def _two_sided_start(comm: "MoEEpCommunication", bootstrap: BootstrapConfig,
+                     params: MoEEpCommParams, config: Optional[NVLinkTwoSidedConfig],
+                     ) -> tuple[Mapping, MnnvlConfig]:
+    """Both releases' NVLinkTwoSidedAlltoAll.__init__ up to the workspaces: its config, the
+    group's Mapping (a collective), the base class, the experts check, MNNVL initialized."""
+    comm.config = NVLinkTwoSidedConfig() if config is None else config
+    mapping, mnnvl_config = _mnnvl_mapping_and_config(bootstrap, comm.config.comm_backend)
+    MoEEpCommunication.__init__(comm, bootstrap, params)
+    if params.num_experts % 4 != 0:
+        raise ValueError("NVLinkTwoSidedAlltoAll requires num_experts divisible by 4, "
+                         f"got {params.num_experts}")
+    MnnvlMemory.initialize()
+    return mapping, mnnvl_config
+
+
+def _combine_input(state: Optional[dict[str, Any]],
+                   expert_output: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    """Both releases' combine: the pending dispatch's state, and the expert output as rows
+    ([E, T, H] flattened to [E*T, H])."""
+    if state is None:
+        raise RuntimeError("combine called before dispatch")
+    if expert_output.dim() == 3:
+        expert_output = expert_output.flatten(0, 1)
+    return state, expert_output
+
+
+def _into(output: Optional[torch.Tensor], combined: torch.Tensor) -> torch.Tensor:
+    """Both releases' combine result: into ``output`` where given."""
+    if output is None:
+        return combined
+    output.copy_(combined)
+    return output
+
+
 class MoEEpCommunication:
     """moe_ep's base class: the local platform check, EP rank and size, experts per rank."""
 
@@ -572,13 +606,7 @@ class NVLinkTwoSidedAlltoAll(MoEEpCommunication):
 
     def __init__(self, bootstrap: BootstrapConfig, params: MoEEpCommParams,
                  config: Optional[NVLinkTwoSidedConfig] = None):
-        self.config = NVLinkTwoSidedConfig() if config is None else config
-        mapping, mnnvl_config = _mnnvl_mapping_and_config(bootstrap, self.config.comm_backend)
-        super().__init__(bootstrap, params)
-        if params.num_experts % 4 != 0:
-            raise ValueError("NVLinkTwoSidedAlltoAll requires num_experts divisible by 4, "
-                             f"got {params.num_experts}")
-        MnnvlMemory.initialize()
+        mapping, mnnvl_config = _two_sided_start(self, bootstrap, params, config)
         with warnings.catch_warnings():  # as upstream: MnnvlMoe's users see the warning
             warnings.filterwarnings("ignore", "MnnvlMoe is deprecated", DeprecationWarning)
             self._workspace: Optional[torch.Tensor] = MnnvlMoe.get_moe_workspaces(
@@ -627,20 +655,13 @@ class NVLinkTwoSidedAlltoAll(MoEEpCommunication):
 
     def combine(self, expert_output: torch.Tensor, *,
                 output: Optional[torch.Tensor] = None) -> torch.Tensor:
-        state = self._state
-        if state is None:
-            raise RuntimeError("combine called before dispatch")
-        if expert_output.dim() == 3:
-            expert_output = expert_output.flatten(0, 1)
+        state, expert_output = _combine_input(self._state, expert_output)
         assert self._workspace is not None
         combined = MnnvlMoe.mnnvl_moe_alltoallv_combine(
             expert_output, state["alltoall_info"], self._workspace, ep_rank=self.ep_rank,
             ep_size=self.ep_size, top_k=self.params.top_k, token_count=state["local_num_tokens"])
         self._state = None
-        if output is not None:
-            output.copy_(combined)
-            return output
-        return combined
+        return _into(output, combined)
 
     def destroy(self) -> None:
         # MnnvlMoe caches its workspaces process-wide (as upstream).
@@ -659,13 +680,7 @@ class NVLinkTwoSidedAlltoAll074(MoEEpCommunication):
 
     def __init__(self, bootstrap: BootstrapConfig, params: MoEEpCommParams,
                  config: Optional[NVLinkTwoSidedConfig] = None):
-        self.config = NVLinkTwoSidedConfig() if config is None else config
-        mapping, mnnvl_config = _mnnvl_mapping_and_config(bootstrap, self.config.comm_backend)
-        super().__init__(bootstrap, params)
-        if params.num_experts % 4 != 0:
-            raise ValueError("NVLinkTwoSidedAlltoAll requires num_experts divisible by 4, "
-                             f"got {params.num_experts}")
-        MnnvlMemory.initialize()
+        mapping, mnnvl_config = _two_sided_start(self, bootstrap, params, config)
         MnnvlMemory.set_comm_from_config(mapping, mnnvl_config)
         key = (self.ep_rank, self.ep_size)
         ws = self._WORKSPACES.get(key)
@@ -740,11 +755,7 @@ class NVLinkTwoSidedAlltoAll074(MoEEpCommunication):
 
     def combine(self, expert_output: torch.Tensor, *,
                 output: Optional[torch.Tensor] = None) -> torch.Tensor:
-        state = self._state
-        if state is None:
-            raise RuntimeError("combine called before dispatch")
-        if expert_output.dim() == 3:
-            expert_output = expert_output.flatten(0, 1)
+        state, expert_output = _combine_input(self._state, expert_output)
         k, n = self.params.top_k, state["local_num_tokens"]
         per_slot = self._alltoallv(
             expert_output, expert_output.new_zeros(n * k, expert_output.shape[1]),
@@ -752,10 +763,7 @@ class NVLinkTwoSidedAlltoAll074(MoEEpCommunication):
             state["backward_recv_indices"])
         self._state = None
         combined = torch.sum(per_slot.view(n, k, expert_output.shape[1]), dim=1)
-        if output is not None:
-            output.copy_(combined)
-            return output
-        return combined
+        return _into(output, combined)
 
     def destroy(self) -> None:
         # The workspaces stay with the process for later instances (as upstream).

@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("deep_ep", reason="needs DeepEP's V1 line (567632d) built from source")
 
 from tests.gpu import deepep_ht_ranks as ranks  # noqa: E402
+from benchmarks.conditions import current_commit  # noqa: E402
 from tests.gpu.ep_harness import now_iso, run_world, verdict, write_record  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +49,7 @@ def test_two_ranks_on_one_gpu_match_reference(backend):
     run = run_world(ranks.run_ht, WORLD, backend, "cuda", device="cuda", timeout_s=TIMEOUT_S,
                     name=f"{backend} two ranks on one GPU")
     write_record(RECORD, backend, dict(
-        run.record(), backend=backend, recorded=now_iso(),
+        run.record(), backend=backend, recorded=now_iso(), commit=current_commit(),
         deep_ep="567632d (as built on the GPU machine)", torch=torch.__version__,
         device_name=torch.cuda.get_device_name(0)))
     # a mismatch a rank reported before a later step stalled is a failure, not an xfail

@@ -111,3 +111,27 @@ def test_stack_cli_without_a_record_says_what_to_pass(tmp_path, capsys):
     assert main(["stack", "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "tests" / "gpu" / "results") in err and "checkout" in err
+
+
+def test_gpu_runs_name_each_commit_once(tmp_path):
+    """A record made in parts at one commit is one entry (its newest run's date); rows of two
+    commits name both, the newest first."""
+    import json
+
+    def row(commit: str, when: str, status: str = "passed") -> dict:
+        return dict(backend="torch", path="layer", status=status,
+                    from_run={"commit": commit, "date": when, "gpu": "GPU X",
+                              "versions": {"torch": "2.11.0"}})
+
+    record = tmp_path / "tests" / "gpu" / "results"
+    record.mkdir(parents=True)
+    torch_lib = next(lib for lib in LIBRARIES if lib.key == "torch")
+    (record / "r.json").write_text(json.dumps(
+        [row("aaaaaaa", "2026-12-06T03:02Z"), row("aaaaaaa", "2026-12-06T03:13Z", "refused")]))
+    (run,) = gpu_runs(torch_lib, tmp_path)
+    assert run.commits == (("2026-12-06T03:13Z", "aaaaaaa"),)
+    assert run.words() == "2.11.0 on GPU X: 1 passed, 1 refused at aaaaaaa (2026-12-06)"
+    (record / "s.json").write_text(json.dumps([row("bbbbbbb", "2026-12-07T01:00Z")]))
+    (run,) = gpu_runs(torch_lib, tmp_path)
+    assert run.words() == ("2.11.0 on GPU X: 2 passed, 1 refused at 2 commits, the newest "
+                           "bbbbbbb (2026-12-07), the oldest aaaaaaa (2026-12-06)")

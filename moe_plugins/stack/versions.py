@@ -120,18 +120,18 @@ LIBRARIES: tuple[Library, ...] = (
 @dataclass(frozen=True)
 class GpuRun:
     """The rows of the GPU record that ran one version of a library on one GPU: how many ended in
-    each status, and the runs (commits, with their dates) they come from."""
+    each status, and the commits they ran at (each with the date of its newest run)."""
     version: str
     gpu: str
     statuses: tuple[tuple[str, int], ...]  # (status, rows): passed, refused, failed, others
-    commits: tuple[tuple[str, str], ...]   # (when, commit), newest first; when: ISO UTC
+    commits: tuple[tuple[str, str], ...]   # (when, commit), one per commit, newest first; when: ISO UTC
 
     def words(self) -> str:
         counts = ", ".join(f"{n} {s}" for s, n in self.statuses)
         when, commit = self.commits[0]
         runs = (f"at {commit} ({when[:10]})" if len(self.commits) == 1 else
-                f"from {len(self.commits)} runs, the newest at {commit} ({when[:10]}), the oldest "
-                f"at {self.commits[-1][1]} ({self.commits[-1][0][:10]})")
+                f"at {len(self.commits)} commits, the newest {commit} ({when[:10]}), the oldest "
+                f"{self.commits[-1][1]} ({self.commits[-1][0][:10]})")
         return f"{self.version} on {self.gpu}: {counts} {runs}"
 
 
@@ -161,19 +161,22 @@ def gpu_runs(lib: Library, root: Path) -> list[GpuRun]:
     """What ran ``lib`` on a GPU, from the record under ``root`` (a checkout): one entry per
     (version, GPU), the one with the newest run first."""
     statuses: dict[tuple[str, str], Counter] = defaultdict(Counter)
-    commits: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
+    # several runs at one commit (a record made in parts) are one entry: its newest run's date
+    commits: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
     for row in _record_rows(root):
         if lib.rows(row):
             version = _row_version(lib, row)
             if version:
                 key = (version, row["from_run"]["gpu"])
                 statuses[key][row["status"]] += 1
-                commits[key].add((row["from_run"].get("date", "date not recorded"),
-                                  row["from_run"]["commit"]))
+                when = row["from_run"].get("date", "date not recorded")
+                commit = row["from_run"]["commit"]
+                commits[key][commit] = max(when, commits[key].get(commit, when))
     # newest first: ISO dates sort as text; a commit orders the runs of one day
     runs = [GpuRun(version, gpu,
                    tuple(sorted(statuses[(version, gpu)].items(), key=_status_order)),
-                   tuple(sorted(commits[(version, gpu)], reverse=True)))
+                   tuple(sorted(((when, commit) for commit, when
+                                 in commits[(version, gpu)].items()), reverse=True)))
             for version, gpu in statuses]
     return sorted(runs, key=lambda r: (r.commits[0], r.version, r.gpu), reverse=True)
 

@@ -75,7 +75,9 @@ while todo:
     keep.add(n)
     todo += [by_base[b] for b in needed(n) if b in by_base and by_base[b] not in keep]
 keep |= {n for n in names if n.startswith("nixl_ep_cu13/") and n.endswith(".py")}
-keep |= {n for n in names if n.startswith("nixl_cu13-1.5.1.dist-info/licenses/")}
+# the dist-info's licences and METADATA (which names the version a run records)
+keep |= {n for n in names if n.startswith("nixl_cu13-1.5.1.dist-info/licenses/")
+         or n == "nixl_cu13-1.5.1.dist-info/METADATA"}
 with tarfile.open(out, "w:gz") as t:
     for n in sorted(keep):
         info = tarfile.TarInfo(n)

@@ -399,6 +399,16 @@ def current_vllm() -> Optional[str]:
     return None
 
 
+#: What a run writes for a library whose distribution it found without a version (a
+#: dist-info without METADATA); ``--version-of`` may name the version at merge.
+NO_VERSION = "(no version in its metadata)"
+
+
+def _version_unread(value: Optional[str]) -> bool:
+    # "None": what runs wrote before NO_VERSION existed
+    return not value or value.endswith(NO_VERSION) or value.endswith(" None")
+
+
 def current_versions(device: str) -> dict[str, str]:
     """What a GPU run ran on, for the stack table (moe_plugins/stack/versions.py): torch, and
     DeepEP (its commit and build patches), flashinfer and nixl where this process finds them;
@@ -428,6 +438,8 @@ def current_versions(device: str) -> dict[str, str]:
                 version = importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
                 continue
+            if version is None:  # a dist-info without METADATA: say so, never "None"
+                version = NO_VERSION
             out[key] = version if key == "flashinfer" else f"{dist} {version}"
             break
     return out
@@ -587,7 +599,8 @@ def _row_key(row: dict) -> tuple:
 
 def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
                   earlier: Sequence[tuple[str, Sequence[dict]]] = (),
-                  gpus: Optional[dict[str, str]] = None) -> list[dict]:
+                  gpus: Optional[dict[str, str]] = None,
+                  versions: Optional[dict[str, dict[str, str]]] = None) -> list[dict]:
     """One record out of several: the rows of ``records`` in order (a row of a later record
     replaces an earlier row with the same path/backend/ep/tp/quant/case and, on vLLM's path,
     vLLM release), then the rows of the ``earlier`` records that no row of ``records``
@@ -599,12 +612,23 @@ def merge_records(records: Sequence[tuple[str, Sequence[dict]]],
     at the commits of ``records``; and ``vllm`` (``unknown`` for a record older than the field;
     an earlier row of unknown release on vLLM's path is replaced by any newer row of the same
     case). ``gpus`` (input name -> GPU name) gives ``from_run.gpu`` to the rows of a record
-    written before runs named their GPU. Nothing else of a row changes."""
+    written before runs named their GPU. ``versions`` (input name -> {library key: version})
+    names a library version that the input's run found without one (its dist-info had no
+    METADATA): ``from_run.versions`` gets it and ``from_run.stamped`` keeps what the run wrote;
+    a version the run did read is never replaced (ValueError). Nothing else of a row
+    changes."""
     def stamped(row: dict, name: str, note: str = "") -> dict:
         run = dict(row.get("from_run") or {"commit": "unknown"})
         run.pop("record", None)
         if "gpu" not in run and (gpus or {}).get(name):
             run["gpu"] = gpus[name]
+        for key, version in ((versions or {}).get(name) or {}).items():
+            found = (run.get("versions") or {}).get(key)
+            if not _version_unread(found):
+                raise ValueError(f"{name}: its run read {key} {found!r}; a version given at "
+                                 f"merge ({version!r}) only names one the run could not read")
+            run["versions"] = dict(run.get("versions") or {}, **{key: version})
+            run["stamped"] = dict(run.get("stamped") or {}, **{key: found})
         if run.get("commit", "unknown") == "unknown":
             run["record"] = name
         if note:
@@ -652,6 +676,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--gpu-of", action="append", default=[], metavar="RECORD=GPU",
                     help="with --merge: the GPU that ran a record written before runs named "
                     "it (RECORD: the file's name, as given to --merge or --earlier)")
+    ap.add_argument("--version-of", action="append", default=[], metavar="RECORD=KEY=VERSION",
+                    help="with --merge: a library version the record's run could not read "
+                    "(its distribution had no METADATA), e.g. A.json=nixl='nixl-cu13 1.5.1'; "
+                    "the run's own value stays in from_run.stamped")
     ap.add_argument("-o", "--output", type=Path, default=None)
     a = ap.parse_args(argv)
     if a.markdown:
@@ -667,9 +695,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ap.error(f"--gpu-of {given!r}: expected RECORD=GPU, e.g. "
                          "ep_one_gpu_B.json='NVIDIA H100 80GB HBM3'")
             gpus[Path(name).name] = gpu
-        _write(a.output, merge_records([(Path(p).name, _load_record(p)) for p in a.merge],
-                                       [(Path(p).name, _load_record(p)) for p in a.earlier],
-                                       gpus))
+        versions: dict[str, dict[str, str]] = {}
+        for given in a.version_of:
+            name, key, version = (given.split("=", 2) + ["", ""])[:3]
+            if not (name and key and version):
+                ap.error(f"--version-of {given!r}: expected RECORD=KEY=VERSION, e.g. "
+                         "A.json=nixl='nixl-cu13 1.5.1'")
+            versions.setdefault(Path(name).name, {})[key] = version
+        try:
+            merged = merge_records([(Path(p).name, _load_record(p)) for p in a.merge],
+                                   [(Path(p).name, _load_record(p)) for p in a.earlier],
+                                   gpus, versions)
+        except ValueError as e:
+            ap.error(str(e))
+        _write(a.output, merged)
         return 0
     if a.list:
         for j in _select(jobs(a.device, a.scale), a.half, a.only, a.skip):

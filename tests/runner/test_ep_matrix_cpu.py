@@ -250,3 +250,44 @@ def test_merge_keeps_flashinfers_rows_per_release(tmp_path):
         ("flashinfer-python 0.7.2.post1", "a"), ("flashinfer-python 0.7.4", "b")]
     assert "| flashinfer_nvlink_two_sided (flashinfer-python 0.7.4) | 2 |" in \
         rows_to_markdown(merged)
+
+
+def test_merge_names_a_version_the_run_could_not_read(tmp_path):
+    """A run that found a library's distribution without METADATA writes NO_VERSION, never a
+    made-up one; --version-of names it at merge and keeps the run's value in from_run.stamped,
+    and refuses to replace a version the run did read."""
+    from tests.gpu.ep_matrix import NO_VERSION
+
+    def row(case: str, nixl: str) -> dict:
+        return dict(backend="nixl_ep", path="layer", ep=2, tp=1, quant="bf16", case=case,
+                    status="passed", max_rel_err=None, detail="", job="j",
+                    from_run={"commit": "aaaaaaa", "versions": {"nixl": nixl}})
+
+    unread, read = tmp_path / "unread.json", tmp_path / "read.json"
+    unread.write_text(json.dumps([row("ragged", f"nixl-cu13 {NO_VERSION}")]))
+    read.write_text(json.dumps([row("eplb", "nixl-cu13 1.5.1")]))
+    out = tmp_path / "merged.json"
+    assert main(["--merge", str(unread), str(read), "--version-of",
+                 "unread.json=nixl=nixl-cu13 1.5.1", "-o", str(out)]) == 0
+    merged = {r["case"]: r["from_run"] for r in json.loads(out.read_text())}
+    assert merged["ragged"]["versions"] == {"nixl": "nixl-cu13 1.5.1"}
+    assert merged["ragged"]["stamped"] == {"nixl": f"nixl-cu13 {NO_VERSION}"}
+    assert merged["eplb"] == {"commit": "aaaaaaa", "versions": {"nixl": "nixl-cu13 1.5.1"}}
+    with pytest.raises(SystemExit):  # the run read 1.5.1: nothing may replace it
+        main(["--merge", str(read), "--version-of", "read.json=nixl=nixl-cu13 1.5.2",
+              "-o", str(out)])
+    with pytest.raises(SystemExit):
+        main(["--merge", str(unread), "--version-of", "unread.json=nixl", "-o", str(out)])
+
+
+def test_a_run_says_when_a_distribution_names_no_version(tmp_path, monkeypatch):
+    """A dist-info without METADATA (a stripped wheel) is recorded as found without a version,
+    not as 'None'."""
+    from tests.gpu.ep_matrix import NO_VERSION, current_versions
+
+    (tmp_path / "nixl_cu13-1.5.1.dist-info" / "licenses").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert current_versions("cuda")["nixl"] == f"nixl-cu13 {NO_VERSION}"
+    (tmp_path / "nixl_cu13-1.5.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: nixl-cu13\nVersion: 1.5.1\n")
+    assert current_versions("cuda")["nixl"] == "nixl-cu13 1.5.1"

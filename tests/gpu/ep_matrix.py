@@ -42,15 +42,16 @@ import argparse
 import fnmatch
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from benchmarks.conditions import current_commit  # the one statement of "the code that ran"
+
 __all__ = ["Job", "jobs", "run_job", "run_matrix", "rows_to_markdown", "merge_records",
-           "current_commit", "STATUSES"]
+           "STATUSES"]
 
 STATUSES = ("passed", "failed", "not_run", "refused")
 LIB_TIMEOUT_S = {  # the library's own bound on a peer that never answers (fault jobs)
@@ -456,20 +457,6 @@ def current_flashinfer(device: str) -> Optional[str]:
         return f"flashinfer-python {importlib.metadata.version('flashinfer-python')}"
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def current_commit() -> str:
-    """The commit of the code that runs: ``$MOE_PLUGINS_COMMIT`` (a copy without git history:
-    a kit), else ``git rev-parse --short HEAD`` of this checkout, else ``unknown``."""
-    given = os.environ.get("MOE_PLUGINS_COMMIT", "").strip()
-    if given:
-        return given
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def current_gpu(device: str) -> Optional[str]:

@@ -19,7 +19,7 @@ class StepLocal(threading.local):
 
 
 class LayerBounds:
-    """Every layer bound that is on (:class:`moe_plugins.callbound.watchdog.CallBound`, held weakly: a
+    """Every layer bound that is on (:class:`moe_plugins.callbound.layer_bound.CallBound`, held weakly: a
     layer may be dropped), and the largest bound a call started now runs under, the bound of a
     step window (cached: asked once per step)."""
 

@@ -48,11 +48,8 @@ such calls the layers arm faulthandler's timer (a C thread; :mod:`moe_plugins.ca
 which ends the process one poll after the call's deadline with every thread's traceback (exit
 status 1).
 
-Start-up. A layer's first calls include JIT builds, vLLM's profile run and peers that are still
-compiling: until a call of the layer after its first has completed (then every peer has entered
-that call, so every peer finished its first), its calls run under the start-up bound
-(``first_call_timeout_s`` / ``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``, default
-``max(10 x bound, 600 s)``), stated in the layers' INFO line.
+Each layer's bound, its start-up bound and the backstop where no bound is set:
+:mod:`moe_plugins.callbound.layer_bound`.
 
 Off by default. On with ``call_timeout_s`` (``MoELayer``) or ``$MOE_PLUGINS_CALL_TIMEOUT_S``
 (the vLLM glue, and layers built without the argument); 0 turns it off in either. Cost when on:
@@ -73,7 +70,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -88,11 +85,10 @@ from moe_plugins.callbound.gpu_progress import raw_stream as _raw_stream
 from moe_plugins.callbound.step_state import LayerBounds, StepLocal
 
 __all__ = ["CALL_TIMEOUT_ENV", "FIRST_CALL_TIMEOUT_ENV", "EXIT_CODE", "POLL_S", "MIN_TIMEOUT_S",
-           "RING_SLOTS", "CallTimeoutError", "PeerFailedError", "WatchedCall", "CallBound",
-           "CapturedCalls",
+           "RING_SLOTS", "CallTimeoutError", "PeerFailedError", "WatchedCall", "CapturedCalls",
            "call_timeout_seconds", "first_call_timeout_seconds", "watch_call", "on_call_timeout",
            "capture_calls", "expect_replay", "watch_step", "replays_in_step_windows",
-           "watchdog_alive"]
+           "bound_on", "bounds_changed", "watchdog_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +97,6 @@ RING_SLOTS = 4096
 _MASK = RING_SLOTS - 1
 _U32 = 0xFFFFFFFF
 _ERROR_EVERY_S = 60.0  # the watchdog's own errors: logged at most this often
-#: The backstop of a layer whose library traps at its own timeout, as a fraction of that timeout
-#: (:meth:`CallBound.backstop`): DeepEP's 100 s give 90 s.
-BACKSTOP_TRAP_FRACTION = 0.9
-#: The backstop of a layer whose library masks a peer or raises at its own timeout: this many
-#: seconds after that timeout (:meth:`CallBound.backstop`).
-BACKSTOP_GRACE_S = 20.0
 
 
 class WatchedCall:
@@ -348,7 +338,8 @@ def watch_call(name: str, number: int, timeout_s: Optional[float], what: str = "
     for :func:`capture_calls`, and no CUDA call is made for it. ``what`` names it in the
     error ("call", "start-up call", "CUDA-graph replay"). ``notice``: its EP group's, read while
     the call is in flight (a peer's failure then ends the process at once). ``why``: where the
-    bound comes from when it is not the user's (the error says it; see :meth:`CallBound.backstop`)."""
+    bound comes from when it is not the user's (the error says it; see
+    :meth:`moe_plugins.callbound.layer_bound.CallBound.backstop`)."""
     if timeout_s is None:
         return None
     # Inside this thread's open step window the driver's capture query (half a microsecond) is
@@ -422,112 +413,6 @@ def expect_replay(captured: CapturedCalls,
     finally:
         if call is not None:
             call.end(device or torch.device("cuda", torch.cuda.current_device()))
-
-
-class CallBound:
-    """The bound of one layer's calls (the layer holds one): :meth:`watch` starts a call.
-
-    ``timeout_s`` and ``first_timeout_s`` as resolved by :func:`call_timeout_seconds` and
-    :func:`first_call_timeout_seconds`; ``device``: the layer's (on CUDA, with the bound on, the
-    progress buffer is made here, with a CUDA context current on this thread). A call runs
-    under the start-up bound until one of the layer's calls after its first has completed (every peer entered that call, so every peer
-    finished its first one); from then on under ``timeout_s``."""
-
-    __slots__ = ("name", "timeout_s", "first_timeout_s", "notice", "why", "_note", "_set",
-                 "_device", "_first_given", "_warm", "_proof", "_proof_seq", "__weakref__")
-
-    def __init__(self, name: str, call_timeout_s: Optional[float] = None,
-                 first_call_timeout_s: Optional[float] = None,
-                 device: Optional[torch.device] = None) -> None:
-        self.name = name
-        # set by the user (a bound, or 0 for none), as the argument or in the environment: then
-        # no backstop (see backstop)
-        self._set = call_timeout_s is not None or environment_seconds(CALL_TIMEOUT_ENV) is not UNSET
-        self._device, self._first_given = device, first_call_timeout_s
-        self.why = ""  # where the bound comes from when the user set none (the backstop)
-        self._note = ""  # the same, for the INFO line
-        self.timeout_s: Optional[float] = None
-        self.first_timeout_s: Optional[float] = None
-        self._warm = True
-        self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
-        self._proof_seq = -1
-        # the layer's EP group's notice of a peer's failure (moe_plugins.callbound.fault_notice): the
-        # layer sets it once it has its group
-        self.notice: Optional[FaultNotice] = None
-        self._turn_on(call_timeout_seconds(call_timeout_s))
-
-    def _turn_on(self, timeout_s: Optional[float]) -> None:
-        self.timeout_s = timeout_s
-        self.first_timeout_s = first_call_timeout_seconds(timeout_s, self._first_given)
-        device = self._device
-        if timeout_s is not None and _has_cuda() and device is not None \
-                and device.type == "cuda":
-            _WATCHDOG.prepare_cuda()  # now, not at a first call during a capture
-        self._warm = timeout_s is None or self.first_timeout_s == timeout_s
-        if timeout_s is not None:
-            _BOUNDS.add(self)
-
-    def backstop(self, library: str, library_timeout_s: Optional[float], traps: bool,
-                 start_up: bool = True) -> None:
-        """With no bound set by the user (neither the argument nor the environment; 0 there is
-        a choice too), bound the calls anyway where the library's own timeout does not end every
-        rank: ``library`` waits ``library_timeout_s`` seconds for a peer, then ``traps`` (its
-        kernels trap, the CUDA context is lost, and on a GPU shared by several ranks a rank may
-        not trap at all) or masks the peer / raises. A library that traps gets the backstop
-        :data:`BACKSTOP_TRAP_FRACTION` of its timeout, so the process ends with this package's
-        error before the trap; one that masks or raises gets :data:`BACKSTOP_GRACE_S` after its
-        timeout, so its own outcome comes first. None (no timeout known): nothing.
-        ``start_up``: the layer's first calls keep the start-up bound (a caller whose watched
-        calls include work that compiles on first use: vLLM's experts run inside the adapter's
-        call); False: every call runs under the backstop from the first (a wait on a peer longer
-        than that ends in the library's own timeout anyway)."""
-        if self._set or self.timeout_s is not None or library_timeout_s is None:
-            return
-        if traps:
-            seconds = BACKSTOP_TRAP_FRACTION * library_timeout_s
-            self.why = (f"no call bound was set; this is moe-plugins' backstop under {library}'s "
-                        f"own timeout (about {library_timeout_s:g} s), after which its kernels "
-                        "trap and this process's CUDA context is lost")
-            self._note = f"under {library}'s {library_timeout_s:g} s timeout"
-        else:
-            seconds = library_timeout_s + BACKSTOP_GRACE_S
-            self.why = (f"no call bound was set; this is moe-plugins' backstop "
-                        f"{BACKSTOP_GRACE_S:g} s past {library}'s own timeout (about "
-                        f"{library_timeout_s:g} s), which did not end the call")
-            self._note = f"past {library}'s {library_timeout_s:g} s timeout"
-        if not start_up:
-            self._first_given = 0  # no separate start-up bound
-        self._turn_on(seconds)
-
-    def current_timeout_s(self) -> Optional[float]:
-        """The bound a call started now runs under (the start-up bound until the layer is warm;
-        None: off)."""
-        return self.timeout_s if self._warm else self.first_timeout_s
-
-    def describe(self) -> str:
-        """For the layers' INFO line: ``off``, or the bound and the start-up bound."""
-        if self.timeout_s is None:
-            return "off"
-        text = f"{self.timeout_s:g} s (first calls {self.first_timeout_s:g} s)"
-        return f"{text}: no bound set, the backstop {self._note}" if self._note else text
-
-    def watch(self, number: int) -> Optional[WatchedCall]:
-        """Watch call ``number`` of the layer (None: not watched)."""
-        if self._warm:
-            return watch_call(self.name, number, self.timeout_s, "call", self.notice, self.why)
-        return self._watch_starting(number)
-
-    def _watch_starting(self, number: int) -> Optional[WatchedCall]:
-        proof = self._proof
-        if proof is not None and (proof.seq != self._proof_seq or proof.finished()):
-            self._warm = True  # completed (or lapped by the ring: long since done)
-            _BOUNDS.changed()
-            return watch_call(self.name, number, self.timeout_s, "call", self.notice, self.why)
-        call = watch_call(self.name, number, self.first_timeout_s, "start-up call", self.notice,
-                          self.why)
-        if proof is None and call is not None and number >= 2:
-            self._proof, self._proof_seq = call, call.seq
-        return call
 
 
 class _StepWindow:
@@ -615,6 +500,20 @@ def on_call_timeout(hook: Callable[[CallTimeoutError], None]) -> Callable[[], No
         if hook in _WATCHDOG.hooks:
             _WATCHDOG.hooks.remove(hook)
     return remove
+
+
+def bound_on(bound: Any, device: Optional[torch.device]) -> None:
+    """A layer's bound is on (:class:`moe_plugins.callbound.layer_bound.CallBound`, held weakly;
+    anything with ``current_timeout_s()``): step windows count it, and on a CUDA device the progress buffer is made now (with a CUDA context current
+    on this thread), not at a first call during a capture."""
+    if _has_cuda() and device is not None and device.type == "cuda":
+        _WATCHDOG.prepare_cuda()
+    _BOUNDS.add(bound)
+
+
+def bounds_changed() -> None:
+    """A layer's current bound changed (its start-up ended): step windows ask again."""
+    _BOUNDS.changed()
 
 
 def watchdog_alive() -> bool:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from moe_plugins.callbound import watchdog
-from moe_plugins.callbound.watchdog import (RING_SLOTS, CallBound, capture_calls,
-                                           expect_replay, replays_in_step_windows, watch_call,
-                                           watch_step)
+from moe_plugins.callbound.layer_bound import CallBound
+from moe_plugins.callbound.watchdog import (RING_SLOTS, capture_calls, expect_replay,
+                                           replays_in_step_windows, watch_call, watch_step)
 
 from moe_plugins.callbound.settings import (CALL_TIMEOUT_ENV, FIRST_CALL_TIMEOUT_ENV,
                                             reread_environment)

@@ -1,8 +1,8 @@
 """The call bound: an optional deadline on each layer call that ends a process stuck on a dead or
 hung peer with a clear error (the watchdog), its settings and errors, the notice a failing rank
 posts for its peers, and the lock-free timer over a library's host wait. docs/faults.md says
-what it guarantees; :mod:`moe_plugins.callbound.watchdog` how it works, :mod:`moe_plugins.callbound.layer_bound`
-which bound each call runs under."""
+what it guarantees; :mod:`moe_plugins.callbound.watchdog` how it works;
+:mod:`moe_plugins.callbound.layer_bound` which bound each call runs under."""
 from moe_plugins.callbound.errors import EXIT_CODE, CallTimeoutError, PeerFailedError
 from moe_plugins.callbound.fault_notice import FaultNotice, notice_for, wait_or_told
 from moe_plugins.callbound.host_timer import bound_host_waits, host_wait

@@ -40,8 +40,9 @@ class CallBound:
     ``timeout_s`` and ``first_timeout_s`` as resolved by :func:`call_timeout_seconds` and
     :func:`first_call_timeout_seconds`; ``device``: the layer's (on CUDA, with the bound on, the
     progress buffer is made here, with a CUDA context current on this thread). A call runs
-    under the start-up bound until one of the layer's calls after its first has completed (every peer entered that call, so every peer
-    finished its first one); from then on under ``timeout_s``."""
+    under the start-up bound until one of the layer's calls after its first has completed
+    (every peer entered that call, so every peer finished its first one); from then on under
+    ``timeout_s``."""
 
     __slots__ = ("name", "timeout_s", "first_timeout_s", "notice", "why", "_note", "_set",
                  "_device", "_first_given", "_warm", "_proof", "_proof_seq", "__weakref__")
@@ -52,7 +53,8 @@ class CallBound:
         self.name = name
         # set by the user (a bound, or 0 for none), as the argument or in the environment: then
         # no backstop (see backstop)
-        self._set = call_timeout_s is not None or environment_seconds(CALL_TIMEOUT_ENV) is not UNSET
+        self._set = (call_timeout_s is not None
+                     or environment_seconds(CALL_TIMEOUT_ENV) is not UNSET)
         self._device, self._first_given = device, first_call_timeout_s
         self.why = ""  # where the bound comes from when the user set none (the backstop)
         self._note = ""  # the same, for the INFO line
@@ -61,8 +63,8 @@ class CallBound:
         self._warm = True
         self._proof: Optional[WatchedCall] = None  # the layer's first call after its first
         self._proof_seq = -1
-        # the layer's EP group's notice of a peer's failure (moe_plugins.callbound.fault_notice): the
-        # layer sets it once it has its group
+        # the layer's EP group's notice of a peer's failure (moe_plugins.callbound.fault_notice):
+        # the layer sets it once it has its group
         self.notice: Optional[FaultNotice] = None
         self._turn_on(call_timeout_seconds(call_timeout_s))
 

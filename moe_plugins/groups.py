@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from moe_plugins.layout import ParallelLayout
 
-__all__ = ["DistContext", "make_dist_context", "cached_dist_context", "all_gather_tensor",
+__all__ = ["DistContext", "make_dist_context", "cached_dist_context", "all_gather_rows",
+           "all_gather_tensor",
            "reduce_scatter_tensor", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "timeout_seconds",
            "default_timeout", "bound_timeout"]
 
@@ -126,6 +127,19 @@ def all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group: "dist.Process
     """out [world * n, ...] <- every rank's inp [n, ...], in rank order."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
+
+
+def all_gather_rows(owned: torch.Tensor, chunk: int, group: "dist.ProcessGroup | None",
+                    world: int) -> torch.Tensor:
+    """Every TP rank's owned rows, in token order: owned [num_owned <= chunk, hidden] on each of
+    the ``world`` ranks of ``group`` (rank r owns rows [r * chunk, r * chunk + num_owned)) ->
+    [world * chunk, hidden], the padding rows zero; slice it to the token count. Each rank
+    sends ``chunk`` rows (its owned ones, zero-padded): the collective needs equal blocks."""
+    padded = owned.new_zeros(chunk, owned.shape[1])
+    padded[: owned.shape[0]] = owned
+    gathered = owned.new_empty(chunk * world, owned.shape[1])
+    all_gather_tensor(gathered, padded, group)
+    return gathered
 
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: "dist.ProcessGroup | None") -> None:

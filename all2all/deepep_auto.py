@@ -2,7 +2,7 @@
 :mod:`moe_plugins.stack.deepep`) with both modes.
 
 The buffer is built in low-latency mode with the NVLink bytes of normal mode as well (DeepEP's
-normal-mode hints, :func:`all2all.deepep_ht.normal_mode_bytes`) and RDMA bytes for the larger
+normal-mode hints, :func:`moe_plugins.all2all.deepep_ht.normal_mode_bytes`) and RDMA bytes for the larger
 of the two modes (as DeepEP's ``tests/test_intranode.py`` builds its low-latency-compatible
 buffer, and SGLang its ``--deepep-mode auto`` one). Both managers run over it: the
 low-latency one (:class:`DeepEPAutoLLManager`, its capacity ``ll_max_tokens_per_rank``) owns
@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from all2all.deepep import DeepEPLLManager, DeepEPLLOptions
-from all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, normal_mode_bytes
+from moe_plugins.all2all.deepep_ll import DeepEPLLManager, DeepEPLLOptions
+from moe_plugins.all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, normal_mode_bytes
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.planner.link_model import LinkModel
@@ -35,7 +35,7 @@ _NEEDS_CLEAN: "weakref.WeakSet[Any]" = weakref.WeakSet()
 @dataclass(frozen=True)
 class DeepEPAutoOptions(DeepEPLLOptions):
     """``DispatchConfig.backend_options`` of ``deepep_auto``: the low-latency settings
-    (:class:`all2all.deepep.DeepEPLLOptions`) plus
+    (:class:`moe_plugins.all2all.deepep_ll.DeepEPLLOptions`) plus
 
     ll_max_tokens_per_rank: the low-latency buffers' token capacity (rounded up as the kernels
         need), at most ``DispatchConfig.max_tokens_per_rank``; None: that value (as deepep_ll
@@ -91,9 +91,9 @@ class DeepEPAutoManager(BackendManager):
     """Both modes of one layer config over one EP group and one buffer.
 
     ``ll``: :class:`DeepEPAutoLLManager` (``max_tokens_per_rank`` is the low-latency capacity);
-    ``ht``: :class:`all2all.deepep_ht.DeepEPHTManager` on the same
+    ``ht``: :class:`moe_plugins.all2all.deepep_ht.DeepEPHTManager` on the same
     buffer. ``low_latency_capacity``: the capacity, in tokens per rank (the switching threshold
-    is the prepare/finalize's: :class:`prepare_finalize.deepep_auto.DeepEPAutoPrepareFinalize`)."""
+    is the prepare/finalize's: :class:`moe_plugins.prepare_finalize.deepep_auto.DeepEPAutoPrepareFinalize`)."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         options = cfg.backend_options if cfg.backend_options is not None else DeepEPAutoOptions()

@@ -7,7 +7,7 @@ installed and how they differ): the buffer's NVLink
 ``Buffer.get_dispatch_config(R)`` and ``get_combine_config(R)``'s
 ``get_nvl_buffer_size_hint / get_rdma_buffer_size_hint(hidden_bytes, R)`` with ``hidden_bytes =
 hidden * max(element size, 2)`` (DeepEP's README ``get_buffer``). The manager owns the buffer;
-the prepare/finalize (:mod:`prepare_finalize.deepep_ht`) makes the calls on it.
+the prepare/finalize (:mod:`moe_plugins.prepare_finalize.deepep_ht`) makes the calls on it.
 
 Normal-mode kernels take 2, 4 or 8 ranks inside a node (DeepEP's ``SWITCH_RANKS``), or
 multiples of 8 across nodes (RDMA + NVLink); 1 rank has no config. ``deep_ep`` is imported when a
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from all2all.deepep import DEEPEP_PACKAGE
+from moe_plugins.all2all.deepep_ll import DEEPEP_PACKAGE
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import BackendManager

@@ -13,7 +13,7 @@ The library calls. In v1.4.0 and 1.5.1 (``nixl_ep/buffer.py``) ``low_latency_dis
 ``low_latency_combine`` are each one call of the C++ runtime (``Buffer.runtime``, a
 ``nixl_ep_cpp.Buffer``: ``dispatch`` / ``combine``, csrc/nixl_ep.cpp) wrapped in Python: the
 handle tuple, a tuple of tensors to record, an ``EventOverlap``; as DeepEP's
-(:mod:`all2all.deepep`), none of it is used here. Where the two methods have those releases'
+(:mod:`moe_plugins.all2all.deepep_ll`), none of it is used here. Where the two methods have those releases'
 parameters, the prepare/finalize call the runtime directly (:class:`RuntimeCalls`): its dispatch
 takes DeepEP's positional arguments, its combine the same without ``num_experts``. Its host
 asserts come first, before anything is launched or changed, as DeepEP's.

@@ -75,7 +75,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
 
-from all2all.deepep import DeepEPLLOptions  # noqa: E402
+from moe_plugins.all2all.deepep_ll import DeepEPLLOptions  # noqa: E402
 from conditions import conditions_line, run_conditions  # noqa: E402
 from moe_plugins.cli.args import call_bound_seconds  # noqa: E402
 from moe_plugins.config import DispatchConfig  # noqa: E402

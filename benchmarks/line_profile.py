@@ -27,7 +27,7 @@ import host_overhead as ho
 from conditions import conditions_line, run_conditions
 from moe_plugins.groups import DistContext
 from moe_plugins.layout import DestinationMap, LocalIdMap, ParallelLayout
-from prepare_finalize import torch_reference as tr
+from moe_plugins.prepare_finalize import torch as tr
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -47,7 +47,7 @@ from moe_plugins.quant import QuantScheme, QuantSpec  # noqa: E402
 from moe_plugins.runner.reference import reference_moe, within_tolerance  # noqa: E402
 from moe_plugins.registry import get_backend, refusal_reason, registered_backends  # noqa: E402
 from moe_plugins.strategy import applicable_strategies  # noqa: E402
-from prepare_finalize.torch_reference import TorchPrepareFinalize  # noqa: E402
+from moe_plugins.prepare_finalize.torch import TorchPrepareFinalize  # noqa: E402
 
 NUM_CFG = MoEConfig(hidden=1024, num_experts=16, num_topk=4, intermediate=256,
                     shared_intermediate=512, dtype=torch.bfloat16)

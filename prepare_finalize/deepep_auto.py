@@ -1,6 +1,6 @@
 """Backend ``deepep_auto``: DeepEP V1 low-latency or normal mode, chosen per call.
 
-One layer object holds both modes over one EP group and one buffer (:mod:`all2all.deepep_auto`).
+One layer object holds both modes over one EP group and one buffer (:mod:`moe_plugins.all2all.deepep_auto`).
 Per call it takes the **low-latency** kernels when the largest rank's batch is at most the
 layer's threshold, and for every CUDA-graph capture (normal mode waits on the host and cannot be
 captured), **normal mode** otherwise, and under vLLM for prefill passes
@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from all2all.deepep import DEEPEP_TIMEOUT_S
-from all2all.deepep_auto import DeepEPAutoManager
+from moe_plugins.all2all.deepep_ll import DEEPEP_TIMEOUT_S
+from moe_plugins.all2all.deepep_auto import DeepEPAutoManager
 from moe_plugins.config import DispatchConfig, MoEConfig
 from moe_plugins.counters import DispatchStats
 from moe_plugins.faults import collective_error, group_faults, layer_name
@@ -43,10 +43,10 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, Pre
 from moe_plugins.planner.crossover import low_latency_threshold
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import CallModes
-from prepare_finalize.deepep_ht import SPEC as DEEPEP_HT_SPEC
-from prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, deepep_spec
-from prepare_finalize.deepep_ll import SPEC as DEEPEP_LL_SPEC
-from prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
+from moe_plugins.prepare_finalize.deepep_ht import SPEC as DEEPEP_HT_SPEC
+from moe_plugins.prepare_finalize.deepep_ht import DeepEPHTPrepareFinalize, deepep_spec
+from moe_plugins.prepare_finalize.deepep_ll import SPEC as DEEPEP_LL_SPEC
+from moe_plugins.prepare_finalize.deepep_ll import DeepEPLLPrepareFinalize
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _layer_shape(cfg: DispatchConfig, num_experts: int) -> MoEConfig:
 
 class DeepEPAutoPrepareFinalize(PrepareFinalize):
     """STANDARD layout in both modes (see the module doc). Normal mode: as
-    :class:`prepare_finalize.deepep_ht.DeepEPHTPrepareFinalize`. Low-latency mode: x
+    :class:`moe_plugins.prepare_finalize.deepep_ht.DeepEPHTPrepareFinalize`. Low-latency mode: x
     [num_local_experts * num_recv_slots, hidden], topk_ids int64 [.., 1] (local expert or -1),
     topk_weights float32 [.., 1] (1.0 / 0.0); the experts' router-weighted output per row (so
     the row's own expert output, unweighted) goes back through the low-latency combine."""

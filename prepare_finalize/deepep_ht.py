@@ -17,7 +17,7 @@ without weights); the hook waits for the combine event; the result goes through
 The calls run asynchronously on DeepEP's communication stream, ordered by its ``EventOverlap``
 events: the layout event feeds the dispatch (``previous_event``, tensors allocated on the
 communication stream), and the caller's stream waits for the dispatch and the combine events in
-the receive hooks. The manager (:mod:`all2all.deepep_ht`) owns the buffer; this class makes the
+the receive hooks. The manager (:mod:`moe_plugins.all2all.deepep_ht`) owns the buffer; this class makes the
 calls.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from all2all.deepep import DEEPEP_PACKAGE, DEEPEP_TIMEOUT_S
-from all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
+from moe_plugins.all2all.deepep_ll import DEEPEP_PACKAGE, DEEPEP_TIMEOUT_S
+from moe_plugins.all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.faults import group_faults, in_step, layer_name

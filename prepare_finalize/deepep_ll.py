@@ -3,18 +3,18 @@
 
 The prepare/finalize (the library calls) is the shared low-latency one of
 :mod:`moe_plugins.lowlat.prepare_finalize`; the buffer, its sizes and which runtime methods take
-the calls are in :mod:`all2all.deepep`.
+the calls are in :mod:`moe_plugins.all2all.deepep_ll`.
 """
 from __future__ import annotations
 
-from all2all.deepep import DeepEPLLManager
+from moe_plugins.all2all.deepep_ll import DeepEPLLManager
 from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize, low_latency_spec
 
 __all__ = ["DeepEPLLPrepareFinalize", "SPEC"]
 
 
 class DeepEPLLPrepareFinalize(LowLatencyPrepareFinalize):
-    """BATCHED prepare/finalize over a :class:`all2all.deepep.DeepEPLLManager`."""
+    """BATCHED prepare/finalize over a :class:`moe_plugins.all2all.deepep_ll.DeepEPLLManager`."""
 
     manager: DeepEPLLManager
 

@@ -14,7 +14,7 @@ This backend has no receive hook: the whole dispatch is issued by the receiver, 
 layer has forked the shared expert onto the side stream, so the shared expert overlaps with the
 dispatch, the experts and the combine.
 
-The manager (:mod:`all2all.flashinfer`) owns the workspaces and adapts the flashinfer release's
+The manager (:mod:`moe_plugins.all2all.flashinfer_nvlink_two_sided`) owns the workspaces and adapts the flashinfer release's
 API (its transport); this class makes the dispatch and combine calls on it.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from all2all.flashinfer import (FLASHINFER_EXTRA, INSTALL_HINT, Dispatched,
+from moe_plugins.all2all.flashinfer_nvlink_two_sided import (FLASHINFER_EXTRA, INSTALL_HINT, Dispatched,
                                 FlashInferAll2AllManager, pad_row_bytes)
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count

@@ -3,18 +3,18 @@ with ``return_recv_hook``), elastic rank masking.
 
 The prepare/finalize (the library calls) is the shared low-latency one of
 :mod:`moe_plugins.lowlat.prepare_finalize`; the buffer lifecycle (store, memory, connections) and
-which runtime methods take the calls are in :mod:`all2all.nixl_ep`.
+which runtime methods take the calls are in :mod:`moe_plugins.all2all.nixl_ep`.
 """
 from __future__ import annotations
 
-from all2all.nixl_ep import NixlEPManager
+from moe_plugins.all2all.nixl_ep import NixlEPManager
 from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize, low_latency_spec
 
 __all__ = ["NixlEPPrepareFinalize", "SPEC"]
 
 
 class NixlEPPrepareFinalize(LowLatencyPrepareFinalize):
-    """BATCHED prepare/finalize over a :class:`all2all.nixl_ep.NixlEPManager`."""
+    """BATCHED prepare/finalize over a :class:`moe_plugins.all2all.nixl_ep.NixlEPManager`."""
 
     manager: NixlEPManager
 

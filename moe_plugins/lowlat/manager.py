@@ -1,7 +1,7 @@
 """The low-latency manager: the layer checked against the kernels' limits, and the library buffer
 (one per EP group and size, cached, destroyed explicitly) with its rank mask.
 
-A backend's manager (:mod:`all2all.deepep`, :mod:`all2all.nixl_ep`) only names its package and
+A backend's manager (:mod:`moe_plugins.all2all.deepep_ll`, :mod:`moe_plugins.all2all.nixl_ep`) only names its package and
 method names and says how its buffer is built and sized.
 """
 from __future__ import annotations

@@ -51,7 +51,7 @@ def import_vendor(required: RequiredPackage, backend: str) -> ModuleType:
 @dataclass(frozen=True)
 class RuntimeCalls:
     """A library's C++ runtime methods that take the low-latency calls directly, bypassing its
-    Python wrapper (:mod:`all2all.deepep`'s module doc says why), with the positional
+    Python wrapper (:mod:`moe_plugins.all2all.deepep_ll`'s module doc says why), with the positional
     signatures of DeepEP 567632d's ``deep_ep_cpp.Buffer`` (csrc/deep_ep.cpp). Both are unbound,
     called with ``buffer.runtime`` read on each call (a destroyed buffer has none, and the call
     raises):
@@ -78,7 +78,7 @@ class RuntimeCalls:
 
 #: The parameters of the low-latency Python methods of DeepEP 567632d's ``deep_ep.Buffer`` and
 #: of nixl_ep v1.4.0 / 1.5.1's ``nixl_ep.Buffer`` (nixl_ep forked DeepEP's; ``self`` first),
-#: whose bodies are one runtime call each (all2all/deepep.py, all2all/nixl_ep.py).
+#: whose bodies are one runtime call each (all2all/deepep_ll.py, all2all/nixl_ep.py).
 WRAPPER_PARAMETERS: dict[str, tuple[str, ...]] = {
     "low_latency_dispatch": (
         "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",

@@ -63,9 +63,9 @@ def run_auto_calls(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig
     call i runs the first tokens_per_dp[i][dp] rows of one input per DP group (so every call's
     rows are a prefix of the same tokens), with ``hints[i]`` given to the backend first. Returns
     the outputs, the mode counts after each call and the layer's threshold."""
-    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
 
-    with installed("deep_ep"), logged("prepare_finalize.deepep_auto") as logs:
+    with installed("deep_ep"), logged("moe_plugins.prepare_finalize.deepep_auto") as logs:
         layer = _layer("deepep_auto", layout, cfg, None, quant, seed, 4096,
                        DeepEPAutoOptions(ll_max_tokens_per_rank=capacity, link=link))
         try:
@@ -94,7 +94,7 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
     """deepep_auto (FP8) paired with experts that ask for packed UE8M0 scales: the scale dtype
     and shape each mode's prepare hands them (one call of ``capacity`` tokens: low-latency
     mode; one of ``capacity + 1``: normal mode), and the INFO lines logged."""
-    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
     from moe_plugins.faults import clear_group_faults
     from moe_plugins.quant import QuantScheme
 
@@ -103,7 +103,7 @@ def auto_scales_after_packed_experts(rank: int, world: int, layout: ParallelLayo
             return True
 
     quant = QuantSpec(QuantScheme.FP8_BLOCK128)
-    with logged("prepare_finalize.deepep_auto") as records:
+    with logged("moe_plugins.prepare_finalize.deepep_auto") as records:
         with installed("deep_ep"):
             ctx = cached_dist_context(layout)
             pf = get_backend("deepep_auto").build(ctx, DispatchConfig(
@@ -132,7 +132,7 @@ def refused_capture_then_eager(rank: int, world: int, layout: ParallelLayout, cf
     same layer eagerly. The CPU has no capture: the backend's ``capturing`` is forced True for
     the first call only, so what is tested is the refusal's fault semantics, not capture
     detection (tests/gpu's EP matrix captures for real)."""
-    import prepare_finalize.deepep_ht as ht
+    import moe_plugins.prepare_finalize.deepep_ht as ht
 
     with installed("deep_ep"):
         layer = _layer("deepep_ht", layout, cfg, None, QuantSpec(), seed, 64, None)
@@ -274,7 +274,7 @@ def auto_choice_without_a_peer(rank: int, world: int, layout: ParallelLayout, cf
     """deepep_auto without a hint: every rank but ``absent_rank`` calls the layer, whose mode
     choice all-reduces the token counts over the EP group (a group of ``timeout_s``); the absent
     rank returns at once. Returns (error type, message, seconds) of the call."""
-    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
     from moe_plugins.groups import make_dist_context
     from tests.runner.faults_ranks import _error
 

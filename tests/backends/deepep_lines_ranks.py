@@ -13,7 +13,7 @@ from tests.checks import logged
 from tests.emulation import deep_ep_shape, installed
 
 # the logger that writes each backend's buffer line
-_BUFFER_LOGGER = {"deepep_ll": "moe_plugins.lowlat.manager", "deepep_ht": "all2all.deepep_ht"}
+_BUFFER_LOGGER = {"deepep_ll": "moe_plugins.lowlat.manager", "deepep_ht": "moe_plugins.all2all.deepep_ht"}
 
 
 def buffer_info_lines(rank: int, world: int, backend: str, shape: str,

@@ -29,7 +29,7 @@ from moe_plugins.overlap import OverlapConfig, SharedExpertHandle
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import get_backend
 from moe_plugins.strategy import ReductionStrategy
-from all2all.flashinfer import FlashInferTwoSidedOptions
+from moe_plugins.all2all.flashinfer_nvlink_two_sided import FlashInferTwoSidedOptions
 
 BACKEND = "flashinfer_nvlink_two_sided"
 # (id, quant, activation dtype) of the layer tests, emulated and real: the quantized cases in
@@ -344,7 +344,7 @@ def workspace_refused(rank: int, world: int, layout: ParallelLayout, cfg: MoECon
 def handle_exchange_comm(rank: int, world: int) -> dict:
     """TorchGroupComm, the CommBackend flashinfer exchanges MNNVL handles through: allgather and
     bcast of Python objects, Split into the whole group, and a real split refused."""
-    from all2all.flashinfer import TorchGroupComm
+    from moe_plugins.all2all.flashinfer_nvlink_two_sided import TorchGroupComm
 
     comm = TorchGroupComm(dist.group.WORLD)
     got = dict(gathered=comm.allgather({"rank": rank, "handle": b"h" * (rank + 3)}),

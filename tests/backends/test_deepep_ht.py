@@ -94,7 +94,7 @@ def test_large_batch_matches_reference(rank_pool, quant, layout, strategy):
     """4096 tokens per DP group (a prefill batch): deepep_ht; deepep_auto takes normal mode."""
     cfg = _cfg(hidden=256, intermediate=16, shared_intermediate=32)
     pool = rank_pool(layout.world_size)
-    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
 
     for backend in BACKENDS:
         options = DeepEPAutoOptions(ll_max_tokens_per_rank=128) if backend == "deepep_auto" else None
@@ -331,7 +331,7 @@ def test_use_fabric_follows_the_deepep_line(rank_pool, shape, mnnvl, fabric):
     no such switch and allocates through the fabric API exactly with allow_mnnvl, so there it
     is dropped with allow_mnnvl and refused without (on every rank, before the buffer's
     collectives)."""
-    from all2all.deepep_ht import DeepEPHTOptions
+    from moe_plugins.all2all.deepep_ht import DeepEPHTOptions
 
     options = DeepEPHTOptions(allow_mnnvl=mnnvl, use_fabric=True)
     args = (in_deep_ep_shape, shape, ht_rank_fns.build_ht, "deepep_ht", ParallelLayout(2, 1, True),
@@ -435,7 +435,7 @@ def test_plan_equals_measured_normal_mode(rank_pool, quant, layout, strategy):
 
 def test_plan_counts_deepep_auto_in_the_mode_it_takes():
     from moe_plugins.planner.plan import plan_layer
-    from prepare_finalize.deepep_auto import PLANNED_CAPACITY
+    from moe_plugins.prepare_finalize.deepep_auto import PLANNED_CAPACITY
 
     layout, cfg, spec = ParallelLayout(2, 2, True), _cfg(), get_backend("deepep_auto")
     small = plan_layer(cfg, layout, 2 * PLANNED_CAPACITY, spec)  # 256 owned rows per rank
@@ -461,7 +461,7 @@ def test_demo_counts_the_calls_of_each_mode(rank_pool):
 _HOST_WAIT_CHILD = """
 import ctypes, faulthandler, os, sys, time
 import torch, torch.distributed as dist
-from all2all.deepep_auto import DeepEPAutoOptions
+from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
 from moe_plugins.groups import cached_dist_context
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.overlap import OverlapConfig

@@ -8,7 +8,7 @@ import torch
 
 from tests.backends import flashinfer_two_sided_ranks as fi
 from tests.checks import assert_matches_reference
-from all2all.flashinfer import FlashInferTwoSidedOptions, TwoSidedApi
+from moe_plugins.all2all.flashinfer_nvlink_two_sided import FlashInferTwoSidedOptions, TwoSidedApi
 from tests.emulation import flashinfer_two_sided as emu
 from moe_plugins.cli import main as cli_main
 from moe_plugins.config import DispatchConfig
@@ -20,7 +20,7 @@ from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import (BACKEND_EP_DP_TP_SUPPORT, BACKEND_SUPPORTED_QUANTS,
                                   get_backend, select_backend)
 from moe_plugins.strategy import ReductionStrategy
-from prepare_finalize.flashinfer_nvlink_two_sided import SPEC
+from moe_plugins.prepare_finalize.flashinfer_nvlink_two_sided import SPEC
 
 NAME = "flashinfer_nvlink_two_sided"
 EP2 = ParallelLayout(2, 1, True)

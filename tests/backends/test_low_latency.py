@@ -230,7 +230,7 @@ def test_runtime_calls_only_on_the_known_signatures(caplog):
     the manager calls the Python methods, and says so once at INFO."""
     import logging
 
-    from all2all.deepep import runtime_calls_known
+    from moe_plugins.all2all.deepep_ll import runtime_calls_known
     from tests.emulation import deep_ep as emulated
 
     class Renamed(emulated.Buffer):
@@ -269,7 +269,7 @@ def test_nixl_runtime_calls_only_on_the_known_signatures():
     """nixl_ep: the runtime's calls on v1.4.0 / 1.5.1's low-latency methods (the emulation
     has them), the combine's under DeepEP's positional signature; None for v1.0's buffer
     (dispatch / combine only)."""
-    from all2all.nixl_ep import runtime_calls
+    from moe_plugins.all2all.nixl_ep import runtime_calls
     from tests.emulation import nixl_ep as emulated
 
     class V10:
@@ -688,7 +688,7 @@ def test_the_first_method_the_buffer_has_is_bound():
     """A manager binds the first of its method names the buffer has: nixl_ep v1.1+'s
     low_latency_* (its dispatch/combine forward there), v1.0's dispatch/combine; none is an
     AttributeError naming them."""
-    from all2all.nixl_ep import NixlEPManager
+    from moe_plugins.all2all.nixl_ep import NixlEPManager
     from moe_plugins.lowlat.vendor import first_method
 
     class V10:

@@ -52,7 +52,7 @@ def _vendor(backend: str) -> Iterator[Optional[object]]:
         return
     with installed(*(p.module for p in spec.required)):
         if backend == "deepep_auto":
-            from all2all.deepep_auto import DeepEPAutoOptions
+            from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
 
             yield DeepEPAutoOptions(ll_max_tokens_per_rank=4)
         else:

@@ -243,7 +243,7 @@ def test_optional_protocols_are_met_by_their_methods_not_a_base_class():
     from moe_plugins.interface import RankMasking, SplitPhases
     from moe_plugins.lowlat.manager import LowLatencyManager
     from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
-    from prepare_finalize.torch_reference import TorchPrepareFinalize
+    from moe_plugins.prepare_finalize.torch import TorchPrepareFinalize
 
     class Halves:
         def dispatch_send(self, hidden_states, topk_weights, topk_ids, quant, recv_hook): ...

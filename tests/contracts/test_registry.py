@@ -20,7 +20,7 @@ from moe_plugins.layout import ParallelLayout
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import (BackendSelectionError, BackendSpec, Capabilities, RequiredPackage,
                                   refusal_reason, select_backend)
-from prepare_finalize.torch_reference import TorchPrepareFinalize
+from moe_plugins.prepare_finalize.torch import TorchPrepareFinalize
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -1,7 +1,7 @@
 """The flashinfer emulation (tests/emulation/flashinfer_two_sided.py) against the published
 wheels' source, per release (tests/emulation/flashinfer_upstream.py): every class, method,
 dataclass field and module name the emulation presents is upstream's, with upstream's
-parameters, defaults and kinds, and it presents everything our backend (all2all/flashinfer.py)
+parameters, defaults and kinds, and it presents everything our backend (all2all/flashinfer_nvlink_two_sided.py)
 uses. Single process, no ranks."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from tests.emulation import flashinfer_two_sided as fi
 from tests.emulation.flashinfer_upstream import MODULES, UPSTREAM, effective_methods
 
-#: What all2all/flashinfer.py calls or reads, per class: every release that has the class has
+#: What all2all/flashinfer_nvlink_two_sided.py calls or reads, per class: every release that has the class has
 #: these, and the emulation of that release presents them.
 CALLED = {
     "Mapping": {"__init__"},
@@ -149,7 +149,7 @@ def test_the_emulated_modules_and_functions_are_upstreams(version):
 
 
 def test_the_two_releases_differ_where_the_backend_probes():
-    """What all2all/flashinfer.py handles: MnnvlMoe only in 0.7.2.post1; dispatch's per-call
+    """What all2all/flashinfer_nvlink_two_sided.py handles: MnnvlMoe only in 0.7.2.post1; dispatch's per-call
     bound is max_tokens_per_rank there and runtime_max_tokens_per_rank in 0.7.4 (read from the
     signature); both keep the pending routing in ``_state``, which the backend's reset drops."""
     old, new = UPSTREAM["0.7.2.post1"], UPSTREAM["0.7.4"]
@@ -159,6 +159,6 @@ def test_the_two_releases_differ_where_the_backend_probes():
     assert bounds == [["max_tokens_per_rank"], ["runtime_max_tokens_per_rank"]]
     for table in (old, new):
         assert "_state" in table["classes"]["NVLinkTwoSidedAlltoAll"]["self_attrs"]
-    from all2all.flashinfer import _MNNVL_MOE_CACHE_ATTRS
+    from moe_plugins.all2all.flashinfer_nvlink_two_sided import _MNNVL_MOE_CACHE_ATTRS
 
     assert set(_MNNVL_MOE_CACHE_ATTRS) <= set(old["classes"]["MnnvlMoe"]["attrs"])

@@ -22,7 +22,7 @@ TOKENS = {"deepep_ht": [0, 1, 37, 256], "deepep_auto": [1, LL_CAPACITY, LL_CAPAC
 def run_ht(rank: int, world: int, backend: str, device: str) -> list[dict]:
     """Every (quant, token count) of ``TOKENS[backend]`` on one backend built through the
     registry: reports each step before it starts and each result as it comes."""
-    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
     from moe_plugins.config import DispatchConfig
     from moe_plugins.groups import DistContext
     from moe_plugins.layout import ParallelLayout

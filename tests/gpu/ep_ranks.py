@@ -120,20 +120,20 @@ def vendor(backend: str, device: str) -> Iterator[None]:
 def backend_options(backend: str, world: int, device: str, **kw: Any) -> Any:
     """The options each backend runs with here (None: its defaults)."""
     if backend == "deepep_ll":
-        from all2all.deepep import DeepEPLLOptions
+        from moe_plugins.all2all.deepep_ll import DeepEPLLOptions
 
         return DeepEPLLOptions(**kw)
     if backend == "deepep_auto":
-        from all2all.deepep_auto import DeepEPAutoOptions
+        from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
 
         return DeepEPAutoOptions(ll_max_tokens_per_rank=AUTO_LL_CAPACITY, **kw)
     if backend == "nixl_ep":
-        from all2all.nixl_ep import NixlEPOptions
+        from moe_plugins.all2all.nixl_ep import NixlEPOptions
 
         store = dist.PrefixStore("nixl_ep", dist.distributed_c10d._get_default_store())
         return NixlEPOptions(tcp_store_group=store, **kw)
     if backend == FLASHINFER:
-        from all2all.flashinfer import FlashInferTwoSidedOptions
+        from moe_plugins.all2all.flashinfer_nvlink_two_sided import FlashInferTwoSidedOptions
 
         # every rank on one host (and one GPU): the MNNVL mapping must see them as one node
         return FlashInferTwoSidedOptions(gpus_per_node=world, **kw)
@@ -339,7 +339,7 @@ def _auto_link_rows(layers: _Layers, rank: int, world: int, case: Case, seed: in
     model prices faster for its largest rank's rows (``tests.checks.faster_mode``: each mode's
     own plan, no crossover search) and match the reference of this rank's tokens. Every rank
     reports the threshold, the crossover and the mode of each call in its detail."""
-    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
     from moe_plugins.planner.crossover import mode_crossover
     from moe_plugins.planner.link_model import LinkModel
     from moe_plugins.layout import ParallelLayout

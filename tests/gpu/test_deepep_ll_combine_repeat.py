@@ -26,7 +26,7 @@ deep_ep = pytest.importorskip("deep_ep", reason="needs DeepEP built from source 
 
 from moe_plugins.config import DispatchConfig  # noqa: E402
 from moe_plugins.quant import QuantSpec  # noqa: E402
-from prepare_finalize.deepep_ll import SPEC  # noqa: E402
+from moe_plugins.prepare_finalize.deepep_ll import SPEC  # noqa: E402
 from tests.backends.low_latency_cases import DEV, free_port, one_rank_context  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -23,7 +23,7 @@ from moe_plugins.runner.demo import demo_inputs  # noqa: E402
 from moe_plugins.runner.layer import MoELayer  # noqa: E402
 from moe_plugins.overlap import OverlapConfig  # noqa: E402
 from moe_plugins.runner.reference import reference_moe  # noqa: E402
-from prepare_finalize.deepep_ll import SPEC  # noqa: E402
+from moe_plugins.prepare_finalize.deepep_ll import SPEC  # noqa: E402
 from tests.gpu.cuda_graphs import capture  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -68,9 +68,9 @@ def test_whole_layer_replays_in_a_cuda_graph(ctx, weights, quant, num_tokens):
 
 def test_calls_go_to_the_runtime_of_567632d(build):
     """On DeepEP 567632d the manager recognises deep_ep.Buffer's low-latency signatures and calls
-    its C++ runtime directly (all2all/deepep.py); the tests above then check what those calls
+    its C++ runtime directly (all2all/deepep_ll.py); the tests above then check what those calls
     deliver against the reference and the raw ``Buffer`` methods."""
-    from all2all.deepep import runtime_calls_known
+    from moe_plugins.all2all.deepep_ll import runtime_calls_known
 
     pf = build(BF16)
     assert runtime_calls_known(pf.manager.buffer)

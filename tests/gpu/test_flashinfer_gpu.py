@@ -27,7 +27,7 @@ if importlib.util.find_spec("flashinfer") is None:
     pytest.skip("needs flashinfer (scripts/gpu/flashinfer.sh installs it)", allow_module_level=True)
 
 from tests.backends import flashinfer_two_sided_ranks as fi  # noqa: E402
-from all2all.flashinfer import FlashInferTwoSidedOptions, TwoSidedApi, _available_apis  # noqa: E402
+from moe_plugins.all2all.flashinfer_nvlink_two_sided import FlashInferTwoSidedOptions, TwoSidedApi, _available_apis  # noqa: E402
 from tests.checks import assert_matches_reference  # noqa: E402
 from tests.gpu.flashinfer_one_gpu import on_one_gpu  # noqa: E402
 from moe_plugins.layout import ParallelLayout  # noqa: E402

@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 from tests.backends.low_latency_cases import *  # noqa: E402,F401,F403  (the shared tests and fixtures)
 from tests.backends.low_latency_cases import BF16, TIMEOUT, backend_factory, free_port, one_rank_context  # noqa: E402
-from prepare_finalize.nixl_ep import SPEC  # noqa: E402
+from moe_plugins.prepare_finalize.nixl_ep import SPEC  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +61,7 @@ def test_calls_go_to_the_runtime_of_1_5_1(build):
     prepare/finalize call its C++ runtime directly (all2all/nixl_ep.py); the shared tests in
     this file then check what those calls deliver against the reference and the raw ``Buffer``
     methods."""
-    from all2all.nixl_ep import runtime_calls
+    from moe_plugins.all2all.nixl_ep import runtime_calls
 
     pf = build(BF16)
     try:

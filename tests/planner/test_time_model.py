@@ -238,7 +238,7 @@ def test_auto_is_timed_in_the_mode_it_takes():
     """deepep_auto is planned as its low-latency half below the crossover (at most the capacity
     the plan assumes) and as its normal-mode half from it: the same times as deepep_ll and
     deepep_ht at that batch."""
-    from prepare_finalize.deepep_auto import PLANNED_CAPACITY
+    from moe_plugins.prepare_finalize.deepep_auto import PLANNED_CAPACITY
 
     for ep, link in ((16, H800), (8, H800)):  # crossover 71 (inside the capacity), 334 (beyond)
         c = _crossover(ep, link).tokens
@@ -279,7 +279,7 @@ def test_crossover_is_the_first_batch_where_normal_mode_is_faster(ep, link, quan
 
 def test_threshold_is_the_crossover_within_the_capacity():
     from moe_plugins.planner.crossover import low_latency_threshold
-    from prepare_finalize.deepep_auto import SPEC
+    from moe_plugins.prepare_finalize.deepep_auto import SPEC
 
     modes = SPEC.call_modes
     for ep, link, capacity, rows in ((16, H800, 256, 70), (16, H800, 64, 64),
@@ -362,7 +362,7 @@ def test_auto_never_picks_a_backend_for_a_batch_it_refuses(ep):
 def test_the_limit_is_the_managers_check(monkeypatch):
     """deepep_ll's token limit is the largest batch whose buffer (rounded up as the kernels
     need) passes the manager's own QP-depth check, at the NVSHMEM_QP_DEPTH in force."""
-    from all2all.deepep import DeepEPLLManager
+    from moe_plugins.all2all.deepep_ll import DeepEPLLManager
     from moe_plugins.lowlat.limits import token_capacity
 
     for depth, ep, want in ((1024, 4, 511), (1024, 2, 510), (1024, 1, 508), (2048, 4, 1023),
@@ -468,7 +468,7 @@ def test_cli_sweep_prints_the_curve_and_crossover():
     assert ht[i] <= ll[i] and ht[i - 1] > ll[i - 1]
     # the batch a deepep_auto layer of this shape built with this link switches at (tp 1)
     from moe_plugins.planner.crossover import low_latency_threshold
-    from prepare_finalize.deepep_auto import SPEC
+    from moe_plugins.prepare_finalize.deepep_auto import SPEC
 
     layer = low_latency_threshold(CALIBRATION_MODEL, 16, FP8, H800, SPEC.call_modes, 256)
     assert cross["tokens_per_dp_group"] == cross["rows_per_rank"] == layer.rows + 1 == 71

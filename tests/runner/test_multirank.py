@@ -226,7 +226,7 @@ def test_a_blocking_call_that_returns_no_work_is_not_waited_on():
 
     from types import SimpleNamespace
 
-    from prepare_finalize.torch_reference import TorchPrepareFinalize
+    from moe_plugins.prepare_finalize.torch import TorchPrepareFinalize
 
     class _SyncInCpp:  # the ProcessGroup surface the backend calls, completing at once
         def alltoall_base(self, recv, send, recv_splits, send_splits, opts):

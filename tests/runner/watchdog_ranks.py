@@ -105,11 +105,11 @@ def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_
     and its combine) past every bound; the others wait in call 3's combine (the emulation waits
     in gloo, whose timeout is far off). Reported by each survivor's call-timeout hook: the
     seconds from the start of call 3 and the error."""
-    import all2all.deepep
+    import moe_plugins.all2all.deepep_ll
     from moe_plugins.callbound import on_call_timeout
     from tests.emulation import installed
 
-    all2all.deepep.DEEPEP_TIMEOUT_S = library_timeout_s  # (this process's alone)
+    moe_plugins.all2all.deepep_ll.DEEPEP_TIMEOUT_S = library_timeout_s  # (this process's alone)
     with installed("deep_ep"):
         ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=120.0,
                                 fresh_ep_group=True)

@@ -17,7 +17,7 @@ import torch
 from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMeta,
                                    PrepareFinalize, PrepareResult, RowScatterTarget)
 from moe_plugins.quant import QuantSpec
-from prepare_finalize.torch_reference import TorchPrepareFinalize
+from moe_plugins.prepare_finalize.torch import TorchPrepareFinalize
 
 
 @dataclass

@@ -88,11 +88,11 @@ def test_the_engines_link_sets_deepep_autos_threshold(rank_pool):
     all2all manager (its threshold is then the time model's, the same as a layer built with
     that link directly); a backend with one transport is built without it; no link: the
     capacity."""
-    from all2all.deepep_auto import DeepEPAutoOptions  # noqa: F401 (the options type it gets)
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions  # noqa: F401 (the options type it gets)
     from moe_plugins.planner.crossover import low_latency_threshold
     from moe_plugins.planner.link_model import LinkModel
     from moe_plugins.quant import QuantSpec
-    from prepare_finalize.deepep_auto import SPEC
+    from moe_plugins.prepare_finalize.deepep_auto import SPEC
     from tests.vllm_glue import vllm_gates_ranks as fns
 
     cfg = MoEConfig(hidden=2048, num_experts=16, num_topk=8, intermediate=1,

@@ -249,7 +249,7 @@ def test_vllm_deepep_ht_equals_vllm_in_tree(rank_pool):
 def test_vllm_forward_context_picks_deepep_auto_mode(rank_pool, runtime_mode, dp_tokens, mode):
     """Under vLLM, deepep_auto reads the forward context (the same on every rank): DP token
     counts and the synced CUDA-graph mode; no extra collective."""
-    from all2all.deepep_auto import DeepEPAutoOptions
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
 
     layout, cfg = ParallelLayout(2, 1, True), _bf16_cfg()
     from tests.vllm_glue import vllm_modular_kernel_deepep_ranks as vllm_deepep_rank_fns

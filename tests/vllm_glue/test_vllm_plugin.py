@@ -432,7 +432,7 @@ def test_prepare_finalize_hook_refuses_monolithic_experts(registered):
 @pytest.fixture
 def batched_backend_registered(monkeypatch):
     """A batched-format backend (tests/vllm_glue/batched_backend.py) registered next to the real ones."""
-    from all2all.torch_manager import TorchAll2AllManager
+    from moe_plugins.all2all.torch import TorchAll2AllManager
     from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
     from moe_plugins import registry
     from moe_plugins.interface import ActivationFormat

@@ -188,7 +188,7 @@ def run_format(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
         from tests.backends.low_latency_ranks import make_options
 
         if backend == "deepep_auto":  # its manager holds the options type on its LL side
-            from all2all.deepep_auto import DeepEPAutoOptions
+            from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
 
             backend_options: Any = DeepEPAutoOptions(**(options or {}))
         elif getattr(spec.manager, "options_type", None) is not None:
@@ -201,7 +201,7 @@ def run_format(rank: int, world: int, backend: str, layout: ParallelLayout, cfg:
             QuantSpec(wire if wire in spec.quants else QuantScheme.NONE),
             backend_options=backend_options)
         if batched_test:  # the torch transport, received rows packed per expert
-            from all2all.torch_manager import TorchAll2AllManager
+            from moe_plugins.all2all.torch import TorchAll2AllManager
             from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
 
             pf_backend: Any = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch),

@@ -19,7 +19,7 @@ from tests.vllm_glue.vllm_modular_kernel_ranks import run_vllm_kernel
 def _in_tree_deepep_ht(ctx: Any, moe: Any) -> Any:
     """vLLM's own DeepEPHTPrepareAndFinalize over a normal-mode buffer of the same sizes ours
     makes (vLLM's manager would take VLLM_DEEPEP_BUFFER_SIZE_MB instead)."""
-    from all2all.deepep_ht import DeepEPHTManager
+    from moe_plugins.all2all.deepep_ht import DeepEPHTManager
     from moe_plugins.config import DispatchConfig
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ht import (
         DeepEPHTPrepareAndFinalize)

@@ -168,7 +168,7 @@ def run_vllm_kernel(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfi
         dispatch = DispatchConfig(cfg.num_experts, cfg.hidden, cfg.num_topk, max(num_tokens, 1),
                                   cfg.dtype, backend_options=backend_options)
         if batched:
-            from all2all.torch_manager import TorchAll2AllManager
+            from moe_plugins.all2all.torch import TorchAll2AllManager
             from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
 
             backend = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch), dispatch)
@@ -330,7 +330,7 @@ def run_vllm_kernel_placed(rank: int, world: int, layout: ParallelLayout, cfg: M
                                   cfg.dtype, backend_options=make_options(backend_name))
     with ctxm:
         if batched and backend_name == "torch":
-            from all2all.torch_manager import TorchAll2AllManager
+            from moe_plugins.all2all.torch import TorchAll2AllManager
             from tests.vllm_glue.batched_backend import BatchedTorchPrepareFinalize
 
             backend: Any = BatchedTorchPrepareFinalize(TorchAll2AllManager(ctx, dispatch), dispatch)

@@ -509,7 +509,7 @@ class FlashInferAll2AllManager(BackendManager):
         if not isinstance(options, FlashInferTwoSidedOptions):
             raise TypeError(
                 f"backend 'flashinfer_nvlink_two_sided' takes backend_options of type "
-                f"FlashInferTwoSidedOptions (all2all.flashinfer), got {type(options).__name__}"
+                f"FlashInferTwoSidedOptions (moe_plugins.all2all.flashinfer_nvlink_two_sided), got {type(options).__name__}"
             )
         self.options, self.cfg = options, cfg
         self.api, self.flashinfer_version = detect_api(options.api)

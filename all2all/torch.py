@@ -21,7 +21,7 @@ class TorchAll2AllManager(BackendManager):
     """One per layer config and EP group: the process group, the all-to-all options made once
     (``blocking_opts``, ``async_opts``) and the placement. ``placement`` (from the config,
     linear by default) says where the physical experts are; the ids dispatched are physical.
-    The prepare/finalize (:mod:`prepare_finalize.torch_reference`) makes the calls."""
+    The prepare/finalize (:mod:`moe_plugins.prepare_finalize.torch`) makes the calls."""
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         self.ctx = ctx

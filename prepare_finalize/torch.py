@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from all2all.torch_manager import TorchAll2AllManager
+from moe_plugins.all2all.torch import TorchAll2AllManager
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.callbound import wait_or_told

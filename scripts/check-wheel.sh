@@ -30,6 +30,19 @@ pip "$WORK/venv/bin/python" install dist/moe_plugins-*.whl
 
 # from a folder without the sources, so that only the installed wheel can be imported
 cd "$WORK"
+stage "only moe_plugins is installed at the top level"
+"$WORK/venv/bin/python" - <<'PY'
+import importlib
+import sys
+for name in ("all2all", "prepare_finalize"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        continue
+    sys.exit(f"the wheel installs a top-level package {name!r}; it belongs inside moe_plugins")
+import moe_plugins.all2all.deepep_ll, moe_plugins.prepare_finalize.torch  # noqa: E401,F401
+print("all2all and prepare_finalize import only as moe_plugins.all2all / .prepare_finalize")
+PY
 stage "moe-plugins list"
 "$WORK/venv/bin/moe-plugins" list
 stage "moe-plugins demo --ranks 2 --ep"

@@ -2,7 +2,8 @@
 # Fetch the Python of published vLLM releases (their wheels' .py/.json files and dist-info) into a
 # cache outside the repository, for the tests that check the plugin against every supported
 # release without installing it (tests/vllm_glue/test_vllm_releases.py). Idempotent.
-#   scripts/fetch-vllm-python.sh [VERSION ...]      default: 0.33.0 0.34.0
+#   scripts/fetch-vllm-python.sh [VERSION ...]      default: every release of VLLM_CHECKED in
+#                                                   moe_plugins/stack/versions.py
 # Cache: $MOE_PLUGINS_VLLM_PYTHON_CACHE, default ~/.cache/moe-plugins/vllm-python/<version>/
 # (each a tree to put first on PYTHONPATH: `vllm/` and `vllm-<version>.dist-info/`).
 set -euo pipefail
@@ -11,7 +12,7 @@ CACHE=${MOE_PLUGINS_VLLM_PYTHON_CACHE:-$HOME/.cache/moe-plugins/vllm-python}
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=python3
 VERSIONS=("$@")
-[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.33.0 0.34.0)
+[ ${#VERSIONS[@]} -gt 0 ] || read -ra VERSIONS <<< "$(python3 scripts/vllm_versions.py checked)"
 for v in "${VERSIONS[@]}"; do
   dest="$CACHE/$v"
   [ -f "$dest/.complete" ] && continue

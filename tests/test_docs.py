@@ -3,6 +3,7 @@ commands are the ones CI runs, the install hints name extras that exist, the lin
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -36,8 +37,8 @@ def _builtin_specs() -> list:
 def test_readme_backend_table_is_the_registrys():
     expected = backends_markdown(_builtin_specs())
     assert _readme_table() == expected, (
-        "README.md's backend table differs from the registry's; paste the output of "
-        "`moe-plugins list --markdown` between the marker comments")
+        "README.md's backend table differs from the registry's; run "
+        "python scripts/regenerate_docs.py (or paste `moe-plugins list --markdown`)")
 
 
 def test_readme_starts_with_the_two_commands_and_stays_short():
@@ -89,7 +90,21 @@ def test_gpu_readme_holds_the_current_ep_matrix_table():
     rows = json.loads((ROOT / "tests" / "gpu" / "results" / "ep_one_gpu.json").read_text())
     assert all(r.get("from_run", {}).get("commit") for r in rows), "a row without from_run"
     assert rows_to_markdown(rows) in (ROOT / "tests" / "gpu" / "README.md").read_text(), (
-        "regenerate it: python -m tests.gpu.ep_matrix --markdown tests/gpu/results/ep_one_gpu.json")
+        "regenerate it: python scripts/regenerate_docs.py")
+
+
+def test_every_generated_table_is_current():
+    """One command rewrites every generated table (README, docs/stack.md, docs/vllm.md,
+    tests/gpu/README.md); with --check it names each that differs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regenerate_docs",
+                                                  ROOT / "scripts" / "regenerate_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up by name
+    spec.loader.exec_module(module)
+    stale = [t.path for t in module.TABLES if t.current() != t.render().strip()]
+    assert not stale, f"{stale}: run python scripts/regenerate_docs.py"
 
 
 SET_UP_WORDS = re.compile(r"\b(lent|carried|device calls?|device tool)\b", re.I)

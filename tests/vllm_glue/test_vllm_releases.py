@@ -119,8 +119,9 @@ def test_plugin_registers_in_release(probe, release):
     assert result["applied"] == expected and REFUSAL not in result["applied"]
 
 
-#: The releases whose Python the suite's vLLM tests also run under (beside the installed one).
-RUN_UNDER = ("0.34.0",)
+#: The releases whose Python the suite's vLLM tests also run under (beside the installed one):
+#: the newest release checked (moe_plugins.stack.versions.VLLM_CHECKED).
+RUN_UNDER = CHECKED_RELEASES[-1:]
 
 
 #: Why a vLLM test may skip under a release's Python alone: it lacks vLLM's compiled extension,

@@ -7,6 +7,7 @@ point is missing from pyproject.toml would join no test list; the checks here fa
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -84,8 +85,17 @@ def test_packages_list_every_package_folder():
 def test_the_wheel_installs_no_top_level_package_but_ours(tmp_path):
     """A wheel built from this tree holds ``moe_plugins/`` (with ``all2all`` and
     ``prepare_finalize`` inside it) and its dist-info, nothing else at the top."""
+    # from a copy of the sources: setuptools builds in the tree (build/, *.egg-info), and a stale
+    # build/lib of the checkout would put modules in the wheel that the sources no longer have
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("moe_plugins", *FOLDERS):
+        shutil.copytree(ROOT / folder, src / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-q", "-w", str(tmp_path), str(ROOT)],
+                    "--disable-pip-version-check", "-q", "-w", str(tmp_path), str(src)],
                    check=True, capture_output=True, text=True)
     (wheel,) = tmp_path.glob("moe_plugins-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

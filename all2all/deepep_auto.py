@@ -47,8 +47,9 @@ class DeepEPAutoOptions(DeepEPLLOptions):
         largest rank has at most the time model's crossover less one tokens (at most the
         capacity) take the low-latency kernels, larger ones normal mode
         (:func:`moe_plugins.planner.crossover.low_latency_threshold`, the crossover
-        ``moe-plugins plan --sweep-tokens`` prints); its ``ll_nvlink`` is taken from
-        ``allow_nvlink``, the layer's own setting. None: up to the capacity. Either way, under
+        ``moe-plugins plan --sweep-tokens`` prints); its ``ll_nvlink`` must equal
+        ``allow_nvlink``, the kernels' own setting (the time model would otherwise time
+        transfers the kernels do not make). None: up to the capacity. Either way, under
         vLLM prefill passes take normal mode. Every rank must be given the same link.
     """
 
@@ -63,6 +64,13 @@ class DeepEPAutoOptions(DeepEPLLOptions):
             raise TypeError(f"DeepEPAutoOptions.link must be a LinkModel or None, got "
                             f"{type(self.link).__name__}; pass e.g. "
                             "moe_plugins.planner.presets.link_preset('h200-cx7')")
+        if self.link is not None and self.link.ll_nvlink != self.allow_nvlink:
+            raise ValueError(
+                f"DeepEPAutoOptions: link.ll_nvlink={self.link.ll_nvlink} but "
+                f"allow_nvlink={self.allow_nvlink}: the mode threshold would be timed for "
+                "transfers the low-latency kernels do not make. Give both the same value: "
+                f"DeepEPAutoOptions(link=..., allow_nvlink={self.link.ll_nvlink}) keeps the "
+                "kernels as the link says")
 
 
 class DeepEPAutoLLManager(DeepEPLLManager):
@@ -122,8 +130,11 @@ class DeepEPAutoManager(BackendManager):
     def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False,
                        link: Optional[LinkModel] = None) -> Optional[DeepEPAutoOptions]:
         """The options an engine (the vLLM glue) builds the layer with when the user gave none:
-        the link the engine's settings name (``--additional-config``), else the defaults."""
-        return DeepEPAutoOptions(link=link) if link is not None else None
+        the link the engine's settings name (``--additional-config``), with the kernels'
+        NVLink use as its ``ll_nvlink`` says, else the defaults."""
+        if link is None:
+            return None
+        return DeepEPAutoOptions(link=link, allow_nvlink=link.ll_nvlink)
 
     @property
     def buffer(self) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
@@ -35,6 +35,9 @@ from moe_plugins.lowlat.manager import LowLatencyManager, LowLatencyOptions
 from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
 from moe_plugins.registry import RequiredPackage, TokenLimit
 from moe_plugins.stack.deepep import DeepEPFound, deepep_status, require_buffer_api
+
+if TYPE_CHECKING:
+    from moe_plugins.planner.link_model import LinkModel
 
 __all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE", "DEEPEP_TIMEOUT_S"]
 
@@ -112,8 +115,8 @@ class DeepEPLLManager(LowLatencyManager):
                                               runtime.low_latency_combine)
 
     @classmethod
-    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False
-                       ) -> Optional[DeepEPLLOptions]:
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False,
+                       link: Optional[LinkModel] = None) -> Optional[DeepEPLLOptions]:
         """With the engine's fault tolerance on, DeepEP needs its mask buffer (``enable_shrink``),
         as vLLM's in-tree DeepEP LL manager builds it; otherwise the defaults."""
         return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None

@@ -21,13 +21,16 @@ asserts come first, before anything is launched or changed, as DeepEP's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.lowlat.manager import LowLatencyManager, LowLatencyOptions
 from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
 from moe_plugins.registry import RequiredPackage
+
+if TYPE_CHECKING:
+    from moe_plugins.planner.link_model import LinkModel
 
 __all__ = ["NixlEPOptions", "NixlEPManager", "NIXL_PACKAGE"]
 
@@ -100,7 +103,8 @@ class NixlEPManager(LowLatencyManager):
     options: NixlEPOptions
 
     @classmethod
-    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False) -> NixlEPOptions:
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False,
+                       link: Optional[LinkModel] = None) -> NixlEPOptions:
         """The options an engine builds this backend with: the ranks exchange their agent
         metadata through ``tcp_store`` (a torch.distributed Store shared by the EP group).
         The mask buffer always exists, so ``fault_tolerance`` changes nothing."""

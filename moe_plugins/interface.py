@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -19,6 +19,9 @@ from moe_plugins.groups import DistContext
 from moe_plugins.layout import OwnedRows
 from moe_plugins.overlap import SharedExpertHandle, join
 from moe_plugins.quant import QuantSpec
+
+if TYPE_CHECKING:  # the planner is above the contracts: named for the type only
+    from moe_plugins.planner.link_model import LinkModel
 
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "LazyExpertTokensMeta", "PrepareResult",
@@ -313,6 +316,9 @@ class PrepareFinalize(ABC):
     """
 
     stats: DispatchStats
+    #: The layer config it was built for (``BackendSpec.prepare_finalize(manager, cfg)`` sets it):
+    #: engines read the layer's shape from it (hidden, num_topk, dtype).
+    cfg: DispatchConfig
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
     #: True when :meth:`set_batch_hint` changes what the next call does (an engine then builds
@@ -481,12 +487,15 @@ class BackendManager(Protocol):
         (a library buffer)."""
 
     @classmethod
-    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False) -> Optional[object]:
+    def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False,
+                       link: Optional["LinkModel"] = None) -> Optional[object]:
         """The ``DispatchConfig.backend_options`` an engine (the vLLM glue) builds this backend
         with when the user gave none. ``tcp_store``: a ``torch.distributed.Store`` shared by the
         EP group, for libraries that exchange connection metadata through one;
         ``fault_tolerance``: the engine will poll the rank mask (:class:`RankMasking`), so the
-        buffer must have one. Returns the backend's options object, or None for its defaults."""
+        buffer must have one; ``link``: the engine's link model (vLLM: ``--additional-config``),
+        for a backend that takes one (``deepep_auto``); others ignore it. Returns the backend's
+        options object, or None for its defaults."""
         return None
 
     def destroy(self) -> None:

@@ -203,7 +203,20 @@ class BackendSpec:
 
     def build(self, ctx: "DistContext", cfg: "DispatchConfig") -> "PrepareFinalize":
         """Create the manager and the prepare/finalize for one layer."""
-        return self.prepare_finalize(self.manager(ctx, cfg), cfg)
+        return self.prepare_finalize_on(self.manager(ctx, cfg), cfg)
+
+    def prepare_finalize_on(self, manager: BackendManager, cfg: "DispatchConfig"
+                            ) -> "PrepareFinalize":
+        """``prepare_finalize(manager, cfg)``, checked to keep ``cfg`` as its ``cfg`` (the
+        engines read the layer's shape there: :attr:`moe_plugins.interface.PrepareFinalize.cfg`).
+        Raises TypeError naming the class that does not."""
+        pf = self.prepare_finalize(manager, cfg)
+        if getattr(pf, "cfg", None) is not cfg:
+            raise TypeError(
+                f"backend {self.name!r}: {type(pf).__name__} does not keep the layer config it "
+                "was built with as .cfg (moe_plugins.interface.PrepareFinalize.cfg); set "
+                "self.cfg = cfg in its __init__")
+        return pf
 
 
 @dataclass(frozen=True)

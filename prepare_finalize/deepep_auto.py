@@ -102,8 +102,6 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
                    "used: name one with DeepEPAutoOptions(link=...) or, under vLLM, "
                    "--additional-config moe_plugins.link")
         else:
-            if link.ll_nvlink != manager.options.allow_nvlink:  # the layer's own setting
-                link = dataclasses.replace(link, ll_nvlink=manager.options.allow_nvlink)
             found = low_latency_threshold(_layer_shape(cfg, manager.ll.num_experts),
                                           manager.num_ranks, cfg.quant, link, _MODES, cap)
             self.threshold, why = found.rows, found.reason

@@ -128,7 +128,7 @@ class MoELayer:
                 backend_options=backend_options, placement=self.placement)
             self.manager = backend.manager(ctx, dispatch)
             try:
-                self.pf = backend.prepare_finalize(self.manager, dispatch)
+                self.pf = backend.prepare_finalize_on(self.manager, dispatch)
             except BaseException:
                 self.manager.destroy()
                 raise

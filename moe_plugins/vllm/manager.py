@@ -109,10 +109,9 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
         the engine's link model (``--additional-config``), handed to a backend that picks its
         transport per call (``BackendSpec.call_modes``)."""
         if cfg.backend_options is None:
-            extra = {"link": link} if link is not None and spec.call_modes is not None else {}
             options = spec.manager.engine_options(self.tcp_store,
                                                   fault_tolerance=self.support_fault_tolerance,
-                                                  **extra)
+                                                  link=link)
             if options is not None:
                 cfg = dataclasses.replace(cfg, backend_options=options)
         key = (spec.name, cfg)
@@ -123,7 +122,7 @@ class MoEPluginsAll2AllManager(All2AllManagerBase):
             if self._masks and isinstance(manager, RankMasking) and manager.can_mask():
                 for rank, masked in self._masks.items():
                     manager.set_rank_masked(rank, masked)
-        return spec.prepare_finalize(manager, cfg)
+        return spec.prepare_finalize_on(manager, cfg)
 
     def _not_served(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(

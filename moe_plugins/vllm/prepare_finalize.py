@@ -448,7 +448,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def _no_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                   Optional[OwnedRows], bool]:
         """(x, ids, weights, rows, owns_all) of a call with no tokens of this rank's own."""
-        cfg, device = self.backend.cfg, self.ctx.device  # type: ignore[union-attr]
+        assert self.backend is not None, "a call with no dispatch has no empty rows to make"
+        cfg, device = self.backend.cfg, self.ctx.device
         rows = None if self._whole else owned_rows(0, self._tp, self._tp_rank)
         return (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
                 torch.empty(0, cfg.num_topk, dtype=torch.int64, device=device),

@@ -564,3 +564,21 @@ def test_auto_choice_collective_without_a_peer_is_the_groups_collective_error(ra
     assert "mode choice all-reduce" in err and "deepep_auto layer" in err, err
     assert "ranks [0, 1]" in err and f"timeout of {timeout_s:g} s" in err, err
     assert seconds < 3 * timeout_s, seconds
+
+
+def test_auto_link_and_kernels_agree_on_nvlink():
+    """A link whose ``ll_nvlink`` differs from the kernels' ``allow_nvlink`` is refused when the
+    options are made (the time model would price transfers the kernels do not make); the
+    engine's options (vLLM's ``--additional-config moe_plugins.link``) keep the kernels as the
+    link says, so ``{"ll_nvlink": false}`` turns NVLink off in the buffer too."""
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoManager, DeepEPAutoOptions
+
+    off = LinkModel(nvlink_gbps=2.0, sms=24, ll_nvlink=False)
+    with pytest.raises(ValueError, match=r"link.ll_nvlink=False but allow_nvlink=True.*"
+                                         r"allow_nvlink=False\) keeps the kernels"):
+        DeepEPAutoOptions(link=off)
+    assert DeepEPAutoOptions(link=off, allow_nvlink=False).allow_nvlink is False
+    for link in (off, SLOW_LINK):
+        options = DeepEPAutoManager.engine_options(None, link=link)
+        assert options.link is link and options.allow_nvlink is link.ll_nvlink
+    assert DeepEPAutoManager.engine_options(None) is None

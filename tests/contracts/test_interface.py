@@ -263,3 +263,41 @@ def test_optional_protocols_are_met_by_their_methods_not_a_base_class():
     assert issubclass(LowLatencyPrepareFinalize, SplitPhases)
     assert not issubclass(TorchPrepareFinalize, SplitPhases)
     assert issubclass(LowLatencyManager, RankMasking)
+
+
+def test_a_prepare_finalize_that_does_not_keep_its_config_is_refused_at_build():
+    """Engines read a layer's shape from ``PrepareFinalize.cfg``; a backend whose class does not
+    keep the config it was built with is refused when the layer is built, naming the class and
+    the fix (the built-in backends keep it: every layer the suite builds goes through here)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from moe_plugins.config import MoEConfig
+    from moe_plugins.groups import DistContext
+    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.prepare_finalize.torch import TorchPrepareFinalize
+    from moe_plugins.registry import get_backend
+    from moe_plugins.runner.layer import MoELayer
+    from moe_plugins.runner.model import MoEWeights
+
+    def forgets(manager, cfg):
+        return TorchPrepareFinalize(manager, dataclasses.replace(cfg))  # an equal copy, not cfg
+
+    spec = dataclasses.replace(get_backend("torch"), name="forgetful", prepare_finalize=forgets)
+    cfg = MoEConfig(hidden=16, num_experts=4, num_topk=2, intermediate=8, shared_intermediate=8)
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        # EP on (one rank): tokens go through the backend, so the layer builds a prepare/finalize
+        ctx = DistContext(ParallelLayout(1, 1, True), 0, dist.group.WORLD, None,
+                          torch.device("cpu"))
+        with pytest.raises(TypeError, match=r"backend 'forgetful': TorchPrepareFinalize does "
+                                            r"not keep the layer config .* set self.cfg = cfg"):
+            MoELayer(MoEWeights.random(cfg), ctx, spec)
+        layer = MoELayer(MoEWeights.random(cfg), ctx, get_backend("torch"))
+        assert layer.pf.cfg.hidden == cfg.hidden
+        layer.destroy()
+    finally:
+        dist.destroy_process_group()

@@ -94,7 +94,7 @@ def _check_manager(spec: BackendSpec) -> None:
     # as MoELayer and the vLLM glue call them: m(ctx, cfg), m.engine_options(store,
     # fault_tolerance=...), manager.destroy()
     inspect.signature(m).bind(object(), object())
-    inspect.signature(m.engine_options).bind(object(), fault_tolerance=True)
+    inspect.signature(m.engine_options).bind(object(), fault_tolerance=True, link=None)
     inspect.signature(m.destroy).bind(object())
     # the rank_masking capability is exactly a manager with the masking methods
     assert spec.capabilities.rank_masking == issubclass(m, RankMasking), spec.name

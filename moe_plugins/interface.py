@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -19,9 +19,6 @@ from moe_plugins.groups import DistContext
 from moe_plugins.layout import OwnedRows
 from moe_plugins.overlap import SharedExpertHandle, join
 from moe_plugins.quant import QuantSpec
-
-if TYPE_CHECKING:  # the planner is above the contracts: named for the type only
-    from moe_plugins.planner.link_model import LinkModel
 
 __all__ = [
     "ActivationFormat", "ExpertTokensMeta", "LazyExpertTokensMeta", "PrepareResult",
@@ -488,14 +485,15 @@ class BackendManager(Protocol):
 
     @classmethod
     def engine_options(cls, tcp_store: Any, fault_tolerance: bool = False,
-                       link: Optional["LinkModel"] = None) -> Optional[object]:
+                       link: Optional[Any] = None) -> Optional[object]:
         """The ``DispatchConfig.backend_options`` an engine (the vLLM glue) builds this backend
         with when the user gave none. ``tcp_store``: a ``torch.distributed.Store`` shared by the
         EP group, for libraries that exchange connection metadata through one;
         ``fault_tolerance``: the engine will poll the rank mask (:class:`RankMasking`), so the
-        buffer must have one; ``link``: the engine's link model (vLLM: ``--additional-config``),
-        for a backend that takes one (``deepep_auto``); others ignore it. Returns the backend's
-        options object, or None for its defaults."""
+        buffer must have one; ``link``: the engine's link model (a
+        ``moe_plugins.planner.link_model.LinkModel``; vLLM: ``--additional-config``), for a
+        backend that takes one (``deepep_auto``); others ignore it. Returns the backend's options
+        object, or None for its defaults."""
         return None
 
     def destroy(self) -> None:

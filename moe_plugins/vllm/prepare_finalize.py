@@ -45,22 +45,21 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook
 
 from moe_plugins.counters import DispatchStats
-from moe_plugins.faults import (group_faults, in_step, is_in_step, is_owed_call,
-                                library_timeout_error)
-from moe_plugins.groups import DistContext, all_gather_rows
+from moe_plugins.faults import group_faults, is_owed_call
+from moe_plugins.groups import DistContext
 from moe_plugins.interface import (ActivationFormat, AsyncResult, PrepareFinalize,
                                    PrepareResult, SplitPhases, check_finalize_result)
-from moe_plugins.layout import OwnedRows, owned_rows, slice_owned
+from moe_plugins.layout import OwnedRows
 from moe_plugins.overlap import OverlapConfig
 from moe_plugins.quant import QuantScheme, QuantSpec, quantize_for_dispatch, swizzle_nvfp4_sf
 from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.batch_hint import batch_hint
+from moe_plugins.vllm.call_guard import CallGuard
 from moe_plugins.vllm.expert_ids import ExpertIds
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
                                             valid_rows)
 from moe_plugins.vllm.tokens_meta import vllm_tokens_meta
-from moe_plugins.callbound import bound_host_waits
-from moe_plugins.callbound import CallBound, WatchedCall
+from moe_plugins.vllm.tp_rows import TpRows
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +70,6 @@ _DEFERRED = QuantSpec()  # what travels under defer_input_quant: the activations
 
 
 _FIRST_CALL_LOGGED: set[str] = set()
-
-
-# Per-call state between prepare and finalize (one per micro-batch), a plain tuple (made on
-# every call): (rows: the owned rows, None where the adapter is ``_whole``; topk_ids and
-# topk_weights: the routing handed to the backend's prepare, which its finalize must get;
-# owns_all: this TP rank owns every row, nothing to slice out of, or zero around, the output;
-# refusal: None, or the error of inputs this rank refused, raised by finalize once the call
-# went through without this rank's tokens; watched: the call under moe_plugins.callbound.watchdog, or None).
-_Call = tuple
 
 
 def _nothing() -> None:
@@ -133,31 +123,18 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._recv_quant: Optional[ReceiveQuant] = None
         self._nvfp4_swizzle = False
         self._first_call_logged = False
-        # The TP group the tokens handed to prepare are shared by. Under vLLM's sequence-parallel
-        # MoE the model already gave this rank its owned chunk (padded and split as owned_rows
-        # does it), so it owns all of it, as a group of one: nothing is sliced a second time.
-        sp = choice.strategy is ReductionStrategy.SP_ALLGATHER
-        self._tp, self._tp_rank = (1, 0) if sp else (layout.tp, ctx.tp_rank)
-        # one rank's rows are all the rows, and nothing is gathered after the finalize
-        self._whole = self._tp == 1 and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE
+        # the rows this TP rank dispatches, and how its output is made whole after the combine
+        self._rows = TpRows(ctx, choice.strategy)
         # micro-batch id -> its backend object and its call in flight
         self._backends: tuple[PrepareFinalize, ...] = (
             () if backend is None else (backend, *micro_batch_backends))
         # read once: only a per-call backend pays for reading vLLM's forward context per call
         self._wants_hint = backend is not None and backend.uses_batch_hint
-        self._calls: dict[int, _Call] = {}  # (see _Call)
-        self._name = f"{backend_name} layer (EP rank {ctx.rank})"
-        # the bound on each call ($MOE_PLUGINS_CALL_TIMEOUT_S; moe_plugins.callbound.watchdog)
-        self._bound = CallBound(self._name, device=ctx.device)
         self.faults = group_faults(ctx.ep_group)  # the backends' (moe_plugins.faults)
-        # the watchdog hears the group's notice unless the backends' waits do (they raise)
-        if not (self._backends and all(b.hears_peer_failures for b in self._backends)):
-            self._bound.notice = self.faults.notice
-        if self._backends:  # no bound set: where the library's timeout does not end a rank
-            # (the first calls keep the start-up bound: vLLM's experts, inside the watched
-            # call, compile on first use)
-            self._bound.backstop(backend_name, self._backends[0].library_timeout_s,
-                                 self._backends[0].library_traps)
+        # each micro-batch's call in flight, the bound on it and the rules of a failed call
+        self._guard = CallGuard(f"{backend_name} layer (EP rank {ctx.rank})", backend_name, ctx,
+                                self._backends, self.faults)
+        self._calls = self._guard.calls
         # backends with split phases (moe_plugins.interface.SplitPhases; every micro-batch's
         # object): the adapter calls their send and receive halves directly
         self._low_latency = bool(self._backends) and all(
@@ -209,15 +186,6 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def supports_dbo(self) -> bool:
         """Micro-batch safe: no dispatch (TP_UNIFIED), or one backend object per micro-batch."""
         return self.backend is None or len(self._backends) > 1
-
-    def _no_slot(self, ubatch: int) -> None:
-        """Micro-batch ``ubatch`` called a layer with no backend object for it (prepare and
-        finalize compare vLLM's micro-batch id with ``_num_slots`` inline: one int compare)."""
-        raise RuntimeError(
-            f"micro-batch {ubatch} called layer backend {self.backend_name!r}, which was "
-            f"built with {len(self._backends)} call slot(s); build it under the vLLM config "
-            "that enables dual-batch overlap (--enable-dbo), with a backend whose "
-            "capabilities list micro_batch")
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
         """Check the experts against what the backend delivers; fix the wire quantization; then
@@ -273,7 +241,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             logger.info("moe-plugins: prepare/finalize of backend %s ran on EP rank %d of %d "
                         "(strategy %s, first call %d tokens, call bound %s)", self.backend_name,
                         self.ctx.rank, self.ctx.layout.ep_size, self.strategy.value, num_tokens,
-                        self._bound.describe())
+                        self._guard.describe())
 
     # -- prepare -------------------------------------------------------------------------------
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -297,9 +265,9 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                  quant_config: Any, defer_input_quant: bool, blocking: bool) -> Any:
         slot = dbo_current_ubatch_id()  # 0 without dual-batch overlap
         if slot >= self._num_slots:
-            self._no_slot(slot)
+            self._guard.no_slot(slot)
         if slot in self._calls:
-            self._call_left_in_flight(slot)
+            self._guard.left_in_flight(slot)
         self.calls += 1
         if not self._first_call_logged:
             self._log_first_call(a1.shape[0])
@@ -335,22 +303,12 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             ids = topk_ids if id_map.g2p is None else id_map.physical(topk_ids)
             # tp == 1 owns every row: nothing to slice, and the backend's input check covers
             # what slice_owned would check (the three tensors cover the same tokens).
-            rows: Optional[OwnedRows] = None
-            if self._whole:  # one TP rank, no all_gather after the finalize: no rows to track
-                x, weights, owns_all = a1, topk_weights, True
-            else:
-                rows = owned_rows(a1.shape[0], self._tp, self._tp_rank)
-                if self._tp == 1:
-                    x, weights = a1, topk_weights
-                else:
-                    owned = slice_owned(rows, a1, ids, topk_weights)
-                    x, ids, weights = owned.hidden_states, owned.topk_ids, owned.topk_weights
-                owns_all = rows.num_owned == rows.num_tokens
+            rows, x, ids, weights, owns_all = self._rows.own(a1, ids, topk_weights)
         except (ValueError, TypeError) as e:  # refused before anything was sent
             if self.backend is None:
                 raise
-            refusal = self._refuse(e)
-            x, ids, weights, rows, owns_all = self._no_tokens()
+            refusal = self._guard.refuse(e)
+            x, ids, weights, rows, owns_all = self._rows.no_tokens(self._backends[0].cfg)
         backend = self._backends[slot]
         if self._wants_hint:
             # per-call backends pick their transport (deepep_auto) or size their receive rows
@@ -358,7 +316,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             # from what every rank agrees on; under SP a1 is already this rank's chunk (vLLM
             # pads the chunks to one size)
             backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
-                                              presliced=self._tp != self.ctx.layout.tp))
+                                              presliced=self._rows.presliced))
         try:
             sent = self._send(slot, backend, x, weights, ids, quant, rows, owns_all, refusal,
                               topk_ids, topk_weights, quant_config, defer_input_quant, blocking)
@@ -366,11 +324,11 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if refusal is not None or not is_owed_call(e):
                 raise
             # the backend refused this rank's tokens and its peers are in the call
-            refusal = self._refuse(e)
-            x, ids, weights, rows, owns_all = self._no_tokens()
+            refusal = self._guard.refuse(e)
+            x, ids, weights, rows, owns_all = self._rows.no_tokens(self._backends[0].cfg)
             if self._wants_hint:
                 backend.set_batch_hint(batch_hint(a1.shape[0], self.ctx.layout,
-                                                  presliced=self._tp != self.ctx.layout.tp))
+                                                  presliced=self._rows.presliced))
             sent = self._send(slot, backend, x, weights, ids, quant, rows, owns_all, refusal,
                               topk_ids, topk_weights, quant_config, defer_input_quant, blocking)
         return sent
@@ -380,12 +338,10 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
               refusal: Optional[BaseException], topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, quant_config: Any, defer_input_quant: bool,
               blocking: bool) -> Any:
-        """Register the call (a receive that raises leaves it for the next prepare to reset)
-        and issue the backend's dispatch; returns vLLM's (hook, receiver) or receiver."""
-        watched = self._bound.watch(self.calls)
-        if watched is not None and backend.waits_on_host:
-            bound_host_waits(watched)  # the library may wait on the host holding the interpreter
-        self._calls[slot] = (rows, ids, weights, owns_all, refusal, watched)
+        """Register the call and issue the backend's dispatch; returns vLLM's (hook, receiver)
+        or receiver."""
+        watched = self._guard.open(slot, backend, self.calls, rows, ids, weights, owns_all,
+                                   refusal)
         try:
             if self._low_latency and (defer_input_quant or self._recv_quant is None):
                 # our low-latency backends' send, vLLM's result built from the receive buffers
@@ -400,10 +356,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 return lambda: result
             sent = backend.prepare_async(x, weights, ids, quant)
         except BaseException as e:
-            if is_in_step(e) or is_owed_call(e):  # nothing in flight: no call to reset later
-                del self._calls[slot]
-            self._end_watch(watched, backend)  # the error reached the caller
-            self._raise_library_timeout(backend, e)
+            self._guard.send_failed(slot, backend, watched, e)
             raise
 
         def receiver() -> mk.PrepareResultType:
@@ -413,63 +366,6 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                  defer_input_quant)
 
         return (sent.hook, receiver) if sent.hook is not None else receiver
-
-    def _raise_library_timeout(self, backend: PrepareFinalize, e: BaseException) -> None:
-        """Where ``e`` is the library's own timeout on a peer (a trapped kernel, DeepEP's host
-        wait), raise what it means instead, from ``e`` (the group is broken)."""
-        wrapped = library_timeout_error(self._name, self.backend_name, backend.library_timeout_s,
-                                        e)
-        if wrapped is not None:
-            self.faults.mark_broken(f"{self._name}: the library timed out on a peer", e)
-            raise wrapped from e
-
-    def _end_watch(self, watched: Optional[WatchedCall], backend: PrepareFinalize) -> None:
-        """The end of a watched call's host part (and of its lock-free timer, where armed)."""
-        if watched is not None:
-            if backend.waits_on_host:
-                bound_host_waits(None)
-            watched.end(self.ctx.device)
-
-    def _refuse(self, error: BaseException) -> BaseException:
-        """This rank refuses the call's inputs before sending anything (:mod:`moe_plugins.
-        faults`, rule "refused inputs"). Through the backend's host exchange every rank raises here. Without
-        one, with one TP rank (nothing follows the combine), the call goes on with no tokens of
-        this rank's own and finalize raises ``error`` (returned); with more, the TP peers may
-        not have refused alike, so the group breaks and this raises."""
-        if self.backend is not None and self.backend.host_exchange:
-            self.backend.refuse(error)
-        if self.ctx.layout.tp == 1:
-            return in_step(error)
-        self.faults.mark_broken(f"{self.backend_name} layer: EP rank {self.ctx.rank} refused its "
-                                "inputs while its peers were in the call, and with TP inside "
-                                "the EP group it cannot complete the call without them", error)
-        raise error
-
-    def _no_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                  Optional[OwnedRows], bool]:
-        """(x, ids, weights, rows, owns_all) of a call with no tokens of this rank's own."""
-        assert self.backend is not None, "a call with no dispatch has no empty rows to make"
-        cfg, device = self.backend.cfg, self.ctx.device
-        rows = None if self._whole else owned_rows(0, self._tp, self._tp_rank)
-        return (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
-                torch.empty(0, cfg.num_topk, dtype=torch.int64, device=device),
-                torch.empty(0, cfg.num_topk, dtype=torch.float32, device=device), rows, True)
-
-    def _call_left_in_flight(self, slot: int) -> None:
-        """A prepare of micro-batch ``slot`` while its last call was never finalized. After an
-        error that already broke the group (and surfaced), the call is dropped; otherwise prepare
-        was called twice: its peers wait in the first call's combine, so the group breaks."""
-        watched = self._calls.pop(slot)[5]
-        backend = self._backends[slot]
-        self._end_watch(watched, backend)  # this call's error surfaces here, not by the watchdog
-        if self.faults.broken is None:
-            msg = (f"{self.backend_name} layer: prepare called twice on micro-batch {slot} "
-                   "without finalize in between (the first call's dispatch was never combined; "
-                   "its peers wait in that combine)")
-            self.faults.mark_broken(msg)
-            backend.reset_call_state()
-            raise RuntimeError(msg)
-        backend.reset_call_state()
 
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int, expert_map: Optional[torch.Tensor],
@@ -504,11 +400,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             return lambda: None
         slot = dbo_current_ubatch_id()
         if slot >= self._num_slots:
-            self._no_slot(slot)
-        call = self._calls.pop(slot, None)
-        if call is None:
-            raise RuntimeError("finalize called without a matching prepare on this layer")
-        rows, ids, weights, owns_all, refusal, watched = call
+            self._guard.no_slot(slot)
+        rows, ids, weights, owns_all, refusal, watched = self._guard.take(slot)
         backend = self._backends[slot]
         # As vLLM's in-tree LL class: receive what the other micro-batch left in flight before
         # this combine's send (no-op without dual-batch overlap).
@@ -526,11 +419,8 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     apply_router_weight_on_input=apply_router_weight_on_input)
                 if expert_out.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                     expert_out = expert_out.clone()
-            if refusal is not None:  # the call without this rank's tokens: nothing to write
-                target, done = output[:0], False
-            else:
-                target = output if owns_all else output[rows.as_slice]
-                done = owns_all and self.strategy is not ReductionStrategy.GATHER_PLUS_ALLREDUCE
+            # the call without this rank's tokens (refused) writes nothing
+            target, done = self._rows.target(output, rows, owns_all, refusal is not None)
             if self._low_latency:  # their halves, without the result objects in between
                 hook, dest = backend.combine_send(expert_out, weights, ids, target, not blocking)
                 if hook is None:
@@ -554,10 +444,10 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 hook, received = sent.hook, sent.receiver
         except BaseException as e:
             backend.reset_call_state()
-            self._raise_library_timeout(backend, e)
+            self._guard.raise_library_timeout(backend, e)
             raise
         finally:  # the combine is enqueued (a hang in a later receive stalls the next call)
-            self._end_watch(watched, backend)
+            self._guard.end_watch(watched, backend)
 
         def receiver() -> None:
             if received is not None:
@@ -567,11 +457,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     backend.reset_call_state()
             if refusal is not None:  # served the peers; now this rank's own error
                 raise refusal
-            if self.strategy is ReductionStrategy.GATHER_PLUS_ALLREDUCE:
-                self._all_gather_rows(output, rows.start, rows.stop, rows.chunk)
-            elif not owns_all:
-                output[:rows.start].zero_()
-                output[rows.stop:].zero_()
+            self._rows.complete(output, rows, owns_all)
 
         return (hook, receiver) if hook is not None else receiver
 
@@ -582,9 +468,3 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """:meth:`finalize_async` as the backend's blocking combine."""
         self._finalize(output, fused_expert_output, topk_weights, topk_ids,
                        apply_router_weight_on_input, weight_and_reduce_impl, True)()
-
-    def _all_gather_rows(self, output: torch.Tensor, start: int, stop: int, chunk: int) -> None:
-        """output [num_tokens, hidden] holds this TP rank's rows [start, stop); fill the rest."""
-        gathered = all_gather_rows(output[start:stop], chunk, self.ctx.tp_group,
-                                   self.ctx.layout.tp)
-        output.copy_(gathered[: output.shape[0]])

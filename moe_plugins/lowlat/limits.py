@@ -97,6 +97,26 @@ def token_capacity(max_tokens_per_rank: int, num_ranks: int) -> int:
     return -(-max_tokens_per_rank // step) * step
 
 
+def pad_hidden(t: torch.Tensor, hidden: int, kernel_hidden: int) -> torch.Tensor:
+    """t [..., hidden] -> a new zero-padded [..., kernel_hidden] copy (the kernels' hidden size;
+    :func:`kernel_hidden_size`)."""
+    out = t.new_zeros(*t.shape[:-1], kernel_hidden)
+    out[..., :hidden] = t
+    return out
+
+
+def unpad_received(recv_x: torch.Tensor, recv_sf: Optional[torch.Tensor], hidden: int
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Views of received rows ``recv_x`` [..., kernel_hidden] and their scales ``recv_sf``
+    (float32 [..., kernel_hidden / 128], or packed UE8M0 int32 [..., kernel_hidden / 512]) that
+    hold the layer's ``hidden`` columns only (what the experts get)."""
+    recv_x = recv_x[..., :hidden]
+    if recv_sf is not None:
+        per = FP8_BLOCK * (UE8M0_PACK if recv_sf.dtype is torch.int32 else 1)
+        recv_sf = recv_sf[..., : -(-hidden // per)]
+    return recv_x, recv_sf
+
+
 def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
     """Packed UE8M0 scales -> float32 scales.
 

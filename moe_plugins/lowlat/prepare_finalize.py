@@ -26,8 +26,8 @@ from moe_plugins.interface import (ActivationFormat, AsyncResult, ExpertTokensMe
                                    PrepareFinalize, PrepareResult, RowScatterTarget,
                                    check_finalize_routing,
                                    check_prepare_inputs, row_scatter_add)
-from moe_plugins.lowlat.limits import (LL_QUANTS, MSG_HEADER_BYTES, UE8M0_PACK, assert_expert_ids,
-                                       expert_id_error)
+from moe_plugins.lowlat.limits import (LL_QUANTS, MSG_HEADER_BYTES, assert_expert_ids,
+                                       expert_id_error, pad_hidden, unpad_received)
 from moe_plugins.lowlat.manager import LowLatencyManager
 from moe_plugins.lowlat.vendor import RuntimeCalls, first_method
 from moe_plugins.quant import FP8_BLOCK, QuantSpec
@@ -157,13 +157,6 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             self._uncombined += self._state[1]
         self._state = None
 
-    # -- padding of the hidden dimension (see the module doc) ------------------------------
-    def _pad_last(self, t: torch.Tensor) -> torch.Tensor:
-        m = self.manager
-        out = t.new_zeros(*t.shape[:-1], m.kernel_hidden)
-        out[..., : m.hidden] = t
-        return out
-
     def _ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """topk_ids in the library's dtype, contiguous (a cast only when it is another dtype:
         even a no-op ``.to`` costs a microsecond of host time)."""
@@ -213,27 +206,9 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         launched = False
         try:
             rt = self.runtime_calls
-            # A layer's common call passes in one test: [n, hidden] tokens, float32 weights and
-            # ids in the library's dtype of shape [n, num_topk], the quant spec of the last call,
-            # no call in flight; and bf16 contiguous tokens within the capacity, contiguous ids,
-            # which the runtime's asserts check where it is called directly (RuntimeCalls). Any
-            # other call takes the full checks, which raise every error they raised before, in
-            # the same order.
-            try:
-                h_shape = hidden_states.shape
-                common = (len(h_shape) == 2 and h_shape[1] == self._hidden
-                          and topk_weights.dtype is _F32 and topk_ids.dtype is self._idx_dtype
-                          and quant is self._checked_quant and self._state is None
-                          and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
-                          and (rt is not None or hidden_states.dtype is _BF16
-                               and h_shape[0] <= self._max_tokens)
-                          and not (self._determinism
-                                   and torch.are_deterministic_algorithms_enabled()))
-            except AttributeError:  # not tensors: the full checks say which
-                common = False
+            common = self._is_common_call(hidden_states, topk_weights, topk_ids, quant, rt)
             if not common:
                 self._check_call(hidden_states, topk_weights, topk_ids, quant)
-                h_shape = hidden_states.shape
                 ids = self._ids(topk_ids)
                 x = hidden_states.contiguous()
                 weights = topk_weights if topk_weights.dtype is _F32 else topk_weights.float()
@@ -241,13 +216,13 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                 ids, x, weights = topk_ids.contiguous(), hidden_states.contiguous(), topk_weights
             else:  # the runtime's asserts check the rest
                 ids, x, weights = topk_ids, hidden_states, topk_weights
-            n = h_shape[0]
+            n = hidden_states.shape[0]
             use_fp8 = self._fp8
             use_ue8m0 = use_fp8 and self.use_ue8m0
             if self._check_ids:
                 assert_expert_ids(ids, self._num_experts, self._id_error)
-            if self._padded:
-                x = self._pad_last(x)
+            if self._padded:  # (see the module doc)
+                x = pad_hidden(x, self._hidden, self.manager.kernel_hidden)
             launched = True
             if rt is None:
                 recv_x, recv_sf, recv_count, handle, hook = self._dispatch_through_wrapper(
@@ -267,11 +242,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                         self._num_experts, use_fp8, use_ue8m0, use_ue8m0, False, recv_hook)
                 handle = (src_info, layout_range)
             if self._padded:  # the experts get views of the layer's columns (and scales)
-                hidden = self._hidden
-                recv_x = recv_x[..., :hidden]
-                if recv_sf is not None:  # packed UE8M0 scales: int32, one per 512 columns
-                    per = FP8_BLOCK * (UE8M0_PACK if recv_sf.dtype is torch.int32 else 1)
-                    recv_sf = recv_sf[..., : -(-hidden // per)]
+                recv_x, recv_sf = unpad_received(recv_x, recv_sf, self._hidden)
             self._state = (handle, n, recv_x.shape, topk_ids, topk_weights, ids, weights)
             self._calls += 1
             self._tokens[use_fp8] += n
@@ -282,6 +253,26 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             f.mark_broken(f"{self.name}: prepare raised on this rank", e)
             raise
         return recv_x, recv_sf, recv_count, hook
+
+    def _is_common_call(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, quant: QuantSpec, rt: Optional[RuntimeCalls]
+                        ) -> bool:
+        """A layer's common call passes in one test: [n, hidden] tokens, float32 weights and ids
+        in the library's dtype of shape [n, num_topk], the quant spec of the last call, no call
+        in flight; and bf16 contiguous tokens within the capacity, contiguous ids, which the
+        runtime's asserts check where it is called directly (RuntimeCalls). Any other call takes
+        the full checks, which raise every error they raised before, in the same order."""
+        try:
+            h_shape = hidden_states.shape
+            return (len(h_shape) == 2 and h_shape[1] == self._hidden
+                    and topk_weights.dtype is _F32 and topk_ids.dtype is self._idx_dtype
+                    and quant is self._checked_quant and self._state is None
+                    and topk_ids.shape == topk_weights.shape == (h_shape[0], self._topk)
+                    and (rt is not None or hidden_states.dtype is _BF16
+                         and h_shape[0] <= self._max_tokens)
+                    and not (self._determinism and torch.are_deterministic_algorithms_enabled()))
+        except AttributeError:  # not tensors: the full checks say which
+            return False
 
     def _dispatch_through_wrapper(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool,
                                   use_ue8m0: bool, recv_hook: bool
@@ -421,7 +412,8 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                           and output.is_contiguous())
                 dest = (output if direct
                         else fused_expert_output.new_empty(n, self.manager.kernel_hidden))
-            x = self._pad_last(fused_expert_output) if self._padded else fused_expert_output
+            x = (pad_hidden(fused_expert_output, self._hidden, self.manager.kernel_hidden)
+                 if self._padded else fused_expert_output)
             if rt is None:
                 hook = self._combine_through_wrapper(x.contiguous(), ids, weights.contiguous(),
                                                      handle, dest, recv_hook)

@@ -62,7 +62,8 @@ from moe_plugins.planner.model_config import ModelSpec
 from moe_plugins.planner.recommend import recommend_strategy
 from moe_plugins.planner.results import (CollectivePlan, LayerPlan, RankPlan, StrategyPlan,
                                          TimeEstimate)
-from moe_plugins.planner.traffic import Estimate, Routing, itemsize, tokens_per_dp, wire_format
+from moe_plugins.planner.traffic import (Estimate, Routing, WireFormat, itemsize, tokens_per_dp,
+                                         wire_format)
 from moe_plugins.quant import QuantSpec
 from moe_plugins.registry import BackendSpec, WireLayout
 from moe_plugins.strategy import SharedPlacement, applicable_strategies, choose_strategy
@@ -77,10 +78,9 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                quant: QuantSpec = QuantSpec(), *, link: LinkModel = LinkModel(),
                routing: Optional[Routing] = None,
                shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED,
-               single_collective: bool = True,
-               shared_expert_budget_bytes: Optional[int] = None,
-               backend_options: object = None,
-               placement: Optional[ExpertPlacement] = None) -> LayerPlan:
+               single_collective: bool = True, shared_expert_budget_bytes: Optional[int] = None,
+               backend_options: object = None, placement: Optional[ExpertPlacement] = None
+               ) -> LayerPlan:
     """Plan one decoder layer (attention reduction + MoE block) under every strategy that applies
     to ``layout`` and ``backend``.
 
@@ -100,8 +100,7 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
         measured ``routing`` (PHYSICAL ids, :meth:`Routing.from_topk_ids` with the placement).
 
     Raises ValueError naming what is wrong; a layer the backend itself refuses (dtype, hidden or
-    top-k outside its kernels' limits) raises the backend's own error.
-    """
+    top-k outside its kernels' limits) raises the backend's own error."""
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     cfg, caps = spec.moe, backend.capabilities
     tokens = tokens_per_dp(num_tokens, layout.dp)
@@ -109,20 +108,12 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                                     has_shared_expert=cfg.has_shared_expert)
     # As MoELayer builds a backend: EP on and a dispatching strategy (one rank sends to itself).
     dispatching = [s for s in options if s.dispatches and layout.ep]
-    world = layout.world_size
-    rows = [owned_rows(tokens[layout.dp_rank(r)], layout.tp, layout.tp_rank(r)) for r in range(world)]
+    rows = [owned_rows(tokens[layout.dp_rank(r)], layout.tp, layout.tp_rank(r))
+            for r in range(layout.world_size)]
     owned = [o.num_owned for o in rows]
-    traffic: Optional[AllToAllPlan] = None
-    transport = backend.transport
-    if dispatching:  # every dispatching strategy sends the same rows
-        traffic = _all_to_all(cfg, layout, owned, max(1, *owned), backend, quant, link, routing,
-                              backend_options, placement)
-        transport = traffic.transport
-    else:
-        check_backend(backend, layout, quant, cfg, False, placement)
-        if layout.ep and cfg.num_experts % layout.ep_size:
-            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
-                             f"{layout.ep_size}; pick an EP size that divides the experts")
+    traffic = _layer_traffic(cfg, layout, owned, backend, quant, link, routing, backend_options,
+                             placement, bool(dispatching))
+    transport = traffic.transport if traffic is not None else backend.transport
     disp, comb = traffic.times() if traffic is not None else (0.0, 0.0)
     wire = traffic.wire if traffic is not None else wire_format(
         caps.activation_format, cfg, quant, WireLayout(cfg.hidden))
@@ -136,54 +127,87 @@ def plan_layer(model: ModelSpec | MoEConfig, layout: ParallelLayout,
                                 shared_expert_budget_bytes=shared_expert_budget_bytes,
                                 single_collective=single_collective)
 
-    def collectives(kinds: list[tuple[str, int]], r: int) -> tuple[CollectivePlan, ...]:
-        group = layout.tp_group_ranks(layout.dp_rank(r))
-        out = []
-        for kind, n_rows in kinds:
-            b = n_rows * (layout.tp if kind == "reduce_scatter" else 1) * cfg.hidden * item
-            out.append(CollectivePlan(kind, b, link.ring_wire_bytes(kind, b, layout.tp),
-                                      link.link(group), link.collective_us(kind, b, group)))
-        return tuple(out)
-
     plans = []
     for strategy in options:
         dispatches = strategy in dispatching
         shared_b, routed_b = weight_bytes(cfg, layout, strategy.shared_placement,
                                            placement if layout.ep else None)
         ranks, tp_time, attn_time = [], 0.0, 0.0
-        for r in range(world):
-            colls = collectives(moe_tp_collectives(strategy, cfg, rows[r].num_tokens,
-                                                   rows[r].chunk), r)
-            attn = collectives(attention_collectives(strategy, rows[r].num_tokens, rows[r].chunk,
-                                                     spec.sp_attention), r)
+        for r in range(layout.world_size):
+            colls = _tp_collectives(moe_tp_collectives(strategy, cfg, rows[r].num_tokens,
+                                                       rows[r].chunk), layout, r, cfg.hidden,
+                                    item, link)
+            attn = _tp_collectives(attention_collectives(strategy, rows[r].num_tokens,
+                                                         rows[r].chunk, spec.sp_attention),
+                                   layout, r, cfg.hidden, item, link)
             tp_time = max(tp_time, sum(c.time_us for c in colls))
             attn_time = max(attn_time, sum(c.time_us for c in attn))
-            s_rows = traffic.sent[r] if dispatches and traffic else _ZERO
-            r_rows = traffic.recv[r] if dispatches and traffic else _ZERO
-            ranks.append(RankPlan(
-                rank=r, dp_rank=layout.dp_rank(r), tp_rank=layout.tp_rank(r),
-                num_tokens=rows[r].num_tokens, owned=owned[r] if dispatches else 0,
-                pairs=owned[r] * cfg.num_topk if dispatches else 0,
-                rows=s_rows, act_bytes=s_rows.scaled(wire.act_bytes),
-                sf_bytes=s_rows.scaled(wire.sf_bytes), meta_bytes=s_rows.scaled(wire.meta_bytes),
-                combine_bytes=r_rows.scaled(wire.combine_bytes),
-                recv_pairs=traffic.recv_pairs[r] if dispatches and traffic else _ZERO,
-                recv_rows=r_rows,
-                recv_act_bytes=r_rows.scaled(wire.act_bytes),
-                recv_sf_bytes=r_rows.scaled(wire.sf_bytes),
-                recv_meta_bytes=r_rows.scaled(wire.meta_bytes),
-                recv_combine_bytes=s_rows.scaled(wire.combine_bytes),
-                tp_collectives=colls, shared_weight_bytes=shared_b,
-                expert_weight_bytes=routed_b, attention_collectives=attn))
+            ranks.append(_rank_plan(layout, r, rows[r].num_tokens, owned[r], cfg.num_topk,
+                                    traffic if dispatches else None, wire, colls, attn,
+                                    shared_b, routed_b))
         recommended = strategy is choice.strategy
+        times = TimeEstimate(*((disp, comb) if dispatches else (0.0, 0.0)), tp_time, attn_time)
         plans.append(StrategyPlan(strategy, recommended, choice.reason if recommended else "",
-                                  dispatches, tuple(ranks),
-                                  TimeEstimate(disp if dispatches else 0.0,
-                                               comb if dispatches else 0.0, tp_time, attn_time),
+                                  dispatches, tuple(ranks), times,
                                   default=strategy is default.strategy))
     plans = [_with_comparison(p, plans) for p in plans]
     return LayerPlan(spec, layout, tokens, backend.name, quant, link, wire, routing is not None,
                      tuple(plans), placement if layout.ep else None, transport)
+
+
+def _layer_traffic(cfg: MoEConfig, layout: ParallelLayout, owned: list[int], backend: BackendSpec,
+                   quant: QuantSpec, link: LinkModel, routing: Optional[Routing],
+                   backend_options: object, placement: Optional[ExpertPlacement],
+                   dispatching: bool) -> Optional[AllToAllPlan]:
+    """The all-to-alls of a layer whose strategies dispatch (every dispatching strategy sends
+    the same rows), else None after checking the backend takes the layer."""
+    if dispatching:
+        return _all_to_all(cfg, layout, owned, max(1, *owned), backend, quant, link, routing,
+                           backend_options, placement)
+    check_backend(backend, layout, quant, cfg, False, placement)
+    if layout.ep and cfg.num_experts % layout.ep_size:
+        raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the EP size "
+                         f"{layout.ep_size}; pick an EP size that divides the experts")
+    return None
+
+
+def _tp_collectives(kinds: list[tuple[str, int]], layout: ParallelLayout, rank: int, hidden: int,
+                    item: int, link: LinkModel) -> tuple[CollectivePlan, ...]:
+    """The TP collectives ``kinds`` ((kind, rows) each) of ``rank``'s TP group: bytes, wire
+    bytes, link and time."""
+    group = layout.tp_group_ranks(layout.dp_rank(rank))
+    out = []
+    for kind, n_rows in kinds:
+        b = n_rows * (layout.tp if kind == "reduce_scatter" else 1) * hidden * item
+        out.append(CollectivePlan(kind, b, link.ring_wire_bytes(kind, b, layout.tp),
+                                  link.link(group), link.collective_us(kind, b, group)))
+    return tuple(out)
+
+
+def _rank_plan(layout: ParallelLayout, rank: int, num_tokens: int, owned: int, num_topk: int,
+               traffic: Optional[AllToAllPlan], wire: WireFormat,
+               colls: tuple[CollectivePlan, ...], attn: tuple[CollectivePlan, ...],
+               shared_b: int, routed_b: int) -> RankPlan:
+    """One rank's row of a strategy: what it sends and receives (``traffic`` None: a strategy
+    that does not dispatch), its TP collectives and its weights."""
+    dispatches = traffic is not None
+    s_rows = traffic.sent[rank] if traffic is not None else _ZERO
+    r_rows = traffic.recv[rank] if traffic is not None else _ZERO
+    return RankPlan(
+        rank=rank, dp_rank=layout.dp_rank(rank), tp_rank=layout.tp_rank(rank),
+        num_tokens=num_tokens, owned=owned if dispatches else 0,
+        pairs=owned * num_topk if dispatches else 0,
+        rows=s_rows, act_bytes=s_rows.scaled(wire.act_bytes),
+        sf_bytes=s_rows.scaled(wire.sf_bytes), meta_bytes=s_rows.scaled(wire.meta_bytes),
+        combine_bytes=r_rows.scaled(wire.combine_bytes),
+        recv_pairs=traffic.recv_pairs[rank] if traffic is not None else _ZERO,
+        recv_rows=r_rows,
+        recv_act_bytes=r_rows.scaled(wire.act_bytes),
+        recv_sf_bytes=r_rows.scaled(wire.sf_bytes),
+        recv_meta_bytes=r_rows.scaled(wire.meta_bytes),
+        recv_combine_bytes=s_rows.scaled(wire.combine_bytes),
+        tp_collectives=colls, shared_weight_bytes=shared_b,
+        expert_weight_bytes=routed_b, attention_collectives=attn)
 
 
 def _all_to_all(cfg: MoEConfig, layout: ParallelLayout, owned: list[int], max_tokens: int,

@@ -357,11 +357,23 @@ class PrepareFinalize(ABC):
         topk_ids: torch.Tensor,
         quant: QuantSpec,
     ) -> AsyncResult:
-        """Send the owned tokens. hidden_states [num_tokens, hidden] (model dtype),
-        topk_weights float32 [num_tokens, num_topk], topk_ids int [num_tokens, num_topk] with
-        PHYSICAL expert ids (:mod:`moe_plugins.placement`; physical expert p on EP rank
-        p // num_local; with linear placement and no redundant experts they are the model's
-        expert ids). The receiver returns a :class:`PrepareResult`."""
+        """Send this rank's owned tokens to the ranks that hold their experts.
+
+        Arguments:
+            hidden_states: ``torch.Tensor`` of the model dtype (bf16 on the GPU backends),
+                shape ``[num_tokens, hidden]``: the owned tokens (``num_tokens`` may be 0).
+            topk_weights: ``torch.float32``, shape ``[num_tokens, num_topk]``: router weights.
+            topk_ids: ``torch.int32`` or ``torch.int64``, shape ``[num_tokens, num_topk]``:
+                PHYSICAL expert ids (:mod:`moe_plugins.placement`: physical expert p lives on
+                EP rank p // num_local_experts; with linear placement and no redundant experts
+                they are the model's expert ids), -1 for none where the backend allows it.
+            quant: how the activations travel (:class:`moe_plugins.quant.QuantSpec`).
+
+        Returns:
+            :class:`AsyncResult`: ``hook`` (None, or the receive to run later, e.g. after the
+            shared expert was launched) and ``receiver``, which returns the
+            :class:`PrepareResult` (its tensors stay valid until this call's finalize).
+        """
 
     @abstractmethod
     def finalize_async(
@@ -371,9 +383,27 @@ class PrepareFinalize(ABC):
         topk_ids: torch.Tensor,
         output: torch.Tensor | RowScatterTarget,
     ) -> AsyncResult:
-        """Send expert outputs back to their tokens' owners. ``output`` is either a plain
-        [num_tokens, hidden] tensor to fill, or a :class:`RowScatterTarget` to add into through
-        :func:`row_scatter_add`. The receiver returns the tensor it wrote."""
+        """Send the expert outputs back to their tokens' owners and reduce them there.
+
+        Arguments:
+            fused_expert_output: ``torch.Tensor`` of the model dtype, the experts' outputs in
+                the layout prepare handed them: STANDARD ``[num_recv_tokens, hidden]`` (already
+                weighted by the experts' reduction), BATCHED
+                ``[num_local_experts, max_recv_tokens, hidden]`` (unweighted: the combine
+                applies ``topk_weights``).
+            topk_weights: ``torch.float32``, shape ``[num_tokens, num_topk]``: the ones given
+                to this call's prepare.
+            topk_ids: ``torch.int32`` or ``torch.int64``, shape ``[num_tokens, num_topk]``: the
+                ones given to this call's prepare.
+            output: a ``[num_tokens, hidden]`` tensor of the model dtype to fill, or a
+                :class:`RowScatterTarget` whose rows this rank owns get the routed output
+                added (:func:`row_scatter_add`; other rows untouched).
+
+        Returns:
+            :class:`AsyncResult`: ``hook`` (None, or the receive to run later) and
+            ``receiver``, which returns the tensor it wrote: ``output`` itself, or the
+            target's buffer.
+        """
 
     def reset_call_state(self) -> None:
         """Drop per-call state (dispatch handles). Called in ``finally`` after every layer call,
@@ -417,10 +447,18 @@ class PrepareFinalize(ABC):
 
     def prepare(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quant: QuantSpec) -> PrepareResult:
-        """:meth:`prepare_async` with its receive completed: the same arguments
-        (hidden_states [num_tokens, hidden], topk_weights float32 [num_tokens, num_topk],
-        topk_ids int32/int64 [num_tokens, num_topk] physical ids) and the
-        :class:`PrepareResult` its receiver gives."""
+        """:meth:`prepare_async` with its receive completed.
+
+        Arguments:
+            hidden_states: model dtype, ``[num_tokens, hidden]``.
+            topk_weights: ``torch.float32``, ``[num_tokens, num_topk]``.
+            topk_ids: ``torch.int32``/``torch.int64``, ``[num_tokens, num_topk]``, physical ids.
+            quant: how the activations travel.
+
+        Returns:
+            :class:`PrepareResult`: ``x``, ``x_sf`` (None exactly when ``x`` is unquantized),
+            the per-expert counts and, STANDARD only, local ``topk_ids``/``topk_weights``.
+        """
         res = self.prepare_async(hidden_states, topk_weights, topk_ids, quant)
         if res.hook is not None:
             res.hook()
@@ -430,12 +468,20 @@ class PrepareFinalize(ABC):
 
     def finalize(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget) -> torch.Tensor:
-        """:meth:`finalize_async` with its receive completed. fused_expert_output: the experts'
-        outputs in the layout prepare handed them (STANDARD [num_recv_tokens, hidden], BATCHED
-        [num_local_experts, max_recv_tokens, hidden]); topk_weights/topk_ids: the ones given to
-        prepare; output: a plain [num_tokens, hidden] tensor, or a :class:`RowScatterTarget`.
-        Returns the tensor written (``output``, or the target's buffer); TypeError when the
-        backend returned another."""
+        """:meth:`finalize_async` with its receive completed.
+
+        Arguments:
+            fused_expert_output: model dtype, STANDARD ``[num_recv_tokens, hidden]`` or
+                BATCHED ``[num_local_experts, max_recv_tokens, hidden]``.
+            topk_weights: ``torch.float32``, ``[num_tokens, num_topk]`` (as given to prepare).
+            topk_ids: ``torch.int32``/``torch.int64``, ``[num_tokens, num_topk]`` (as given).
+            output: a ``[num_tokens, hidden]`` tensor, or a :class:`RowScatterTarget`.
+
+        Returns:
+            ``torch.Tensor``: the tensor written (``output``, or the target's buffer).
+            TypeError when the backend returned another, or when ``output`` is a
+            :class:`RowScatterTarget` and the backend has no row-scatter finalize.
+        """
         if isinstance(output, RowScatterTarget) and not self.supports_row_scatter_finalize():
             raise TypeError(f"{type(self).__name__} has no row-scatter finalize; pass a plain "
                             "output tensor or pick a backend whose capabilities list row_scatter")

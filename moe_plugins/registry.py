@@ -146,12 +146,29 @@ class Transport(Enum):
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """One registered backend.
+    """One registered backend: what an entry point of the group ``moe_plugins.backends`` names.
 
-    prepare_finalize(manager, cfg) and manager(ctx, cfg) are the classes built for a layer; their
-    constructors raise ImportError naming the extra when a required package is missing. The
-    manager class keeps :class:`moe_plugins.interface.BackendManager` (the members the engines
-    use); a spec whose manager does not is skipped at loading, with a WARNING.
+    Arguments (the fields):
+        name: the backend's name (``moe-plugins list``; under vLLM ``moe_plugins_<name>``); its
+            modules are ``prepare_finalize/<name>.py`` and ``all2all/<name>.py``.
+        prepare_finalize: called ``prepare_finalize(manager, cfg)`` per layer: the
+            :class:`moe_plugins.interface.PrepareFinalize` that moves the tokens (it keeps
+            ``cfg`` as its ``cfg``; :meth:`prepare_finalize_on` checks it).
+        manager: the class called ``manager(ctx, cfg)`` (:class:`moe_plugins.groups.DistContext`,
+            :class:`moe_plugins.config.DispatchConfig`) that owns the library's buffers; it keeps
+            :class:`moe_plugins.interface.BackendManager` (a spec whose manager does not is
+            skipped at loading, with a WARNING). Its constructor raises ImportError naming the
+            extra when a required package is missing.
+        capabilities: what the backend serves (:class:`Capabilities`: EP over DP, TP, SP,
+            row-scatter finalize, placements, micro-batches, rank masking, activation format).
+        quants: the activation formats it carries (:class:`moe_plugins.quant.QuantScheme`).
+        required, needs_cuda: the packages it imports and whether it needs a CUDA GPU.
+        description, use_for, distribution, priority: its row of ``moe-plugins list`` and the
+            order ``--backend auto`` tries (higher first).
+        dtypes, ep_sizes, token_limit, wire_layout: the kernels' limits (activation dtypes, EP
+            group sizes, tokens per rank for an EP size, the row it puts on the wire); None: no
+            limit.
+        transport, call_modes: how its all-to-alls move data (the planner's time model).
     """
 
     name: str

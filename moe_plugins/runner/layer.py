@@ -36,27 +36,34 @@ _LOGGED: set[tuple] = set()
 
 
 class MoELayer:
-    """One MoE layer on one rank.
+    """One MoE layer on one rank: router, shared expert, and the routed experts behind a
+    registered backend's dispatch and combine.
 
-    ``weights`` are the full weights (each rank takes its shard); ``ctx``: this rank's groups
-    (:func:`moe_plugins.groups.make_dist_context`); ``backend``: a registered backend
-    (:func:`moe_plugins.registry.get_backend`), checked against the layout, quant, dtype and
-    placement (:class:`moe_plugins.registry.BackendSelectionError` naming what is missing);
-    ``strategy`` None picks the default for the layout (ValueError for one that does not
-    apply); ``quant``: the dispatch quantization; ``overlap``: the shared-expert overlap
-    switches (None: from the environment); ``max_tokens_per_rank``: the most tokens a TP rank's
-    chunk may hold per call (the backend's buffers are sized for it); ``shared_placement``: how
-    the shared expert sits on the TP ranks when the strategy is chosen here;
-    ``backend_options`` goes to the backend as ``DispatchConfig.backend_options`` (its typed
-    options dataclass, None for its defaults). ``forward(x)`` takes x [num_tokens, hidden], the
-    same on every TP rank of a DP group, and returns the layer output [num_tokens, hidden] in
-    ``x.dtype``. ``placement`` (EP on): where the physical experts are (None: linear); the
-    router's logical ids are mapped to physical ones (a replica per token, as vLLM's EPLB
-    router does) before dispatch, and :meth:`rebalance` moves the experts between forward
-    passes. ``call_timeout_s`` (None: ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off): a
-    call not complete within it ends this process with a clear error
-    (:mod:`moe_plugins.callbound.watchdog`: a peer died or hangs mid-call); the layer's first
-    calls run under the longer start-up bound (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
+    Arguments:
+        weights: the full layer weights (:class:`moe_plugins.runner.model.MoEWeights`); each
+            rank takes its shard.
+        ctx: this rank's groups (:func:`moe_plugins.groups.make_dist_context`).
+        backend: a registered backend (:func:`moe_plugins.registry.get_backend`), checked
+            against the layout, quant, dtype and placement
+            (:class:`moe_plugins.registry.BackendSelectionError` naming what is missing).
+        strategy: None picks the layout's default (ValueError for one that does not apply).
+        quant: the dispatch quantization; overlap: the shared-expert overlap switches (None:
+            from the environment); shared_placement: the shared expert on the TP ranks when
+            the strategy is chosen here.
+        max_tokens_per_rank: the most tokens a TP rank's chunk may hold per call (the
+            backend's buffers are sized for it).
+        backend_options: the backend's typed options (``DispatchConfig.backend_options``;
+            None: its defaults).
+        placement: (EP on) where the physical experts are (None: linear); the router's logical
+            ids map to physical ones (a replica per token, as vLLM's EPLB router does) before
+            dispatch, and :meth:`rebalance` moves experts between forward passes.
+        call_timeout_s: (None: ``$MOE_PLUGINS_CALL_TIMEOUT_S``, else off; 0: off) a call not
+            complete within it ends this process with a clear error
+            (:mod:`moe_plugins.callbound.watchdog`); the first calls run under the longer
+            start-up bound (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
+
+    ``forward(x)``: x of the model dtype ``[num_tokens, hidden]``, the same on every TP rank of
+    a DP group; returns the layer output ``[num_tokens, hidden]`` in ``x.dtype``.
     """
 
     def __init__(self, weights: MoEWeights, ctx: DistContext, backend: BackendSpec,
@@ -70,47 +77,11 @@ class MoELayer:
         self.cfg, self.ctx, self.quant = cfg, ctx, quant
         self.overlap = overlap or OverlapConfig.from_env()
         layout = ctx.layout
-        caps = backend.capabilities
-        # Availability (packages, GPU) is checked by the engine's selection; here the layout
-        # and quant, so a layer never runs on a backend that cannot serve it.
-        refused = refusal_reason(backend, layout, quant.scheme, require_available=False,
-                                 dtype=cfg.dtype, placement=placement)
-        if refused:
-            raise BackendSelectionError(f"backend {backend.name!r} cannot serve layout "
-                                        f"{layout.describe()} with quant {quant.scheme.value}: "
-                                        f"{refused}; `moe-plugins list` shows what each backend supports")
-        options = applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
-                                        has_shared_expert=cfg.has_shared_expert)
-        if strategy is None:
-            choice = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
-                                     has_shared_expert=cfg.has_shared_expert,
-                                     single_collective=self.overlap.single_collective,
-                                     shared_placement=shared_placement)
-            strategy, reason = choice.strategy, choice.reason
-        elif strategy not in options:
-            raise ValueError(f"strategy {strategy.value} does not apply to layout {layout.describe()} "
-                             f"with backend {backend.name}; applicable: {[s.value for s in options]}")
-        else:
-            reason = "requested explicitly"
+        strategy, reason = self._pick_strategy(backend, strategy, shared_placement, placement)
         self.strategy = strategy
         self.backend_spec = backend
-        tp, tp_rank = layout.tp, ctx.tp_rank
-
         self.weights = weights
-        if layout.ep:
-            self.placement = placement or ExpertPlacement.linear(cfg.num_experts, layout.ep_size)
-            self.expert_weights = weights.local_experts(layout.ep_size, ctx.rank, self.placement)
-        else:
-            if placement is not None:
-                raise ValueError(f"an expert placement needs expert parallelism; layout "
-                                 f"{layout.describe()} shards every expert over TP instead. "
-                                 "Enable EP or pass placement=None")
-            # every rank holds (a TP shard of) every expert: one 'rank' of all of them
-            self.placement = ExpertPlacement.linear(cfg.num_experts, 1)
-            self.expert_weights = weights.tp_sharded_experts(tp, tp_rank)
-        self.experts = TorchExperts(self.expert_weights, quant, cfg.dtype)
-        self.shared = (weights.shared(tp, tp_rank) if strategy.shared_placement is SharedPlacement.TP_SHARDED
-                       else weights.shared())
+        self._place_experts(placement)
         self.router = weights.router
         self.collectives = CollectiveLog()
         self.name = f"MoE layer ({backend.name}, {layout.describe()}, {strategy.value})"
@@ -122,16 +93,7 @@ class MoELayer:
         self.manager: Optional[BackendManager] = None
         self.pf: Optional[PrepareFinalize] = None
         if strategy.dispatches and layout.ep:  # EP on: tokens go through the backend, 1 rank too
-            dispatch = DispatchConfig(
-                num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
-                max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=quant,
-                backend_options=backend_options, placement=self.placement)
-            self.manager = backend.manager(ctx, dispatch)
-            try:
-                self.pf = backend.prepare_finalize_on(self.manager, dispatch)
-            except BaseException:
-                self.manager.destroy()
-                raise
+            self._build_backend(backend, max_tokens_per_rank, backend_options)
 
         # the watchdog hears the group's notice for a backend whose waits do not (hears_peer_
         # failures: the backend raises; the process lives)
@@ -148,19 +110,94 @@ class MoELayer:
         self._masks_by_library = (manager.masked_by_library
                                   if isinstance(manager, RankMasking) and manager.can_mask()
                                   else None)
-        key = (backend.name, layout, strategy, self.overlap, quant, cfg, ctx.device.type,
+        self._log_config(reason)
+
+    def _pick_strategy(self, backend: BackendSpec, strategy: Optional[ReductionStrategy],
+                       shared_placement: SharedPlacement, placement: Optional[ExpertPlacement]
+                       ) -> tuple[ReductionStrategy, str]:
+        """The backend checked against the layer (layout, quant, dtype, placement), and the
+        strategy with why: the one asked for (ValueError where it does not apply) or the
+        layout's default."""
+        cfg, layout, quant = self.cfg, self.ctx.layout, self.quant
+        caps = backend.capabilities
+        # Availability (packages, GPU) is checked by the engine's selection; here the layout
+        # and quant, so a layer never runs on a backend that cannot serve it.
+        refused = refusal_reason(backend, layout, quant.scheme, require_available=False,
+                                 dtype=cfg.dtype, placement=placement)
+        if refused:
+            raise BackendSelectionError(f"backend {backend.name!r} cannot serve layout "
+                                        f"{layout.describe()} with quant {quant.scheme.value}: "
+                                        f"{refused}; `moe-plugins list` shows what each backend supports")
+        options = applicable_strategies(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                                        has_shared_expert=cfg.has_shared_expert)
+        if strategy is None:
+            choice = choose_strategy(layout, supports_sp=caps.sp, supports_row_scatter=caps.row_scatter,
+                                     has_shared_expert=cfg.has_shared_expert,
+                                     single_collective=self.overlap.single_collective,
+                                     shared_placement=shared_placement)
+            return choice.strategy, choice.reason
+        if strategy not in options:
+            raise ValueError(f"strategy {strategy.value} does not apply to layout {layout.describe()} "
+                             f"with backend {backend.name}; applicable: {[s.value for s in options]}")
+        return strategy, "requested explicitly"
+
+    def _place_experts(self, placement: Optional[ExpertPlacement]) -> None:
+        """This rank's routed experts (EP: its slots of ``placement``, linear when None; no EP:
+        its TP shard of every expert) and its shared expert (TP-sharded or replicated, as the
+        strategy places it)."""
+        cfg, layout, weights = self.cfg, self.ctx.layout, self.weights
+        tp, tp_rank = layout.tp, self.ctx.tp_rank
+        if layout.ep:
+            self.placement = placement or ExpertPlacement.linear(cfg.num_experts, layout.ep_size)
+            self.expert_weights = weights.local_experts(layout.ep_size, self.ctx.rank,
+                                                        self.placement)
+        else:
+            if placement is not None:
+                raise ValueError(f"an expert placement needs expert parallelism; layout "
+                                 f"{layout.describe()} shards every expert over TP instead. "
+                                 "Enable EP or pass placement=None")
+            # every rank holds (a TP shard of) every expert: one 'rank' of all of them
+            self.placement = ExpertPlacement.linear(cfg.num_experts, 1)
+            self.expert_weights = weights.tp_sharded_experts(tp, tp_rank)
+        self.experts = TorchExperts(self.expert_weights, self.quant, cfg.dtype)
+        self.shared = (weights.shared(tp, tp_rank)
+                       if self.strategy.shared_placement is SharedPlacement.TP_SHARDED
+                       else weights.shared())
+
+    def _build_backend(self, backend: BackendSpec, max_tokens_per_rank: int,
+                       backend_options: Any) -> None:
+        """The backend's manager (its buffers, sized for ``max_tokens_per_rank``) and the
+        prepare/finalize on it; the manager is destroyed again where the latter fails."""
+        cfg = self.cfg
+        dispatch = DispatchConfig(
+            num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
+            max_tokens_per_rank=max_tokens_per_rank, dtype=cfg.dtype, quant=self.quant,
+            backend_options=backend_options, placement=self.placement)
+        self.manager = backend.manager(self.ctx, dispatch)
+        try:
+            self.pf = backend.prepare_finalize_on(self.manager, dispatch)
+        except BaseException:
+            self.manager.destroy()
+            raise
+
+    def _log_config(self, reason: str) -> None:
+        """The one INFO line per layer config."""
+        cfg, ctx, backend, quant = self.cfg, self.ctx, self.backend_spec, self.quant
+        layout = ctx.layout
+        key = (backend.name, layout, self.strategy, self.overlap, quant, cfg, ctx.device.type,
                self.placement.kind)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            off = overlap_off_reason(self.overlap, ctx.device, 0) if cfg.has_shared_expert \
-                else "no shared expert"
-            logger.info("moe-plugins layer: backend=%s layout=%s placement=%s strategy=%s (%s) "
-                        "overlap=%s quant=%s%s call bound=%s", backend.name, layout.describe(),
-                        self.placement.describe(), strategy.value, reason,
-                        f"off ({off})" if off else
-                        f"on (up to {self.overlap.overlap_max_tokens} tokens per call)",
-                        quant.scheme.value, " (deferred)" if quant.defer_input_quant else "",
-                        self._bound.describe())
+        if key in _LOGGED:
+            return
+        _LOGGED.add(key)
+        off = overlap_off_reason(self.overlap, ctx.device, 0) if cfg.has_shared_expert \
+            else "no shared expert"
+        logger.info("moe-plugins layer: backend=%s layout=%s placement=%s strategy=%s (%s) "
+                    "overlap=%s quant=%s%s call bound=%s", backend.name, layout.describe(),
+                    self.placement.describe(), self.strategy.value, reason,
+                    f"off ({off})" if off else
+                    f"on (up to {self.overlap.overlap_max_tokens} tokens per call)",
+                    quant.scheme.value, " (deferred)" if quant.defer_input_quant else "",
+                    self._bound.describe())
 
     # -- counted TP collectives (the dispatch all-to-alls are counted by the backend) -----------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:

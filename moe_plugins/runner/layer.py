@@ -30,6 +30,31 @@ from moe_plugins.callbound import CallBound
 
 logger = logging.getLogger(__name__)
 
+
+def layer_input_error(name: str, x: object, hidden: int, device: torch.device, tp: int,
+                      capacity: Optional[int]) -> Optional[Exception]:
+    """Why a layer refuses its input ``x`` (None: it does not): x must be a float tensor
+    ``[num_tokens, hidden]`` on the layer's ``device`` whose TP chunk (``ceil(num_tokens / tp)``)
+    fits the backend's ``capacity`` per rank (None: no fixed capacity)."""
+    if not isinstance(x, torch.Tensor):
+        return TypeError(f"{name}: x must be a torch.Tensor [num_tokens, {hidden}], got "
+                         f"{type(x).__module__}.{type(x).__qualname__}; convert it with "
+                         f"torch.as_tensor(x, device={str(device)!r})")
+    if x.device != device:
+        return ValueError(f"{name}: x is on {x.device}, the layer on {device}; move it with "
+                          ".to(device)")
+    if x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
+        return (ValueError if x.is_floating_point() else TypeError)(
+            f"{name}: x must be float [num_tokens, {hidden}], got {x.dtype} {tuple(x.shape)}")
+    if capacity is not None and -(-x.shape[0] // tp) > capacity:
+        # checked on the TP chunk, the same on every TP rank of the DP group (the owned rows
+        # differ by one where tp does not divide the tokens)
+        return ValueError(
+            f"{name}: x has {x.shape[0]} tokens; with tp={tp} each TP rank dispatches up to "
+            f"{-(-x.shape[0] // tp)}, the backend's buffers hold {capacity} per rank; split the "
+            "batch or build the layer with a larger max_tokens_per_rank")
+    return None
+
 __all__ = ["MoELayer"]
 
 _LOGGED: set[tuple] = set()
@@ -268,7 +293,8 @@ class MoELayer:
             watched.end(self.ctx.device)
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
-        refusal = self._input_error(x)
+        refusal = layer_input_error(self.name, x, self.cfg.hidden, self.ctx.device,
+                                    self.ctx.layout.tp, self._capacity)
         if refusal is not None:
             self._refuse(refusal)
         try:
@@ -310,30 +336,6 @@ class MoELayer:
                 "rank of the EP group (under vLLM, the engine); if every rank lives (a slow "
                 "peer), clean the buffers (layer.manager.clean_buffers()) on every rank and "
                 "rebuild the layer on new process groups on every rank")
-
-    def _input_error(self, x: object) -> Optional[Exception]:
-        """Why this rank refuses the layer input ``x`` (None: it does not)."""
-        if not isinstance(x, torch.Tensor):
-            return TypeError(f"{self.name}: x must be a torch.Tensor [num_tokens, "
-                             f"{self.cfg.hidden}], got {type(x).__module__}."
-                             f"{type(x).__qualname__}; convert it with torch.as_tensor(x, "
-                             f"device={str(self.ctx.device)!r})")
-        if x.device != self.ctx.device:
-            return ValueError(f"{self.name}: x is on {x.device}, the layer on {self.ctx.device}; "
-                              "move it with .to(device)")
-        if x.dim() != 2 or x.shape[1] != self.cfg.hidden or not x.is_floating_point():
-            return (ValueError if x.is_floating_point() else TypeError)(
-                f"{self.name}: x must be float [num_tokens, {self.cfg.hidden}], got "
-                f"{x.dtype} {tuple(x.shape)}")
-        tp = self.ctx.layout.tp
-        if self._capacity is not None and -(-x.shape[0] // tp) > self._capacity:
-            # checked on the TP chunk, the same on every TP rank of the DP group (the owned
-            # rows differ by one where tp does not divide the tokens)
-            return ValueError(
-                f"{self.name}: x has {x.shape[0]} tokens; with tp={tp} each TP rank dispatches "
-                f"up to {-(-x.shape[0] // tp)}, the backend's buffers hold {self._capacity} per "
-                "rank; split the batch or build the layer with a larger max_tokens_per_rank")
-        return None
 
     def _refuse(self, error: Exception) -> None:
         """This rank refuses the layer input: raise ``error`` in step with the peers. Every TP

@@ -153,22 +153,26 @@ class PeerWatch:
         """Take the group's decision ``record`` ("r1,r2"): every peer is masked at once, so a
         call in flight here returns; the caller's thread recovers."""
         text = record.decode() if isinstance(record, bytes) else record
-        newly = sorted({int(r) for r in text.split(",") if r} - set(self.lost))
-        silence = {r: round(now - self._seen[r][1], 3) for r in newly if r in self._seen}
-        with self._lock:
+        with self._lock:  # the thread and a caller's check_lease may read one record
+            newly = sorted({int(r) for r in text.split(",") if r} - set(self.lost))
+            if not newly:
+                return
+            silence = {r: round(now - self._seen[r][1], 3) for r in newly if r in self._seen}
+            if self.faults is not None:  # a faulted call on this rank tells no watchdog
+                self.faults.notice = None
+            # every peer masked BEFORE the decision is published: a caller that sees it
+            # recovers (cleans, masks the lost ranks only) after these masks, never before
+            for m in self._live_managers():
+                for r in range(len(self.ranks)):
+                    if r != self.me:
+                        m.set_rank_masked(r, True)
             self.decisions.append(dict(lost=newly, decided_at=time.time(), silent_s=silence))
             self.lost = tuple(sorted(set(self.lost) | set(newly)))
             self.evicted = self.me in self.lost
             self.epoch += 1
-            if self.faults is not None:
-                self.faults.notice = None
         logger.warning("moe-plugins: EP ranks %s of group %s are lost (silent %s s)%s", newly,
                        self.prefix, silence, "; this rank was declared lost by its peers"
                        if self.evicted else "; masking them, continuing on the survivors")
-        for m in self._live_managers():
-            for r in range(len(self.ranks)):
-                if r != self.me:
-                    m.set_rank_masked(r, True)
 
     def check_lease(self) -> None:
         """At a call's start, cheap: if this rank's own beats stopped for longer than half the

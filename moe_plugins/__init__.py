@@ -15,14 +15,17 @@ from moe_plugins.strategy import ReductionStrategy, choose_strategy
 from moe_plugins.vllm.patching import VllmPatchError
 from moe_plugins.vllm.version import UnsupportedVllmError
 from moe_plugins.callbound import CallTimeoutError, PeerFailedError
+from moe_plugins.survival import (ExpertsLostError, PeerLossOptions, PeerLostError,
+                                  RankEvictedError)
 
 __version__ = "0.1.0"
 
 __all__ = ["ActivationFormat", "PrepareFinalize", "PrepareResult", "RowScatterTarget",
            "row_scatter_add", "ParallelLayout", "owned_rows", "slice_owned", "QuantScheme",
-           "QuantSpec", "ReductionStrategy", "choose_strategy", "__version__",
+           "QuantSpec", "ReductionStrategy", "choose_strategy", "__version__", "PeerLossOptions",
            # every exception the package raises on purpose (docs/faults.md, "Errors")
-           "BackendSelectionError", "CallTimeoutError", "CollectiveError", "LayerBrokenError",
+           "BackendSelectionError", "CallTimeoutError", "CollectiveError", "ExpertsLostError",
+           "LayerBrokenError", "PeerLostError", "RankEvictedError",
            "OutOfStepError", "PeerFailedError", "PeerInputError", "PeerMaskedError", "RankDiedError", "RankError",
            "RankTimeoutError",
            "UnsupportedVllmError", "VllmPatchError"]

@@ -43,6 +43,10 @@ with no error. So:
   collective and the peers, and breaks the group.
 - **Peers the library masks.** A result without the experts of a peer the library masked on
   its own is not returned: :class:`PeerMaskedError` (raised by ``MoELayer``).
+- **One mask contract.** Our masked flag means one thing on every backend; each library's
+  word is translated in :mod:`moe_plugins.masking`.
+- **Continuing after a peer's loss.** Opt-in (:mod:`moe_plugins.survival`): the faulted call
+  raises a retryable error, the survivors mask, re-home and regroup from values they all hold.
 - **The call bound.** A call not complete within the optional bound ends the process
   (:mod:`moe_plugins.callbound`).
 

@@ -1,4 +1,16 @@
-"""The check of a rank-mask request, ``(rank, masked)``, that every masking entry point makes
+"""Rank masks: one meaning in our API, each library's word translated here.
+
+**The contract.** In moe-plugins' API a rank is *masked* or not: ``masked=True`` (or 1) leaves
+the rank out of dispatch and combine (its experts count as zero), ``False`` (or 0) takes it back,
+and :meth:`masked_ranks` lists the masked ranks. Whatever word a library stores, that is what
+our flag means, on every backend. The libraries' words differ: DeepEP's and NIXL EP's mask
+buffers hold one int32 per rank, nonzero = masked (``low_latency_query_mask_buffer`` /
+``query_mask_buffer``; their ``update_mask_buffer(rank, mask)`` takes True = masked);
+flashinfer's ``moe_ep`` fault tolerance holds ``active_rank_mask``, 1 = active, 0 = left out.
+Each backend names its library's word (:class:`MaskWord`) and translates only through
+:func:`masked_from_library` / :func:`library_word`.
+
+And the check of a rank-mask request, ``(rank, masked)``, that every masking entry point makes
 before it changes any state: ``LowLatencyManager.set_rank_masked`` (deepep_ll, nixl_ep, the
 low-latency half of deepep_auto) and the vLLM manager's ``update_mask``.
 
@@ -10,7 +22,31 @@ nothing else; the rank is a Python int (not a bool) inside the EP group.
 """
 from __future__ import annotations
 
-__all__ = ["checked_mask_request"]
+import enum
+from typing import Sequence
+
+__all__ = ["checked_mask_request", "MaskWord", "masked_from_library", "library_word"]
+
+
+class MaskWord(enum.Enum):
+    """What a library's per-rank mask word says."""
+
+    NONZERO_MASKED = "nonzero = masked"  # DeepEP (enable_shrink), NIXL EP
+    ONE_ACTIVE = "1 = active"  # flashinfer moe_ep's active_rank_mask
+
+
+def masked_from_library(words: Sequence[int], word: MaskWord) -> list[int]:
+    """The masked ranks (ascending) of a library mask read as ints (one per rank)."""
+    if word is MaskWord.NONZERO_MASKED:
+        return [r for r, w in enumerate(words) if w]
+    return [r for r, w in enumerate(words) if w != 1]
+
+
+def library_word(masked: bool, word: MaskWord) -> int:
+    """The int a library stores for a rank whose masked flag (ours) is ``masked``."""
+    if word is MaskWord.NONZERO_MASKED:
+        return int(masked)
+    return 0 if masked else 1
 
 
 def _given(value: object) -> str:

@@ -20,7 +20,9 @@ group has waited :data:`READ_AFTER_S`, a reader thread looks at the key every po
 
 The store can block (its server, on the job's first rank, stopped): it is read in a thread of
 its own, never in the watchdog's or the caller's, and posted by the failing rank with its error
-already recorded.
+already recorded. A store that fails a read has lost its server (its host process died): that
+is read once and said once (one WARNING), and the notice is not read again (each further read
+would only fail the same way, and torch's client logs a stack trace for each).
 """
 from __future__ import annotations
 
@@ -52,12 +54,13 @@ class FaultNotice:
     ``store``: a ``torch.distributed.Store``; ``key``: the group's key; ``rank``: this
     process's global rank."""
 
-    __slots__ = ("store", "key", "rank", "told", "wanted", "__weakref__")
+    __slots__ = ("store", "key", "rank", "told", "wanted", "lost", "__weakref__")
 
     def __init__(self, store: Any, key: str, rank: int) -> None:
         self.store, self.key, self.rank = store, key, rank
         self.told: Optional[str] = None  # a peer's failure, once read
         self.wanted = 0.0  # monotonic time a call in flight last asked for the notice
+        self.lost = False  # the store failed a read: its server is gone, never read again
 
     def post(self, what: str) -> None:
         """Tell the group's other ranks that this rank's call failed mid-way (``what``: the
@@ -92,20 +95,37 @@ class FaultNotice:
         """A call on the group has waited :data:`READ_AFTER_S` (``now``: ``time.monotonic()``):
         the reader thread reads the notice every poll into :attr:`told` until no call has asked
         for :data:`READ_AFTER_S`."""
+        if self.lost:
+            return
         self.wanted = now
         _READER.want(self)
+
+    def store_failed(self, error: BaseException) -> None:
+        """A read of the notice failed: the store's server is gone (its host process died).
+        Said once; the notice is not read again."""
+        if self.lost:
+            return
+        self.lost = True
+        lines = str(error).strip().splitlines()
+        logger.warning("moe-plugins: the store carrying the EP group's fault notices (%s) failed "
+                       "a read (%s: %s): its server's process (the job's first rank or its "
+                       "launcher) is gone; the notice is no longer read, and the call bound or "
+                       "the library's timeout ends a call that waits for a failed peer",
+                       self.key, type(error).__name__, lines[0] if lines else "")
 
     def read_within(self, seconds: float) -> Optional[str]:
         """:meth:`read` on an error path: None when the store does not answer within
         ``seconds`` (its server stopped) or fails (its server gone); the read is left to a
         daemon thread then."""
         found: list[Optional[str]] = []
+        if self.lost:
+            return None
 
         def read() -> None:
             try:
                 found.append(self.read())
             except Exception as e:  # the store's server may be gone with its rank
-                logger.debug("moe-plugins: could not read the fault notice %s (%s)", self.key, e)
+                self.store_failed(e)
 
         reader = threading.Thread(target=read, name="moe-plugins-fault-notice", daemon=True)
         reader.start()
@@ -140,9 +160,9 @@ class _Reader:
                     continue
                 try:
                     notice.told = notice.read()
-                except Exception as e:  # the store's server may be gone: the bounds still hold
-                    logger.debug("moe-plugins: could not read the fault notice %s (%s: %s)",
-                                 notice.key, type(e).__name__, e)
+                except Exception as e:  # the store's server is gone: the bounds still hold
+                    notice.store_failed(e)
+                    self.wanted.discard(notice)
 
     def reset_after_fork(self) -> None:
         self.__init__()  # type: ignore[misc]  # threads do not fork

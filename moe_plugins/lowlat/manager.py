@@ -21,7 +21,8 @@ from moe_plugins.interface import BackendManager
 from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
                                        kernel_hidden_size, token_capacity)
 from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor
-from moe_plugins.masking import checked_mask_request
+from moe_plugins.masking import (MaskWord, checked_mask_request, library_word,
+                                 masked_from_library)
 from moe_plugins.registry import RequiredPackage, TokenLimit, WireLayout
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ class LowLatencyManager(BackendManager, ABC):
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
     query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
     clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
+    #: what the library's mask words say (both libraries: nonzero = masked, their update
+    #: takes True = masked); our flag's one meaning is translated through it (masking.py)
+    mask_word: ClassVar[MaskWord] = MaskWord.NONZERO_MASKED
     #: The runtime calls the prepare/finalize makes instead of the buffer's Python methods (set
     #: by a manager whose library release is known; None: the methods named above).
     runtime_calls: Optional[RuntimeCalls] = None
@@ -231,7 +235,8 @@ class LowLatencyManager(BackendManager, ABC):
         rank, masked = checked_mask_request(rank, masked, self.num_ranks,
                                             f"{self.backend_name} set_rank_masked")
         self._check_can_mask(rank)
-        getattr(self.buffer, self.update_mask_method)(rank, masked)
+        getattr(self.buffer, self.update_mask_method)(rank, bool(library_word(masked,
+                                                                              self.mask_word)))
         chosen = _CALLER_MASKED.setdefault(self._buffer_key, set())
         if masked:
             chosen.add(rank)
@@ -253,7 +258,7 @@ class LowLatencyManager(BackendManager, ABC):
         self._check_can_mask(None)
         status = torch.zeros(self._mask_len(), dtype=torch.int32, device=self.ctx.device)
         getattr(self.buffer, self.query_mask_method)(status)
-        return [r for r, m in enumerate(status.tolist()) if m]
+        return masked_from_library(status.tolist(), self.mask_word)
 
     def can_mask(self) -> bool:
         """Whether this buffer has a rank mask at all (what :meth:`masked_ranks` needs)."""

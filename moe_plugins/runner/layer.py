@@ -27,6 +27,7 @@ from moe_plugins.strategy import (ReductionStrategy, SharedPlacement, applicable
                                   choose_strategy)
 from moe_plugins.callbound import bound_host_waits
 from moe_plugins.callbound import CallBound
+from moe_plugins.survival.continuation import LayerContinuation, PeerLossOptions
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class MoELayer:
             complete within it ends this process with a clear error
             (:mod:`moe_plugins.callbound.watchdog`); the first calls run under the longer
             start-up bound (``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``).
+        on_peer_loss: (None: off) continue after an EP peer's loss
+            (:class:`moe_plugins.survival.continuation.PeerLossOptions`; backends that mask
+            ranks, tp=1; docs/faults.md).
 
     ``forward(x)``: x of the model dtype ``[num_tokens, hidden]``, the same on every TP rank of
     a DP group; returns the layer output ``[num_tokens, hidden]`` in ``x.dtype``.
@@ -96,7 +100,8 @@ class MoELayer:
                  overlap: Optional[OverlapConfig] = None, max_tokens_per_rank: int = 256,
                  shared_placement: SharedPlacement = SharedPlacement.TP_SHARDED,
                  backend_options: Any = None, placement: Optional[ExpertPlacement] = None,
-                 call_timeout_s: Optional[float] = None):
+                 call_timeout_s: Optional[float] = None,
+                 on_peer_loss: Optional[PeerLossOptions] = None):
         cfg = weights.config
         self._bound = CallBound("MoE layer", call_timeout_s, device=ctx.device)  # named below
         self.cfg, self.ctx, self.quant = cfg, ctx, quant
@@ -130,6 +135,13 @@ class MoELayer:
             self._bound.backstop(backend.name, self.pf.library_timeout_s, self.pf.library_traps,
                                  start_up=False)
         self._capacity = None if self.pf is None else self.pf.max_num_tokens_per_rank()
+        self._survival: Optional[LayerContinuation] = None
+        if on_peer_loss is not None:
+            try:
+                self._survival = LayerContinuation(self, on_peer_loss)
+            except BaseException:
+                self.destroy()
+                raise
         # the library's own masks, watched where the buffer has a mask (see _check_library_masks)
         manager = self.manager
         self._masks_by_library = (manager.masked_by_library
@@ -277,6 +289,11 @@ class MoELayer:
         until the layer is rebuilt on new groups."""
         if self._destroyed:
             raise RuntimeError(f"{self.name} was destroyed; build a new MoELayer to run it again")
+        if self._survival is not None:
+            return self._survival.call(self, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self.faults.check(self.name)
         self._num_calls += 1
         watched = self._bound.watch(self._num_calls)
@@ -435,4 +452,6 @@ class MoELayer:
         """Release the backend's buffers; calling the layer afterwards raises."""
         self._destroyed = True
         if self.manager is not None:
+            if getattr(self, "_survival", None) is not None:
+                self._survival.close(self.manager)
             self.manager.destroy()

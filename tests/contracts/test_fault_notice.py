@@ -134,3 +134,65 @@ def test_a_gloo_wait_raises_the_collectives_own_error_not_a_slices_timeout():
         wait_or_told(work, a)
     assert "Operation timed out!" not in str(e.value)  # a slice's timeout never escapes
     assert "imed out" in str(e.value)  # gloo's own, after the group's 2 s
+
+
+_SERVER = """
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+class _Counting:
+    """A real TCPStore client, its reads counted (what the reader thread asks the server)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.reads = store, 0
+
+    def check(self, keys: list) -> bool:
+        self.reads += 1
+        return self.store.check(keys)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+
+def test_a_store_whose_server_died_is_read_once_said_once_and_never_polled_again(caplog):
+    """The store's server (the process that hosts it, like the job's first rank) is killed
+    while a call waits and asks for the notice every poll: one failed read, one WARNING, no
+    read after it; a later error path's read_within answers None at once."""
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=timedelta(seconds=5))
+        store = _Counting(client)
+        notice = FaultNotice(store, NOTICE_PREFIX + "gone", 0)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # a call in flight asks every poll; the store answers
+            notice.want(time.monotonic())
+            time.sleep(0.05)
+        assert store.reads >= 2 and notice.told is None and not notice.lost
+        server.kill()
+        server.wait(timeout=10)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:  # the call keeps asking after the server died
+            notice.want(time.monotonic())
+            time.sleep(0.05)
+        reads = store.reads
+        time.sleep(1.0)
+        notice.want(time.monotonic())
+        time.sleep(0.5)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    assert notice.lost and store.reads == reads  # no read after the loss was seen
+    said = [r for r in caplog.records if "failed a read" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING", [r.getMessage() for r in said]
+    t0 = time.monotonic()
+    assert notice.read_within(2.0) is None and time.monotonic() - t0 < 0.5

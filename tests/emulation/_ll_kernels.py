@@ -32,9 +32,11 @@ kernels/nixl_ep_ll.cu):
   so reading them early fails loudly. A hook runs once.
 
 Transport: one synchronous ``all_to_all_single`` of per-rank message counts, then one async
-``all_to_all_single`` of the packed messages (uint8 rows: fp8 travels as bytes). Not modelled:
-CUDA streams/events (``async_finish`` returns an event whose wait is a no-op), timeouts, LogFMT
-and zero-copy combine, the normal (high-throughput) kernels.
+``all_to_all_single`` of the packed messages (uint8 rows: fp8 travels as bytes); or, with
+``MOE_EMU_LL_FABRIC=store``, one-sided puts and spin-waits that read the mask while waiting and
+mask a peer at the library's timeout (:mod:`tests.emulation._ll_fabric`). Not modelled: CUDA
+streams/events (``async_finish`` returns an event whose wait is a no-op), timeouts on the
+all-to-all, LogFMT and zero-copy combine, the normal (high-throughput) kernels.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from tests.emulation._ll_fabric import store_fabric_for
 
 class EventOverlap:
     """deep_ep.utils.EventOverlap / nixl_ep.utils.EventOverlap (same class in both libraries);
@@ -149,6 +152,9 @@ class EmulatedLowLatencyRuntime:
 
     #: the library's ``topk_idx_t`` (DeepEP: int64; nixl_ep as nixl's meson builds it: int32)
     topk_idx_dtype: torch.dtype = torch.int64
+    #: the kernels' wait for a peer (DeepEP: about 100 s; nixl_ep: its timeout_ms); only the
+    #: store fabric models it
+    timeout_s: float = 100.0
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
                  mask_enabled: bool):
@@ -167,6 +173,11 @@ class EmulatedLowLatencyRuntime:
         self.launches = 0
         self.rdma_bytes: Optional[torch.Tensor] = None  # uint8 [num_rdma_bytes], on first use
         self.destroyed = False
+        # puts and spin-waits that a host mask acts on (tests.emulation._ll_fabric), or None:
+        # the group all-to-all below
+        self.fabric = store_fabric_for(group, rank, num_ranks, lambda: self.active,
+                                       lambda r: self.update_mask(r, True), self.timeout_s,
+                                       mask_enabled)
 
     # -- masks ------------------------------------------------------------------------------
     def update_mask(self, rank_to_mask: int, mask: bool) -> None:
@@ -211,6 +222,8 @@ class EmulatedLowLatencyRuntime:
         [num_recv, msg_bytes], source rank int64 [num_recv])."""
         order = torch.argsort(dest, stable=True)
         msgs, dest = msgs[order].contiguous(), dest[order]
+        if self.fabric is not None:
+            return self.fabric.send(msgs, dest), msgs.shape[1]
         send_counts = torch.bincount(dest, minlength=self.num_ranks).to(torch.int64)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
@@ -459,6 +472,12 @@ class EmulatedLowLatencyRuntime:
 
         hook = self._deferred(recv, return_recv_hook)
         return combined, hook
+
+    def clean_transport(self) -> None:
+        """The mask buffer was cleaned (with the RDMA buffer, after a fault): no signal of an
+        earlier call is read again."""
+        if self.fabric is not None:
+            self.fabric.reset()
 
     def destroy(self) -> None:
         self.destroyed = True

@@ -243,6 +243,7 @@ class Buffer:
         runtime = self._runtime()
         host_assert(runtime.mask_enabled, "mask_buffer_ptr != nullptr and \"Shrink mode must be enabled\"")
         runtime.active = [True] * runtime.num_ranks
+        runtime.clean_transport()
 
     # -- normal (high-throughput) mode ---------------------------------------------------------
     @staticmethod

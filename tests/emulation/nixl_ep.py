@@ -57,7 +57,8 @@ class _NixlRuntime(EmulatedLowLatencyRuntime):
     bound_name = "active_rank_bound"
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
-                 num_experts_per_rank: int):
+                 num_experts_per_rank: int, timeout_s: float = DEFAULT_TIMEOUT_MS / 1000.0):
+        self.timeout_s = timeout_s  # the kernels mask a peer that does not answer within it
         super().__init__(group, rank, num_ranks, num_rdma_bytes, mask_enabled=True)
         self.num_experts_per_rank = num_experts_per_rank
         self.connected = {rank}
@@ -192,7 +193,7 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         transport = self.group if self.group is not None else dist.group.WORLD
         self.runtime = _NixlRuntime(transport, self.rank, num_ranks, num_rdma_bytes,
-                                    num_experts_per_rank)
+                                    num_experts_per_rank, self.timeout_ms / 1000.0)
 
     def set_tcp_store_group(self, tcp_store_group: Optional["dist.Store"]) -> None:
         self.tcp_store_group = tcp_store_group
@@ -277,3 +278,4 @@ class Buffer:
     def clean_mask_buffer(self) -> None:
         runtime = self._runtime()
         runtime.active = [r in runtime.connected for r in range(runtime.num_ranks)]
+        runtime.clean_transport()

@@ -188,6 +188,18 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                    ("job_bound_s", bound)))
 
 
+def _survive_job(backend: str, fault: str, half: str, device: str) -> Job:
+    """EP 4 under MoELayer(on_peer_loss=...): rank 3 killed (``kill``) or stopped and later
+    continued (``stop``) inside call 3; every survivor's call 3 raises PeerLostError and its
+    next 20 calls equal the reference (tests/gpu/ep_survive_ranks.py)."""
+    from tests.gpu import ep_survive_ranks
+
+    return Job(f"survive/{backend}/{fault}/ep4", half, "layer", backend, 4,
+               ep_survive_ranks.survive_job, (backend, device, fault), 300.0,
+               ((backend, f"survive-{fault}", "bf16", 1),), stop_on_death=False, victim=3,
+               stall_s=120.0)
+
+
 def _vllm_jobs(half: str, device: str, scale: str) -> list[Job]:
     try:
         from tests.gpu import ep_vllm_ranks
@@ -219,7 +231,9 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
     out += [_layer_job(["nixl_ep"], 2, "A", device, scale, 240),
             _layer_job(["nixl_ep"], 4, "A", device, scale, 300),
             _fault_job("nixl_ep", "refuse", "A", device),
-            _fault_job("nixl_ep", "kill", "A", device)]
+            _fault_job("nixl_ep", "kill", "A", device),
+            _survive_job("nixl_ep", "kill", "A", device),
+            _survive_job("nixl_ep", "stop", "A", device)]
     out += [_layer_job(["deepep_ll", "deepep_ht", fi], 2, "B", device, scale, 300,
                        name="layer/deepep_ll+deepep_ht+flashinfer/ep2"),
             _layer_job(["deepep_ll", "deepep_ht", "torch", fi], 4, "B", device, scale, 420,
@@ -254,7 +268,9 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             _fault_job("deepep_ht", "kill", "B", device),
             _fault_job("deepep_ht", "refuse", "B", device),
             _fault_job("deepep_auto", "refuse", "B", device),
-            _fault_job(fi, "refuse", "B", device)]
+            _fault_job(fi, "refuse", "B", device),
+            _survive_job("deepep_ll", "kill", "B", device),
+            _survive_job("deepep_ll", "stop", "B", device)]
     return out
 
 

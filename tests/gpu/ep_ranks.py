@@ -209,7 +209,7 @@ class _Layers:
 
     def build(self, cfg: MoEConfig, weights: MoEWeights, tp: int, strategy: Optional[str],
               quant: QuantSpec, placement: Any = None, options: Any = None,
-              call_timeout_s: Optional[float] = None) -> Any:
+              call_timeout_s: Optional[float] = None, on_peer_loss: Any = None) -> Any:
         from moe_plugins.groups import cached_dist_context
         from moe_plugins.layout import ParallelLayout
         from moe_plugins.overlap import OverlapConfig
@@ -223,7 +223,8 @@ class _Layers:
                          OverlapConfig(overlap=True), max_tokens_per_rank=MAX_TOKENS,
                          backend_options=options if options is not None else
                          backend_options(self.backend, self.world, self.device),
-                         placement=placement, call_timeout_s=call_timeout_s)
+                         placement=placement, call_timeout_s=call_timeout_s,
+                         on_peer_loss=on_peer_loss)
         self.built.append(layer)
         return layer
 

@@ -82,6 +82,9 @@ def test_the_full_matrix_covers_the_issue():
             ("deepep_auto", "fault-kill-before-watchdog"),
             ("deepep_auto", "fault-refuse"), ("flashinfer_nvlink_two_sided", "fault-refuse")} <= faults
     assert {j.half for j in full} == {"A", "B"}
+    survive = {(j.rows[0][0], j.rows[0][1]) for j in full if j.name.startswith("survive/")}
+    assert survive == {(b, f"survive-{f}") for b in ("deepep_ll", "nixl_ep")
+                       for f in ("kill", "stop")}  # a peer's loss costs one call
     assert all(j.bound_s <= 600 for j in full)
     rows = [(j.name, c) for j in full for c in j.rows]
     assert len(rows) == len(set(rows))

@@ -40,8 +40,8 @@ __all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE", "DEEPEP_TIMEO
 
 DEEPEP_PACKAGE = RequiredPackage(
     module="deep_ep",
-    install="DeepEP publishes no wheel: build its V1 line (commit 567632d, with the combine "
-            "fence of scripts/deepep/build.sh) from source against CUDA + NVSHMEM (moe-plugins' "
+    install="DeepEP publishes no wheel: build its V1 line (commit 567632d, with the patches of "
+            "scripts/deepep/build.sh) from source against CUDA + NVSHMEM (moe-plugins' "
             "docs/backends.md)",
     describe=deepep_status,
 )

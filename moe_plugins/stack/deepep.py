@@ -6,7 +6,9 @@ DeepEP has two lines whose ``deep_ep.Buffer`` our backends run on:
 
 - the **V1 line** (commit 567632d, the last before the V2 rewrite; ``deep_ep/buffer.py``,
   extension ``deep_ep_cpp``), which ``scripts/deepep/build.sh`` builds with the low-latency
-  combine fence of DeepEP PR #642 and records in ``deep_ep/moe_plugins_build.json``;
+  combine fence of DeepEP PR #642 and the RC QP check of DeepEP PR #695 (without it the first
+  low-latency dispatch traps on NVSHMEM 3.6 or later without IBGDA, e.g. one host) and records
+  in ``deep_ep/moe_plugins_build.json`` (commit, patches);
 - the **current line's legacy Buffer** (d4f41e4 and later: ``deep_ep/buffers/legacy.py``,
   still exported as ``deep_ep.Buffer`` beside V2's ``ElasticBuffer``, extension ``deep_ep._C``).
 
@@ -66,7 +68,7 @@ UNKNOWN = "unknown"
 BUILD_INFO = "moe_plugins_build.json"
 
 #: What to install, for every message that refuses a DeepEP.
-INSTALL = ("build DeepEP's V1 line (commit 567632d) with the low-latency combine fence: "
+INSTALL = ("build DeepEP's V1 line (commit 567632d) with the patches of "
            "scripts/deepep/build.sh (moe-plugins' docs/backends.md), or install a current-line "
            "DeepEP (d4f41e4 or later) that keeps the legacy deep_ep.Buffer")
 

@@ -33,11 +33,20 @@ kernels/nixl_ep_ll.cu):
 
 Transport: one synchronous ``all_to_all_single`` of per-rank message counts, then one async
 ``all_to_all_single`` of the packed messages (uint8 rows: fp8 travels as bytes). Not modelled:
-CUDA streams/events (``async_finish`` returns an event whose wait is a no-op), timeouts, LogFMT
-and zero-copy combine, the normal (high-throughput) kernels.
+CUDA streams/events (``async_finish`` returns an event whose wait is a no-op), LogFMT and
+zero-copy combine, the normal (high-throughput) kernels.
+
+Traps. A kernel that traps (``EP_DEVICE_ASSERT``, or a wait past the kernel timeout without a
+mask buffer) loses the process's CUDA context: the call raises what torch raises at the next
+CUDA call ("CUDA error: unspecified launch failure"), and so does every later call on the
+runtime. ``kernel_timeout_s`` (None: unbounded, the transport group's own timeout) bounds the
+low-latency kernels' waits for a peer's messages when the buffer has no mask; with a mask the
+real kernels mask the late peer and go on, which is not emulated (the wait goes on).
+
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -84,6 +93,11 @@ def host_assert(cond: bool, what: str) -> None:
     """What ``EP_HOST_ASSERT`` raises through pybind11."""
     if not cond:
         raise RuntimeError(f"Failed: Assertion error {what}")
+
+
+#: What torch raises at the first CUDA call after a kernel trapped (asm("trap;") in
+#: EP_DEVICE_ASSERT and at DeepEP's kernel timeouts).
+TRAP_ERROR = "CUDA error: unspecified launch failure"
 
 
 #: Bytes of one per-expert signal word: DeepEP's receive counts are ``int``
@@ -167,6 +181,8 @@ class EmulatedLowLatencyRuntime:
         self.launches = 0
         self.rdma_bytes: Optional[torch.Tensor] = None  # uint8 [num_rdma_bytes], on first use
         self.destroyed = False
+        self.kernel_timeout_s: Optional[float] = None  # see the module doc
+        self.trapped: Optional[str] = None  # the error every call raises once a kernel trapped
 
     # -- masks ------------------------------------------------------------------------------
     def update_mask(self, rank_to_mask: int, mask: bool) -> None:
@@ -213,7 +229,8 @@ class EmulatedLowLatencyRuntime:
         msgs, dest = msgs[order].contiguous(), dest[order]
         send_counts = torch.bincount(dest, minlength=self.num_ranks).to(torch.int64)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        self._bounded(dist.all_to_all_single(recv_counts, send_counts, group=self.group,
+                                             async_op=True), "the peers' counts")
         recv_splits = recv_counts.tolist()
         recv = torch.empty(sum(recv_splits), msgs.shape[1], dtype=torch.uint8)
         work = dist.all_to_all_single(recv, msgs, recv_splits, send_counts.tolist(),
@@ -221,10 +238,34 @@ class EmulatedLowLatencyRuntime:
         src = torch.repeat_interleave(torch.arange(self.num_ranks), recv_counts)
 
         def wait() -> tuple[torch.Tensor, torch.Tensor]:
-            work.wait()
+            self._bounded(work, "the peers' messages")
             return recv, src
 
         return wait, msgs.shape[1]
+
+    def _bounded(self, work: Any, what: str) -> None:
+        """Wait for ``work``: at most ``kernel_timeout_s`` where a late peer traps the kernel (no
+        mask buffer), else as long as the transport group lets it."""
+        if self.kernel_timeout_s is None or self.mask_enabled:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=self.kernel_timeout_s))
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            self.trap(f"DeepEP timeout: no answer from a peer ({what}) within the kernel "
+                      f"timeout of {self.kernel_timeout_s:g} s")
+
+    def device_assert(self, cond: bool, what: str) -> None:
+        """What ``EP_DEVICE_ASSERT`` does: on failure the kernel traps (:meth:`trap`)."""
+        if not cond:
+            self.trap(f"Assertion failed: csrc/kernels/internode_ll.cu, condition: {what}")
+
+    def trap(self, why: str) -> None:
+        """A kernel trapped: this call and every later one raise (the CUDA context is lost)."""
+        self.trapped = f"{TRAP_ERROR} (emulation: the kernel trapped: {why})"
+        raise RuntimeError(self.trapped)
 
     def _deferred(self, recv: Callable[[], None], return_recv_hook: bool) -> Optional[Callable[[], None]]:
         self.launches += 1
@@ -244,6 +285,8 @@ class EmulatedLowLatencyRuntime:
         return hook
 
     def _check_alive(self) -> None:
+        if self.trapped is not None:
+            raise RuntimeError(self.trapped)
         host_assert(not self.destroyed, "emulation: the buffer was destroyed")
 
     # -- dispatch -------------------------------------------------------------------------------

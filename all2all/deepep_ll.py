@@ -36,7 +36,7 @@ from moe_plugins.lowlat.vendor import RuntimeCalls, wrappers_match
 from moe_plugins.registry import RequiredPackage, TokenLimit
 from moe_plugins.stack.deepep import DeepEPFound, deepep_status, require_buffer_api
 
-__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE", "DEEPEP_TIMEOUT_S"]
+__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
 
 DEEPEP_PACKAGE = RequiredPackage(
     module="deep_ep",
@@ -47,11 +47,6 @@ DEEPEP_PACKAGE = RequiredPackage(
 )
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
-#: DeepEP's own bound on a kernel's wait for a peer (csrc/kernels/configs.cuh at 567632d:
-#: NUM_TIMEOUT_CYCLES, 200G SM cycles, "~= 100s"; 101.7 s measured on an H200) and on its host
-#: waits (NUM_CPU_TIMEOUT_SECS, 100 s). At it a kernel traps (without a mask buffer) or masks
-#: the peer (with ``enable_shrink``).
-DEEPEP_TIMEOUT_S = 100.0
 
 
 def qp_depth() -> int:
@@ -119,9 +114,11 @@ class DeepEPLLManager(LowLatencyManager):
         return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None
 
     def library_timeout(self) -> tuple[Optional[float], bool]:
-        """DeepEP's kernel timeout; it traps there unless the buffer has a mask
-        (``enable_shrink``), which it sets instead."""
-        return DEEPEP_TIMEOUT_S, not self.options.enable_shrink
+        """DeepEP's kernel timeout as the installed DeepEP was built (NUM_TIMEOUT_CYCLES; 200G
+        cycles, about 100 s, unless its build record says otherwise:
+        :class:`moe_plugins.stack.deepep.Timeouts`); its kernels trap there unless the buffer
+        has a mask (``enable_shrink``), which they set instead."""
+        return self.deepep.timeouts.kernel_s, not self.options.enable_shrink
 
     def _probe_library(self) -> str:
         self.deepep = require_buffer_api(self.lib, self.backend_name)

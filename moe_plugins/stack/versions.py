@@ -106,7 +106,7 @@ LIBRARIES: tuple[Library, ...] = (
         supported="`flashinfer-python>=0.7.2`",
         install=("`pip install -e '.[flashinfer]'` (`flashinfer-python>=0.7.2`) installs 0.7.4 "
                  "(and torch 2.15.0 where none is installed: "
-                 "`pip install -e '.[flashinfer]' 'torch<2.15'` keeps 2.14); "
+                 "`pip install -e '.[flashinfer]' 'torch==2.14.0'` keeps 2.14.0); "
                  "with `[vllm]`, vLLM 0.33.0's pin: 0.7.2.post1"),
         cpu_only="none (the CPU suite runs the emulation of 0.7.2.post1 and of 0.7.4)",
         rows=lambda r: r.get("backend") == "flashinfer_nvlink_two_sided",),
@@ -120,14 +120,21 @@ LIBRARIES: tuple[Library, ...] = (
                  "nixl-cu12 and nixl-cu13 1.5.2, which are not on the package index (pip steps "
                  "back to 1.5.1; nixl==1.5.2 does not install); where no torch is installed it "
                  "also installs torch 2.15.0, for which nixl 1.5.1 has no nixl_ep build: "
-                 "`pip install -e '.[nixl]' 'torch<2.15'` keeps 2.14"),
+                 "`pip install -e '.[nixl]' 'torch==2.14.0'` keeps 2.14.0"),
         cpu_only="none (the CPU suite runs nixl_ep's emulation)",
         rows=lambda r: r.get("backend") == "nixl_ep",),
     Library(
         name="torch", key="torch",
         supported="`torch>=2.4` (moe-plugins' own requirement; each vLLM release pins its torch)",
-        install="with vLLM (0.33.0 and 0.34.0 pin torch 2.14.0), or first, as the build you need",
-        cpu_only="2.13.0 (the CPU build): the CPU suite",
+        install=("with vLLM (0.33.0 and 0.34.0 pin torch 2.14.0), or first, as the build you "
+                 "need; a line without vLLM in an environment without torch installs 2.15.0 "
+                 "(with NVSHMEM 3.7.2 and NCCL 2.30.7): add `'torch==2.14.0'` (vLLM's pin) "
+                 "to keep that"),
+        cpu_only=("2.13.0 (the CPU build): the CPU suite. 2.15.0 (its CUDA 13.2 build, run on a "
+                  "CPU): the suite's tests/contracts and tests/backends, 705 passed, 4 skipped, "
+                  "at 2b9a91c (2026-12-06); not run on 2.15.0: the rest of the CPU suite, vLLM "
+                  "(its releases pin 2.14.0), anything on a GPU, nixl_ep (no build for 2.15 in "
+                  "nixl 1.5.1)"),
         rows=lambda r: True,),
 )
 

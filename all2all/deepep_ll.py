@@ -39,22 +39,17 @@ from moe_plugins.stack.deepep import DeepEPFound, deepep_status, require_buffer_
 if TYPE_CHECKING:
     from moe_plugins.planner.link_model import LinkModel
 
-__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE", "DEEPEP_TIMEOUT_S"]
+__all__ = ["DeepEPLLOptions", "DeepEPLLManager", "DEEPEP_PACKAGE"]
 
 DEEPEP_PACKAGE = RequiredPackage(
     module="deep_ep",
-    install="DeepEP publishes no wheel: build its V1 line (commit 567632d, with the combine "
-            "fence of scripts/deepep/build.sh) from source against CUDA + NVSHMEM (moe-plugins' "
+    install="DeepEP publishes no wheel: build its V1 line (commit 567632d, with the patches of "
+            "scripts/deepep/build.sh) from source against CUDA + NVSHMEM (moe-plugins' "
             "docs/backends.md)",
     describe=deepep_status,
 )
 
 _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
-#: DeepEP's own bound on a kernel's wait for a peer (csrc/kernels/configs.cuh at 567632d:
-#: NUM_TIMEOUT_CYCLES, 200G SM cycles, "~= 100s"; 101.7 s measured on an H200) and on its host
-#: waits (NUM_CPU_TIMEOUT_SECS, 100 s). At it a kernel traps (without a mask buffer) or masks
-#: the peer (with ``enable_shrink``).
-DEEPEP_TIMEOUT_S = 100.0
 
 
 def qp_depth() -> int:
@@ -122,9 +117,11 @@ class DeepEPLLManager(LowLatencyManager):
         return DeepEPLLOptions(enable_shrink=True) if fault_tolerance else None
 
     def library_timeout(self) -> tuple[Optional[float], bool]:
-        """DeepEP's kernel timeout; it traps there unless the buffer has a mask
-        (``enable_shrink``), which it sets instead."""
-        return DEEPEP_TIMEOUT_S, not self.options.enable_shrink
+        """DeepEP's kernel timeout as the installed DeepEP was built (NUM_TIMEOUT_CYCLES; 200G
+        cycles, about 100 s, unless its build record says otherwise:
+        :class:`moe_plugins.stack.deepep.Timeouts`); its kernels trap there unless the buffer
+        has a mask (``enable_shrink``), which they set instead."""
+        return self.deepep.timeouts.kernel_s, not self.options.enable_shrink
 
     def _probe_library(self) -> str:
         self.deepep = require_buffer_api(self.lib, self.backend_name)

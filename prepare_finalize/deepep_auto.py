@@ -31,7 +31,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from moe_plugins.all2all.deepep_ll import DEEPEP_TIMEOUT_S
 from moe_plugins.all2all.deepep_auto import DeepEPAutoManager
 from moe_plugins.config import DispatchConfig, MoEConfig
 from moe_plugins.counters import DispatchStats
@@ -78,8 +77,6 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
 
     activation_format = ActivationFormat.STANDARD
     waits_on_host = True  # in normal mode, as deepep_ht (whose dispatch arms the timer)
-    # as deepep_ht: in normal mode the host wait raises at DeepEP's timeout first
-    library_timeout_s = DEEPEP_TIMEOUT_S
 
     def __init__(self, manager: DeepEPAutoManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPAutoManager):
@@ -88,6 +85,8 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         self.manager, self.cfg = manager, cfg
         self.ll = DeepEPLLPrepareFinalize(manager.ll, manager.ll_cfg)
         self.ht = DeepEPHTPrepareFinalize(manager.ht, manager.ht_cfg)
+        # as deepep_ht: in normal mode the host wait raises at DeepEP's timeout (as built) first
+        self.library_timeout_s = self.ht.library_timeout_s
         self._modes: dict[str, int] = {}  # calls per mode
         self._hint: Optional[BatchHint] = None
         self._mode: Optional[str] = None

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from moe_plugins.all2all.deepep_ll import DEEPEP_PACKAGE, DEEPEP_TIMEOUT_S
+from moe_plugins.all2all.deepep_ll import DEEPEP_PACKAGE
 from moe_plugins.all2all.deepep_ht import EP_SIZES, HT_QUANTS, DeepEPHTManager, check_normal_mode_layer
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
@@ -64,8 +64,6 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
 
     activation_format = ActivationFormat.STANDARD
     waits_on_host = True  # the dispatch waits for the peers' counts on the host (host_wait)
-    # DeepEP's host wait raises at its timeout (its kernels' waits trap): the backstop after it
-    library_timeout_s = DEEPEP_TIMEOUT_S
 
     def __init__(self, manager: DeepEPHTManager, cfg: DispatchConfig):
         if not isinstance(manager, DeepEPHTManager):
@@ -73,6 +71,9 @@ class DeepEPHTPrepareFinalize(PrepareFinalize):
                             f"{type(manager).__name__}")
         self.manager = manager
         self.cfg = cfg
+        # DeepEP's host wait raises at its timeout as built (NUM_CPU_TIMEOUT_SECS; its kernels'
+        # waits trap): the backstop after it
+        self.library_timeout_s = manager.deepep.timeouts.cpu_s
         self.stats = DispatchStats()
         self._state: Optional[_CallState] = None
         # No host exchange: a refused input owes the call, any other failure breaks the group

@@ -8,8 +8,11 @@
 Each line runs as `pip install --dry-run --ignore-installed --report ...` in a fresh venv made
 here, with the pip the README's install block upgrades to (`python -m pip install -U pip`;
 --venv-pip keeps the pip the venv brings). Nothing is installed; pip still downloads what it
-needs to resolve (about 0.5 GB for the vLLM lines). It runs from the checkout's root, with
-your pip configuration (PIP_CONFIG_FILE=/dev/null tries it as a machine without one). It prints, per line, the versions pip would install of
+needs to resolve (about 0.5 GB for the vLLM lines). It runs from the checkout's root as a
+machine without a pip configuration file would (PIP_CONFIG_FILE=/dev/null, PIP_CONSTRAINT
+unset: a constraint file capping torch changes what pip picks, e.g. pip 23.2 then steps back to
+vLLM 0.33.0 where it otherwise stops); --pip-config uses this machine's instead. It prints,
+per line, the versions pip would install of
 vllm, flashinfer-python, nixl, torch and moe-plugins, or pip's error; exit status 1 when a line
 fails. Needs network access: not part of the test suite (tests/test_install_lines.py keeps the
 lines, the extras and the stack table consistent offline).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -55,10 +59,25 @@ def install_lines(root: Path = ROOT) -> list[tuple[str, int, str]]:
     return found
 
 
+#: The environment of every pip run (:func:`main` sets it: without this machine's pip
+#: configuration unless --pip-config).
+_ENV: dict[str, str] = dict(os.environ)
+
+
+def _pip_env(own_config: bool) -> dict[str, str]:
+    """The environment pip runs in: this one, or (``own_config`` False) without a pip
+    configuration file or constraint, as a new user's machine."""
+    env = dict(os.environ)
+    if not own_config:
+        env["PIP_CONFIG_FILE"] = os.devnull
+        env.pop("PIP_CONSTRAINT", None)
+    return env
+
+
 def _resolve(py: Path, args: str, report: Path) -> tuple[bool, str]:
     cmd = [str(py), "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
            "--report", str(report), *shlex.split(args)]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_ENV)
     if run.returncode != 0:
         errors = [ln for ln in run.stderr.splitlines() if ln.startswith("ERROR")]
         return False, " | ".join(errors[-2:]) or run.stderr.strip()[-500:]
@@ -70,7 +89,7 @@ def _resolve(py: Path, args: str, report: Path) -> tuple[bool, str]:
 def _wheel_requirements(py: Path, spec: str, tmp: Path) -> list[str]:
     report = tmp / "wheel.json"
     subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                    "--no-deps", "--report", str(report), spec], check=True)
+                    "--no-deps", "--report", str(report), spec], check=True, env=_ENV)
     meta = json.loads(report.read_text())["install"][0]["metadata"]
     return [r for r in meta.get("requires_dist", []) if "extra ==" not in r]
 
@@ -101,7 +120,12 @@ def main() -> int:
                    help="keep the pip the new venv brings (do not upgrade it first)")
     p.add_argument("--requirements", action="store_true",
                    help="also check requirements/vllm-*.txt against the vLLM wheels' metadata")
+    p.add_argument("--pip-config", action="store_true",
+                   help="use this machine's pip configuration (default: none, as a new user's "
+                        "machine: PIP_CONFIG_FILE=/dev/null, PIP_CONSTRAINT unset)")
     args = p.parse_args()
+    _ENV.clear()
+    _ENV.update(_pip_env(args.pip_config))
     seen: dict[str, list[str]] = {}
     for page, n, cmd in install_lines():
         seen.setdefault(cmd, []).append(f"{page}:{n}")
@@ -111,12 +135,15 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True)
         py = tmp / "venv" / "bin" / "python"
         if not args.venv_pip:
-            subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-U", "pip"], check=True)
+            subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-U", "pip"], check=True,
+                           env=_ENV)
         print("pip", subprocess.run([str(py), "-m", "pip", "--version"], capture_output=True,
-                                    text=True).stdout.split()[1])
+                                    text=True, env=_ENV).stdout.split()[1],
+              "with this machine's pip configuration" if args.pip_config
+              else "without a pip configuration file (PIP_CONFIG_FILE=/dev/null)")
         if any("dist/moe_plugins-" in c for c in seen):  # the README's wheel line needs the wheel
             subprocess.run([str(py), "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", "dist",
-                            "."], cwd=ROOT, check=True)
+                            "."], cwd=ROOT, check=True, env=_ENV)
         for cmd, where in seen.items():
             args_text = _PIP.match(cmd).group(1)  # type: ignore[union-attr]
             good, what = _resolve(py, args_text, tmp / "report.json")

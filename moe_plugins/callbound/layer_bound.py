@@ -27,7 +27,7 @@ from moe_plugins.callbound.watchdog import WatchedCall, bound_on, bounds_changed
 __all__ = ["CallBound", "BACKSTOP_TRAP_FRACTION", "BACKSTOP_GRACE_S"]
 
 #: The backstop of a layer whose library traps at its own timeout, as a fraction of that timeout
-#: (:meth:`CallBound.backstop`): DeepEP's 100 s give 90 s.
+#: (:meth:`CallBound.backstop`): DeepEP's 100 s give 90 s, a DeepEP built with 300 s 270 s.
 BACKSTOP_TRAP_FRACTION = 0.9
 #: The backstop of a layer whose library masks a peer or raises at its own timeout: this many
 #: seconds after that timeout (:meth:`CallBound.backstop`).

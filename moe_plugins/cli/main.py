@@ -50,6 +50,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"{r['name']:<28} {yn[r['usable']]:<6} {yn[r['ep_dp']]:<5} {yn[r['dp']]:<3} "
               f"{yn[r['tp']]:<3} {yn[r['sp']]:<3} {'any' if r['placements'] else 'linear':<10} "
               f"{','.join(r['quants']):<32} {note}")
+    from moe_plugins.vllm.version import vllm_status
+
+    print(f"vLLM: {vllm_status()}")
     return 0
 
 

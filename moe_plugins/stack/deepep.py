@@ -6,7 +6,10 @@ DeepEP has two lines whose ``deep_ep.Buffer`` our backends run on:
 
 - the **V1 line** (commit 567632d, the last before the V2 rewrite; ``deep_ep/buffer.py``,
   extension ``deep_ep_cpp``), which ``scripts/deepep/build.sh`` builds with the low-latency
-  combine fence of DeepEP PR #642 and records in ``deep_ep/moe_plugins_build.json``;
+  combine fence of DeepEP PR #642 and the RC QP check of DeepEP PR #695 (without it the first
+  low-latency dispatch traps on NVSHMEM 3.6 or later without IBGDA, e.g. one host), and with
+  DeepEP PR #678's build-time timeouts, and records in ``deep_ep/moe_plugins_build.json``
+  (commit, patches, the two timeout constants it was compiled with: :class:`Timeouts`);
 - the **current line's legacy Buffer** (d4f41e4 and later: ``deep_ep/buffers/legacy.py``,
   still exported as ``deep_ep.Buffer`` beside V2's ``ElasticBuffer``, extension ``deep_ep._C``).
 
@@ -54,19 +57,50 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["V1", "LEGACY", "V2_ONLY", "UNKNOWN", "BUILD_INFO", "DeepEPFound", "describe_deepep",
-           "require_buffer_api", "deepep_status", "INSTALL"]
+__all__ = ["V1", "LEGACY", "V2_ONLY", "UNKNOWN", "BUILD_INFO", "DeepEPFound", "Timeouts",
+           "describe_deepep", "require_buffer_api", "deepep_status", "INSTALL"]
 
 V1 = "v1"
 LEGACY = "legacy"
 V2_ONLY = "v2-only"
 UNKNOWN = "unknown"
 
-#: What scripts/deepep/build.sh writes into the package it builds ({"line", "commit", "patches"}).
+#: What scripts/deepep/build.sh writes into the package it builds ({"line", "commit", "patches",
+#: "timeouts": {"NUM_CPU_TIMEOUT_SECS", "NUM_TIMEOUT_CYCLES"}}).
 BUILD_INFO = "moe_plugins_build.json"
 
+
+@dataclass(frozen=True)
+class Timeouts:
+    """DeepEP's own bounds on a wait for a peer, two compiled constants (csrc/kernels/configs.cuh
+    at 567632d; csrc/kernels/legacy/compiled.cuh on the current line), as the build record
+    gives them, else DeepEP's defaults.
+
+    cpu_s: ``NUM_CPU_TIMEOUT_SECS``, seconds a host thread waits for the peers' counts in
+    normal-mode dispatch, then raises ("DeepEP error: CPU recv timeout"); gpu_cycles:
+    ``NUM_TIMEOUT_CYCLES``, GPU clock cycles a kernel spins on a peer, then traps (or masks
+    the peer, with a mask buffer); recorded: whether a build record named them.
+    """
+
+    cpu_s: float = 100.0
+    gpu_cycles: int = 200_000_000_000
+    recorded: bool = False
+
+    #: The clock DeepEP's constant assumes ("200G cycles ~= 100s"; 101.7 s was seen on an H200).
+    CYCLES_PER_S = 2e9
+
+    @property
+    def kernel_s(self) -> float:
+        """The kernels' timeout in seconds, at :data:`CYCLES_PER_S`."""
+        return self.gpu_cycles / self.CYCLES_PER_S
+
+    def describe(self) -> str:
+        """``timeouts 300 s (host), 600G cycles (kernels, about 300 s)``."""
+        return (f"timeouts {self.cpu_s:g} s (host), {self.gpu_cycles / 1e9:g}G cycles "
+                f"(kernels, about {self.kernel_s:g} s)")
+
 #: What to install, for every message that refuses a DeepEP.
-INSTALL = ("build DeepEP's V1 line (commit 567632d) with the low-latency combine fence: "
+INSTALL = ("build DeepEP's V1 line (commit 567632d) with the patches of "
            "scripts/deepep/build.sh (moe-plugins' docs/backends.md), or install a current-line "
            "DeepEP (d4f41e4 or later) that keeps the legacy deep_ep.Buffer")
 
@@ -95,7 +129,8 @@ class DeepEPFound:
         build record's; location: where the package was imported from; extension: the module of
         its C++ classes (``deep_ep_cpp``, ``deep_ep._C``); constructor: ``Buffer.__init__``'s
         parameter names; checks_determinism: the Buffer's calls run
-        ``check_torch_deterministic()``.
+        ``check_torch_deterministic()``; timeouts: its compiled bounds on a wait for a peer
+        (:class:`Timeouts`).
     """
 
     line: str
@@ -106,9 +141,11 @@ class DeepEPFound:
     extension: Optional[str] = None
     constructor: frozenset[str] = field(default_factory=frozenset)
     checks_determinism: bool = False
+    timeouts: Timeouts = Timeouts()
 
     def describe(self) -> str:
-        """One line: the line, the commit (or version) and the patches, where the package says."""
+        """One line: the line, the commit (or version), the patches and the timeouts it was
+        built with, where the package says."""
         words = _LINE_WORDS[self.line]
         if self.commit:
             words += f", commit {self.commit}"
@@ -118,6 +155,8 @@ class DeepEPFound:
             words += ", commit unknown (no build record, no version)"
         if self.patches:
             words += f" with {', '.join(self.patches)}"
+        if self.timeouts.recorded:
+            words += f", {self.timeouts.describe()}"
         return words
 
     def unusable_reason(self) -> Optional[str]:
@@ -224,7 +263,19 @@ def _probe(lib: ModuleType) -> DeepEPFound:
         checks = any(callable(getattr(getattr(buffer, m), "__globals__", {}).get(
             "check_torch_deterministic")) for m in ("low_latency_dispatch", "dispatch"))
     return DeepEPFound(line, version, commit, patches, location,
-                       getattr(config, "__module__", None), constructor, checks)
+                       getattr(config, "__module__", None), constructor, checks,
+                       _timeouts(record.get("timeouts")))
+
+
+def _timeouts(recorded: Any) -> Timeouts:
+    """The build record's ``timeouts`` (DeepEP's defaults where it names none, or a value that
+    is not a positive number)."""
+    if not isinstance(recorded, dict):
+        return Timeouts()
+    cpu, cycles = recorded.get("NUM_CPU_TIMEOUT_SECS"), recorded.get("NUM_TIMEOUT_CYCLES")
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (cpu, cycles)):
+        return Timeouts()
+    return Timeouts(float(cpu), int(cycles), True)
 
 
 def _text(value: Any) -> Optional[str]:

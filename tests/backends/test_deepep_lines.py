@@ -256,3 +256,22 @@ def test_the_buffer_info_line_names_the_deepep_found(rank_pool, backend, shape):
     for got in lines:
         assert len(got) == 1 and got[0].startswith(f"{backend}: buffer for EP rank ")
         assert got[0].endswith("; " + _LINE_WORDS[shape])
+
+
+def test_the_build_record_gives_the_timeouts_it_was_built_with(tmp_path):
+    """scripts/deepep/build.sh DEEPEP_TIMEOUT_S=300 records both constants: the kernels' cycles
+    read as seconds at DeepEP's 2 GHz, both named in the description; without a record (or
+    with one whose values are no positive numbers) DeepEP's defaults, not named."""
+    record = {"line": "v1", "commit": "567632d", "patches": ["pr678-timeout-override"],
+              "timeouts": {"NUM_CPU_TIMEOUT_SECS": 300, "NUM_TIMEOUT_CYCLES": 600_000_000_000}}
+    found = describe_deepep(_module(tmp_path, "t300", record, Buffer=_V1Buffer))
+    assert (found.timeouts.cpu_s, found.timeouts.kernel_s, found.timeouts.recorded) == (
+        300.0, 300.0, True)
+    assert found.describe().endswith(
+        "with pr678-timeout-override, timeouts 300 s (host), 600G cycles (kernels, about 300 s)")
+    plain = describe_deepep(_module(tmp_path, "none", {"commit": "567632d"}, Buffer=_V1Buffer))
+    assert (plain.timeouts.cpu_s, plain.timeouts.kernel_s, plain.timeouts.recorded) == (
+        100.0, 100.0, False)
+    assert "timeouts" not in plain.describe()
+    bad = dict(record, timeouts={"NUM_CPU_TIMEOUT_SECS": "300", "NUM_TIMEOUT_CYCLES": -1})
+    assert not describe_deepep(_module(tmp_path, "bad", bad, Buffer=_V1Buffer)).timeouts.recorded

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import sys
-from typing import Any, Callable, Iterator, TypeVar
+import tempfile
+import types
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -26,11 +30,17 @@ _SHAPE = ["v1"]  # what ``installed("deep_ep")`` presents in this process (deep_
 
 
 @contextlib.contextmanager
-def installed(*names: str, deep_ep_shape: str | None = None) -> Iterator[None]:
+def installed(*names: str, deep_ep_shape: str | None = None, deep_ep_build: Optional[dict] = None,
+              platform: Any = None) -> Iterator[None]:
     """Make ``import <name>`` return the emulation of ``name`` (deep_ep, nixl_ep) in this
     process until the block exits; whatever was in sys.modules before is put back. deep_ep
     presents ``deep_ep_shape`` (a key of :data:`DEEP_EP_SHAPES`; None: this process's shape,
-    :func:`deep_ep_shape`, "v1" by default)."""
+    :func:`deep_ep_shape`, "v1" by default).
+
+    ``deep_ep_build``: a build record as ``scripts/deepep/build.sh`` writes it; deep_ep is then
+    a package whose ``moe_plugins_build.json`` holds it (in a temporary folder, beside its
+    ``__file__``) and whose kernels follow it; ``platform``: the
+    :class:`tests.emulation.deep_ep.Platform` its Buffer runs on (None: the default)."""
     unknown = set(names) - set(_EMULATED)
     if unknown:
         raise ValueError(f"no emulation for {sorted(unknown)}; emulated: {list(_EMULATED)}")
@@ -38,17 +48,42 @@ def installed(*names: str, deep_ep_shape: str | None = None) -> Iterator[None]:
     if shape not in DEEP_EP_SHAPES:
         raise ValueError(f"no deep_ep shape {shape!r}; shapes: {sorted(DEEP_EP_SHAPES)}")
     saved = {n: sys.modules.get(n) for n in names}
+    folder = tempfile.TemporaryDirectory(prefix="emulated_deep_ep_")
     for n in names:
         sys.modules[n] = importlib.import_module(
             DEEP_EP_SHAPES[shape] if n == "deep_ep" else f"tests.emulation.{n}")
+        if n == "deep_ep" and (deep_ep_build is not None or platform is not None):
+            sys.modules[n] = _built(sys.modules[n], Path(folder.name), deep_ep_build, platform)
     try:
         yield
     finally:
+        folder.cleanup()
         for n, module in saved.items():
             if module is None:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = module
+
+
+def _built(base: types.ModuleType, folder: Path, build: Optional[dict],
+           platform: Any) -> types.ModuleType:
+    """A module object presenting ``base`` (an emulated deep_ep) as a package built with
+    ``build`` (its record beside the package's ``__init__.py``, where the product reads it) on
+    ``platform``: a fresh object, so nothing probed of another build is reused."""
+    module = types.ModuleType("deep_ep", base.__doc__)
+    module.__dict__.update({k: v for k, v in vars(base).items()
+                            if k not in ("__name__", "__spec__", "__loader__")})
+    package = folder / "deep_ep"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text("")
+    module.__file__ = str(package / "__init__.py")
+    if build is not None:
+        (package / "moe_plugins_build.json").write_text(json.dumps(build))
+    attrs: dict[str, Any] = {"build": build, "__module__": base.__name__}
+    if platform is not None:
+        attrs["platform"] = platform
+    module.Buffer = type("Buffer", (base.Buffer,), attrs)
+    return module
 
 
 @contextlib.contextmanager

@@ -35,11 +35,21 @@ Transport: one synchronous ``all_to_all_single`` of per-rank message counts, the
 ``all_to_all_single`` of the packed messages (uint8 rows: fp8 travels as bytes); or, with
 ``MOE_EMU_LL_FABRIC=store``, one-sided puts and spin-waits that read the mask while waiting and
 mask a peer at the library's timeout (:mod:`tests.emulation._ll_fabric`). Not modelled: CUDA
-streams/events (``async_finish`` returns an event whose wait is a no-op), timeouts on the
-all-to-all, LogFMT and zero-copy combine, the normal (high-throughput) kernels.
+streams/events (``async_finish`` returns an event whose wait is a no-op), LogFMT and zero-copy
+combine, the normal (high-throughput) kernels.
+
+Traps. A kernel that traps (``EP_DEVICE_ASSERT``, or a wait past the kernel timeout without a
+mask buffer) loses the process's CUDA context: the call raises what torch raises at the next
+CUDA call ("CUDA error: unspecified launch failure"), and so does every later call on the
+runtime. ``kernel_timeout_s`` (None: unbounded, the transport group's own timeout) bounds the
+group all-to-all's waits for a peer's messages when the buffer has no mask; with a mask the
+real kernels mask the late peer and go on, which the store fabric emulates and the group
+all-to-all does not (its wait goes on).
+
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -87,6 +97,11 @@ def host_assert(cond: bool, what: str) -> None:
     """What ``EP_HOST_ASSERT`` raises through pybind11."""
     if not cond:
         raise RuntimeError(f"Failed: Assertion error {what}")
+
+
+#: What torch raises at the first CUDA call after a kernel trapped (asm("trap;") in
+#: EP_DEVICE_ASSERT and at DeepEP's kernel timeouts).
+TRAP_ERROR = "CUDA error: unspecified launch failure"
 
 
 #: Bytes of one per-expert signal word: DeepEP's receive counts are ``int``
@@ -178,6 +193,8 @@ class EmulatedLowLatencyRuntime:
         self.fabric = store_fabric_for(group, rank, num_ranks, lambda: self.active,
                                        lambda r: self.update_mask(r, True), self.timeout_s,
                                        mask_enabled)
+        self.kernel_timeout_s: Optional[float] = None  # see the module doc
+        self.trapped: Optional[str] = None  # the error every call raises once a kernel trapped
 
     # -- masks ------------------------------------------------------------------------------
     def update_mask(self, rank_to_mask: int, mask: bool) -> None:
@@ -226,7 +243,8 @@ class EmulatedLowLatencyRuntime:
             return self.fabric.send(msgs, dest), msgs.shape[1]
         send_counts = torch.bincount(dest, minlength=self.num_ranks).to(torch.int64)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        self._bounded(dist.all_to_all_single(recv_counts, send_counts, group=self.group,
+                                             async_op=True), "the peers' counts")
         recv_splits = recv_counts.tolist()
         recv = torch.empty(sum(recv_splits), msgs.shape[1], dtype=torch.uint8)
         work = dist.all_to_all_single(recv, msgs, recv_splits, send_counts.tolist(),
@@ -234,10 +252,34 @@ class EmulatedLowLatencyRuntime:
         src = torch.repeat_interleave(torch.arange(self.num_ranks), recv_counts)
 
         def wait() -> tuple[torch.Tensor, torch.Tensor]:
-            work.wait()
+            self._bounded(work, "the peers' messages")
             return recv, src
 
         return wait, msgs.shape[1]
+
+    def _bounded(self, work: Any, what: str) -> None:
+        """Wait for ``work``: at most ``kernel_timeout_s`` where a late peer traps the kernel (no
+        mask buffer), else as long as the transport group lets it."""
+        if self.kernel_timeout_s is None or self.mask_enabled:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=self.kernel_timeout_s))
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            self.trap(f"DeepEP timeout: no answer from a peer ({what}) within the kernel "
+                      f"timeout of {self.kernel_timeout_s:g} s")
+
+    def device_assert(self, cond: bool, what: str) -> None:
+        """What ``EP_DEVICE_ASSERT`` does: on failure the kernel traps (:meth:`trap`)."""
+        if not cond:
+            self.trap(f"Assertion failed: csrc/kernels/internode_ll.cu, condition: {what}")
+
+    def trap(self, why: str) -> None:
+        """A kernel trapped: this call and every later one raise (the CUDA context is lost)."""
+        self.trapped = f"{TRAP_ERROR} (emulation: the kernel trapped: {why})"
+        raise RuntimeError(self.trapped)
 
     def _deferred(self, recv: Callable[[], None], return_recv_hook: bool) -> Optional[Callable[[], None]]:
         self.launches += 1
@@ -257,6 +299,8 @@ class EmulatedLowLatencyRuntime:
         return hook
 
     def _check_alive(self) -> None:
+        if self.trapped is not None:
+            raise RuntimeError(self.trapped)
         host_assert(not self.destroyed, "emulation: the buffer was destroyed")
 
     # -- dispatch -------------------------------------------------------------------------------

@@ -25,10 +25,26 @@ low-latency call needs ``clean_low_latency_buffer`` first (the real one needs it
 mode wrote the shared RDMA buffer, i.e. internode; SGLang cleans on every switch).
 Not emulated: internode normal mode (more than 8 ranks), ``comm`` (mpi4py), LogFMT and
 zero-copy combine.
+
+The build and the platform (:func:`tests.emulation.installed` with ``deep_ep_build`` /
+``platform``; the defaults are a 567632d build without a record on NVSHMEM 3.4.5):
+
+- ``Buffer.build``: the build record ``scripts/deepep/build.sh`` writes
+  (``deep_ep/moe_plugins_build.json``: ``patches``, ``timeouts``), which the emulated kernels
+  follow as the compiled library follows its sources: ``NUM_TIMEOUT_CYCLES`` (default 200G)
+  bounds the low-latency kernels' waits (:mod:`emulation._ll_kernels`, at 2 GHz, the clock of
+  DeepEP's own comment "200G cycles ~= 100s"); ``pr695-rc-qp-assert`` changes the QP check;
+- ``Buffer.platform`` (:class:`Platform`): the NVSHMEM version, whether its IBGDA transport
+  starts, which peers are reachable through P2P. The low-latency dispatch's first SM checks
+  ``ibgda_get_state()->num_rc_per_pe >= num_local_experts`` (csrc/kernels/internode_ll.cu at
+  567632d), an ``EP_DEVICE_ASSERT`` (a trap); with DeepEP PR #695 only where some peer is not
+  P2P-reachable (``nvshmemi_get_p2p_ptr`` gives 0 for it; every peer does with
+  ``allow_nvlink_for_low_latency_mode=False``, which sets ``NVSHMEM_DISABLE_P2P=1``).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -38,9 +54,39 @@ from tests.emulation import _ht_kernels
 from tests.emulation._ht_kernels import NUM_MAX_NVL_PEERS, EmulatedNormalRuntime, EventHandle
 from tests.emulation._ll_kernels import EventOverlap, EmulatedLowLatencyRuntime, host_assert, size_hint
 
-__all__ = ["Buffer", "Config", "DeepEPRuntime", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DeepEPRuntime", "EventOverlap", "Platform", "topk_idx_t"]
 
 _NUM_BUFFER_ALIGNMENT_BYTES = 128
+#: csrc/kernels/configs.cuh at 567632d: the kernels' wait bound and the clock its comment assumes
+_NUM_TIMEOUT_CYCLES = 200_000_000_000
+_CYCLES_PER_S = 2e9
+_RC_QP_PATCH = "pr695-rc-qp-assert"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What NVSHMEM gives the emulated DeepEP.
+
+    nvshmem: NVSHMEM's version; ibgda: whether its IBGDA transport starts (a host with an RDMA
+    NIC); ranks_per_node: ranks on one host, reachable from each other through P2P (None: all).
+    """
+
+    nvshmem: tuple[int, ...] = (3, 4, 5)
+    ibgda: bool = False
+    ranks_per_node: Optional[int] = None
+
+    def num_rc_per_pe(self, num_qps_per_rank: int) -> int:
+        """``ibgda_get_state()->num_rc_per_pe``: DeepEP's Buffer sets
+        ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` to ``num_qps_per_rank``; NVSHMEM 3.6 and later leave it
+        at zero where IBGDA does not start (earlier versions keep the requested count)."""
+        return num_qps_per_rank if self.ibgda or self.nvshmem < (3, 6) else 0
+
+    def p2p(self, rank: int, peer: int, allow_nvlink: bool) -> bool:
+        """Whether ``nvshmemi_get_p2p_ptr`` gives ``rank`` a pointer into ``peer``'s buffer."""
+        if not allow_nvlink:
+            return False  # NVSHMEM_DISABLE_P2P=1
+        per_node = self.ranks_per_node
+        return per_node is None or rank // per_node == peer // per_node
 
 topk_idx_t = torch.int64
 
@@ -72,11 +118,20 @@ class DeepEPRuntime(EmulatedLowLatencyRuntime):
     :class:`EmulatedLowLatencyRuntime`'s."""
 
     def __init__(self, group: "dist.ProcessGroup", rank: int, num_ranks: int, num_rdma_bytes: int,
-                 mask_enabled: bool, low_latency_mode: bool, num_qps_per_rank: int):
+                 mask_enabled: bool, low_latency_mode: bool, num_qps_per_rank: int,
+                 platform: Platform = Platform(), allow_nvlink: bool = True,
+                 build: Optional[dict] = None):
         super().__init__(group, rank, num_ranks, num_rdma_bytes, mask_enabled)
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
         self.low_latency_dirty = False  # set by normal-mode calls (see the module doc)
+        build = build or {}
+        self.num_rc_per_pe = platform.num_rc_per_pe(num_qps_per_rank)
+        self.needs_ibgda = any(not platform.p2p(rank, peer, allow_nvlink)
+                               for peer in range(num_ranks) if peer != rank)
+        self.rc_qp_patched = _RC_QP_PATCH in build.get("patches", ())
+        cycles = build.get("timeouts", {}).get("NUM_TIMEOUT_CYCLES", _NUM_TIMEOUT_CYCLES)
+        self.kernel_timeout_s = int(cycles) / _CYCLES_PER_S
 
     def _checked_experts(self, num_experts: int) -> int:
         host_assert(self.low_latency_mode, "low_latency_mode")
@@ -92,9 +147,15 @@ class DeepEPRuntime(EmulatedLowLatencyRuntime):
                              use_fp8: bool, round_scale: bool, use_ue8m0: bool, async_: bool,
                              return_recv_hook: bool) -> tuple:
         num_local_experts = self._checked_experts(num_experts)
-        # The first SM checks the QPs: ibgda_get_state()->num_rc_per_pe >= num_local_experts.
-        host_assert(self.num_qps_per_rank >= num_local_experts,
-                    "ibgda_get_state()->num_rc_per_pe >= num_local_experts")
+        self._check_alive()
+        # The first SM checks the QPs (567632d); with PR #695 only where a peer needs them.
+        if self.rc_qp_patched:
+            self.device_assert(not self.needs_ibgda or self.num_rc_per_pe >= num_local_experts,
+                               "not needs_ibgda or ibgda_get_state()->num_rc_per_pe >= "
+                               "num_local_experts")
+        else:
+            self.device_assert(self.num_rc_per_pe >= num_local_experts,
+                               "ibgda_get_state()->num_rc_per_pe >= num_local_experts")
         recv_x, scales, count, src_info, layout_range, hook = self.run_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_local_experts, use_fp8,
             round_scale, use_ue8m0, async_, return_recv_hook, cumulative_local_expert_recv_stats)
@@ -116,9 +177,11 @@ class DeepEPRuntime(EmulatedLowLatencyRuntime):
 
 
 class Buffer:
-    """deep_ep.Buffer (low-latency mode)."""
+    """deep_ep.Buffer (low-latency mode). ``build`` and ``platform``: see the module doc."""
 
     num_sms: int = 20
+    build: Optional[dict] = None
+    platform: Platform = Platform()
 
     def __init__(self, group: Optional["dist.ProcessGroup"], num_nvl_bytes: int = 0,
                  num_rdma_bytes: int = 0, low_latency_mode: bool = False,
@@ -164,7 +227,7 @@ class Buffer:
             _all_gather_rank(self.rank, self.group_size, group)  # NVSHMEM unique ids
         self.runtime: Optional[DeepEPRuntime] = DeepEPRuntime(
             group, self.rank, self.group_size, num_rdma_bytes, enable_shrink, low_latency_mode,
-            num_qps_per_rank)
+            num_qps_per_rank, self.platform, allow_nvlink_for_low_latency_mode, self.build)
         self.normal_runtime = EmulatedNormalRuntime(self.runtime, self.rank, self.group_size,
                                                     num_nvl_bytes)
 

@@ -56,6 +56,7 @@ __all__ = ["Job", "jobs", "run_job", "run_matrix", "rows_to_markdown", "merge_re
 
 STATUSES = ("passed", "failed", "not_run", "refused")
 LIB_TIMEOUT_S = {  # the library's own bound on a peer that never answers (fault jobs)
+    # DeepEP 567632d's defaults; a build with other timeouts: _deepep_timeouts()
     "deepep_ll": 100.0,  # NUM_TIMEOUT_CYCLES 200G cycles (~100 s), then trap (567632d)
     "deepep_ht": 100.0,  # NUM_CPU_TIMEOUT_SECS / NUM_TIMEOUT_CYCLES (567632d)
     "deepep_auto": 100.0,  # either mode's: deepep_ll's or deepep_ht's (567632d)
@@ -153,6 +154,22 @@ def _mask_job(backend: str, half: str, device: str, bound_s: float, ep: int = 4)
                tuple((backend, c, "bf16", 1) for c in ("mask-before", "mask", "unmask")))
 
 
+def _deepep_timeouts(device: str) -> dict[str, float]:
+    """On CUDA, the installed DeepEP's timeouts as built (its build record: the longer of the
+    two where a backend meets both); {} elsewhere or without DeepEP."""
+    if device == "cpu":
+        return {}
+    try:
+        import deep_ep
+    except ImportError:
+        return {}
+    from moe_plugins.stack.deepep import describe_deepep
+
+    t = describe_deepep(deep_ep).timeouts
+    return {"deepep_ll": t.kernel_s, "deepep_ht": max(t.cpu_s, t.kernel_s),
+            "deepep_auto": max(t.cpu_s, t.kernel_s)}
+
+
 def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
                margin_s: float = 60.0, pg_timeout_s: Optional[float] = None,
                call_timeout_s: Optional[float] = None, tokens: int = 8,
@@ -164,7 +181,8 @@ def _fault_job(backend: str, kind: str, half: str, device: str, ep: int = 4,
     from moe_plugins.callbound import first_call_timeout_seconds
     from tests.gpu import ep_ranks
 
-    lib = LIB_TIMEOUT_S.get(backend, 60.0)  # the others: the job's bound, not a library's
+    # the others: the job's bound, not a library's
+    lib = _deepep_timeouts(device).get(backend) or LIB_TIMEOUT_S.get(backend, 60.0)
     margin_s = float(os.environ.get("EP_MATRIX_FAULT_MARGIN_S", margin_s))  # beyond the library's
     # torch and, on CPU, every emulated library wait in gloo: its timeout is the bound there
     pg = pg_timeout_s or (LIB_TIMEOUT_S["torch"] if backend == "torch" or device == "cpu"

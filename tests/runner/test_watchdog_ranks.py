@@ -78,13 +78,14 @@ def test_a_peer_that_raises_mid_call_makes_the_others_raise_at_once_with_its_err
 
 
 def test_with_no_bound_set_the_backstop_ends_every_survivor_before_the_library_traps():
-    """EP 4, deepep_ll on the emulated DeepEP whose own timeout is made 3 s (it traps there:
-    no mask buffer), no call bound set: the layers run under the backstop, 0.9 of the
-    library's timeout (moe_plugins.callbound.CallBound.backstop), stated in their INFO line.
-    Rank 1 hangs between its dispatch and its combine; every survivor is ended by its watchdog
-    2.7 s after call 3 began (exit 70), with the error that names the backstop and says every
-    rank must restart; calls 1 and 2 were right."""
-    world, victim, library_s = 4, 1, 3.0
+    """EP 4, deepep_ll on the emulated DeepEP built with a 10 s timeout (scripts/deepep/build.sh
+    DEEPEP_TIMEOUT_S=10, its build record; it traps there: no mask buffer), no call bound set:
+    the layers run under the backstop, 0.9 of the built timeout
+    (moe_plugins.callbound.CallBound.backstop), stated in their INFO line. Rank 1 hangs between
+    its dispatch and its combine; every survivor is ended by its watchdog 9 s after call 3
+    began (exit 70), before the emulated kernel's trap at 10 s, with the error that names the
+    backstop and says every rank must restart; calls 1 and 2 were right."""
+    world, victim, library_s = 4, 1, 10.0
     run = run_world(ranks.hang_under_the_backstop, world, victim, library_s, None, device="cpu",
                     timeout_s=120, pg_timeout_s=120, stop_on_death=False)
     backstop_s = 0.9 * library_s
@@ -92,7 +93,7 @@ def test_with_no_bound_set_the_backstop_ends_every_survivor_before_the_library_t
         reported = [r for r in o.results if "bound" in r]
         assert reported and reported[0]["bound"].startswith(f"{backstop_s:g} s (first calls"), \
             (rank, reported)
-        assert "no bound set, the backstop under deepep_ll's 3 s timeout" in reported[0]["bound"]
+        assert "no bound set, the backstop under deepep_ll's 10 s timeout" in reported[0]["bound"]
         if rank == victim:
             continue
         calls = {r["call"]: r for r in o.results if "call" in r}
@@ -106,4 +107,41 @@ def test_with_no_bound_set_the_backstop_ends_every_survivor_before_the_library_t
         assert run.bounded.exitcodes[rank] in (None, EXIT_CODE), run.bounded.exitcodes
     outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 2]
     assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.BF16_CFG, 6)
+    assert not run.stray
+
+
+def test_with_the_bound_off_the_emulated_deepep_traps_at_its_built_timeout():
+    """The emulation honours the built timeout: EP 2, deepep_ll on the emulated DeepEP built
+    with a 3 s timeout, the call bound off (0). Rank 1 hangs between its dispatch and its
+    combine; rank 0's combine kernel traps 3 s into call 3 (the emulated "unspecified launch
+    failure"), which the layer reports as the library's own timeout: a peer died or hangs,
+    the CUDA context is lost, restart every rank."""
+    world, victim, library_s = 2, 1, 3.0
+    run = run_world(ranks.hang_under_the_backstop, world, victim, library_s, 0, device="cpu",
+                    timeout_s=120, pg_timeout_s=120, stop_on_death=False)
+    survivor = run.outcomes[0]
+    assert survivor.results[0]["bound"] == "off"
+    third = {r["call"]: r for r in survivor.results if "call" in r}[3]
+    assert third["type"] == "CollectiveError", third
+    assert "deepep_ll's wait for a peer ended at the library's own timeout (about 3 s" \
+        in third["error"], third
+    assert "unspecified launch failure" in third["cause"], third
+    assert "this process's CUDA context is lost" in third["error"], third
+    assert library_s <= third["seconds"] < library_s + SLACK_S, third
+    assert not run.stray
+
+
+@pytest.mark.parametrize("backend,bound_s,words", [
+    ("deepep_ll", 270.0, "under deepep_ll's 300 s timeout"),
+    ("deepep_ht", 320.0, "past deepep_ht's 300 s timeout")])
+def test_a_deepep_built_with_a_300_s_timeout_moves_the_backstop(backend, bound_s, words):
+    """A DeepEP built with DEEPEP_TIMEOUT_S=300 (its build record): deepep_ll's backstop is 0.9
+    of its kernels' 300 s (they trap), 270 s; deepep_ht's 20 s past its host wait's 300 s (it
+    raises), 320 s; DeepEP's default 100 s gives 90 s and 120 s."""
+    run = run_world(ranks.bound_of_a_build, 2, backend, 300.0, device="cpu", timeout_s=120)
+    for o in run.outcomes:
+        assert o.status == "ok", o.describe()
+        got = o.value
+        assert got["seconds"] == bound_s, got
+        assert got["bound"].startswith(f"{bound_s:g} s (first calls") and words in got["bound"]
     assert not run.stray

@@ -96,21 +96,41 @@ def raise_after_dispatch(rank: int, world: int, victim: int,
     return {"returned": True}
 
 
+def deepep_build(library_timeout_s: float) -> dict:
+    """The build record of scripts/deepep/build.sh for DeepEP 567632d built with
+    ``DEEPEP_TIMEOUT_S=library_timeout_s`` (both constants; the cycles at 2 GHz)."""
+    return {"line": "v1", "commit": "567632d",
+            "patches": ["pr642-combine-fence", "pr695-rc-qp-assert", "pr678-timeout-override"],
+            "timeouts": {"NUM_CPU_TIMEOUT_SECS": library_timeout_s,
+                         "NUM_TIMEOUT_CYCLES": int(library_timeout_s * 2_000_000_000)}}
+
+
+def bound_of_a_build(rank: int, world: int, backend: str, library_timeout_s: float) -> dict:
+    """``backend``'s layer (EP ``world``) on the emulated DeepEP built with
+    ``library_timeout_s``, no bound set: its bound (``CallBound.describe``) and seconds."""
+    from tests.emulation import installed
+
+    with installed("deep_ep", deep_ep_build=deepep_build(library_timeout_s)):
+        ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=60.0,
+                                fresh_ep_group=True)
+        layer = MoELayer(MoEWeights.random(BF16_CFG, 0), ctx, get_backend(backend), None,
+                         QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=8)
+        return {"bound": layer._bound.describe(), "seconds": layer._bound.timeout_s}
+
+
 def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_s: float,
                             call_timeout_s: Optional[float]) -> dict:
-    """EP ``world``, deepep_ll on the emulated DeepEP, with DeepEP's own timeout made
-    ``library_timeout_s`` (it traps at it: no mask buffer) and the layers built with
-    ``call_timeout_s`` (None: no bound set, so the backstop). Calls 1 and 2 are right
-    (reported); then the victim hangs in call 3 (alive, in its experts, between its dispatch
-    and its combine) past every bound; the others wait in call 3's combine (the emulation waits
-    in gloo, whose timeout is far off). Reported by each survivor's call-timeout hook: the
-    seconds from the start of call 3 and the error."""
-    import moe_plugins.all2all.deepep_ll
+    """EP ``world``, deepep_ll on the emulated DeepEP built with its own timeout
+    ``library_timeout_s`` (the build record of scripts/deepep/build.sh; it traps at it: no mask
+    buffer) and the layers built with ``call_timeout_s`` (None: no bound set, so the backstop;
+    0: no bound). Calls 1 and 2 are right (reported); then the victim hangs in call 3 (alive, in
+    its experts, between its dispatch and its combine) for 10 s past the library's timeout; the
+    others wait in call 3's combine. Reported by each survivor: by its call-timeout hook, or
+    where call 3 raised, its error; each with the seconds from the start of call 3."""
     from moe_plugins.callbound import on_call_timeout
     from tests.emulation import installed
 
-    moe_plugins.all2all.deepep_ll.DEEPEP_TIMEOUT_S = library_timeout_s  # (this process's alone)
-    with installed("deep_ep"):
+    with installed("deep_ep", deep_ep_build=deepep_build(library_timeout_s)):
         ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=120.0,
                                 fresh_ep_group=True)
         layer = MoELayer(MoEWeights.random(BF16_CFG, 0), ctx, get_backend("deepep_ll"), None,
@@ -124,12 +144,16 @@ def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_
         if rank == victim:
             def hang(prep: object) -> torch.Tensor:
                 step("victim hangs in call 3")
-                time.sleep(60.0)
+                time.sleep(library_timeout_s + 10.0)
                 os._exit(0)
             layer.experts.apply = hang  # type: ignore[method-assign]
         t0 = time.monotonic()
         on_call_timeout(lambda e: result({"call": 3, "seconds": time.monotonic() - t0,
                                           "error": str(e), "type": type(e).__name__}))
         step("call 3")
-        layer(x)
+        try:
+            layer(x)
+        except Exception as e:  # the library's own timeout, where no bound ended the call
+            result({"call": 3, "seconds": time.monotonic() - t0, "error": str(e),
+                    "type": type(e).__name__, "cause": str(e.__cause__ or "")})
         return {"returned": True}

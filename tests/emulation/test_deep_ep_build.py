@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moe_plugins.config import MoEConfig
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.runner.launch import RankError
 from tests.checks import assert_matches_reference
@@ -104,6 +105,13 @@ def test_the_qp_check_follows_nvshmem_ibgda_and_p2p(rank_pool, case, build, plat
             assert errors == [None, None], case
 
 
+#: a bf16 layer whose kernel hidden (3072) no other test's buffer has: the pool's processes keep
+#: buffers alive between tests (one per EP group and size), and this one must be built here, on
+#: this build of the library (and log its INFO line)
+LAYER_CFG = MoEConfig(hidden=3072, num_experts=8, num_topk=2, intermediate=32,
+                      shared_intermediate=64, dtype=torch.bfloat16)
+
+
 def layer_calls(rank: int, world: int, build: dict, platform: Platform) -> dict:
     """deepep_ll's MoELayer (EP ``world``) on the emulated DeepEP ``build`` on ``platform``:
     its INFO line's DeepEP words and two calls' outputs (or the first call's error)."""
@@ -116,8 +124,6 @@ def layer_calls(rank: int, world: int, build: dict, platform: Platform) -> dict:
     from moe_plugins.runner.demo import demo_inputs
     from moe_plugins.runner.layer import MoELayer
     from moe_plugins.runner.model import MoEWeights
-    from tests.runner.watchdog_ranks import BF16_CFG
-
     lines: list[str] = []
 
     class Keep(logging.Handler):
@@ -132,10 +138,10 @@ def layer_calls(rank: int, world: int, build: dict, platform: Platform) -> dict:
         with installed("deep_ep", deep_ep_build=build, platform=platform):
             ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=60.0,
                                     fresh_ep_group=True)
-            layer = MoELayer(MoEWeights.random(BF16_CFG, 0), ctx, get_backend("deepep_ll"), None,
+            layer = MoELayer(MoEWeights.random(LAYER_CFG, 0), ctx, get_backend("deepep_ll"), None,
                              QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=8,
                              call_timeout_s=0)
-            x = demo_inputs(BF16_CFG, 6, rank, 0)
+            x = demo_inputs(LAYER_CFG, 6, rank, 0)
             try:
                 outs = [layer(x), layer(x)]
             except Exception as e:  # the trap: every rank's first call
@@ -152,8 +158,6 @@ def test_deepep_ll_on_nvshmem_37_on_one_host(rank_pool, patched):
     """Through deepep_ll's layer, EP 2 on one host with NVSHMEM 3.7 and no IBGDA: without PR
     #695 the first call fails on every rank with the trap; with it both calls equal the
     reference. The buffer's INFO line names the patches of the build."""
-    from tests.runner.watchdog_ranks import BF16_CFG
-
     build = _record(FENCE, RC_QP) if patched else _record(FENCE)
     results = rank_pool(2).run(layer_calls, build, ONE_HOST_NVSHMEM_37)
     for r in results:
@@ -170,4 +174,4 @@ def test_deepep_ll_on_nvshmem_37_on_one_host(rank_pool, patched):
     if patched:
         for call in (0, 1):
             assert_matches_reference([dict(out=r["outs"][call]) for r in results],
-                                     ParallelLayout(2, 1, True), BF16_CFG, 6)
+                                     ParallelLayout(2, 1, True), LAYER_CFG, 6)

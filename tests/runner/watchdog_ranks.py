@@ -97,14 +97,14 @@ def raise_after_dispatch(rank: int, world: int, victim: int,
 
 
 def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_s: float,
-                            call_timeout_s: Optional[float]) -> dict:
+                            call_timeout_s: Optional[float], hang_call: int = 3) -> dict:
     """EP ``world``, deepep_ll on the emulated DeepEP, with DeepEP's own timeout made
     ``library_timeout_s`` (it traps at it: no mask buffer) and the layers built with
-    ``call_timeout_s`` (None: no bound set, so the backstop). Calls 1 and 2 are right
-    (reported); then the victim hangs in call 3 (alive, in its experts, between its dispatch
-    and its combine) past every bound; the others wait in call 3's combine (the emulation waits
-    in gloo, whose timeout is far off). Reported by each survivor's call-timeout hook: the
-    seconds from the start of call 3 and the error."""
+    ``call_timeout_s`` (None: no bound set, so the backstop). The calls before ``hang_call``
+    are right (reported); then the victim hangs in call ``hang_call`` (alive, in its experts,
+    between its dispatch and its combine) past every bound; the others wait in that call's
+    combine (the emulation waits in gloo, whose timeout is far off). Reported by each
+    survivor's call-timeout hook: the seconds from the start of that call and the error."""
     import moe_plugins.all2all.deepep_ll
     from moe_plugins.callbound import on_call_timeout
     from tests.emulation import installed
@@ -118,18 +118,18 @@ def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_
                          call_timeout_s=call_timeout_s)
         result({"bound": layer._bound.describe()})
         x = demo_inputs(BF16_CFG, 6, rank, 0)
-        for call in (1, 2):
+        for call in range(1, hang_call):
             step(f"call {call}")
             result({"call": call, "out": layer(x)})
         if rank == victim:
             def hang(prep: object) -> torch.Tensor:
-                step("victim hangs in call 3")
+                step(f"victim hangs in call {hang_call}")
                 time.sleep(60.0)
                 os._exit(0)
             layer.experts.apply = hang  # type: ignore[method-assign]
         t0 = time.monotonic()
-        on_call_timeout(lambda e: result({"call": 3, "seconds": time.monotonic() - t0,
+        on_call_timeout(lambda e: result({"call": hang_call, "seconds": time.monotonic() - t0,
                                           "error": str(e), "type": type(e).__name__}))
-        step("call 3")
+        step(f"call {hang_call}")
         layer(x)
         return {"returned": True}

@@ -110,3 +110,25 @@ def test_with_no_bound_set_the_backstop_ends_every_survivor_before_the_library_t
     outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 1 and "out" in r]
     assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.BF16_CFG, 6)
     assert not run.stray
+
+
+def test_a_library_timeout_reaches_the_caller_as_what_it_means():
+    """EP 2, deepep_ht on the emulated DeepEP, no bound: a peer that sits out call 2 leaves the
+    other in DeepEP's host wait for the counts, which raises the library's own "CPU recv
+    timeout" (made 2 s here; 100 s in DeepEP). MoELayer raises CollectiveError saying a peer
+    died or hangs and every rank must restart, from the library's error, at that timeout."""
+    world, victim, library_s = 2, 1, 2.0
+    run = run_world(ranks.library_times_out, world, victim, library_s, device="cpu",
+                    timeout_s=60, pg_timeout_s=60, stop_on_death=False)
+    survivor = [r for r in run.outcomes[0].results if r.get("call") == 2]
+    assert survivor, run.outcomes[0].describe()
+    got = survivor[0]
+    assert got["type"] == "CollectiveError", got
+    assert ("deepep_ht's wait for a peer ended at the library's own timeout (about 100 s; "
+            "RuntimeError: DeepEP error: CPU recv timeout): a peer rank died or hangs") \
+        in got["error"], got
+    assert "Restart every rank of the EP group" in got["error"], got
+    assert got["cause"] == "DeepEP error: CPU recv timeout", got
+    assert library_s <= got["seconds"] < library_s + SLACK_S, got
+    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 1]
+    assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.BF16_CFG, 6)

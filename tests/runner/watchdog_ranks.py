@@ -133,3 +133,36 @@ def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_
         step(f"call {hang_call}")
         layer(x)
         return {"returned": True}
+
+
+def library_times_out(rank: int, world: int, victim: int, library_timeout_s: float) -> dict:
+    """EP ``world``, deepep_ht on the emulated DeepEP, whose dispatch's host wait for the
+    peers' counts raises DeepEP's own "CPU recv timeout" after ``library_timeout_s`` (made
+    short in this process), the call bound off (0: no backstop either). Call 1 on every rank;
+    then the victim sits out call 2 (alive, asleep past that timeout) while the others make it.
+    Reported by each survivor: call 2's error (type, text, its cause's text, seconds)."""
+    import tests.emulation._ht_kernels as ht_kernels
+    from tests.emulation import installed
+
+    ht_kernels.NUM_CPU_TIMEOUT_SECS = library_timeout_s  # (this process's alone)
+    with installed("deep_ep"):
+        ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=60.0,
+                                fresh_ep_group=True)
+        layer = MoELayer(MoEWeights.random(BF16_CFG, 0), ctx, get_backend("deepep_ht"), None,
+                         QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=8,
+                         call_timeout_s=0)
+        x = demo_inputs(BF16_CFG, 6, rank, 0)
+        step("call 1")
+        result({"call": 1, "out": layer(x)})
+        step("call 2")
+        if rank == victim:
+            time.sleep(library_timeout_s + 3.0)
+            return {"sat out": 2}
+        t0 = time.monotonic()
+        try:
+            layer(x)
+            result({"call": 2, "type": None})
+        except Exception as e:
+            result({"call": 2, "type": type(e).__name__, "error": str(e),
+                    "cause": str(e.__cause__), "seconds": time.monotonic() - t0})
+        return {"returned": True}

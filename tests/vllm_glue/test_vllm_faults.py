@@ -52,7 +52,9 @@ def test_torch_backend_adapter_refusal_is_in_step_on_every_rank(rank_pool, layou
 def test_low_latency_adapter_refusal_serves_the_peer_and_stays_usable(rank_pool):
     """deepep_ll (no host exchange), dp 2, one TP rank: rank 1's expert_map is refused; it
     takes part in the call with no tokens of its own and raises at its finalize; rank 0's
-    result of that very call is right; the next call is right on both."""
+    result of that very call is right; the next call is right on both. With no bound set, the
+    adapter's calls run under the backstop below DeepEP's own timeout (its first calls under
+    the start-up bound: vLLM's experts compile inside them)."""
     layout = ParallelLayout(2, 1, True)
     results = rank_pool(2).run(ranks.refused_kernel_call, "deepep_ll", layout, LL_CFG, S.LOCAL,
                                1, "expert_map", 3, TIMEOUT_S)
@@ -62,6 +64,8 @@ def test_low_latency_adapter_refusal_serves_the_peer_and_stays_usable(rank_pool)
     assert_matches_reference([dict(out=results[0]["outs"][0])], layout, LL_CFG, 3, ranks=[0])
     for r in results:
         assert r["second"][0] is None and r["broken"] is None, r["second"]
+        assert r["bound"] == ("90 s (first calls 900 s): no bound set, the backstop under "
+                              "deepep_ll's 100 s timeout"), r["bound"]
     assert_matches_reference(results, layout, LL_CFG, 3)
 
 
@@ -87,3 +91,25 @@ def test_a_hung_peer_ends_the_watched_rank_within_its_call_bound():
     seconds = [r["seconds"] for r in r0.results if r.get("call") == 2]
     assert seconds and 2.0 <= seconds[0] < 2.0 + 2.0, r0.results  # 2 shared cores: slack
     assert re.search(r"started [23]\.\d s ago", r0.error[1]), r0.error[1]
+
+
+def test_a_library_timeout_in_the_adapter_is_raised_as_what_it_means():
+    """vLLM's kernel over our adapter on deepep_ht (emulated DeepEP), no bound: a peer that
+    sits out call 2 leaves the other in DeepEP's host wait, which raises the library's own "CPU
+    recv timeout" (2 s here, 100 s in DeepEP). The adapter raises CollectiveError saying a peer
+    died or hangs and every rank must restart, from the library's error, and breaks the group."""
+    from tests.gpu.ep_harness import run_world
+
+    library_s = 2.0
+    run = run_world(ranks.library_timeout_kernel_call, 2, library_s, device="cpu", timeout_s=60,
+                    pg_timeout_s=60, stop_on_death=False)
+    got = run.values[0]
+    assert got is not None and got["first"][0] is None, run.summary()
+    err_type, err, seconds = got["second"]
+    assert err_type == "CollectiveError", got["second"]
+    assert ("deepep_ht's wait for a peer ended at the library's own timeout (about 100 s; "
+            "RuntimeError: DeepEP error: CPU recv timeout): a peer rank died or hangs") in err
+    assert got["cause"] == ["DeepEP error: CPU recv timeout"], got["cause"]
+    assert library_s <= seconds < library_s + 3.0, seconds
+    assert got["broken"] is not None and "the library timed out on a peer" in got["broken"]
+    assert not run.stray

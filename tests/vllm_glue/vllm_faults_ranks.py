@@ -33,9 +33,17 @@ def refused_kernel_call(rank: int, world: int, backend_name: str, layout: Parall
     with inputs the adapter refuses: ``tokens`` (routing for one token fewer than the
     activations: the token-ownership check) or ``expert_map`` (a map of the wrong size: the
     placement check). Then every rank calls it with good inputs. Returns each call's (error
-    type, message, seconds) and outputs."""
+    type, message, seconds) and outputs, and the adapter's call bound as its INFO line says it
+    (no bound set here: the environment's bound variables are cleared for the build)."""
+    import os
+
+    from moe_plugins.callbound import reread_environment
     from tests.backends.low_latency_ranks import make_options, vendor_module
     from tests.emulation import installed
+
+    for name in ("MOE_PLUGINS_CALL_TIMEOUT_S", "MOE_PLUGINS_FIRST_CALL_TIMEOUT_S"):
+        os.environ.pop(name, None)  # (a pool's process may have set them for an earlier test)
+    reread_environment()
 
     low_latency = backend_name in ("deepep_ll", "nixl_ep")
     with installed(vendor_module(backend_name)) if low_latency else contextlib.nullcontext():
@@ -78,7 +86,7 @@ def refused_kernel_call(rank: int, world: int, backend_name: str, layout: Parall
             if destroy is not None:
                 destroy()
         return dict(first=first, second=second, outs=outs, broken=pf.faults.broken,
-                    out=outs[-1] if second[0] is None else None)
+                    out=outs[-1] if second[0] is None else None, bound=pf._bound.describe())
 
 
 def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: float) -> dict:
@@ -135,3 +143,63 @@ def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: 
     on_call_timeout(lambda e: result({"call": 2, "seconds": time.monotonic() - t0}))
     call()
     return {"returned": True}
+
+
+def library_timeout_kernel_call(rank: int, world: int, library_timeout_s: float) -> dict:
+    """vLLM's FusedMoEKernel over our adapter on deepep_ht (the emulated DeepEP, whose
+    dispatch's host wait for the peers' counts raises DeepEP's own "CPU recv timeout" after
+    ``library_timeout_s``, made short in this process), dp ``world``, no bound (0). Call 1 on
+    every rank; then rank 1 sits out call 2 (asleep past that timeout) and rank 0 makes it.
+    Returns each call's (error type, message, seconds) and rank 0's call-2 error's cause."""
+    import os
+    import time
+
+    import tests.emulation._ht_kernels as ht_kernels
+    from moe_plugins.callbound import reread_environment
+    from tests.emulation import installed
+
+    os.environ["MOE_PLUGINS_CALL_TIMEOUT_S"] = "0"  # no bound, no backstop: the library's own
+    reread_environment()
+    ht_kernels.NUM_CPU_TIMEOUT_SECS = library_timeout_s
+    layout, cfg = ParallelLayout(world, 1, True), MoEConfig(
+        hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)
+    try:
+        with installed("deep_ep"):
+            ctx = make_dist_context(layout, timeout_s=60.0, fresh_ep_group=True)
+            backend = get_backend("deepep_ht").build(ctx, DispatchConfig(
+                cfg.num_experts, cfg.hidden, cfg.num_topk, 64, cfg.dtype))
+            pf = MoEPluginsPrepareAndFinalize(backend, "deepep_ht", ctx,
+                                              StrategyChoice(ReductionStrategy.LOCAL, "test"),
+                                              OverlapConfig(overlap=False), cfg.num_experts,
+                                              QuantScheme.NONE)
+            kernel = _kernel(pf, _moe_config(cfg, layout, rank))
+            weights = MoEWeights.random(cfg, 0)
+            local = weights.local_experts(layout.ep_size, rank)
+            x = demo_inputs(cfg, 5, ctx.dp_rank, 0)
+            tw, ti = route(x, weights.router, cfg.num_topk, cfg.renormalize)
+
+            def call() -> None:
+                kernel.apply(hidden_states=x, w1=local.w13, w2=local.w2, topk_weights=tw,
+                             topk_ids=ti.to(pf.topk_indices_dtype() or torch.int32),
+                             activation=MoEActivation.SILU, global_num_experts=cfg.num_experts,
+                             expert_map=contiguous_expert_map(cfg.num_experts, world, rank),
+                             apply_router_weight_on_input=False)
+
+            first = _error(call)
+            if rank == 1:
+                time.sleep(library_timeout_s + 3.0)
+                return dict(first=first)
+            cause: list[str] = []
+
+            def second_call() -> None:
+                try:
+                    call()
+                except BaseException as e:
+                    cause.append(str(e.__cause__))
+                    raise
+
+            second = _error(second_call)
+            return dict(first=first, second=second, cause=cause, broken=pf.faults.broken)
+    finally:
+        os.environ.pop("MOE_PLUGINS_CALL_TIMEOUT_S", None)
+        reread_environment()

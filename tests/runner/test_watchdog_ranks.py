@@ -107,7 +107,8 @@ def test_with_no_bound_set_the_backstop_ends_every_survivor_before_the_library_t
         assert "restart every rank of the EP group" in hung["error"], hung
         assert backstop_s <= hung["seconds"] < backstop_s + SLACK_S, hung
         assert run.bounded.exitcodes[rank] in (None, EXIT_CODE), run.bounded.exitcodes
-    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 1 and "out" in r]
+    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results
+            if r.get("call") == 1 and "out" in r]
     assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.BF16_CFG, 6)
     assert not run.stray
 

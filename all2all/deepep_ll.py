@@ -53,8 +53,21 @@ _DEFAULT_QP_DEPTH = 1024  # DeepEP's default NVSHMEM_QP_DEPTH
 
 
 def qp_depth() -> int:
-    """NVSHMEM_QP_DEPTH as DeepEP's Buffer reads it (environment, default 1024)."""
-    return int(os.environ.get("NVSHMEM_QP_DEPTH", _DEFAULT_QP_DEPTH))
+    """NVSHMEM_QP_DEPTH as DeepEP's Buffer reads it (environment, default 1024); ValueError
+    naming the variable for a value that is not a positive whole number."""
+    raw = os.environ.get("NVSHMEM_QP_DEPTH", "").strip()
+    if not raw:
+        return _DEFAULT_QP_DEPTH
+    try:
+        depth = int(raw)
+    except ValueError:
+        depth = 0
+    if depth < 1:
+        raise ValueError(f"NVSHMEM_QP_DEPTH={raw!r} is not a positive whole number (NVSHMEM's "
+                         "queue-pair depth, which DeepEP's low-latency kernels need at least "
+                         "2 x (tokens per rank + 1) of); set it to e.g. 1024, or unset it for "
+                         f"the default {_DEFAULT_QP_DEPTH}")
+    return depth
 
 
 def runtime_calls_known(buffer: Any) -> bool:

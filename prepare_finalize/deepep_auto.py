@@ -104,7 +104,15 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
             found = low_latency_threshold(_layer_shape(cfg, manager.ll.num_experts),
                                           manager.num_ranks, cfg.quant, link, _MODES, cap)
             self.threshold, why = found.rows, found.reason
-            self._check_agreed(found.rows)
+        # every rank, link or not: a rank that skipped this collective would pair it with a
+        # later one
+        self._check_agreed({
+            "DeepEPAutoOptions.link (1: given, 0: none)": int(link is not None),
+            "low-latency capacity in tokens per rank (DeepEPAutoOptions.ll_max_tokens_per_rank,"
+            " else max_tokens_per_rank)": cap,
+            "DeepEPAutoOptions.allow_nvlink (1: on, 0: off)": int(manager.options.allow_nvlink),
+            "low-latency threshold in tokens per rank (from the layer config and the link)":
+                self.threshold})
         key = (manager.num_ranks, cfg, cap, link)
         if key not in _LOGGED:
             _LOGGED.add(key)
@@ -162,18 +170,25 @@ class DeepEPAutoPrepareFinalize(PrepareFinalize):
         self.ht.reset_call_state()
         self._mode = None
 
-    def _check_agreed(self, rows: int) -> None:
-        """ValueError on every rank when the EP ranks computed different thresholds (they were
-        given different links or layer configs): their calls would pair different
-        collectives. One all_reduce at construction."""
+    def _check_agreed(self, values: dict[str, int]) -> None:
+        """ValueError on every rank, naming the first of ``values`` (what -> this rank's value)
+        the EP ranks do not all hold, with each rank's value: their calls would pair different
+        collectives (other modes, other buffer sizes) and wait out the process-group timeout.
+        One all_gather at construction, on every rank."""
         m = self.manager
-        t = torch.tensor([rows, -rows], dtype=torch.int64, device=m.ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m.group)
-        high, low = int(t[0]), -int(t[1])
-        if high != low:
-            raise ValueError(f"deepep_auto: the EP ranks computed low-latency thresholds from "
-                             f"{low} to {high} tokens per rank (this rank: {rows}); give every "
-                             "rank the same layer config and DeepEPAutoOptions.link")
+        mine = torch.tensor(list(values.values()), dtype=torch.int64, device=m.ctx.device)
+        every = [torch.empty_like(mine) for _ in range(m.num_ranks)]
+        dist.all_gather(every, mine, group=m.group)
+        table = torch.stack(every).cpu().tolist()  # [rank][value]
+        for i, what in enumerate(values):
+            column = [row[i] for row in table]
+            if len(set(column)) > 1:
+                each = ", ".join(f"EP rank {r}: {v}" for r, v in enumerate(column))
+                raise ValueError(
+                    f"deepep_auto: the EP ranks were built with different {what} ({each}; this "
+                    f"is EP rank {m.rank}); every rank's two modes must be the same collectives: "
+                    "give every rank of the EP group the same layer config and "
+                    "DeepEPAutoOptions (link, ll_max_tokens_per_rank, allow_nvlink)")
 
     # -- the choice ----------------------------------------------------------------------------
     def choose_mode(self, num_tokens: int) -> str:

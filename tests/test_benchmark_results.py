@@ -58,3 +58,24 @@ def test_a_stand_in_is_named_as_one(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", fake)
     assert conditions.run_conditions("cpu", ["deep_ep"])["versions"]["deep_ep"] == \
         "stand-in benchmarks/zero_cost_deep_ep.py"
+
+
+def test_a_tree_with_changes_is_named_as_uncommitted(tmp_path, monkeypatch):
+    """In a git checkout (a fresh one here), the commit is HEAD's; a tracked file changed makes
+    it ``<head>+uncommitted``; a file git does not track changes nothing."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "--short=7", "HEAD")
+    monkeypatch.setattr(conditions, "ROOT", tmp_path)
+    assert conditions.current_commit() == head
+    (tmp_path / "new.py").write_text("y = 2\n")
+    assert conditions.current_commit() == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert conditions.current_commit() == f"{head}+uncommitted"

@@ -165,3 +165,48 @@ def test_each_checked_vllm_release_is_named_where_a_person_writes_how_it_install
     assert not silent, "\n".join(
         f"vLLM {release} is in VLLM_CHECKED but {place} does not name it: say how it installs"
         for release, place in silent)
+
+
+def _record(root, name: str, rows) -> None:
+    import json
+
+    folder = root / "tests" / "gpu" / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(rows if isinstance(rows, str) else json.dumps(rows))
+
+
+def test_the_stack_table_counts_every_status_and_only_rows_that_name_their_run(tmp_path):
+    """Failed rows are counted as failed (a table of passes only would hide them); a row that
+    names no commit ("unknown", empty, missing) or no GPU is not counted: the table says what
+    ran where, at which code. vLLM's entry counts the rows that went through vLLM (path "vllm"),
+    not the layer rows of a process that merely had vLLM installed."""
+    def row(status: str, path: str = "layer", **run) -> dict:
+        stamp = {"commit": "aaaaaaa", "date": "2026-12-06T03:02Z", "gpu": "GPU X",
+                 "versions": {"torch": "2.11.0"}}
+        return dict(backend="nixl_ep", path=path, status=status, vllm="vllm 0.34.0",
+                    from_run={k: v for k, v in {**stamp, **run}.items() if v is not None})
+
+    _record(tmp_path, "r.json", [
+        row("passed"), row("failed"), row("failed"), row("passed", path="vllm"),
+        row("passed", commit="unknown"), row("passed", commit=""), row("failed", commit=None),
+        row("passed", gpu=None)])
+    words = {lib.key: [r.words() for r in gpu_runs(lib, tmp_path)] for lib in LIBRARIES}
+    assert words["torch"] == ["2.11.0 on GPU X: 2 passed, 2 failed at aaaaaaa (2026-12-06)"]
+    assert words["nixl"] == ["version not recorded on GPU X: 2 passed, 2 failed at aaaaaaa "
+                             "(2026-12-06)"]
+    assert words["vllm"] == ["0.34.0 on GPU X: 1 passed at aaaaaaa (2026-12-06)"]
+
+
+@pytest.mark.parametrize("text", ["[{\"backend\": ", "\xff\xfe", "{]"])
+def test_a_corrupt_gpu_record_is_named_by_the_stack_command(tmp_path, capsys, text):
+    """A record file that is not JSON: `moe-plugins stack` says which file, and what to do,
+    in one line with exit status 2 (no traceback)."""
+    from moe_plugins.cli import main
+
+    _record(tmp_path, "good.json", [])
+    folder = tmp_path / "tests" / "gpu" / "results"
+    (folder / "bad.json").write_bytes(text.encode("latin-1"))
+    assert main(["stack", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(folder / "bad.json") in err and "cannot be read as JSON" in err, err
+    assert "git checkout" in err and "Traceback" not in err

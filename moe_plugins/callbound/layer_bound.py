@@ -68,9 +68,10 @@ class CallBound:
         self.notice: Optional[FaultNotice] = None
         self._turn_on(call_timeout_seconds(call_timeout_s))
 
-    def _turn_on(self, timeout_s: Optional[float]) -> None:
+    def _turn_on(self, timeout_s: Optional[float], bound_why: str = "") -> None:
         self.timeout_s = timeout_s
-        self.first_timeout_s = first_call_timeout_seconds(timeout_s, self._first_given)
+        self.first_timeout_s = first_call_timeout_seconds(timeout_s, self._first_given,
+                                                          bound_why)
         self._warm = timeout_s is None or self.first_timeout_s == timeout_s
         if timeout_s is not None:
             bound_on(self, self._device)
@@ -103,9 +104,13 @@ class CallBound:
                         f"{BACKSTOP_GRACE_S:g} s past {library}'s own timeout (about "
                         f"{library_timeout_s:g} s), which did not end the call")
             self._note = f"past {library}'s {library_timeout_s:g} s timeout"
+        # one rule with or without a start-up window: a start-up bound given below the
+        # backstop is refused alike (the message says the bound is the backstop)
+        bound_why = f": no call bound was set; this is moe-plugins' backstop {self._note}"
+        first_call_timeout_seconds(seconds, self._first_given, bound_why)
         if not start_up:
             self._first_given = 0  # no separate start-up bound
-        self._turn_on(seconds)
+        self._turn_on(seconds, bound_why)
 
     def current_timeout_s(self) -> Optional[float]:
         """The bound a call started now runs under (the start-up bound until the layer is warm;

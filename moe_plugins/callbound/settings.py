@@ -67,7 +67,13 @@ def parse_seconds(given: Seconds, source: str, off_meaning: str = CALL_OFF) -> O
         value = float(exact)
     elif isinstance(given, (int, float)) and not isinstance(given, bool):
         shown = repr(given)
-        is_zero, value = given == 0, float(given)
+        if len(shown) > 40:  # an int of hundreds of digits: its start and its size
+            shown = f"{shown[:8]}... ({len(shown)} digits)"
+        try:
+            is_zero, value = given == 0, float(given)
+        except OverflowError:  # an int past any float: 10**400
+            raise _refused(source, shown, "is not finite (too large for seconds)",
+                           off_meaning) from None
         if math.isnan(value):
             raise _refused(source, shown, "is not a number of seconds", off_meaning)
     else:
@@ -128,12 +134,14 @@ def call_timeout_seconds(given: Optional[Seconds] = None) -> Optional[float]:
 
 
 def first_call_timeout_seconds(call_timeout_s: Optional[float],
-                               given: Optional[Seconds] = None) -> Optional[float]:
+                               given: Optional[Seconds] = None,
+                               bound_why: str = "") -> Optional[float]:
     """The start-up bound (seconds) of a layer whose call bound is ``call_timeout_s`` (None: off,
     then this is None too, the setting still checked): ``given``, else
     ``$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S``, else ``max(10 x call_timeout_s, 600)``; 0 means no
-    separate start-up bound (the call bound). It must not be below the call bound (ValueError
-    naming its source)."""
+    separate start-up bound (the call bound). It must not be below the call bound in force,
+    the user's or, with none set, the backstop (``bound_why`` says which): ValueError naming its
+    source, the bound and where it comes from."""
     if given is not None:
         source, first = "first_call_timeout_s", parse_seconds(given, "first_call_timeout_s",
                                                               FIRST_OFF)
@@ -148,7 +156,9 @@ def first_call_timeout_seconds(call_timeout_s: Optional[float],
     if first is None:
         return call_timeout_s
     if first < call_timeout_s:
-        raise ValueError(f"{source}={first!r} s is below the call bound ({call_timeout_s!r} s): "
-                         "the start-up bound covers the slow first calls, so give at least the "
-                         "call bound, e.g. 600, or 0 to run the first calls under the call bound")
+        raise ValueError(f"{source}={first!r} s is below the call bound in force "
+                         f"({call_timeout_s:g} s{bound_why or ', as set'}): the start-up bound "
+                         "covers a layer's slow first calls and is never below the call bound; "
+                         f"give at least {call_timeout_s:g}, e.g. 600, or 0 to run the first "
+                         "calls under the call bound")
     return first

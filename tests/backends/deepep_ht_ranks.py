@@ -302,3 +302,21 @@ def deterministic_layer_call(rank: int, world: int, *args: Any) -> tuple[str, st
         torch.use_deterministic_algorithms(before)
         forget_faults(rank, world, args[1])
     raise AssertionError("the call ran")
+
+
+def build_auto_per_rank(rank: int, world: int, layout: ParallelLayout, cfg: MoEConfig,
+                        options: list[dict]) -> dict:
+    """Build a deepep_auto layer with ``options[rank]`` (DeepEPAutoOptions fields; each rank its
+    own) on the emulated deep_ep: its threshold, or the error its construction raised."""
+    from moe_plugins.all2all.deepep_auto import DeepEPAutoOptions
+
+    with installed("deep_ep"):
+        try:
+            layer = _layer("deepep_auto", layout, cfg, None, QuantSpec(), 0, 64,
+                           DeepEPAutoOptions(**options[rank]))
+        except ValueError as e:
+            return dict(error=str(e))
+        try:
+            return dict(threshold=layer.pf.threshold)  # type: ignore[union-attr]
+        finally:
+            layer.destroy()

@@ -606,3 +606,23 @@ def deterministic_round_trip(rank: int, world: int, backend: str, layout: Parall
         return dict(error=error, launches=runtime.launches - start,
                     direct=pf.runtime_calls is not None)
 
+
+
+def build_with_qp_depth(rank: int, world: int, backend: str, layout: ParallelLayout,
+                        cfg: MoEConfig, depth: str) -> Optional[str]:
+    """Build ``backend`` with ``$NVSHMEM_QP_DEPTH`` = ``depth`` in this rank's process (put back
+    after): the ValueError's text, or None where it built."""
+    import os
+
+    before = os.environ.get("NVSHMEM_QP_DEPTH")
+    os.environ["NVSHMEM_QP_DEPTH"] = depth
+    try:
+        build_only(rank, world, backend, layout, cfg, 8)
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        if before is None:
+            del os.environ["NVSHMEM_QP_DEPTH"]
+        else:
+            os.environ["NVSHMEM_QP_DEPTH"] = before

@@ -247,6 +247,35 @@ def test_auto_with_a_link_takes_the_faster_mode(rank_pool, quant, layout):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("per_rank, named", [
+    ([{"link": SLOW_LINK}, {}], "DeepEPAutoOptions.link (1: given, 0: none) (EP rank 0: 1, "
+                                "EP rank 1: 0"),
+    ([{"ll_max_tokens_per_rank": 8}, {"ll_max_tokens_per_rank": 16}],
+     "low-latency capacity in tokens per rank (DeepEPAutoOptions.ll_max_tokens_per_rank, else "
+     "max_tokens_per_rank) (EP rank 0: 8, EP rank 1: 16"),
+    ([{"link": SLOW_LINK, "ll_max_tokens_per_rank": LINK_CAPACITY},
+      {"link": LinkModel(nvlink_gbps=400.0, sms=24), "ll_max_tokens_per_rank": LINK_CAPACITY}],
+     "low-latency threshold in tokens per rank (from the layer config and the link) (EP rank "
+     "0: "),
+    ([{"allow_nvlink": False}, {"allow_nvlink": True}],
+     "DeepEPAutoOptions.allow_nvlink (1: on, 0: off) (EP rank 0: 0, EP rank 1: 1")],
+    ids=["link-on-one-rank", "capacity", "links-with-other-thresholds", "allow_nvlink"])
+def test_auto_refuses_on_every_rank_what_the_ranks_do_not_agree_on(rank_pool, per_rank, named):
+    """What every rank must hold alike (a link or none, the low-latency capacity, NVLink, the
+    threshold) is checked once at construction, on every rank: each refuses with a ValueError
+    naming the value and each rank's, at once (not at the process-group timeout of a first
+    call whose ranks took different collectives). Then the same layer built alike works."""
+    layout, cfg = ParallelLayout(2, 1, True), _link_cfg()
+    results = rank_pool(2).run(ht_rank_fns.build_auto_per_rank, layout, cfg, per_rank)
+    for rank, r in enumerate(results):
+        assert "error" in r, (rank, r)
+        assert f"deepep_auto: the EP ranks were built with different {named}" in r["error"], r
+        assert f"this is EP rank {rank}" in r["error"] and "same layer config" in r["error"]
+    same = rank_pool(2).run(ht_rank_fns.build_auto_per_rank, layout, cfg, [per_rank[0]] * 2)
+    assert [r.get("threshold") for r in same] == [same[0]["threshold"]] * 2, same
+
+
+@pytest.mark.multirank
 def test_auto_hands_float32_scales_in_both_modes_to_packed_scale_experts(rank_pool):
     """post_init_setup with experts that could read packed UE8M0 scales is not forwarded to
     the low-latency half: both modes hand them float32 [.., hidden // 128] scales (normal mode

@@ -636,6 +636,18 @@ def test_deepep_qp_depth_limit(rank_pool):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("depth", ["abc", "0", "-5", "1.5"])
+def test_a_qp_depth_that_is_not_a_number_is_named_on_every_rank(rank_pool, depth):
+    """NVSHMEM_QP_DEPTH that is not a positive whole number: a ValueError naming the variable
+    and the value on every rank at construction (not int()'s "invalid literal")."""
+    errors = rank_pool(2).run(ll_rank_fns.build_with_qp_depth, "deepep_ll",
+                              ParallelLayout(2, 1, True), _cfg(), depth)
+    for e in errors:
+        assert e is not None and f"NVSHMEM_QP_DEPTH={depth!r} is not a positive whole number" \
+            in e and "set it to e.g. 1024" in e, e
+
+
+@pytest.mark.multirank
 def test_deepep_builds_up_to_the_planned_token_limit(rank_pool):
     """The most tokens per rank the plan lets deepep_ll take (``BackendSpec.token_limit``, 510
     at EP 2 with the default QP depth: the capacity rounds up to even there) is where the

@@ -149,3 +149,44 @@ def test_the_environment_is_read_once_per_process_until_reread(monkeypatch):
         first_call_timeout_seconds(40.0)
     monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "0")  # a refused value is not kept: read again
     assert first_call_timeout_seconds(40.0) == 40.0
+
+
+@pytest.mark.parametrize("given", [10**400, -10**400])
+def test_an_int_too_large_for_a_float_is_refused_by_name(given):
+    """An int past any float (OverflowError in float()) is refused as not finite, shown by its
+    start and size, as every other refused value: a ValueError naming the argument."""
+    from moe_plugins.callbound.settings import call_timeout_seconds
+
+    with pytest.raises(ValueError) as e:
+        call_timeout_seconds(given)
+    assert str(e.value).startswith(f"call_timeout_s={str(given)[:8]}... (")
+    assert "is not finite" in str(e.value) and "e.g. 30" in str(e.value)
+
+
+@pytest.mark.parametrize("start_up", [True, False], ids=["vllm-adapter", "moe-layer"])
+def test_a_start_up_bound_below_the_backstop_is_refused_alike_with_what_the_bound_is(
+        monkeypatch, start_up):
+    """One rule for the vLLM adapter (start_up=True: its first calls keep a start-up window)
+    and MoELayer (start_up=False): with no call bound set, a start-up bound below the backstop
+    is refused, and the message says that the bound in force is the backstop, not a bound the
+    user set, and what to give."""
+    monkeypatch.delenv(CALL_TIMEOUT_ENV, raising=False)
+    monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "30")
+    reread_environment()
+    try:
+        with pytest.raises(ValueError) as e:
+            CallBound("layer").backstop("deepep_ll", 100.0, True, start_up=start_up)
+        assert str(e.value) == (
+            "$MOE_PLUGINS_FIRST_CALL_TIMEOUT_S=30.0 s is below the call bound in force (90 s: "
+            "no call bound was set; this is moe-plugins' backstop under deepep_ll's 100 s "
+            "timeout): the start-up bound covers a layer's slow first calls and is never below "
+            "the call bound; give at least 90, e.g. 600, or 0 to run the first calls under the "
+            "call bound")
+        monkeypatch.setenv(FIRST_CALL_TIMEOUT_ENV, "120")
+        reread_environment()
+        bound = CallBound("layer")
+        bound.backstop("deepep_ll", 100.0, True, start_up=start_up)
+        assert bound.first_timeout_s == (120.0 if start_up else 90.0)
+    finally:
+        monkeypatch.delenv(FIRST_CALL_TIMEOUT_ENV)
+        reread_environment()

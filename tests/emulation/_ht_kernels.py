@@ -24,7 +24,9 @@ their ``EP_HOST_ASSERT`` checks, return tuples and handle contents) and
   (the CUDA event the real call returns) runs, so a caller that reads them before waiting gets
   wrong results, as it would on a GPU; without it the data are there when the call returns.
   The host still blocks inside a non-cached dispatch for the receive counts, as the real
-  dispatch does (its "CPU recv timeout" wait).
+  dispatch does (its "CPU recv timeout" wait): past :data:`NUM_CPU_TIMEOUT_SECS` it raises
+  ``RuntimeError("DeepEP error: CPU recv timeout")`` as ``Buffer::intranode_dispatch`` throws
+  it (the pending exchange is left behind, as the real kernel is).
 
 Transport: the shared low-latency emulation's message all-to-all (counts, then uint8 rows).
 Not emulated: internode (RDMA) kernels (more than 8 ranks), streams (``allocate_on_comm_stream``
@@ -33,6 +35,7 @@ inclusive prefix sums of the same shape and dtype).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,6 +51,20 @@ _SOURCE_META_BYTES = 8  # sizeof(SourceMeta): counted in the NVL hint of NVSHMEM
 _HINT_MAX_TOPK = 128
 _HINT_MAX_SCALES = 128
 _SUPPORTED_RANKS = (2, 4, 8)  # SWITCH_RANKS of the intranode kernels
+#: DeepEP's NUM_CPU_TIMEOUT_SECS (csrc/kernels/configs.cuh at 567632d): how long a non-cached
+#: dispatch's host waits for the peers' counts (a test process may lower it for itself).
+NUM_CPU_TIMEOUT_SECS = 100.0
+
+
+def _host_wait(work: Any) -> None:
+    """The host's wait of ``Buffer::intranode_dispatch`` for the counts the notify kernel
+    writes: a poll, and past :data:`NUM_CPU_TIMEOUT_SECS` the library's own error."""
+    deadline = time.monotonic() + NUM_CPU_TIMEOUT_SECS
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise RuntimeError("DeepEP error: CPU recv timeout")
+        time.sleep(0.0005)
+    work.wait()
 
 
 class Config:
@@ -263,7 +280,11 @@ class EmulatedNormalRuntime:
         # The notify kernel exchanges the counts first; the host waits for them.
         sent = is_token_in_rank.sum(dim=0).to(torch.int32)
         gathered = [torch.empty(r, dtype=torch.int32) for _ in range(r)]
-        dist.all_gather(gathered, sent, group=self.transport.group)
+        work = dist.all_gather(gathered, sent, group=self.transport.group, async_op=True)
+        if cached:  # no host wait in a cached dispatch
+            work.wait()
+        else:
+            _host_wait(work)
         counts = torch.stack(gathered)  # counts[s][d]: rows source s sends to d
         rank_prefix_matrix = counts.cumsum(dim=0).to(torch.int32)
         num_real = int(rank_prefix_matrix[-1, rank])

@@ -18,10 +18,10 @@ one-GPU machine runs EP 2, 4 and 8 as processes that time-slice the GPU. No timi
 run means anything; none is reported as a latency. Never under CUDA MPS (DeepEP's low-latency
 kernels fail there).
 
-How tests use it (:func:`verdict`): a run that did not finish inside its bound may be an expected
-failure naming the step (``pytest.xfail``), but never a fault run (ranks that must end after a
-fault and did not: a failure); a rank that raised or died, or a numerical mismatch (the rank
-function reports it as a result), is a failure.
+How tests use it (:func:`verdict`): a run that did not finish inside its bound is a failure
+naming the step where each rank stopped (in a fault run: ranks that must end after a fault and
+did not); so is a rank that raised or died, or a numerical mismatch (the rank function reports
+it as a result).
 """
 from __future__ import annotations
 
@@ -232,9 +232,10 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, device: str = "cud
 
 def verdict(run: WorldRun, what: str, fault: bool = False) -> None:
     """pytest's answer to a run: a bound that ran out (or ranks that could not start in time)
-    is an expected failure naming where each rank stopped, except in a ``fault`` run (one that
-    shows that ranks end after a fault), where it is a failure; a rank that raised or died, or
-    a stray process, is a failure. Returns when every rank returned."""
+    is a failure naming where each rank stopped (a run that did not finish did not show what
+    it is there for; in a ``fault`` run, one that shows that ranks end after a fault, the
+    message says the ranks did not end after it); a rank that raised or died, or a stray
+    process, is a failure. Returns when every rank returned."""
     import pytest
 
     if run.stray:
@@ -243,7 +244,7 @@ def verdict(run: WorldRun, what: str, fault: bool = False) -> None:
         pytest.fail(f"{what}: ranks did not end within {run.timeout_s:g} s after the fault: "
                     + run.summary())
     if run.timed_out:
-        pytest.xfail(f"{what} did not finish within {run.timeout_s:g} s: " + run.summary())
+        pytest.fail(f"{what} did not finish within {run.timeout_s:g} s: " + run.summary())
     if not run.ok:
         pytest.fail(f"{what}: {run.summary()}")
 

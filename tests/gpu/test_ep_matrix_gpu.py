@@ -5,10 +5,11 @@ that variable (each half takes several minutes: ``-m gpu tests/gpu`` must not st
 accident).
 
 A job's rows go to ``MOE_PLUGINS_EP_RECORD`` (default ``tests/gpu/results/ep_one_gpu.json``,
-rows of the same job replaced). A failed row fails its test; a row that did not finish within the
-job's bound is an expected failure naming where each rank stopped, except in a fault job, where it
-fails (its survivors did not end in time); refused rows (the backend or
-library refused the configuration) pass, their reason is in the record.
+rows of the same job replaced). A failed row fails its test, and a row that did not finish
+within the job's bound is a failed row (its detail names where each rank stopped), in every
+job: a run that ran out of its bound did not show what it is there for. Refused rows (the
+backend or library refused the configuration) pass, their reason is in the record; a job not
+started (the budget ran out) is skipped.
 
 Run: ``MOE_PLUGINS_EP_MATRIX=B python -m pytest -m gpu tests/gpu/test_ep_matrix_gpu.py -rxs``
 """

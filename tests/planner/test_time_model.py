@@ -519,3 +519,10 @@ def test_every_transport_family_has_a_time_model():
             assert all_to_all_us(transport, phase, rows, 2048, H800, node_rows) > 0, transport
     with pytest.raises(ValueError, match="no time model for transport 'pigeon'"):
         all_to_all_us("pigeon", "dispatch", rows, 2048, H800)  # type: ignore[arg-type]
+
+
+def test_a_preset_with_an_unknown_field_is_a_type_error_naming_it():
+    with pytest.raises(TypeError) as e:
+        link_preset("h800-cx7", bogus=1)
+    assert "link_preset('h800-cx7') got unknown LinkModel field(s) bogus" in str(e.value)
+    assert "rdma_gbps" in str(e.value)

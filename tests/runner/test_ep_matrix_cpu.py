@@ -294,3 +294,30 @@ def test_a_run_says_when_a_distribution_names_no_version(tmp_path, monkeypatch):
     (tmp_path / "nixl_cu13-1.5.1.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: nixl-cu13\nVersion: 1.5.1\n")
     assert current_versions("cuda")["nixl"] == "nixl-cu13 1.5.1"
+
+
+def test_a_run_stamps_its_rows_with_this_checkouts_commit_and_a_gpu_runs_versions(
+        tmp_path, monkeypatch):
+    """Every row names the commit it ran at (this checkout's, never "unknown"), and a GPU run's
+    rows the library versions it ran (the stack table reads them from from_run.versions).
+    Nothing is started (no budget): the rows are stamped all the same. The GPU's name is the
+    one thing given here (this host has none); the versions are read as on a GPU host."""
+    import subprocess
+
+    import torch
+
+    import tests.gpu.ep_matrix as ep_matrix
+    from tests.checks import ROOT
+
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, cwd=ROOT).stdout.strip()
+    rows = run_matrix("cpu", only=["torch"], budget_s=0, log=lambda line: None)
+    assert rows and all(r["from_run"]["commit"].split("+")[0] == head for r in rows), rows[0]
+    assert all("versions" not in r["from_run"] for r in rows)  # a CPU run ran the emulations
+    monkeypatch.setattr(ep_matrix, "current_gpu", lambda device: "GPU X")
+    rows = run_matrix("cuda", only=["torch"], budget_s=0, log=lambda line: None)
+    assert rows and all(r["status"] == "not_run" for r in rows)
+    for r in rows:
+        assert r["from_run"]["commit"].split("+")[0] == head, r["from_run"]
+        assert r["from_run"]["gpu"] == "GPU X"
+        assert r["from_run"]["versions"]["torch"] == torch.__version__, r["from_run"]

@@ -78,34 +78,37 @@ def test_a_peer_that_raises_mid_call_makes_the_others_raise_at_once_with_its_err
 
 
 def test_with_no_bound_set_the_backstop_ends_every_survivor_before_the_library_traps():
-    """EP 4, deepep_ll on the emulated DeepEP built with a 10 s timeout (scripts/deepep/build.sh
-    DEEPEP_TIMEOUT_S=10, its build record; it traps there: no mask buffer), no call bound set:
-    the layers run under the backstop, 0.9 of the built timeout
-    (moe_plugins.callbound.CallBound.backstop), stated in their INFO line. Rank 1 hangs between
-    its dispatch and its combine; every survivor is ended by its watchdog 9 s after call 3
-    began (exit 70), before the emulated kernel's trap at 10 s, with the error that names the
-    backstop and says every rank must restart; calls 1 and 2 were right."""
-    world, victim, library_s = 4, 1, 10.0
-    run = run_world(ranks.hang_under_the_backstop, world, victim, library_s, None, device="cpu",
-                    timeout_s=120, pg_timeout_s=120, stop_on_death=False)
+    """EP 4, deepep_ll on the emulated DeepEP whose own timeout is made 3 s (it traps there:
+    no mask buffer), no call bound set: the layers run under the backstop, 0.9 of the
+    library's timeout (moe_plugins.callbound.CallBound.backstop), stated in their INFO line.
+    MoELayer's calls have no start-up bound under the backstop (nothing in them compiles on
+    first use), so a peer that hangs in call 2, before any call after the first completed (the
+    layer is not warm yet), is bounded too: rank 1 hangs there, between its dispatch and its
+    combine; every survivor is ended by its watchdog 2.7 s after call 2 began (exit 70), not at
+    a start-up bound of 600 s, with the error that names the backstop and says every rank must
+    restart; call 1 was right."""
+    world, victim, library_s = 4, 1, 3.0
+    run = run_world(ranks.hang_under_the_backstop, world, victim, library_s, None, 2,
+                    device="cpu", timeout_s=60, pg_timeout_s=120, stop_on_death=False)
     backstop_s = 0.9 * library_s
     for rank, o in enumerate(run.outcomes):
         reported = [r for r in o.results if "bound" in r]
-        assert reported and reported[0]["bound"].startswith(f"{backstop_s:g} s (first calls"), \
-            (rank, reported)
-        assert "no bound set, the backstop under deepep_ll's 10 s timeout" in reported[0]["bound"]
+        assert reported and reported[0]["bound"].startswith(
+            f"{backstop_s:g} s (first calls {backstop_s:g} s)"), (rank, reported)
+        assert "no bound set, the backstop under deepep_ll's 3 s timeout" in reported[0]["bound"]
         if rank == victim:
             continue
         calls = {r["call"]: r for r in o.results if "call" in r}
-        assert 3 in calls, f"rank {rank}: {o.describe()}"
-        third = calls[3]
-        assert third["type"] == "CallTimeoutError", third
-        assert f"call 3 did not complete within {backstop_s:g} s" in third["error"], third
-        assert "no call bound was set; this is moe-plugins' backstop" in third["error"], third
-        assert "restart every rank of the EP group" in third["error"], third
-        assert backstop_s <= third["seconds"] < backstop_s + SLACK_S, third
+        assert "seconds" in calls.get(2, {}), f"rank {rank}: {o.describe()}"
+        hung = calls[2]
+        assert hung["type"] == "CallTimeoutError", hung
+        assert f"call 2 did not complete within {backstop_s:g} s" in hung["error"], hung
+        assert "no call bound was set; this is moe-plugins' backstop" in hung["error"], hung
+        assert "restart every rank of the EP group" in hung["error"], hung
+        assert backstop_s <= hung["seconds"] < backstop_s + SLACK_S, hung
         assert run.bounded.exitcodes[rank] in (None, EXIT_CODE), run.bounded.exitcodes
-    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 2]
+    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results
+            if r.get("call") == 1 and "out" in r]
     assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.BF16_CFG, 6)
     assert not run.stray
 
@@ -145,3 +148,25 @@ def test_a_deepep_built_with_a_300_s_timeout_moves_the_backstop(backend, bound_s
         assert got["seconds"] == bound_s, got
         assert got["bound"].startswith(f"{bound_s:g} s (first calls") and words in got["bound"]
     assert not run.stray
+
+
+def test_a_library_timeout_reaches_the_caller_as_what_it_means():
+    """EP 2, deepep_ht on the emulated DeepEP built with a 2 s timeout (its build record), no
+    bound: a peer that sits out call 2 leaves the other in DeepEP's host wait for the counts,
+    which raises the library's own "CPU recv timeout" (100 s in a default build). MoELayer raises CollectiveError saying a peer
+    died or hangs and every rank must restart, from the library's error, at that timeout."""
+    world, victim, library_s = 2, 1, 2.0
+    run = run_world(ranks.library_times_out, world, victim, library_s, device="cpu",
+                    timeout_s=60, pg_timeout_s=60, stop_on_death=False)
+    survivor = [r for r in run.outcomes[0].results if r.get("call") == 2]
+    assert survivor, run.outcomes[0].describe()
+    got = survivor[0]
+    assert got["type"] == "CollectiveError", got
+    assert ("deepep_ht's wait for a peer ended at the library's own timeout (about 2 s; "
+            "RuntimeError: DeepEP error: CPU recv timeout): a peer rank died or hangs") \
+        in got["error"], got
+    assert "Restart every rank of the EP group" in got["error"], got
+    assert got["cause"] == "DeepEP error: CPU recv timeout", got
+    assert library_s <= got["seconds"] < library_s + SLACK_S, got
+    outs = [dict(out=r["out"]) for o in run.outcomes for r in o.results if r.get("call") == 1]
+    assert_matches_reference(outs, ParallelLayout(world, 1, True), ranks.BF16_CFG, 6)

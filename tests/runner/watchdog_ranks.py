@@ -119,14 +119,15 @@ def bound_of_a_build(rank: int, world: int, backend: str, library_timeout_s: flo
 
 
 def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_s: float,
-                            call_timeout_s: Optional[float]) -> dict:
+                            call_timeout_s: Optional[float], hang_call: int = 3) -> dict:
     """EP ``world``, deepep_ll on the emulated DeepEP built with its own timeout
     ``library_timeout_s`` (the build record of scripts/deepep/build.sh; it traps at it: no mask
     buffer) and the layers built with ``call_timeout_s`` (None: no bound set, so the backstop;
-    0: no bound). Calls 1 and 2 are right (reported); then the victim hangs in call 3 (alive, in
-    its experts, between its dispatch and its combine) for 10 s past the library's timeout; the
-    others wait in call 3's combine. Reported by each survivor: by its call-timeout hook, or
-    where call 3 raised, its error; each with the seconds from the start of call 3."""
+    0: no bound). The calls before ``hang_call`` are right (reported); then the victim hangs in
+    call ``hang_call`` (alive, in its experts, between its dispatch and its combine) for 10 s
+    past the library's timeout; the others wait in that call's combine. Reported by each
+    survivor: by its call-timeout hook, or where the call raised, its error; each with the
+    seconds from the start of that call."""
     from moe_plugins.callbound import on_call_timeout
     from tests.emulation import installed
 
@@ -138,22 +139,55 @@ def hang_under_the_backstop(rank: int, world: int, victim: int, library_timeout_
                          call_timeout_s=call_timeout_s)
         result({"bound": layer._bound.describe()})
         x = demo_inputs(BF16_CFG, 6, rank, 0)
-        for call in (1, 2):
+        for call in range(1, hang_call):
             step(f"call {call}")
             result({"call": call, "out": layer(x)})
         if rank == victim:
             def hang(prep: object) -> torch.Tensor:
-                step("victim hangs in call 3")
+                step(f"victim hangs in call {hang_call}")
                 time.sleep(library_timeout_s + 10.0)
                 os._exit(0)
             layer.experts.apply = hang  # type: ignore[method-assign]
         t0 = time.monotonic()
-        on_call_timeout(lambda e: result({"call": 3, "seconds": time.monotonic() - t0,
+        on_call_timeout(lambda e: result({"call": hang_call, "seconds": time.monotonic() - t0,
                                           "error": str(e), "type": type(e).__name__}))
-        step("call 3")
+        step(f"call {hang_call}")
         try:
             layer(x)
         except Exception as e:  # the library's own timeout, where no bound ended the call
-            result({"call": 3, "seconds": time.monotonic() - t0, "error": str(e),
+            result({"call": hang_call, "seconds": time.monotonic() - t0, "error": str(e),
                     "type": type(e).__name__, "cause": str(e.__cause__ or "")})
+        return {"returned": True}
+
+def library_times_out(rank: int, world: int, victim: int, library_timeout_s: float) -> dict:
+    """EP ``world``, deepep_ht on the emulated DeepEP, whose dispatch's host wait for the
+    peers' counts raises DeepEP's own "CPU recv timeout" after ``library_timeout_s`` (made
+    short in this process), the call bound off (0: no backstop either). Call 1 on every rank;
+    then the victim sits out call 2 (alive, asleep past that timeout) while the others make it.
+    Reported by each survivor: call 2's error (type, text, its cause's text, seconds)."""
+    import tests.emulation._ht_kernels as ht_kernels
+    from tests.emulation import installed
+
+    ht_kernels.NUM_CPU_TIMEOUT_SECS = library_timeout_s  # (this process's alone)
+    # the build record says the same timeout, which deepep_ht's wrap of it names
+    with installed("deep_ep", deep_ep_build=deepep_build(library_timeout_s)):
+        ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=60.0,
+                                fresh_ep_group=True)
+        layer = MoELayer(MoEWeights.random(BF16_CFG, 0), ctx, get_backend("deepep_ht"), None,
+                         QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=8,
+                         call_timeout_s=0)
+        x = demo_inputs(BF16_CFG, 6, rank, 0)
+        step("call 1")
+        result({"call": 1, "out": layer(x)})
+        step("call 2")
+        if rank == victim:
+            time.sleep(library_timeout_s + 3.0)
+            return {"sat out": 2}
+        t0 = time.monotonic()
+        try:
+            layer(x)
+            result({"call": 2, "type": None})
+        except Exception as e:
+            result({"call": 2, "type": type(e).__name__, "error": str(e),
+                    "cause": str(e.__cause__), "seconds": time.monotonic() - t0})
         return {"returned": True}

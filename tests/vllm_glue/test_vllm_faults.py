@@ -52,7 +52,9 @@ def test_torch_backend_adapter_refusal_is_in_step_on_every_rank(rank_pool, layou
 def test_low_latency_adapter_refusal_serves_the_peer_and_stays_usable(rank_pool):
     """deepep_ll (no host exchange), dp 2, one TP rank: rank 1's expert_map is refused; it
     takes part in the call with no tokens of its own and raises at its finalize; rank 0's
-    result of that very call is right; the next call is right on both."""
+    result of that very call is right; the next call is right on both. With no bound set, the
+    adapter's calls run under the backstop below DeepEP's own timeout (its first calls under
+    the start-up bound: vLLM's experts compile inside them)."""
     layout = ParallelLayout(2, 1, True)
     results = rank_pool(2).run(ranks.refused_kernel_call, "deepep_ll", layout, LL_CFG, S.LOCAL,
                                1, "expert_map", 3, TIMEOUT_S)
@@ -62,6 +64,8 @@ def test_low_latency_adapter_refusal_serves_the_peer_and_stays_usable(rank_pool)
     assert_matches_reference([dict(out=results[0]["outs"][0])], layout, LL_CFG, 3, ranks=[0])
     for r in results:
         assert r["second"][0] is None and r["broken"] is None, r["second"]
+        assert r["bound"] == ("90 s (first calls 900 s): no bound set, the backstop under "
+                              "deepep_ll's 100 s timeout"), r["bound"]
     assert_matches_reference(results, layout, LL_CFG, 3)
 
 

@@ -33,9 +33,17 @@ def refused_kernel_call(rank: int, world: int, backend_name: str, layout: Parall
     with inputs the adapter refuses: ``tokens`` (routing for one token fewer than the
     activations: the token-ownership check) or ``expert_map`` (a map of the wrong size: the
     placement check). Then every rank calls it with good inputs. Returns each call's (error
-    type, message, seconds) and outputs."""
+    type, message, seconds) and outputs, and the adapter's call bound as its INFO line says it
+    (no bound set here: the environment's bound variables are cleared for the build)."""
+    import os
+
+    from moe_plugins.callbound import reread_environment
     from tests.backends.low_latency_ranks import make_options, vendor_module
     from tests.emulation import installed
+
+    for name in ("MOE_PLUGINS_CALL_TIMEOUT_S", "MOE_PLUGINS_FIRST_CALL_TIMEOUT_S"):
+        os.environ.pop(name, None)  # (a pool's process may have set them for an earlier test)
+    reread_environment()
 
     low_latency = backend_name in ("deepep_ll", "nixl_ep")
     with installed(vendor_module(backend_name)) if low_latency else contextlib.nullcontext():
@@ -78,7 +86,7 @@ def refused_kernel_call(rank: int, world: int, backend_name: str, layout: Parall
             if destroy is not None:
                 destroy()
         return dict(first=first, second=second, outs=outs, broken=pf.faults.broken,
-                    out=outs[-1] if second[0] is None else None)
+                    out=outs[-1] if second[0] is None else None, bound=pf._bound.describe())
 
 
 def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: float) -> dict:

@@ -12,12 +12,49 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from enum import Enum
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+#: every emulated kernel call of either all-to-all, in order (tests read and clear it)
+TRAFFIC: list[dict] = []
 _WORKSPACE_WORDS = 64  # placeholder size (uint64 words per rank) of an emulated MNNVL allocation
+
+
+# --- flashinfer.fused_moe ---------------------------------------------------------------------
+class QuantFormat(Enum):
+    """flashinfer.fused_moe.api.QuantFormat: numeric format of one MMA operand."""
+
+    BF16 = 0
+    FP16 = 1
+    FP8PerTensor = 2
+    DeepSeekFp8 = 3  # e4m3 + fp32 block scales (128x128 weight, 1x128 activation)
+    MXFP8 = 4
+    NVFP4 = 5
+    MXFP4 = 6
+    MXINT4 = 7
+    INT4 = 8
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# moe_ep's bytes of one token's activations on the wire per QuantFormat (values + block scales).
+_DISPATCH_BYTES_PER_TOKEN: dict[str, Callable[[int], int]] = {
+    "BF16": lambda hidden: 2 * hidden,
+    "FP16": lambda hidden: 2 * hidden,
+    "FP8PerTensor": lambda hidden: hidden,
+    "DeepSeekFp8": lambda hidden: hidden + 4 * _ceil_div(hidden, 128),
+    "MXFP8": lambda hidden: hidden + _ceil_div(hidden, 32),
+    "NVFP4": lambda hidden: _ceil_div(hidden, 2) + _ceil_div(hidden, 16),
+    "MXFP4": lambda hidden: _ceil_div(hidden, 2) + _ceil_div(hidden, 32),
+}
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
@@ -225,8 +262,24 @@ class MoEEpCommParams:
         if 0 <= self.invalid_expert_id < self.num_experts:
             raise ValueError("MoEEpCommParams.invalid_expert_id must lie outside "
                              f"[0, num_experts={self.num_experts}), got {self.invalid_expert_id}")
-        _check(self.dispatch_format is None, "dispatch_format (a flashinfer.fused_moe "
-                                             "QuantFormat) is not emulated")
+        if self.dispatch_format is not None and (
+                not isinstance(self.dispatch_format, QuantFormat)
+                or self.dispatch_format.name not in _DISPATCH_BYTES_PER_TOKEN):
+            raise ValueError("MoEEpCommParams.dispatch_format must be one of QuantFormat."
+                             f"{{{', '.join(_DISPATCH_BYTES_PER_TOKEN)}}} or None, got "
+                             f"{self.dispatch_format!r}")
+
+    @property
+    def token_dtype(self) -> torch.dtype:
+        """``dtype``, defaulting to BF16."""
+        return torch.bfloat16 if self.dtype is None else self.dtype
+
+    @property
+    def dispatch_bytes_per_token(self) -> int:
+        """Bytes of one token's dispatched activations, scale factors included."""
+        if self.dispatch_format is None:
+            return self.hidden_size * self.token_dtype.itemsize
+        return _DISPATCH_BYTES_PER_TOKEN[self.dispatch_format.name](self.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -284,3 +337,41 @@ class MoEEpCommunication:
     @classmethod
     def is_platform_supported(cls) -> bool:
         return True
+
+    def _resolve_runtime_max_tokens_per_rank(self, runtime_max_tokens_per_rank: Optional[int]
+                                             ) -> int:
+        capacity = self.params.max_tokens_per_rank
+        if runtime_max_tokens_per_rank is None:
+            return capacity
+        if not 0 < runtime_max_tokens_per_rank <= capacity:
+            raise ValueError(f"runtime_max_tokens_per_rank={runtime_max_tokens_per_rank} "
+                             f"must be in (0, {capacity}]")
+        return runtime_max_tokens_per_rank
+
+    def get_combine_input_buffer(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        return None
+
+    def destroy(self) -> None:
+        """Release backend resources (the base class holds none)."""
+
+
+#: moe_ep's registry of communication backends: the emulated release's classes, set by the
+#: installer of the emulation (``register_communication`` at import time upstream).
+_COMMUNICATION_REGISTRY: dict[str, type] = {}
+
+
+def create_communication(bootstrap: BootstrapConfig, params: MoEEpCommParams, backend: Any,
+                         **options: Any) -> MoEEpCommunication:
+    """moe_ep's factory: the registered backend named by ``backend`` (a name, or a config object
+    with ``backend_name``, then passed as ``config``)."""
+    name = getattr(backend, "backend_name", backend)
+    if not isinstance(name, str):
+        raise TypeError("backend must be a string or have a .backend_name str attr; "
+                        f"got {backend!r}")
+    cls = _COMMUNICATION_REGISTRY.get(name)
+    if cls is None:
+        raise KeyError(f"unknown communication backend {name!r}; available: "
+                       f"{sorted(_COMMUNICATION_REGISTRY)}")
+    if not isinstance(backend, str):
+        options["config"] = backend
+    return cls(bootstrap, params, **options)

@@ -43,7 +43,11 @@ emulation supports the default group only), tensors stay on their device (upstre
 "cuda"), the workspaces are small placeholders, and there is no MPI fallback. Every ``moe_comm``
 and ``moe_prepare`` call is logged in :data:`TRAFFIC`.
 
-Install it only inside a test or rank function with :func:`installed` (restores ``sys.modules``).
+:func:`installed` presents the whole emulated flashinfer of a release: this module's two-sided
+API and the one-sided class of tests/emulation/flashinfer_one_sided.py in ``flashinfer.moe_ep``
+(with ``create_communication`` and ``flashinfer.fused_moe.QuantFormat``; 0.7.2.post1 also
+``flashinfer.comm.moe_a2a_active_rank_mask``). Install it only inside a test or rank function
+(it restores ``sys.modules``).
 """
 from __future__ import annotations
 
@@ -59,15 +63,16 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from tests.emulation.flashinfer_mnnvl import (BootstrapConfig, Mapping, MnnvlConfig, MnnvlMemory,
-                                              MoEEpCommParams, MoEEpCommunication,
-                                              MoEEpDispatchResult, _check,
-                                              _mnnvl_mapping_and_config, _uninitialized)
+from tests.emulation import flashinfer_one_sided as one_sided
+from tests.emulation.flashinfer_mnnvl import (_COMMUNICATION_REGISTRY, TRAFFIC, BootstrapConfig,
+                                              Mapping, MnnvlConfig, MnnvlMemory, MoEEpCommParams,
+                                              MoEEpCommunication, MoEEpDispatchResult,
+                                              QuantFormat, _check, _mnnvl_mapping_and_config,
+                                              _uninitialized, create_communication)
 
 __all__ = ["installed", "not_installed", "FLAVORS", "TRAFFIC", "live_allocations", "reset_state"]
 
 FLAVORS = ("0.7.2.post1", "0.7.4", "no_two_sided")
-TRAFFIC: list[dict] = []
 _BAD_INDEX = 1 << 30  # what an index buffer holds past its count: indexing with it fails
 _ORDER_SEED = itertools.count(1234)
 
@@ -437,16 +442,6 @@ class NVLinkTwoSidedAlltoAll074(MoEEpCommunication):
         self._prepare_workspace: Optional[torch.Tensor] = ws["prepare_workspace"]
         self._state: Optional[dict[str, Any]] = None
 
-    def _resolve_runtime_max_tokens_per_rank(self, runtime_max_tokens_per_rank: Optional[int]
-                                             ) -> int:
-        capacity = self.params.max_tokens_per_rank
-        if runtime_max_tokens_per_rank is None:
-            return capacity
-        if not 0 < runtime_max_tokens_per_rank <= capacity:
-            raise ValueError(f"runtime_max_tokens_per_rank={runtime_max_tokens_per_rank} "
-                             f"must be in (0, {capacity}]")
-        return runtime_max_tokens_per_rank
-
     def _alltoallv(self, x: torch.Tensor, output: torch.Tensor, send_cumsum: torch.Tensor,
                    send_indices: torch.Tensor, recv_cumsum: torch.Tensor,
                    recv_indices: torch.Tensor) -> torch.Tensor:
@@ -516,7 +511,7 @@ class NVLinkTwoSidedAlltoAll074(MoEEpCommunication):
 
 # --- installing the modules -------------------------------------------------------------------
 _NAMES = ("flashinfer", "flashinfer.comm", "flashinfer.comm.mapping", "flashinfer.comm.mnnvl",
-          "flashinfer.comm.trtllm_alltoall", "flashinfer.moe_ep")
+          "flashinfer.comm.trtllm_alltoall", "flashinfer.moe_ep", "flashinfer.fused_moe")
 _MISSING = object()
 
 
@@ -530,6 +525,8 @@ def reset_state() -> None:
     MnnvlMemory.initialized = False
     MnnvlMemory.allocated_map.clear()
     NVLinkTwoSidedAlltoAll074._WORKSPACES.clear()
+    one_sided.reset_state()
+    _COMMUNICATION_REGISTRY.clear()
     TRAFFIC.clear()
 
 
@@ -562,12 +559,20 @@ def _build(flavor: str) -> dict[str, types.ModuleType]:
             get_moe_commworkspace_size_per_rank=get_moe_commworkspace_size_per_rank,
             get_moe_prepare_workspace_size_per_rank=get_moe_prepare_workspace_size_per_rank)
     if flavor in ("0.7.2.post1", "0.7.4"):
+        new = flavor == "0.7.4"
         mods["flashinfer.moe_ep"] = _module(
             "flashinfer.moe_ep", BootstrapConfig=BootstrapConfig, MoEEpCommParams=MoEEpCommParams,
             MoEEpDispatchResult=MoEEpDispatchResult, MoEEpCommunication=MoEEpCommunication,
             NVLinkTwoSidedConfig=NVLinkTwoSidedConfig,
-            NVLinkTwoSidedAlltoAll=(NVLinkTwoSidedAlltoAll074 if flavor == "0.7.4"
-                                    else NVLinkTwoSidedAlltoAll))
+            NVLinkTwoSidedAlltoAll=NVLinkTwoSidedAlltoAll074 if new else NVLinkTwoSidedAlltoAll,
+            NVLinkOneSidedConfig=(one_sided.NVLinkOneSidedConfig if new
+                                  else one_sided.NVLinkOneSidedConfig072),
+            NVLinkOneSidedAlltoAll=(one_sided.NVLinkOneSidedAlltoAll if new
+                                    else one_sided.NVLinkOneSidedAlltoAll072),
+            create_communication=create_communication)
+        mods["flashinfer.fused_moe"] = _module("flashinfer.fused_moe", QuantFormat=QuantFormat)
+        if not new:
+            mods["flashinfer.comm"].moe_a2a_active_rank_mask = one_sided.moe_a2a_active_rank_mask
     for name, mod in mods.items():
         parent, _, child = name.rpartition(".")
         if parent:
@@ -597,7 +602,12 @@ def installed(flavor: str = "0.7.2.post1") -> Iterator[None]:
     entry; sys.modules and the emulation's caches are restored on exit. Flavors: "0.7.2.post1"
     (MnnvlMoe and moe_ep), "0.7.4" (moe_ep only), "no_two_sided" (neither)."""
     reset_state()
-    with _swap_modules(_build(flavor)):
+    modules = _build(flavor)
+    moe_ep = modules.get("flashinfer.moe_ep")
+    if moe_ep is not None:  # what register_communication does at import time upstream
+        _COMMUNICATION_REGISTRY.update(nvlink_two_sided=moe_ep.NVLinkTwoSidedAlltoAll,
+                                       nvlink_one_sided=moe_ep.NVLinkOneSidedAlltoAll)
+    with _swap_modules(modules):
         try:
             yield
         finally:

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from moe_plugins.all2all.flashinfer_nvlink_two_sided import (FLASHINFER_EXTRA, INSTALL_HINT, Dispatched,
-                                FlashInferAll2AllManager, pad_row_bytes)
+from moe_plugins.all2all.flashinfer_nvlink_two_sided import Dispatched, FlashInferAll2AllManager
+from moe_plugins.flashinfer_mnnvl import FLASHINFER_EXTRA, INSTALL_HINT, pad_row_bytes
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.faults import group_faults, layer_name

@@ -27,22 +27,19 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
-from moe_plugins.flashinfer_mnnvl import INSTALL_HINT, TorchGroupComm
+from moe_plugins.flashinfer_mnnvl import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
+                                          TorchGroupComm)
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import BackendManager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TwoSidedApi", "FlashInferTwoSidedOptions", "Dispatched", "FlashInferAll2AllManager",
-           "detect_api"]
+__all__ = ["TwoSidedApi", "FlashInferTwoSidedOptions", "FlashInferAll2AllManager", "detect_api"]
 
 # Kernel limits (flashinfer csrc/trtllm_alltoall*.cu): moe_prepare checks expertCount % 4 == 0 and
 # 1 <= topK <= 32; moe_comm moves rows as 16-byte vectors (ROW_ALIGN_BYTES).
@@ -130,53 +127,6 @@ def detect_api(requested: TwoSidedApi = TwoSidedApi.AUTO) -> tuple[TwoSidedApi, 
     return requested, version
 
 
-@dataclass(frozen=True)
-class Dispatched:
-    """What one dispatch delivered to this rank, in the kernels' rank-major receive layout.
-
-    x: [num_ranks * tokens_per_rank, *] the dispatched dtype (``tokens_per_rank``: the call's
-        bound, see :meth:`FlashInferAll2AllManager.dispatch`); rows past the received tokens hold
-        unspecified values.
-    x_sf: same rows as x, or None when no scales were sent.
-    topk_ids: int32 [num_ranks * tokens_per_rank, num_topk], GLOBAL expert ids; ids of other
-        ranks' experts and every id of a row that carries no token lie outside this rank's range.
-    topk_weights: float32 [num_ranks * tokens_per_rank, num_topk].
-    """
-
-    x: torch.Tensor
-    x_sf: Optional[torch.Tensor]
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-
-
-class _Transport(ABC):
-    """One flashinfer API behind the calls the backend makes. Per-call state (the dispatch's
-    routing info) lives here until the matching combine or :meth:`reset`."""
-
-    api: TwoSidedApi
-
-    def __init__(self, manager: "FlashInferAll2AllManager"):
-        self.m = manager
-
-    @abstractmethod
-    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
-        """Rows already 16-byte aligned; topk_ids int32, topk_weights float32; receive
-        ``num_ranks * tokens_per_rank`` rows."""
-
-    @abstractmethod
-    def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """expert_output [num_ranks * tokens_per_rank, *] -> [num_tokens, *] summed per token."""
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Forget a dispatch whose combine will not come (an error in between)."""
-
-    @abstractmethod
-    def destroy(self) -> None:
-        """Free what this transport holds; idempotent."""
-
-
 @dataclass
 class _MnnvlMoeCache:
     """flashinfer's MnnvlMoe class cache (0.7.2.post1): the workspaces of one EP mapping per
@@ -245,7 +195,7 @@ def _moe_ep_shares_mnnvl_cache() -> bool:
     return True
 
 
-class _MnnvlMoeTransport(_Transport):
+class _MnnvlMoeTransport(MnnvlTransport):
     """flashinfer.comm.trtllm_alltoall.MnnvlMoe (0.7.2.post1), as vLLM 0.33 calls it."""
 
     api = TwoSidedApi.MNNVL_MOE
@@ -330,7 +280,7 @@ class _MnnvlMoeTransport(_Transport):
             _release_mnnvl_cache(cache)
 
 
-class _MoeEpTransport(_Transport):
+class _MoeEpTransport(MnnvlTransport):
     """flashinfer.moe_ep.NVLinkTwoSidedAlltoAll: one object per EP group and shape (holding
     MnnvlMoe's cache where this release's moe_ep shares it)."""
 
@@ -411,13 +361,13 @@ def _per_call_bound_keyword(dispatch: Any) -> str:
         "or 0.7.2.post1")
 
 
-_TRANSPORTS: dict[TwoSidedApi, type[_Transport]] = {
+_TRANSPORTS: dict[TwoSidedApi, type[MnnvlTransport]] = {
     TwoSidedApi.MNNVL_MOE: _MnnvlMoeTransport,
     TwoSidedApi.MOE_EP: _MoeEpTransport,
 }
 
 
-class FlashInferAll2AllManager(BackendManager):
+class FlashInferAll2AllManager(MnnvlManager):
     """One per layer config and EP group. The kernels dispatch PHYSICAL ids: physical expert
     ``p`` lives on EP rank ``p // num_local`` (``placement``, from the config; linear by default).
 
@@ -426,92 +376,39 @@ class FlashInferAll2AllManager(BackendManager):
     kernels do not support). Nothing is allocated until the first dispatch.
     """
 
+    backend_name = "flashinfer_nvlink_two_sided"
+
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         options = cfg.backend_options if cfg.backend_options is not None \
             else FlashInferTwoSidedOptions()
         if not isinstance(options, FlashInferTwoSidedOptions):
             raise TypeError(
                 f"backend 'flashinfer_nvlink_two_sided' takes backend_options of type "
-                f"FlashInferTwoSidedOptions (moe_plugins.all2all.flashinfer_nvlink_two_sided), got {type(options).__name__}"
+                f"FlashInferTwoSidedOptions (moe_plugins.all2all.flashinfer_nvlink_two_sided), "
+                f"got {type(options).__name__}"
             )
-        self.options, self.cfg = options, cfg
+        self.options = options
         self.api, self.flashinfer_version = detect_api(options.api)
-
-        layout = ctx.layout
-        if layout.ep_size < 2:
-            raise ValueError(
-                f"backend 'flashinfer_nvlink_two_sided' needs an EP group of >= 2 ranks, got layout "
-                f"{layout.describe()} (EP size {layout.ep_size}); with one rank nothing is "
-                "dispatched: enable expert parallelism over >= 2 ranks, or use backend 'torch'"
-            )
-        placement = cfg.placement_for(layout.ep_size)
-        if placement.num_physical % EXPERT_COUNT_MULTIPLE:
+        self._init_ep_layout(ctx, cfg)
+        if self.num_experts % EXPERT_COUNT_MULTIPLE:
             raise ValueError(
                 f"flashinfer's two-sided all-to-all kernels need the number of physical experts "
-                f"divisible by {EXPERT_COUNT_MULTIPLE}, got {placement.num_physical}; use another "
+                f"divisible by {EXPERT_COUNT_MULTIPLE}, got {self.num_experts}; use another "
                 "backend (e.g. 'torch') for this model, or another number of redundant experts"
             )
         if cfg.num_topk > MAX_TOPK:
             raise ValueError(f"flashinfer's two-sided all-to-all supports num_topk <= {MAX_TOPK}, "
                              f"got {cfg.num_topk}; use another backend for this model")
-
-        self.group = ctx.ep_group
-        self.num_ranks = dist.get_world_size(self.group)
-        if self.num_ranks != layout.ep_size:
-            raise ValueError(f"the EP process group has {self.num_ranks} ranks but layout "
-                             f"{layout.describe()} says {layout.ep_size}")
-        self.rank = dist.get_rank(self.group)
-        self.placement = placement
-        self.num_experts, self.num_topk = placement.num_physical, cfg.num_topk
-        self.max_tokens_per_rank = cfg.max_tokens_per_rank
+        self._init_ep_process_group(ctx)
         self.gpus_per_node = options.gpus_per_node or torch.cuda.device_count() or self.num_ranks
-        self._transport: Optional[_Transport] = _TRANSPORTS[self.api](self)
+        self._transport = _TRANSPORTS[self.api](self)
 
         key = (self.api, self.num_ranks, self.num_experts, cfg.num_topk, cfg.hidden,
                cfg.max_tokens_per_rank, options)
         if key not in _LOGGED:
             _LOGGED.add(key)
-            logger.info("flashinfer_nvlink_two_sided: flashinfer %s, %s API, EP size %d, %d experts, "
-                        "topk %d, max %d tokens per rank, nvfp4 scales %s", self.flashinfer_version,
-                        self.api.value, self.num_ranks, self.num_experts, cfg.num_topk,
-                        cfg.max_tokens_per_rank,
+            logger.info("flashinfer_nvlink_two_sided: flashinfer %s, %s API, EP size %d, "
+                        "%d experts, topk %d, max %d tokens per rank, nvfp4 scales %s",
+                        self.flashinfer_version, self.api.value, self.num_ranks, self.num_experts,
+                        cfg.num_topk, cfg.max_tokens_per_rank,
                         "swizzled" if options.nvfp4_swizzled_sf else "row-aligned")
-
-    def tokens_per_rank(self, num_tokens: int, max_tokens_across_ranks: Optional[int]) -> int:
-        """The bound a dispatch of ``num_tokens`` local tokens is sized by: the most tokens any
-        rank sends in this call (every rank must give the same value; an engine knows it, e.g.
-        vLLM's DP metadata), at least 1 (the kernels take no empty bound); None: the layer's
-        ``max_tokens_per_rank``. ValueError when the bound is below ``num_tokens`` (this rank's
-        sends would overrun the kernels' index buffers) or above the layer's bound."""
-        if max_tokens_across_ranks is None:
-            return self.max_tokens_per_rank
-        bound = max(1, max_tokens_across_ranks)
-        if not num_tokens <= bound <= self.max_tokens_per_rank:
-            raise ValueError(
-                f"a per-call bound (BatchHint.max_tokens_per_rank) of {max_tokens_across_ranks} "
-                f"for a call of {num_tokens} tokens on a layer built for max_tokens_per_rank="
-                f"{self.max_tokens_per_rank}: the bound must cover this rank's tokens and fit the "
-                "layer; pass the largest token count any EP rank sends in this call"
-            )
-        return bound
-
-    def recv_rows(self, tokens_per_rank: int) -> int:
-        """Rows of a dispatch's receive buffers: num_ranks * tokens_per_rank."""
-        return self.num_ranks * tokens_per_rank
-
-    def transport(self) -> _Transport:
-        """The live transport (the flashinfer release's API over this manager's workspaces); the
-        prepare/finalize makes its dispatch and combine calls."""
-        if self._transport is None:
-            raise RuntimeError("the flashinfer all-to-all manager was destroyed")
-        return self._transport
-
-    def reset_call_state(self) -> None:
-        if self._transport is not None:
-            self._transport.reset()
-
-    def destroy(self) -> None:
-        """Free the workspaces (shared ones when the last manager of the mapping goes); idempotent."""
-        t, self._transport = self._transport, None
-        if t is not None:
-            t.destroy()

@@ -94,11 +94,15 @@ def _mask_words(active_ranks: Sequence[int], ep_size: int, words: int) -> torch.
                         dtype=torch.uint64)
 
 
-def _active_ranks(mask: Optional[torch.Tensor], ep_size: int, ep_rank: int,
+def _active_ranks(enabled: bool, mask: Optional[torch.Tensor], ep_size: int, ep_rank: int,
                   words: int) -> Optional[set[int]]:
-    """The kernels' reading of ``active_rank_mask`` (csrc resolveActiveRankMask)."""
-    if mask is None:
+    """The kernels' reading of ``active_rank_mask`` (csrc resolveRankMask): required with rank
+    masking compiled in, refused without; None: every rank active."""
+    if not enabled:
+        _check(mask is None, "active_rank_mask requires enable_rank_mask=True")
         return None
+    _check(mask is not None, "active_rank_mask must be defined")
+    assert mask is not None
     _check(mask.dim() == 1, "active_rank_mask must be a 1D tensor")
     _check(mask.shape[0] == words, f"active_rank_mask must have {words} uint64 words")
     _check(mask.dtype == torch.uint64 and mask.device.type == "cpu",
@@ -120,6 +124,7 @@ class _Round:
     target_ranks: torch.Tensor  # int64 [n, top_k]
     target_pos: torch.Tensor  # int64 [n, top_k]
     recv_slots: list[torch.Tensor]  # per source rank: receive rows (within its block) filled
+    sent_counts: list[int]  # rows sent to each rank
     active: Optional[set[int]]
     lamport: bool
 
@@ -190,7 +195,8 @@ def _dispatch_kernel(topk_ids: torch.Tensor, payloads: list[torch.Tensor], tpr: 
             col += nbytes
         recv_slots.append(slots)
     target_ranks = torch.where(target_pos >= 0, ranks, torch.full_like(ranks, -1))
-    return outs, _Round(tpr, n, target_ranks, target_pos, recv_slots, active, lamport)
+    return outs, _Round(tpr, n, target_ranks, target_pos, recv_slots, send_counts, active,
+                        lamport)
 
 
 def _tree_sum(sources: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -222,8 +228,11 @@ def _combine_kernel(payload: torch.Tensor, rnd: _Round, output: torch.Tensor, ep
         counts.append(r.shape[0])
     back, back_counts = _exchange(torch.cat(rows), counts, group)
     per_rank, begin = [], 0
-    for count in back_counts:
-        per_rank.append(back[begin:begin + count].view(wire).reshape(count, hidden))
+    for count, sent in zip(back_counts, rnd.sent_counts):
+        rows_back = back[begin:begin + count].view(wire).reshape(count, hidden)
+        if count < sent:  # a peer that masks this rank dropped its rows: reads find garbage
+            rows_back = _uninitialized((sent, hidden), wire, payload.device)
+        per_rank.append(rows_back)
         begin += count
     for t in range(rnd.local_num_tokens):
         sources = [per_rank[int(d)][int(p)] for d, p in
@@ -517,8 +526,8 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
         _check_dispatch(self, topk_ids, payloads, tpr, idx)
         _check(state.mapped, "the workspace is unmapped (checkpoint_prepare without restore): "
                              "the real kernels would fault")
-        active = _active_ranks(active_rank_mask, self.ep_size, self.ep_rank,
-                               _MASK_WORDS["0.7.4"])
+        active = _active_ranks(self.config.enable_rank_mask, active_rank_mask, self.ep_size,
+                               self.ep_rank, _MASK_WORDS["0.7.4"])
         recv, self._round = _dispatch_kernel(
             topk_ids, payloads, tpr, self.ep_rank, self.ep_size, self.params.top_k,
             self.params.num_experts, idx, self.params.invalid_expert_id, active, lamport,
@@ -639,11 +648,9 @@ class _MoeAlltoAll:
         if not self._workspace.mapped:
             raise RuntimeError("MNNVL handles are unmapped")
         _check(self._round is None, "dispatch called twice without combine")
-        _check(self.enable_rank_mask or active_rank_mask is None,
-               "active_rank_mask requires enable_rank_mask=True")
         _check_dispatch(self, topk_ids, payloads, tpr, expert_id_payload_index)
-        active = _active_ranks(active_rank_mask, self.ep_size, self.ep_rank,
-                               _MASK_WORDS["0.7.2.post1"])
+        active = _active_ranks(self.enable_rank_mask, active_rank_mask, self.ep_size,
+                               self.ep_rank, _MASK_WORDS["0.7.2.post1"])
         recv, self._round = _dispatch_kernel(
             topk_ids, payloads, tpr, self.ep_rank, self.ep_size, self.params.top_k,
             self.params.num_experts, expert_id_payload_index, invalid_token_expert_id, active,

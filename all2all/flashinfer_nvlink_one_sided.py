@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from moe_plugins.config import DispatchConfig
-from moe_plugins.flashinfer_mnnvl import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
+from moe_plugins.mnnvl.manager import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
                                           TorchGroupComm)
 from moe_plugins.groups import DistContext
 from moe_plugins.masking import checked_mask_request
@@ -77,9 +77,9 @@ class FlashInferOneSidedOptions:
 
     def __post_init__(self) -> None:
         if self.cft is True and self.lamport is True:
-            raise ValueError("FlashInferOneSidedOptions(cft=True, lamport=True): both ask for every "
-                             "eligible step; set one of them to None (the library's choice) or "
-                             "False")
+            raise ValueError("FlashInferOneSidedOptions(cft=True, lamport=True): both ask for "
+                             "every eligible step; set one of them to None (the library's "
+                             "choice) or False")
         for name in ("lamport_max_tokens", "timeout_sec"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from moe_plugins.config import DispatchConfig
-from moe_plugins.flashinfer_mnnvl import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
+from moe_plugins.mnnvl.manager import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
                                           TorchGroupComm)
 from moe_plugins.groups import DistContext
 

@@ -4,7 +4,7 @@ The dispatch writes each token once per destination rank, with its scales (only 
 activations are quantized: ``x_sf is not None``) and its int32 ids and float32 weights, straight
 into the receiver's buffer; the combine reads each rank's partial back and sums them on the
 token's rank. The prepare/finalize is the MNNVL backends' shared one
-(:mod:`moe_plugins.flashinfer_prepare_finalize`: quantization before the all-to-all with scales
+(:mod:`moe_plugins.mnnvl.prepare_finalize`: quantization before the all-to-all with scales
 unswizzled, the nvfp4 swizzle after it, row-scatter finalize, the shared expert on the side
 stream overlapping the whole call); the manager
 (:mod:`moe_plugins.all2all.flashinfer_nvlink_one_sided`) owns flashinfer's object and adapts the
@@ -16,8 +16,8 @@ import torch
 
 from moe_plugins.all2all.flashinfer_nvlink_one_sided import FlashInferOneSidedManager
 from moe_plugins.config import DispatchConfig
-from moe_plugins.flashinfer_mnnvl import FLASHINFER_EXTRA, INSTALL_HINT
-from moe_plugins.flashinfer_prepare_finalize import MnnvlPrepareFinalize
+from moe_plugins.mnnvl.manager import FLASHINFER_EXTRA, INSTALL_HINT
+from moe_plugins.mnnvl.prepare_finalize import MnnvlPrepareFinalize
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import (BackendSpec, Capabilities, RequiredPackage, Transport,
                                   WireLayout)

@@ -3,7 +3,7 @@
 The routing (topk ids and weights) goes first (``moe_prepare``), then the activations and, only
 when they are quantized, their scales; the combine sends each row back to its token's top-k slot
 and sums the slots. The prepare/finalize is the MNNVL backends' shared one
-(:mod:`moe_plugins.flashinfer_prepare_finalize`); the manager
+(:mod:`moe_plugins.mnnvl.prepare_finalize`); the manager
 (:mod:`moe_plugins.all2all.flashinfer_nvlink_two_sided`) owns the workspaces and adapts the
 flashinfer release's API (its transport), on which that class makes the dispatch and combine
 calls.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from moe_plugins.all2all.flashinfer_nvlink_two_sided import FlashInferAll2AllManager
 from moe_plugins.config import DispatchConfig
-from moe_plugins.flashinfer_mnnvl import FLASHINFER_EXTRA, INSTALL_HINT
-from moe_plugins.flashinfer_prepare_finalize import MnnvlPrepareFinalize
+from moe_plugins.mnnvl.manager import FLASHINFER_EXTRA, INSTALL_HINT
+from moe_plugins.mnnvl.prepare_finalize import MnnvlPrepareFinalize
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import (BackendSpec, Capabilities, RequiredPackage, Transport,
                                   WireLayout)
@@ -23,7 +23,7 @@ __all__ = ["FlashInferNVLinkTwoSidedPrepareFinalize", "SPEC"]
 
 class FlashInferNVLinkTwoSidedPrepareFinalize(MnnvlPrepareFinalize):
     """The MNNVL prepare/finalize over a :class:`FlashInferAll2AllManager` (see
-    :class:`moe_plugins.flashinfer_prepare_finalize.MnnvlPrepareFinalize` for the layout)."""
+    :class:`moe_plugins.mnnvl.prepare_finalize.MnnvlPrepareFinalize` for the layout)."""
 
     manager_type = FlashInferAll2AllManager
     manager: FlashInferAll2AllManager

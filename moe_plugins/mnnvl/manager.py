@@ -34,7 +34,8 @@ class TorchGroupComm:
     """flashinfer's ``CommBackend`` interface (``Get_rank``, ``Get_size``, ``allgather``,
     ``bcast``, ``barrier``, ``Split``) over a torch.distributed group. flashinfer uses it to
     exchange the MNNVL memory handles when it creates a workspace (instead of MPI). Objects travel
-    pickled in uint8 tensors (torch's *_object collectives need numpy, which moe-plugins does not)."""
+    pickled in uint8 tensors (torch's *_object collectives need numpy, which moe-plugins does
+    not)."""
 
     def __init__(self, group: Optional["dist.ProcessGroup"]):
         self.group = group if group is not None else dist.group.WORLD

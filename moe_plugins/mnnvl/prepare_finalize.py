@@ -1,6 +1,6 @@
 """The prepare/finalize of the flashinfer MNNVL backends (``flashinfer_nvlink_two_sided``,
 ``flashinfer_nvlink_one_sided``): STANDARD layout, one dispatch and one combine per call on the
-manager's transport (:class:`moe_plugins.flashinfer_mnnvl.MnnvlManager`), which adapts the
+manager's transport (:class:`moe_plugins.mnnvl.manager.MnnvlManager`), which adapts the
 flashinfer API of each backend and release.
 
 prepare: quantization happens before the all-to-all with scales left unswizzled (the nvfp4
@@ -29,7 +29,7 @@ import torch
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, host_count
 from moe_plugins.faults import group_faults, layer_name
-from moe_plugins.flashinfer_mnnvl import Dispatched, MnnvlManager, pad_row_bytes
+from moe_plugins.mnnvl.manager import Dispatched, MnnvlManager, pad_row_bytes
 from moe_plugins.interface import (ActivationFormat, AsyncResult, BatchHint, PrepareFinalize,
                                    PrepareResult, RowScatterTarget, check_finalize_routing,
                                    check_output, check_prepare_inputs, write_output)
@@ -60,9 +60,9 @@ class MnnvlPrepareFinalize(PrepareFinalize):
     """STANDARD layout: prepare returns ``num_recv_tokens = num_ranks * tokens_per_rank`` rows
     (source-rank major), ``tokens_per_rank`` being the call's bound
     (:meth:`set_batch_hint` before the call: the most tokens any rank sends in it, the same on
-    every rank) or, without one, the layer's ``max_tokens_per_rank``; rows that carry no token have topk_ids -1 in every
-    column and unspecified x. topk_ids are LOCAL expert ids,
-    -1 where the expert lives on another rank. expert_tokens_meta is None."""
+    every rank) or, without one, the layer's ``max_tokens_per_rank``; rows that carry no token
+    have topk_ids -1 in every column and unspecified x. topk_ids are LOCAL expert ids, -1 where
+    the expert lives on another rank. expert_tokens_meta is None."""
 
     activation_format = ActivationFormat.STANDARD
 

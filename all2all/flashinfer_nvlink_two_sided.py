@@ -27,32 +27,24 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
-import math
-import pickle
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
+from moe_plugins.mnnvl.manager import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
+                                          TorchGroupComm)
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import BackendManager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TwoSidedApi", "FlashInferTwoSidedOptions", "Dispatched", "TorchGroupComm",
-           "pad_row_bytes", "FlashInferAll2AllManager", "detect_api", "INSTALL_HINT",
-           "FLASHINFER_EXTRA"]
+__all__ = ["TwoSidedApi", "FlashInferTwoSidedOptions", "FlashInferAll2AllManager", "detect_api"]
 
-FLASHINFER_EXTRA = "flashinfer"  # moe-plugins' optional dependency (pyproject.toml)
-INSTALL_HINT = "pip install 'flashinfer-python>=0.7.2' (moe-plugins' [flashinfer] extra)"
 # Kernel limits (flashinfer csrc/trtllm_alltoall*.cu): moe_prepare checks expertCount % 4 == 0 and
-# 1 <= topK <= 32; moe_comm moves rows as 16-byte vectors.
+# 1 <= topK <= 32; moe_comm moves rows as 16-byte vectors (ROW_ALIGN_BYTES).
 EXPERT_COUNT_MULTIPLE = 4
 MAX_TOPK = 32
-ROW_ALIGN_BYTES = 16
 
 _LOGGED: set[tuple] = set()
 
@@ -135,125 +127,6 @@ def detect_api(requested: TwoSidedApi = TwoSidedApi.AUTO) -> tuple[TwoSidedApi, 
     return requested, version
 
 
-class TorchGroupComm:
-    """flashinfer's ``CommBackend`` interface (``Get_rank``, ``Get_size``, ``allgather``,
-    ``bcast``, ``barrier``, ``Split``) over a torch.distributed group. flashinfer uses it to
-    exchange the MNNVL memory handles when it creates a workspace (instead of MPI). Objects travel
-    pickled in uint8 tensors (torch's *_object collectives need numpy, which moe-plugins does not)."""
-
-    def __init__(self, group: Optional["dist.ProcessGroup"]):
-        self.group = group if group is not None else dist.group.WORLD
-
-    def Get_rank(self) -> int:  # noqa: N802 (flashinfer's MPI-style names)
-        return dist.get_rank(self.group)
-
-    def Get_size(self) -> int:  # noqa: N802
-        return dist.get_world_size(self.group)
-
-    def _device(self) -> torch.device:
-        if "nccl" in str(dist.get_backend(self.group)):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def allgather(self, data: Any) -> tuple[Any, ...]:
-        dev, n = self._device(), self.Get_size()
-        payload = torch.tensor(list(pickle.dumps(data)), dtype=torch.uint8, device=dev)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
-        dist.all_gather(sizes, torch.tensor([payload.numel()], device=dev), group=self.group)
-        lengths = [int(t) for t in sizes]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
-        padded[: payload.numel()] = payload
-        bufs = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(bufs, padded, group=self.group)
-        return tuple(pickle.loads(bytes(b[:k].tolist())) for b, k in zip(bufs, lengths))
-
-    def bcast(self, data: Any, root: int) -> Any:
-        dev, src = self._device(), dist.get_global_rank(self.group, root)
-        is_root = self.Get_rank() == root
-        payload = list(pickle.dumps(data)) if is_root else []
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-        dist.broadcast(size, src=src, group=self.group)
-        buf = torch.tensor(payload, dtype=torch.uint8, device=dev) if is_root \
-            else torch.empty(int(size), dtype=torch.uint8, device=dev)
-        dist.broadcast(buf, src=src, group=self.group)
-        return pickle.loads(bytes(buf.tolist()))
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
-
-    def Split(self, color: int, key: int) -> "TorchGroupComm":  # noqa: N802
-        """MPI_Comm_split. The EP mapping this manager builds (tp_size = EP size, one pp/cp rank)
-        always splits into the whole group in rank order, which is this communicator itself."""
-        members = self.allgather((color, key, self.Get_rank()))
-        colors = {c for c, _, _ in members}
-        order = [r for _, r in sorted((k, r) for _, k, r in members)]
-        if len(colors) == 1 and order == list(range(len(members))):
-            return self
-        raise NotImplementedError(
-            f"splitting the handle-exchange group into colors {sorted(colors)} (or reordering it) "
-            "is not supported; moe-plugins builds an EP mapping that is one group in rank order"
-        )
-
-
-@dataclass(frozen=True)
-class Dispatched:
-    """What one dispatch delivered to this rank, in the kernels' rank-major receive layout.
-
-    x: [num_ranks * tokens_per_rank, *] the dispatched dtype (``tokens_per_rank``: the call's
-        bound, see :meth:`FlashInferAll2AllManager.dispatch`); rows past the received tokens hold
-        unspecified values.
-    x_sf: same rows as x, or None when no scales were sent.
-    topk_ids: int32 [num_ranks * tokens_per_rank, num_topk], GLOBAL expert ids; ids of other
-        ranks' experts and every id of a row that carries no token lie outside this rank's range.
-    topk_weights: float32 [num_ranks * tokens_per_rank, num_topk].
-    """
-
-    x: torch.Tensor
-    x_sf: Optional[torch.Tensor]
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-
-
-def pad_row_bytes(t: torch.Tensor) -> torch.Tensor:
-    """t [rows, cols] -> t (contiguous) when a row is a multiple of 16 bytes, else a copy whose
-    rows are zero-padded to that (the kernels move rows as 16-byte vectors)."""
-    row_bytes = t.shape[1] * t.element_size()
-    if row_bytes % ROW_ALIGN_BYTES == 0:
-        return t.contiguous()
-    padded = torch.zeros(t.shape[0], math.ceil(row_bytes / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES,
-                         dtype=torch.uint8, device=t.device)
-    padded[:, :row_bytes] = t.contiguous().view(torch.uint8)
-    return padded.view(t.dtype)
-
-
-class _Transport(ABC):
-    """One flashinfer API behind the calls the backend makes. Per-call state (the dispatch's
-    routing info) lives here until the matching combine or :meth:`reset`."""
-
-    api: TwoSidedApi
-
-    def __init__(self, manager: "FlashInferAll2AllManager"):
-        self.m = manager
-
-    @abstractmethod
-    def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
-        """Rows already 16-byte aligned; topk_ids int32, topk_weights float32; receive
-        ``num_ranks * tokens_per_rank`` rows."""
-
-    @abstractmethod
-    def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """expert_output [num_ranks * tokens_per_rank, *] -> [num_tokens, *] summed per token."""
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Forget a dispatch whose combine will not come (an error in between)."""
-
-    @abstractmethod
-    def destroy(self) -> None:
-        """Free what this transport holds; idempotent."""
-
-
 @dataclass
 class _MnnvlMoeCache:
     """flashinfer's MnnvlMoe class cache (0.7.2.post1): the workspaces of one EP mapping per
@@ -322,7 +195,7 @@ def _moe_ep_shares_mnnvl_cache() -> bool:
     return True
 
 
-class _MnnvlMoeTransport(_Transport):
+class _MnnvlMoeTransport(MnnvlTransport):
     """flashinfer.comm.trtllm_alltoall.MnnvlMoe (0.7.2.post1), as vLLM 0.33 calls it."""
 
     api = TwoSidedApi.MNNVL_MOE
@@ -407,7 +280,7 @@ class _MnnvlMoeTransport(_Transport):
             _release_mnnvl_cache(cache)
 
 
-class _MoeEpTransport(_Transport):
+class _MoeEpTransport(MnnvlTransport):
     """flashinfer.moe_ep.NVLinkTwoSidedAlltoAll: one object per EP group and shape (holding
     MnnvlMoe's cache where this release's moe_ep shares it)."""
 
@@ -488,13 +361,13 @@ def _per_call_bound_keyword(dispatch: Any) -> str:
         "or 0.7.2.post1")
 
 
-_TRANSPORTS: dict[TwoSidedApi, type[_Transport]] = {
+_TRANSPORTS: dict[TwoSidedApi, type[MnnvlTransport]] = {
     TwoSidedApi.MNNVL_MOE: _MnnvlMoeTransport,
     TwoSidedApi.MOE_EP: _MoeEpTransport,
 }
 
 
-class FlashInferAll2AllManager(BackendManager):
+class FlashInferAll2AllManager(MnnvlManager):
     """One per layer config and EP group. The kernels dispatch PHYSICAL ids: physical expert
     ``p`` lives on EP rank ``p // num_local`` (``placement``, from the config; linear by default).
 
@@ -503,92 +376,39 @@ class FlashInferAll2AllManager(BackendManager):
     kernels do not support). Nothing is allocated until the first dispatch.
     """
 
+    backend_name = "flashinfer_nvlink_two_sided"
+
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         options = cfg.backend_options if cfg.backend_options is not None \
             else FlashInferTwoSidedOptions()
         if not isinstance(options, FlashInferTwoSidedOptions):
             raise TypeError(
                 f"backend 'flashinfer_nvlink_two_sided' takes backend_options of type "
-                f"FlashInferTwoSidedOptions (moe_plugins.all2all.flashinfer_nvlink_two_sided), got {type(options).__name__}"
+                f"FlashInferTwoSidedOptions (moe_plugins.all2all.flashinfer_nvlink_two_sided), "
+                f"got {type(options).__name__}"
             )
-        self.options, self.cfg = options, cfg
+        self.options = options
         self.api, self.flashinfer_version = detect_api(options.api)
-
-        layout = ctx.layout
-        if layout.ep_size < 2:
-            raise ValueError(
-                f"backend 'flashinfer_nvlink_two_sided' needs an EP group of >= 2 ranks, got layout "
-                f"{layout.describe()} (EP size {layout.ep_size}); with one rank nothing is "
-                "dispatched: enable expert parallelism over >= 2 ranks, or use backend 'torch'"
-            )
-        placement = cfg.placement_for(layout.ep_size)
-        if placement.num_physical % EXPERT_COUNT_MULTIPLE:
+        self._init_ep_layout(ctx, cfg)
+        if self.num_experts % EXPERT_COUNT_MULTIPLE:
             raise ValueError(
                 f"flashinfer's two-sided all-to-all kernels need the number of physical experts "
-                f"divisible by {EXPERT_COUNT_MULTIPLE}, got {placement.num_physical}; use another "
+                f"divisible by {EXPERT_COUNT_MULTIPLE}, got {self.num_experts}; use another "
                 "backend (e.g. 'torch') for this model, or another number of redundant experts"
             )
         if cfg.num_topk > MAX_TOPK:
             raise ValueError(f"flashinfer's two-sided all-to-all supports num_topk <= {MAX_TOPK}, "
                              f"got {cfg.num_topk}; use another backend for this model")
-
-        self.group = ctx.ep_group
-        self.num_ranks = dist.get_world_size(self.group)
-        if self.num_ranks != layout.ep_size:
-            raise ValueError(f"the EP process group has {self.num_ranks} ranks but layout "
-                             f"{layout.describe()} says {layout.ep_size}")
-        self.rank = dist.get_rank(self.group)
-        self.placement = placement
-        self.num_experts, self.num_topk = placement.num_physical, cfg.num_topk
-        self.max_tokens_per_rank = cfg.max_tokens_per_rank
+        self._init_ep_process_group(ctx)
         self.gpus_per_node = options.gpus_per_node or torch.cuda.device_count() or self.num_ranks
-        self._transport: Optional[_Transport] = _TRANSPORTS[self.api](self)
+        self._transport = _TRANSPORTS[self.api](self)
 
         key = (self.api, self.num_ranks, self.num_experts, cfg.num_topk, cfg.hidden,
                cfg.max_tokens_per_rank, options)
         if key not in _LOGGED:
             _LOGGED.add(key)
-            logger.info("flashinfer_nvlink_two_sided: flashinfer %s, %s API, EP size %d, %d experts, "
-                        "topk %d, max %d tokens per rank, nvfp4 scales %s", self.flashinfer_version,
-                        self.api.value, self.num_ranks, self.num_experts, cfg.num_topk,
-                        cfg.max_tokens_per_rank,
+            logger.info("flashinfer_nvlink_two_sided: flashinfer %s, %s API, EP size %d, "
+                        "%d experts, topk %d, max %d tokens per rank, nvfp4 scales %s",
+                        self.flashinfer_version, self.api.value, self.num_ranks, self.num_experts,
+                        cfg.num_topk, cfg.max_tokens_per_rank,
                         "swizzled" if options.nvfp4_swizzled_sf else "row-aligned")
-
-    def tokens_per_rank(self, num_tokens: int, max_tokens_across_ranks: Optional[int]) -> int:
-        """The bound a dispatch of ``num_tokens`` local tokens is sized by: the most tokens any
-        rank sends in this call (every rank must give the same value; an engine knows it, e.g.
-        vLLM's DP metadata), at least 1 (the kernels take no empty bound); None: the layer's
-        ``max_tokens_per_rank``. ValueError when the bound is below ``num_tokens`` (this rank's
-        sends would overrun the kernels' index buffers) or above the layer's bound."""
-        if max_tokens_across_ranks is None:
-            return self.max_tokens_per_rank
-        bound = max(1, max_tokens_across_ranks)
-        if not num_tokens <= bound <= self.max_tokens_per_rank:
-            raise ValueError(
-                f"a per-call bound (BatchHint.max_tokens_per_rank) of {max_tokens_across_ranks} "
-                f"for a call of {num_tokens} tokens on a layer built for max_tokens_per_rank="
-                f"{self.max_tokens_per_rank}: the bound must cover this rank's tokens and fit the "
-                "layer; pass the largest token count any EP rank sends in this call"
-            )
-        return bound
-
-    def recv_rows(self, tokens_per_rank: int) -> int:
-        """Rows of a dispatch's receive buffers: num_ranks * tokens_per_rank."""
-        return self.num_ranks * tokens_per_rank
-
-    def transport(self) -> _Transport:
-        """The live transport (the flashinfer release's API over this manager's workspaces); the
-        prepare/finalize makes its dispatch and combine calls."""
-        if self._transport is None:
-            raise RuntimeError("the flashinfer all-to-all manager was destroyed")
-        return self._transport
-
-    def reset_call_state(self) -> None:
-        if self._transport is not None:
-            self._transport.reset()
-
-    def destroy(self) -> None:
-        """Free the workspaces (shared ones when the last manager of the mapping goes); idempotent."""
-        t, self._transport = self._transport, None
-        if t is not None:
-            t.destroy()

@@ -135,12 +135,15 @@ class Transport(Enum):
     NORMAL: DeepEP's normal mode: one row per (token, destination node) over RDMA, forwarded
         over NVLink to the ranks of the node; a set number of SMs copies.
     NVLINK_TWO_SIDED: one row per (token, rank) inside one NVLink domain (FlashInfer).
+    NVLINK_ONE_SIDED: one row per (token, rank), written by the sender straight into the
+        receiver's buffer, inside one NVLink domain (FlashInfer / TensorRT-LLM).
     NCCL: ``all_to_all_v`` over the process group (NCCL on GPUs): a count exchange, then rows.
     """
 
     LOW_LATENCY = "low_latency"
     NORMAL = "normal"
     NVLINK_TWO_SIDED = "nvlink_two_sided"
+    NVLINK_ONE_SIDED = "nvlink_one_sided"
     NCCL = "nccl"
 
 

@@ -6,11 +6,13 @@ H800 rows alone and are assumed to carry over to the other systems."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from moe_plugins.planner.link_model import LinkModel
 
-__all__ = ["LINK_PRESETS", "link_preset", "link_from_config"]
+__all__ = ["LINK_PRESETS", "link_preset", "link_from_config", "PublishedTimes",
+           "PUBLISHED_NVLINK_ONE_SIDED"]
 
 _LATENCY = dict(nvlink_latency_us=3.0, rdma_latency_us=5.0)
 
@@ -25,6 +27,9 @@ _LATENCY = dict(nvlink_latency_us=3.0, rdma_latency_us=5.0)
 #:   18 NVLink 4 links, 450 GB/s per direction), one ConnectX-7 400 Gb/s NIC per GPU (50 GB/s),
 #:   8 GPUs per node (HGX), DeepEP V1's default of 20 SMs for the normal mode.
 #: - h200-nvlink: one HGX H200 node (8 GPUs, NVLink as above); no second node.
+#: - gb200-nvl72: one GB200 NVL72 rack, one NVLink domain of 72 GPUs (NVIDIA's GB200 NVL72
+#:   datasheet: NVLink 5, 1.8 TB/s bidirectional per GPU, 900 GB/s per direction); no second
+#:   domain. The system of the published one-sided row below (:data:`PUBLISHED_NVLINK_ONE_SIDED`).
 LINK_PRESETS: dict[str, LinkModel] = {
     "h800-cx7": LinkModel(nvlink_gbps=200.0, rdma_gbps=50.0, gpus_per_node=8, ll_nvlink=True,
                           sms=24, name="h800-cx7", **_LATENCY),
@@ -34,7 +39,34 @@ LINK_PRESETS: dict[str, LinkModel] = {
                           sms=20, name="h200-cx7", **_LATENCY),
     "h200-nvlink": LinkModel(nvlink_gbps=450.0, rdma_gbps=50.0, gpus_per_node=8, ll_nvlink=True,
                              sms=20, nodes=1, name="h200-nvlink", **_LATENCY),
+    "gb200-nvl72": LinkModel(nvlink_gbps=900.0, rdma_gbps=50.0, gpus_per_node=72, ll_nvlink=True,
+                             sms=20, nodes=1, name="gb200-nvl72", **_LATENCY),
 }
+
+
+@dataclass(frozen=True)
+class PublishedTimes:
+    """A published dispatch / combine time (us) of one backend family on a preset's system."""
+
+    source: str
+    preset: str
+    transport: str
+    ep: int
+    num_experts: int
+    dtype: str
+    tokens_per_rank: int
+    dispatch_us: float
+    combine_us: float
+
+
+#: TensorRT-LLM's blog post on its one-sided MoE all-to-all over NVLink (the kernels flashinfer's
+#: NVLinkOneSidedAlltoAll runs): GB200 NVL72, EP 8, 256 experts, BF16, 128 tokens per rank. Not
+#: used to fit the time model (the NVLink families borrow the low-latency constants); the planner
+#: tests hold the model's prediction for it within a factor of 2.
+PUBLISHED_NVLINK_ONE_SIDED = PublishedTimes(
+    source="NVIDIA TensorRT-LLM blog, one-sided MoE all-to-all over NVLink (GB200 NVL72 table)",
+    preset="gb200-nvl72", transport="nvlink_one_sided", ep=8, num_experts=256, dtype="bf16",
+    tokens_per_rank=128, dispatch_us=31.7, combine_us=38.1)
 
 
 def link_preset(name: str, **overrides: object) -> LinkModel:

@@ -22,9 +22,10 @@ The families, from how their kernels move data:
   notify step (counts) precedes the data. The copies are made by ``LinkModel.sms`` SMs; the
   published runs used :attr:`FittedConstants.reference_sms`, fewer SMs are assumed to scale the
   rates linearly (not calibrated).
-- NVLINK_TWO_SIDED (FlashInfer): one row per (token, rank) inside one NVLink domain; a layout
-  beyond ``LinkModel.gpus_per_node`` ranks is refused. Not calibrated: it uses the low-latency
-  family's fixed cost and NVLink efficiency.
+- NVLINK_TWO_SIDED and NVLINK_ONE_SIDED (FlashInfer): one row per (token, rank) inside one
+  NVLink domain (one-sided: the sender writes it straight into the receiver's buffer, no count
+  exchange before it); a layout beyond ``LinkModel.gpus_per_node`` ranks is refused. Not
+  calibrated: both use the low-latency family's fixed cost and NVLink efficiency.
 - NCCL (the torch reference over NCCL): a count exchange, then one ``all_to_all_v`` of rows
   (combine: one); each exchange costs a low-latency kernel's fixed cost and the latency of the
   slowest link used, and the rows the busiest link's bytes. Not calibrated: it borrows the
@@ -158,11 +159,12 @@ def _normal_us(rows: _Matrix, node_rows: _Matrix, row_bytes: int, link: LinkMode
     return c.normal_fixed_us + worst
 
 
-def _nvlink_two_sided_us(rows: _Matrix, row_bytes: int, link: LinkModel,
-                         c: FittedConstants) -> float:
+def _nvlink_us(rows: _Matrix, row_bytes: int, link: LinkModel, c: FittedConstants,
+               transport: Transport) -> float:
     n = len(rows)
     if link.node(n - 1) != 0:
-        raise ValueError(f"flashinfer's two-sided all-to-all runs inside one NVLink domain; "
+        kind = "two-sided" if transport is Transport.NVLINK_TWO_SIDED else "one-sided"
+        raise ValueError(f"flashinfer's {kind} all-to-all runs inside one NVLink domain; "
                          f"{n} EP ranks span {link.node(n - 1) + 1} domains of "
                          f"{link.gpus_per_node} GPUs; give the domain size with --gpus-per-node "
                          "(e.g. 72 for an NVL72 rack) or pick another backend")
@@ -202,8 +204,8 @@ def all_to_all_us(transport: Transport, phase: str, rows: _Matrix, row_bytes: in
         if node_rows is None:
             raise ValueError("the normal-mode time needs node_rows ([src][node] rows)")
         return _normal_us(rows, node_rows, row_bytes, link, constants)
-    if transport is Transport.NVLINK_TWO_SIDED:
-        return _nvlink_two_sided_us(rows, row_bytes, link, constants)
+    if transport in (Transport.NVLINK_TWO_SIDED, Transport.NVLINK_ONE_SIDED):
+        return _nvlink_us(rows, row_bytes, link, constants, transport)
     if transport is Transport.NCCL:
         return _nccl_us(rows, row_bytes, link, constants, 2 if phase == "dispatch" else 1)
     # a family added to Transport without its time function here (docs/adding_a_backend.md)

@@ -109,8 +109,10 @@ LIBRARIES: tuple[Library, ...] = (
                  "(and torch 2.15.0 where none is installed: "
                  "`pip install -e '.[flashinfer]' 'torch==2.14.0'` keeps 2.14.0); "
                  "with `[vllm]`, vLLM 0.33.0's pin: 0.7.2.post1"),
-        cpu_only="none (the CPU suite runs the emulation of 0.7.2.post1 and of 0.7.4)",
-        rows=lambda r: r.get("backend") == "flashinfer_nvlink_two_sided",),
+        cpu_only=("flashinfer_nvlink_one_sided: 0.7.2.post1 and 0.7.4, on their emulation in the "
+                  "CPU suite only (no GPU run yet); flashinfer_nvlink_two_sided: none (the CPU "
+                  "suite also runs the emulation of both)"),
+        rows=lambda r: str(r.get("backend") or "").startswith("flashinfer_nvlink_"),),
     Library(
         name="nixl", key="nixl",
         supported=("`nixl>=1.5` (the nixl-cu12/cu13 1.5.1 wheels' nixl_ep imports the extension "

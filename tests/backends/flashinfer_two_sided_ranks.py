@@ -344,7 +344,7 @@ def workspace_refused(rank: int, world: int, layout: ParallelLayout, cfg: MoECon
 def handle_exchange_comm(rank: int, world: int) -> dict:
     """TorchGroupComm, the CommBackend flashinfer exchanges MNNVL handles through: allgather and
     bcast of Python objects, Split into the whole group, and a real split refused."""
-    from moe_plugins.all2all.flashinfer_nvlink_two_sided import TorchGroupComm
+    from moe_plugins.mnnvl.manager import TorchGroupComm
 
     comm = TorchGroupComm(dist.group.WORLD)
     got = dict(gathered=comm.allgather({"rank": rank, "handle": b"h" * (rank + 3)}),

@@ -1,10 +1,12 @@
-"""The flashinfer classes, functions and module names our flashinfer backend and its emulation
-(tests/emulation/flashinfer_two_sided.py) use, as the published wheels define them, read with
+"""The flashinfer classes, functions and module names our flashinfer backends (two-sided and
+one-sided) and their emulations (tests/emulation/flashinfer_two_sided.py, flashinfer_one_sided.py,
+flashinfer_mnnvl.py) use, as the published wheels define them, read with
 ``ast`` from the wheels' Python files (:data:`FILES`):
 
-- "0.7.2.post1": flashinfer_python-0.7.2.post1-py3-none-any.whl (MnnvlMoe and moe_ep),
-- "0.7.4": flashinfer_python-0.7.4-py3-none-any.whl (moe_ep only; comm/trtllm_alltoall.py is
-  gone).
+- "0.7.2.post1": flashinfer_python-0.7.2.post1-py3-none-any.whl (MnnvlMoe and moe_ep; the
+  one-sided class wraps comm/trtllm_moe_alltoall.py's MoeAlltoAll),
+- "0.7.4": flashinfer_python-0.7.4-py3-none-any.whl (moe_ep only; comm/trtllm_alltoall.py and
+  comm/trtllm_moe_alltoall.py are gone).
 
 Per class: its decorators and bases, its dataclass fields ``(name, default, keyword-only)``, its
 methods ``name -> (kind, ((parameter, default, kind), ...))`` (method kinds "", "static",
@@ -33,10 +35,15 @@ __all__ = ["FILES", "MODULES", "TABLE", "UPSTREAM", "read_wheel", "effective_met
 FILES: dict[str, tuple[str, ...]] = {
     "flashinfer/moe_ep/config.py": ("BootstrapConfig",),
     "flashinfer/moe_ep/core/comm/communication.py": (
-        "MoEEpCommParams", "MoEEpDispatchResult", "MoEEpCommunication"),
+        "MoEEpCommParams", "MoEEpDispatchResult", "MoEEpCommunication", "create_communication"),
     "flashinfer/moe_ep/backends/split/comm/nvlink_two_sided/config.py": ("NVLinkTwoSidedConfig",),
     "flashinfer/moe_ep/backends/split/comm/nvlink_two_sided/communication.py": (
         "NVLinkTwoSidedAlltoAll",),
+    "flashinfer/moe_ep/backends/split/comm/nvlink_one_sided/config.py": ("NVLinkOneSidedConfig",),
+    "flashinfer/moe_ep/backends/split/comm/nvlink_one_sided/communication.py": (
+        "NVLinkOneSidedAlltoAll",),
+    "flashinfer/fused_moe/api.py": ("QuantFormat",),
+    "flashinfer/comm/trtllm_moe_alltoall.py": ("moe_a2a_active_rank_mask",),
     "flashinfer/comm/mapping.py": ("Mapping",),
     "flashinfer/comm/mnnvl.py": ("MnnvlConfig", "MnnvlMemory"),
     "flashinfer/comm/trtllm_alltoall.py": (
@@ -50,6 +57,7 @@ MODULES = {
     "flashinfer.comm.mnnvl": "flashinfer/comm/mnnvl.py",
     "flashinfer.comm.trtllm_alltoall": "flashinfer/comm/trtllm_alltoall.py",
     "flashinfer.moe_ep": "flashinfer/moe_ep/__init__.py",
+    "flashinfer.fused_moe": "flashinfer/fused_moe/__init__.py",
 }
 _NAMES = {n for names in FILES.values() for n in names}
 

@@ -1,11 +1,13 @@
-"""The flashinfer emulation (tests/emulation/flashinfer_two_sided.py) against the published
-wheels' source, per release (tests/emulation/flashinfer_upstream.py): every class, method,
-dataclass field and module name the emulation presents is upstream's, with upstream's
-parameters, defaults and kinds, and it presents everything our backend (all2all/flashinfer_nvlink_two_sided.py)
-uses. Single process, no ranks."""
+"""The flashinfer emulation (tests/emulation/flashinfer_two_sided.py, flashinfer_one_sided.py,
+flashinfer_mnnvl.py) against the published wheels' source, per release
+(tests/emulation/flashinfer_upstream.py): every class, method, dataclass field, enum member,
+function and module name the emulation presents is upstream's, with upstream's parameters,
+defaults and kinds, and it presents everything our backends (all2all/flashinfer_nvlink_two_sided.py,
+all2all/flashinfer_nvlink_one_sided.py) use. Single process, no ranks."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import types
 from typing import Any
@@ -29,14 +31,32 @@ CALLED = {
     "MoEEpDispatchResult": set(),
     "NVLinkTwoSidedConfig": set(),
     "NVLinkTwoSidedAlltoAll": {"__init__", "dispatch", "combine", "destroy"},
+    # all2all/flashinfer_nvlink_one_sided.py (and the release-specific members below)
+    "NVLinkOneSidedConfig": set(),
+    "NVLinkOneSidedAlltoAll": {"__init__", "dispatch", "combine", "destroy",
+                               "get_combine_input_buffer"},
+    "QuantFormat": set(),
+}
+#: What the one-sided backend uses of one release only: 0.7.2.post1's checkpoints and mask
+#: helper sit on the wrapped MoeAlltoAll (``alltoall``) and in flashinfer.comm; 0.7.4 has them
+#: on the class, with the transports' switches on the config.
+RELEASE_ONLY = {
+    "0.7.2.post1": dict(methods={"alltoall"}, fields=set(),
+                        functions={"moe_a2a_active_rank_mask"}),
+    "0.7.4": dict(methods={"active_rank_mask", "checkpoint_prepare", "checkpoint_restore",
+                           "lamport_enabled"},
+                  fields={"cft", "lamport", "lamport_max_tokens"}, functions=set()),
 }
 #: The dataclass fields our backend passes or reads.
 FIELDS_USED = {
     "MnnvlConfig": {"comm_backend"},
     "BootstrapConfig": {"world_size", "rank", "process_group"},
-    "MoEEpCommParams": {"num_experts", "top_k", "max_tokens_per_rank", "hidden_size", "dtype"},
+    "MoEEpCommParams": {"num_experts", "top_k", "max_tokens_per_rank", "hidden_size", "dtype",
+                        "dispatch_format", "invalid_expert_id"},
     "MoEEpDispatchResult": {"hidden_states", "hidden_states_scale", "topk_ids", "topk_weights"},
     "NVLinkTwoSidedConfig": {"comm_backend"},
+    "NVLinkOneSidedConfig": {"comm_backend", "enable_rank_mask", "extra_payload_bytes_per_token",
+                             "use_low_precision_combine"},
 }
 _KINDS = {inspect.Parameter.POSITIONAL_ONLY: "pos", inspect.Parameter.POSITIONAL_OR_KEYWORD: "pos",
           inspect.Parameter.KEYWORD_ONLY: "kw", inspect.Parameter.VAR_POSITIONAL: "*",
@@ -101,6 +121,9 @@ def test_the_emulated_classes_are_upstreams(version):
     emulated = _emulated_classes(version)
     for name, cls in emulated.items():
         info = upstream[name]
+        if issubclass(cls, enum.Enum):  # an enum: upstream's members
+            assert set(cls.__members__) == set(info["attrs"]), (version, name)
+            continue
         if info["fields"] or dataclasses.is_dataclass(cls):
             assert _fields(cls) == info["fields"], (version, name)
             frozen = any("frozen=True" in d for d in info["decorators"])
@@ -143,9 +166,34 @@ def test_the_emulated_modules_and_functions_are_upstreams(version):
     for module, mod in emulated.items():
         names = {n for n in vars(mod) if n in interest}
         assert names <= set(upstream["modules"][module]), (version, module)
-    trtllm = emulated.get("flashinfer.comm.trtllm_alltoall")
+    functions = {n: f for mod in emulated.values() for n, f in vars(mod).items()
+                 if n in upstream["functions"] and inspect.isfunction(f)}
+    assert set(functions) == set(upstream["functions"]), version
     for name, params in upstream["functions"].items():
-        assert _parameters(getattr(trtllm, name)) == params, (version, name)
+        assert _parameters(functions[name]) == params, (version, name)
+
+
+@pytest.mark.parametrize("version", sorted(UPSTREAM))
+def test_the_one_sided_members_of_one_release(version):
+    """What the one-sided backend probes per release: the emulated class and config have
+    upstream's release-specific members, and lack the other release's."""
+    table, emulated = UPSTREAM[version], _emulated_classes(version)
+    methods = effective_methods(table, "NVLinkOneSidedAlltoAll")
+    fields = {f for f, _, _ in table["classes"]["NVLinkOneSidedConfig"]["fields"]}
+    emulated_methods = _methods(emulated["NVLinkOneSidedAlltoAll"])
+    emulated_fields = {f.name for f in dataclasses.fields(emulated["NVLinkOneSidedConfig"])}
+    for release, used in RELEASE_ONLY.items():
+        present = release == version
+        assert (used["methods"] <= set(methods)) is present, (version, release)
+        assert (used["methods"] <= set(emulated_methods)) is present, (version, release)
+        if used["fields"]:
+            assert (used["fields"] <= fields) is present and \
+                (used["fields"] <= emulated_fields) is present, (version, release)
+        if used["functions"]:
+            assert (used["functions"] <= set(table["functions"])) is present, (version, release)
+    bound = [p for p, _, _ in methods["dispatch"][1] if "max_tokens_per_rank" in p]
+    assert bound == (["runtime_max_tokens_per_rank"] if version == "0.7.4"
+                     else ["max_tokens_per_rank"])
 
 
 def test_the_two_releases_differ_where_the_backend_probes():

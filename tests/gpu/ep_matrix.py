@@ -235,7 +235,7 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
     the masking job, whose buffer has ``enable_shrink``, get their own worlds)."""
     from tests.gpu.ep_ranks import AUTO_LL_CAPACITY
 
-    fi = "flashinfer_nvlink_two_sided"
+    fi, fo = "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided"
     if scale == "reduced":
         return _vllm_jobs("A", device, scale) + [
             _layer_job(["deepep_ll", "torch"], 2, "B", device, scale, 120),
@@ -258,6 +258,8 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
                        name="layer/deepep_ll+deepep_ht+torch+flashinfer/ep4"),
             _layer_job(["deepep_auto"], 2, "B", device, scale, 240),
             _layer_job(["deepep_auto"], 4, "B", device, scale, 300),
+            _layer_job([fo], 2, "B", device, scale, 300),
+            _layer_job([fo], 4, "B", device, scale, 420),
             _mask_job("deepep_ll", "B", device, 180),
             # one fault on each kind of transport before the slow EP 8 worlds
             _fault_job("torch", "kill", "B", device),
@@ -508,7 +510,7 @@ def run_matrix(device: str, half: Optional[str] = None, only: Sequence[str] = ()
             r["from_run"] = {"commit": commit, "date": when,
                              **({"gpu": gpu, "versions": versions} if gpu else {})}
             r["vllm"] = vllm
-            if r["backend"] == "flashinfer_nvlink_two_sided" and flashinfer:
+            if r["backend"].startswith("flashinfer_nvlink_") and flashinfer:
                 r["library"] = flashinfer
         rows += job_rows
         if rec is not None:

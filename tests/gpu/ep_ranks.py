@@ -59,6 +59,8 @@ AUTO_LINK_CAPACITY = 32
 AUTO_LINK_CFG = dataclasses.replace(CFG, num_topk=8)
 LL = ("deepep_ll", "nixl_ep")
 FLASHINFER = "flashinfer_nvlink_two_sided"
+FLASHINFER_ONE_SIDED = "flashinfer_nvlink_one_sided"
+FLASHINFERS = (FLASHINFER, FLASHINFER_ONE_SIDED)  # both on flashinfer's MNNVL memory
 QUANTS = {"bf16": QuantSpec(), "fp8_block128": QuantSpec(QuantScheme.FP8_BLOCK128),
           "ue8m0": QuantSpec(QuantScheme.FP8_BLOCK128)}
 
@@ -94,7 +96,7 @@ def vendor(backend: str, device: str) -> Iterator[None]:
     """On CPU, the emulation of ``backend``'s library in sys.modules for the block (tests/
     emulation); on a GPU the real library is imported (flashinfer's moe_ep past its NVLink
     platform check on a one-GPU host: tests/gpu/flashinfer_one_gpu.py)."""
-    if not device.startswith("cpu") and backend == FLASHINFER:
+    if not device.startswith("cpu") and backend in FLASHINFERS:
         from tests.gpu.flashinfer_one_gpu import nvlink_check_on_one_gpu
 
         with nvlink_check_on_one_gpu():
@@ -103,7 +105,7 @@ def vendor(backend: str, device: str) -> Iterator[None]:
     if not device.startswith("cpu") or backend == "torch":
         yield
         return
-    if backend == FLASHINFER:
+    if backend in FLASHINFERS:
         from tests.emulation import flashinfer_two_sided as emu
 
         with emu.installed("0.7.2.post1"):
@@ -137,6 +139,10 @@ def backend_options(backend: str, world: int, device: str, **kw: Any) -> Any:
 
         # every rank on one host (and one GPU): the MNNVL mapping must see them as one node
         return FlashInferTwoSidedOptions(gpus_per_node=world, **kw)
+    if backend == FLASHINFER_ONE_SIDED:
+        from moe_plugins.all2all.flashinfer_nvlink_one_sided import FlashInferOneSidedOptions
+
+        return FlashInferOneSidedOptions(**kw)  # moe_ep maps the group as one node itself
     return None
 
 

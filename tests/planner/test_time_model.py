@@ -18,7 +18,7 @@ from moe_plugins.planner.compare import compare_backends, crossover_backends
 from moe_plugins.planner.crossover import mode_crossover
 from moe_plugins.planner.link_model import LinkModel
 from moe_plugins.planner.plan import plan_layer
-from moe_plugins.planner.presets import LINK_PRESETS, link_preset
+from moe_plugins.planner.presets import LINK_PRESETS, PUBLISHED_NVLINK_ONE_SIDED, link_preset
 from moe_plugins.planner.transport_time import FITTED
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import Transport, get_backend
@@ -304,13 +304,37 @@ def test_flashinfer_stays_in_one_nvlink_domain():
     assert _times("flashinfer_nvlink_two_sided", 16, 64, nvl72)[0] > 0
 
 
+def test_one_sided_stays_in_one_nvlink_domain_and_the_published_gb200_row():
+    """flashinfer's one-sided all-to-all: refused where the EP ranks span NVLink domains (the
+    comparison then says why), served inside an NVL72 rack; the model's prediction of the
+    published GB200 NVL72 row (EP 8, 256 experts, BF16, 128 tokens) within a factor of 2 (the
+    NVLink families are not calibrated)."""
+    with pytest.raises(ValueError, match="one-sided all-to-all runs inside one NVLink domain"):
+        _times("flashinfer_nvlink_one_sided", 16, 64)
+    row = PUBLISHED_NVLINK_ONE_SIDED
+    link = LINK_PRESETS[row.preset]
+    assert link.gpus_per_node == 72 and "TensorRT-LLM" in row.source
+    t = plan_layer(dataclasses.replace(CALIBRATION_MODEL, num_experts=row.num_experts),
+                   ParallelLayout(row.ep, 1, True), row.tokens_per_rank,
+                   get_backend("flashinfer_nvlink_one_sided"), QuantSpec(), link=link)
+    assert t.transport is Transport.NVLINK_ONE_SIDED
+    for predicted, published in ((t.recommended.time.dispatch_us, row.dispatch_us),
+                                 (t.recommended.time.combine_us, row.combine_us)):
+        assert published / 2 <= predicted <= published * 2, (predicted, published)
+    ranked = compare_backends(CALIBRATION_MODEL, ParallelLayout(16, 1, True), 128, FP8,
+                              link=H800)
+    one_sided = next(b for b in ranked if b.backend == "flashinfer_nvlink_one_sided")
+    assert not one_sided.usable and "one NVLink domain" in one_sided.reason
+
+
 def test_single_node_preset_refuses_a_second_node():
     with pytest.raises(ValueError, match="16 ranks need 2 nodes of 8 GPUs; preset 'h200-nvlink'"):
         _times("deepep_ll", 16, 64, LINK_PRESETS["h200-nvlink"])
 
 
 def test_presets_and_overrides():
-    assert sorted(LINK_PRESETS) == ["h100-cx7", "h200-cx7", "h200-nvlink", "h800-cx7"]
+    assert sorted(LINK_PRESETS) == ["gb200-nvl72", "h100-cx7", "h200-cx7", "h200-nvlink",
+                                    "h800-cx7"]
     assert all(p.name == name for name, p in LINK_PRESETS.items())
     slow = link_preset("h800-cx7", rdma_gbps=25.0)
     assert slow.rdma_gbps == 25.0 and slow.name == "h800-cx7 (with rdma_gbps)"
@@ -318,8 +342,8 @@ def test_presets_and_overrides():
     assert _times("deepep_ll", 16, 128, slow)[0] > _times("deepep_ll", 16, 128)[0]
     with pytest.raises(ValueError) as e:
         link_preset("h100")
-    assert str(e.value) == ("unknown link preset 'h100'; expected one of h100-cx7, h200-cx7, "
-                            "h200-nvlink, h800-cx7")
+    assert str(e.value) == ("unknown link preset 'h100'; expected one of gb200-nvl72, h100-cx7, "
+                            "h200-cx7, h200-nvlink, h800-cx7")
 
 
 def test_comparison_ranks_the_backends():
@@ -490,7 +514,7 @@ def test_cli_sweep_prints_the_curve_and_crossover():
 
 @pytest.mark.parametrize("args,message", [
     (["--link", "h800"], "argument --link: unknown link preset 'h800'; expected one of "
-                         "h100-cx7, h200-cx7, h200-nvlink, h800-cx7"),
+                         "gb200-nvl72, h100-cx7, h200-cx7, h200-nvlink, h800-cx7"),
     (["--sweep-tokens", "8,4"], "argument --sweep-tokens: expected increasing token counts"),
     (["--sweep-tokens", "1,8", "--tokens", "8"], "--sweep-tokens sets the tokens of every DP"),
     (["--link", "h200-nvlink"], "16 ranks need 2 nodes of 8 GPUs; preset 'h200-nvlink' has 1"),

@@ -68,6 +68,7 @@ def test_the_full_matrix_covers_the_issue():
     want = {("deepep_ll", e) for e in (2, 4, 8)} | {("deepep_ht", e) for e in (2, 4, 8)} \
         | {("deepep_auto", e) for e in (2, 4, 8)} | {("nixl_ep", 2), ("nixl_ep", 4)} \
         | {("flashinfer_nvlink_two_sided", 2), ("flashinfer_nvlink_two_sided", 4)} \
+        | {("flashinfer_nvlink_one_sided", 2), ("flashinfer_nvlink_one_sided", 4)} \
         | {("torch", 4)}
     assert want <= layer, want - layer
     # deepep_auto built with a link, both quants, at every EP size of the matrix

@@ -6,9 +6,10 @@ key ``conditions`` (JSON), as the first line (JSON lines) or as a ``# conditions
 ``benchmarks/results/README.md``'s index is printed from those records
 (``python benchmarks/conditions.py --index``), and a test keeps the two the same.
 
-The commit: ``git rev-parse`` of this checkout (with ``+uncommitted`` where tracked files differ
-from it); where there is no git history (a copy of the tree on another host),
-``$MOE_PLUGINS_COMMIT``, else ``unknown``.
+The commit: ``$MOE_PLUGINS_COMMIT`` where set (a copy of the tree on another host, whose git
+metadata, if any, may not be that of its files: the one who copied it names the code); else
+``git rev-parse`` of this checkout (with ``+uncommitted`` where tracked files differ from it);
+else ``unknown``.
 """
 from __future__ import annotations
 
@@ -50,11 +51,14 @@ def _git(*args: str) -> Optional[str]:
 
 def current_commit() -> str:
     """The commit of the code that runs (module doc)."""
+    named = os.environ.get(COMMIT_ENV, "").strip()
+    if named:
+        return named
     head = _git("rev-parse", "--short=7", "HEAD")
     if head:
         changed = _git("status", "--porcelain", "--untracked-files=no")
         return head + ("+uncommitted" if changed else "")
-    return os.environ.get(COMMIT_ENV, "").strip() or "unknown"
+    return "unknown"
 
 
 def describe_device(device: Union[torch.device, str]) -> str:

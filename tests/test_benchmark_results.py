@@ -49,6 +49,17 @@ def test_without_git_history_the_commit_comes_from_the_environment(monkeypatch):
     assert conditions.current_commit() == "unknown"
 
 
+def test_a_named_commit_wins_over_a_copys_git_metadata(monkeypatch):
+    """A tree copied to a GPU host may carry git metadata of another commit than its files
+    (seen: an older HEAD, so "<old>+uncommitted"): the commit named by whoever copied it wins."""
+    monkeypatch.setattr(conditions, "_git", lambda *args: "b29462d" if "rev-parse" in args
+                        else " M moe_plugins/x.py")
+    monkeypatch.delenv(conditions.COMMIT_ENV, raising=False)
+    assert conditions.current_commit() == "b29462d+uncommitted"
+    monkeypatch.setenv(conditions.COMMIT_ENV, "1eb3b0d")
+    assert conditions.current_commit() == "1eb3b0d"
+
+
 def test_a_stand_in_is_named_as_one(monkeypatch):
     import sys
     import types

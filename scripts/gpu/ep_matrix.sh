@@ -19,8 +19,8 @@
 # each job is bounded, a job that cannot get its time is recorded "not_run: not started" (run
 # it later with ONLY=), and the record is rewritten after every job. In $OUT:
 #   ep_one_gpu_<HALF>.json   the record: rows backend/path/ep/tp/quant/case/status/max_rel_err/
-#                            detail, each with from_run.commit (MOE_PLUGINS_COMMIT names it
-#                            where the checkout has no git history)
+#                            detail, each with from_run.commit (MOE_PLUGINS_COMMIT names it;
+#                            else the checkout's git HEAD, +uncommitted where files differ)
 #   ep_logs_<HALF>.tgz       this script's log, where every rank of every job stopped
 #                            (ep_runs_<HALF>.json), set-up and build logs
 # Then: python -m tests.gpu.ep_matrix --merge A.json B.json -o tests/gpu/results/ep_one_gpu.json

@@ -53,7 +53,8 @@ whl, outdir = sys.argv[1:3]
 z = zipfile.ZipFile(whl)
 names = set(z.namelist())
 D = "flashinfer/data/"
-search = [D + "include/", D + "csrc/", D + "spdlog/include/"]
+search = [D + "include/", D + "csrc/", D + "spdlog/include/", D + "csrc/nv_internal/",
+          D + "csrc/nv_internal/include/"]
 search += sorted({n[: n.index("/include/") + 9] for n in names
                   if n.startswith((D + "cutlass/", D + "cccl/")) and "/include/" in n})
 search += [D + "cccl/cub/", D + "cccl/thrust/", D + "cccl/libcudacxx/include/"]
@@ -66,10 +67,18 @@ def resolve(name, here):
             return p
     return None
 
-roots = [D + "csrc/" + f for f in ("trtllm_alltoall.cu", "trtllm_alltoall_prepare.cu",
-                                    "nvlink_two_sided_alltoall.cu", "nvlink_two_sided_prepare.cu")]
+# the all-to-alls' JIT sources (flashinfer/jit/comm.py of each release: two-sided; one-sided,
+# whose module also compiles TensorRT-LLM's moeAlltoAllKernels.cu and four common .cpp files)
+NV = "nv_internal/"
+roots = [D + "csrc/" + f for f in (
+    "trtllm_alltoall.cu", "trtllm_alltoall_prepare.cu", "nvlink_two_sided_alltoall.cu",
+    "nvlink_two_sided_prepare.cu", "trtllm_moe_alltoall.cu", "nvlink_one_sided_alltoall.cu",
+    "nvlink_one_sided_lamport.cu",
+    NV + "tensorrt_llm/kernels/moe/communication/moeAlltoAllKernels.cu",
+    *(NV + "cpp/common/" + c for c in ("envUtils.cpp", "tllmException.cpp", "logger.cpp",
+                                       "stringUtils.cpp")))]
 keep, todo, outside = set(), [r for r in roots if r in names], set()
-assert todo, f"{whl}: none of the two-sided all-to-all's sources {roots}"
+assert todo, f"{whl}: none of the all-to-alls' sources {roots}"
 todo_roots = list(todo)
 while todo:
     f = todo.pop()

@@ -108,3 +108,15 @@ def test_the_wheel_installs_no_top_level_package_but_ours(tmp_path):
     text = zipfile.ZipFile(wheel).read(entry).decode()
     for name in ENTRY_POINTS:
         assert f"{name} = moe_plugins.prepare_finalize.{name}:SPEC" in text, text
+
+
+def test_the_backends_page_says_where_each_backend_lives():
+    """docs/backends.md's "Where each backend lives" names each registered backend's
+    prepare/finalize module, and its options class's import where its manager module has one."""
+    text = (ROOT / "docs" / "backends.md").read_text()
+    for name in ENTRY_POINTS:
+        assert f"`moe_plugins.prepare_finalize.{name}`" in text, name
+        tree = ast.parse((ROOT / "all2all" / f"{name}.py").read_text())
+        for cls in (n.name for n in tree.body if isinstance(n, ast.ClassDef)
+                    and n.name.endswith("Options")):
+            assert f"from moe_plugins.all2all.{name} import {cls}" in text, (name, cls)

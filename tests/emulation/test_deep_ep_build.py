@@ -131,9 +131,13 @@ def layer_calls(rank: int, world: int, build: dict, platform: Platform) -> dict:
             lines.append(record.getMessage())
 
     keep = Keep(logging.INFO)
-    logger = logging.getLogger("moe_plugins")
+    # the buffer's own logger, kept at INFO and enabled whatever an earlier test in this pool
+    # process did to the loggers above it (propagation, levels, logging.disable)
+    logger = logging.getLogger("moe_plugins.lowlat.manager")
     logger.addHandler(keep)
     level, logger.level = logger.level, logging.INFO
+    disabled, logger.disabled = logger.disabled, False
+    logging.disable(logging.NOTSET)
     try:
         with installed("deep_ep", deep_ep_build=build, platform=platform):
             ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=60.0,
@@ -150,7 +154,7 @@ def layer_calls(rank: int, world: int, build: dict, platform: Platform) -> dict:
             return {"lines": lines, "outs": outs}
     finally:
         logger.removeHandler(keep)
-        logger.level = level
+        logger.level, logger.disabled = level, disabled
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["567632d+pr642", "+pr695"])

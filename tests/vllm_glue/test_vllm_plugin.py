@@ -171,7 +171,7 @@ def test_settings_name_a_link():
 
 @pytest.mark.parametrize("section,error,match", [
     ({"link": "h9"}, ValueError, r"moe_plugins.link: unknown link preset 'h9'; expected one of "
-                                 "h100-cx7, h200-cx7, h200-nvlink, h800-cx7"),
+                                 "gb200-nvl72, h100-cx7, h200-cx7, h200-nvlink, h800-cx7"),
     ({"link": {"rdma": 1}}, ValueError, r"unknown link field\(s\) \['rdma'\]; expected 'preset'"),
     ({"link": {"nvlink_gbps": -1}}, ValueError,
      "moe_plugins.link: LinkModel.nvlink_gbps must be > 0 GB/s"),

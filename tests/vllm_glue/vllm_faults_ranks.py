@@ -86,7 +86,7 @@ def refused_kernel_call(rank: int, world: int, backend_name: str, layout: Parall
             if destroy is not None:
                 destroy()
         return dict(first=first, second=second, outs=outs, broken=pf.faults.broken,
-                    out=outs[-1] if second[0] is None else None, bound=pf._bound.describe())
+                    out=outs[-1] if second[0] is None else None, bound=pf._guard.describe())
 
 
 def hung_peer_kernel_call(rank: int, world: int, call_timeout_s: float, hang_s: float) -> dict:

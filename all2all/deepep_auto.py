@@ -24,7 +24,7 @@ from moe_plugins.all2all.deepep_ht import DeepEPHTManager, DeepEPHTOptions, norm
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.planner.link_model import LinkModel
-from moe_plugins.interface import BackendManager
+from moe_plugins.backend_manager import BackendManager
 
 __all__ = ["DeepEPAutoOptions", "DeepEPAutoLLManager", "DeepEPAutoManager"]
 # Buffers that ran normal mode since their last low-latency call. Per buffer, not per manager:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from moe_plugins.all2all.deepep_ll import DEEPEP_PACKAGE
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import BackendManager
+from moe_plugins.backend_manager import BackendManager
 from moe_plugins.lowlat.limits import check_kernel_layer
 from moe_plugins.lowlat.vendor import buffer_cache, import_vendor
 from moe_plugins.quant import QuantScheme

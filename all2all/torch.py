@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import BackendManager
+from moe_plugins.backend_manager import BackendManager
 
 __all__ = ["TorchAll2AllManager"]
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from moe_plugins.interface import ActivationFormat, BackendManager, manager_gaps
+from moe_plugins.interface import ActivationFormat
+from moe_plugins.backend_manager import BackendManager, manager_gaps
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.quant import QuantScheme
 
@@ -159,7 +160,7 @@ class BackendSpec:
             ``cfg`` as its ``cfg``; :meth:`prepare_finalize_on` checks it).
         manager: the class called ``manager(ctx, cfg)`` (:class:`moe_plugins.groups.DistContext`,
             :class:`moe_plugins.config.DispatchConfig`) that owns the library's buffers; it keeps
-            :class:`moe_plugins.interface.BackendManager` (a spec whose manager does not is
+            :class:`moe_plugins.backend_manager.BackendManager` (a spec whose manager does not is
             skipped at loading, with a WARNING). Its constructor raises ImportError naming the
             extra when a required package is missing.
         capabilities: what the backend serves (:class:`Capabilities`: EP over DP, TP, SP,
@@ -278,7 +279,7 @@ def _load_entry_points() -> dict[str, BackendSpec]:
         gaps = manager_gaps(spec.manager)
         if gaps:
             logger.warning("backend %r from %s: its manager %r lacks %s of "
-                           "moe_plugins.interface.BackendManager; subclass BackendManager to take "
+                           "moe_plugins.backend_manager.BackendManager; subclass BackendManager to take "
                            "its defaults, or define them; skipped", spec.name, dist_name,
                            spec.manager, ", ".join(gaps))
             continue

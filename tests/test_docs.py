@@ -124,8 +124,8 @@ def test_adding_a_backend_names_every_member_a_backend_gives():
     keeps, so a member added to the code is added to the checklist."""
     import dataclasses
 
-    from moe_plugins.interface import (_MANAGER_MEMBERS, PrepareFinalize, RankMasking,
-                                       SplitPhases)
+    from moe_plugins.interface import PrepareFinalize, SplitPhases
+    from moe_plugins.backend_manager import _MANAGER_MEMBERS, RankMasking
     from moe_plugins.registry import BackendSpec, Capabilities
 
     text = (ROOT / "docs" / "adding_a_backend.md").read_text()

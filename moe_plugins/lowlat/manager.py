@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import BackendManager
+from moe_plugins.backend_manager import BackendManager
 from moe_plugins.lowlat.limits import (LL_QUANTS, MAX_TOPK, MSG_HEADER_BYTES, check_kernel_layer,
                                        kernel_hidden_size, token_capacity)
 from moe_plugins.lowlat.vendor import RuntimeCalls, buffer_cache, import_vendor

@@ -14,8 +14,8 @@ from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import (PeerMaskedError, group_faults, in_step, is_in_step,
                                 is_owed_call, library_timeout_error)
 from moe_plugins.groups import DistContext, all_gather_rows
-from moe_plugins.interface import (BackendManager, PrepareFinalize, PrepareResult, RankMasking,
-                                   RowScatterTarget, capturing)
+from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget, capturing
+from moe_plugins.backend_manager import BackendManager, RankMasking
 from moe_plugins.layout import local_expert_ids, owned_rows, slice_owned
 from moe_plugins.runner.model import MoEWeights, route
 from moe_plugins.placement import ExpertPlacement

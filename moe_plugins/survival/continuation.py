@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 from moe_plugins.faults import LayerBrokenError, group_faults, in_step
-from moe_plugins.interface import RankMasking
+from moe_plugins.backend_manager import RankMasking
 from moe_plugins.survival.errors import ExpertsLostError, PeerLostError
 from moe_plugins.survival.peer_watch import PeerWatch, peer_watch_for
 from moe_plugins.survival.rehoming import rehome

@@ -20,7 +20,8 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import BackendManager, PrepareFinalize, RankMasking
+from moe_plugins.interface import PrepareFinalize
+from moe_plugins.backend_manager import BackendManager, RankMasking
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.masking import checked_mask_request
 from moe_plugins.planner.link_model import LinkModel

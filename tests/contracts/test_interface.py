@@ -240,7 +240,8 @@ def test_lazy_expert_tokens_meta_makes_the_counts_once_on_first_read():
 def test_optional_protocols_are_met_by_their_methods_not_a_base_class():
     """A third-party class with the methods takes the same paths as ours: the vLLM adapter's
     split send/receive halves (SplitPhases) and vLLM's fault tolerance (RankMasking)."""
-    from moe_plugins.interface import RankMasking, SplitPhases
+    from moe_plugins.interface import SplitPhases
+    from moe_plugins.backend_manager import RankMasking
     from moe_plugins.lowlat.manager import LowLatencyManager
     from moe_plugins.lowlat.prepare_finalize import LowLatencyPrepareFinalize
     from moe_plugins.prepare_finalize.torch import TorchPrepareFinalize

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_plugins import registry
-from moe_plugins.interface import BackendManager, RankMasking
+from moe_plugins.backend_manager import BackendManager, RankMasking
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.quant import QuantScheme
 from moe_plugins.registry import (BackendSelectionError, BackendSpec, Capabilities, RequiredPackage,
@@ -86,7 +86,7 @@ def third_party_backend() -> Iterator[None]:
 
 
 def _check_manager(spec: BackendSpec) -> None:
-    """The manager class of ``spec`` against moe_plugins.interface.BackendManager, by its
+    """The manager class of ``spec`` against moe_plugins.backend_manager.BackendManager, by its
     signatures: what the engines call on it must bind as they call it."""
     m = spec.manager
     assert isinstance(m, type), f"{spec.name}: manager {m!r} is not a class"
@@ -140,7 +140,7 @@ def test_a_backend_whose_manager_lacks_a_member_is_skipped_with_a_warning(monkey
         specs = registry._load_entry_points()
     assert "bare_manager" not in specs and {"torch", "defaults_manager"} <= set(specs)
     assert "masks_by_itself (a bool class attribute), engine_options (a method), destroy (a " \
-        "method) of moe_plugins.interface.BackendManager" in caplog.text
+        "method) of moe_plugins.backend_manager.BackendManager" in caplog.text
     _check_manager(specs["defaults_manager"])
 
 

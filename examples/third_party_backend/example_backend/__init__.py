@@ -14,8 +14,8 @@ import torch.distributed as dist
 from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import DispatchStats, tensor_bytes
 from moe_plugins.groups import DistContext, all_gather_tensor, reduce_scatter_tensor
-from moe_plugins.interface import (AsyncResult, BackendManager, PrepareFinalize, PrepareResult,
-                                   RowScatterTarget, check_prepare_inputs, write_output)
+from moe_plugins.interface import AsyncResult, PrepareFinalize, PrepareResult, RowScatterTarget, check_prepare_inputs, write_output
+from moe_plugins.backend_manager import BackendManager
 from moe_plugins.layout import local_expert_ids
 from moe_plugins.quant import QuantScheme, QuantSpec
 from moe_plugins.registry import BackendSpec, Capabilities

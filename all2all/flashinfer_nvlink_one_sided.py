@@ -29,7 +29,7 @@ import torch
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.mnnvl.manager import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
-                                          TorchGroupComm)
+                                      TorchGroupComm, moe_ep_dispatch)
 from moe_plugins.groups import DistContext
 from moe_plugins.masking import checked_mask_request
 from moe_plugins.quant import QuantScheme
@@ -180,11 +180,10 @@ class _OneSidedTransport(MnnvlTransport):
         comm = self._communication()
         mask = self._rank_mask(comm)
         extra = {} if mask is None else {"active_rank_mask": mask}
-        res = comm.dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf,
-                            **{self.m.api.bound_keyword: tokens_per_rank}, **extra)
+        out = moe_ep_dispatch(comm, self.m.api.bound_keyword, x, x_sf, topk_ids, topk_weights,
+                              tokens_per_rank, **extra)
         self._mask = mask
-        return Dispatched(res.hidden_states, res.hidden_states_scale, res.topk_ids,
-                          res.topk_weights)
+        return out
 
     def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         if self.comm is None:

@@ -34,7 +34,7 @@ import torch
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.mnnvl.manager import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
-                                          TorchGroupComm)
+                                      TorchGroupComm, moe_ep_dispatch)
 from moe_plugins.groups import DistContext
 
 logger = logging.getLogger(__name__)
@@ -313,11 +313,10 @@ class _MoeEpTransport(MnnvlTransport):
                  topk_weights: torch.Tensor, tokens_per_rank: int) -> Dispatched:
         # params.max_tokens_per_rank sized the object; the call's bound sizes its receive rows.
         comm = self._communication()
-        res = comm.dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf,
-                            **{self._bound_keyword: tokens_per_rank})
+        out = moe_ep_dispatch(comm, self._bound_keyword, x, x_sf, topk_ids, topk_weights,
+                              tokens_per_rank)
         self._pending = True
-        return Dispatched(res.hidden_states, res.hidden_states_scale, res.topk_ids,
-                          res.topk_weights)
+        return out
 
     def combine(self, expert_output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         if self._comm is None:

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from moe_plugins.config import DispatchConfig
 from moe_plugins.groups import DistContext
-from moe_plugins.interface import BackendManager
+from moe_plugins.backend_manager import BackendManager
 
 __all__ = ["FLASHINFER_EXTRA", "INSTALL_HINT", "ROW_ALIGN_BYTES", "TorchGroupComm",
-           "pad_row_bytes", "Dispatched", "MnnvlTransport", "MnnvlManager"]
+           "pad_row_bytes", "Dispatched", "moe_ep_dispatch", "MnnvlTransport", "MnnvlManager"]
 
 FLASHINFER_EXTRA = "flashinfer"  # moe-plugins' optional dependency (pyproject.toml)
 INSTALL_HINT = "pip install 'flashinfer-python>=0.7.2' (moe-plugins' [flashinfer] extra)"
@@ -120,6 +120,17 @@ class Dispatched:
     x_sf: Optional[torch.Tensor]
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
+
+
+def moe_ep_dispatch(comm: Any, bound_keyword: str, x: torch.Tensor, x_sf: Optional[torch.Tensor],
+                    topk_ids: torch.Tensor, topk_weights: torch.Tensor, tokens_per_rank: int,
+                    **extra: Any) -> Dispatched:
+    """One dispatch on a ``flashinfer.moe_ep`` communication object (two- or one-sided), whose
+    call bound keyword (``bound_keyword``) differs between releases; ``extra``: further keywords
+    of the call (one-sided: ``active_rank_mask``). Shapes as :class:`Dispatched` says."""
+    res = comm.dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf,
+                        **{bound_keyword: tokens_per_rank}, **extra)
+    return Dispatched(res.hidden_states, res.hidden_states_scale, res.topk_ids, res.topk_weights)
 
 
 class MnnvlTransport(ABC):

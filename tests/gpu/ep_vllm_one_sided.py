@@ -38,8 +38,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["NAME", "OURS_NAME", "IN_TREE_NAME", "flashinfer_for_vllm", "in_tree_one_sided",
-           "dp_forward_context", "destroy_in_tree"]
+__all__ = ["NAME", "OURS_NAME", "IN_TREE_NAME", "in_tree_runs_here", "emulated_flavor",
+           "flashinfer_for_vllm", "in_tree_one_sided", "dp_forward_context", "call_context",
+           "destroy_in_tree"]
 
 NAME = "flashinfer_nvlink_one_sided"
 OURS_NAME = "moe_plugins_flashinfer_nvlink_one_sided"
@@ -92,10 +93,12 @@ def flashinfer_for_vllm(device: str) -> Iterator[None]:
     with emu.installed(emulated_flavor()):
         # vLLM's probes ask importlib.util.find_spec, which answers from sys.modules only for a
         # module with a spec (the emulation has none: our registry never takes it for the
-        # package); here each emulated module gets one, as a package
+        # package) and looks for a submodule not there on its parent's __path__; here each
+        # emulated module gets both, as a package (a submodule not emulated is then not found)
         for name, mod in list(sys.modules.items()):
             if name.split(".")[0] == "flashinfer" and mod is not None and mod.__spec__ is None:
                 mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+                mod.__path__ = []
         _clear_vllm_flashinfer_probes()
         try:
             yield
@@ -179,6 +182,14 @@ def dp_forward_context(tokens_per_dp_rank: Sequence[int]) -> Iterator[None]:
     context = create_forward_context(None, config, dp_metadata=dp)
     with override_forward_context(context), dp.sp_local_sizes(1):
         yield
+
+
+def call_context(backend: str, tokens_per_dp_rank: Sequence[int]) -> Any:
+    """Where a call of ``backend``'s classes runs: the one-sided ones read their per-call bound
+    from vLLM's forward context (the in-tree class has no other); the others need none."""
+    if backend != NAME:
+        return contextlib.nullcontext()
+    return dp_forward_context(tokens_per_dp_rank)
 
 
 def destroy_in_tree() -> None:

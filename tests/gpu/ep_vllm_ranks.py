@@ -4,7 +4,8 @@ for N ranks on one device, our prepare/finalize (``moe_plugins_deepep_ll``,
 ``moe_plugins_deepep_ht``, ``moe_plugins_nixl_ep``, built by vLLM's
 ``maybe_make_prepare_finalize``, i.e. our plugin's hook) beside vLLM's in-tree class
 (``DeepEPLLPrepareAndFinalize``, ``DeepEPHTPrepareAndFinalize``, ``NixlEPPrepareAndFinalize``) on
-the same library buffer, the same inputs and the same experts.
+the same library buffer, the same inputs and the same experts; ``moe_plugins_flashinfer_nvlink_
+one_sided`` beside vLLM's own one-sided manager and class (each its workspace: ep_vllm_one_sided).
 
 vLLM's state (``tests/vllm_glue/vllm_dist.vllm_parallel_state``: ``init_distributed_environment``
 reusing the harness's gloo world, ``initialize_model_parallel``, our plugin loaded as vLLM loads
@@ -355,13 +356,6 @@ class Sides:
         side.shared(x, SharedExpertsOrder.NO_OVERLAP)
         return routed + side.shared.output
 
-    def context(self, tokens_per_dp_rank: list[int]) -> Any:
-        """Where a call runs: the one-sided classes read their per-call bound from vLLM's
-        forward context (the in-tree class has no other), the others need none."""
-        if self.backend != one_sided.NAME:
-            return contextlib.nullcontext()
-        return one_sided.dp_forward_context(tokens_per_dp_rank)
-
     def to_dev(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t.to(self.dev) for t in ts)
 
@@ -397,7 +391,7 @@ def _case_equal(s: Sides, quant: str) -> dict:
     n = counts[s.rank]  # tp 1: one DP rank per EP rank
     x, w, ids = s.inputs(n, seed=11)
     xd, wd, idd = s.to_dev(x, w, ids)
-    with s.context(counts):
+    with one_sided.call_context(s.backend, counts):
         ours = s.forward(s.ours, xd, wd, idd)
         theirs = s.forward(s.in_tree, xd, wd, idd)
     s.sync()

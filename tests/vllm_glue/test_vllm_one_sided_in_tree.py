@@ -27,9 +27,9 @@ def in_tree_here() -> None:
     if not one_sided.in_tree_runs_here():
         from moe_plugins.vllm.version import installed_vllm
 
-        pytest.skip(f"vLLM {installed_vllm()[1]}'s in-tree one-sided class drives flashinfer.comm's "
-                    "MoeAlltoAll; the class compared here (over flashinfer.moe_ep, vLLM 0.33 and "
-                    "later) is not in this vLLM release")
+        pytest.skip(f"vLLM {installed_vllm()[1]}'s in-tree one-sided class drives "
+                    "flashinfer.comm's MoeAlltoAll; the class compared here (over "
+                    "flashinfer.moe_ep, vLLM 0.33 and later) is not in this vLLM release")
 
 
 @pytest.mark.timeout(900)

@@ -6,6 +6,15 @@ and what stands in for what on CPU). Each rank routes its own tokens (rank 0 non
 get the same inputs, experts and vLLM forward context; their outputs must be equal bit for bit
 and within tolerance of the single-process reference.
 
+What stands in on these CPU ranks, none of it on a MoE layer's call path: ``torch.accelerator``'s
+``current_device_index`` / ``empty_cache`` / ``synchronize`` while vLLM's in-tree manager sets
+up (they raise without an accelerator; vLLM names the device for flashinfer's bootstrap and
+frees cached memory with them), and a module spec on each emulated flashinfer module so that
+vLLM's ``has_flashinfer*`` probes (``importlib.util.find_spec``) see them. Nothing of the
+calls is stubbed: vLLM's manager, factory, prepare/finalize and modular kernel run as they are.
+FP8 block-128 and NVFP4 cannot run in-tree here: its prepare quantizes with vLLM's Triton kernel
+or compiled ops (no Triton driver on a CPU, no compiled extension in a release's Python).
+
 vLLM 0.33 and 0.34 have the class over flashinfer.moe_ep (run under 0.34 by
 tests/vllm_glue/test_vllm_releases.py's run of these tests under that release's Python, under
 0.33 by its test of this module there); vLLM 0.32's class drives flashinfer.comm's MoeAlltoAll

@@ -20,7 +20,9 @@ the in-tree manager's set-up alone ``torch.accelerator``'s ``current_device_inde
 ``empty_cache`` and ``synchronize`` (nothing to do), which raise on a machine without an
 accelerator. vLLM uses them to name the device in flashinfer's ``BootstrapConfig`` (the
 emulation's memory is host memory) and to free cached memory before the workspace is mapped;
-a MoE layer's call uses none of them.
+a MoE layer's call uses none of them. vLLM's flashinfer probes see the emulated modules
+(module specs) and its kernels (``VLLM_HAS_FLASHINFER_CUBIN=1``, vLLM's switch for flashinfer's
+prebuilt kernels: the emulated ones are there).
 
 Which in-tree rows cannot run here, and why: FP8 block-128 and NVFP4. The in-tree prepare
 quantizes with vLLM's ``moe_kernel_quantize_input``: FP8 block-128 through
@@ -50,28 +52,31 @@ IN_TREE_NAME = "FlashInferNVLinkOneSidedPrepareAndFinalize"
 _MANAGERS: list[Any] = []
 
 
-def in_tree_runs_here() -> bool:
-    """Whether the installed vLLM's in-tree class is the one compared here (vLLM 0.33 and
-    later: over ``flashinfer.moe_ep``'s class; vLLM 0.32's drives flashinfer.comm's
-    ``MoeAlltoAll`` itself, which the emulation does not present). Read from the distribution's
-    metadata: vLLM is not imported."""
+def _vllm_release() -> tuple[int, int]:
+    """(major, minor) of the installed vLLM, from its distribution's metadata (vLLM is not
+    imported); (0, 0) where none is installed."""
     from moe_plugins.vllm.version import installed_vllm
 
     try:
         version = installed_vllm()[1]
     except ImportError:
-        return False
-    return tuple(int(p) for p in version.split(".")[:2]) >= (0, 33)
+        return (0, 0)
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def in_tree_runs_here() -> bool:
+    """Whether the installed vLLM's in-tree class is the one compared here (vLLM 0.33 and
+    later: over ``flashinfer.moe_ep``'s class; vLLM 0.32's drives flashinfer.comm's
+    ``MoeAlltoAll`` itself, which the emulation does not present)."""
+    return _vllm_release() >= (0, 33)
 
 
 def emulated_flavor() -> str:
     """The emulated flashinfer release whose API the installed vLLM's in-tree class calls: vLLM
     0.33's pin (0.7.2.post1: ``dispatch(max_tokens_per_rank=)``), else 0.7.4 (vLLM 0.34 pins
     0.7.3; both take ``dispatch(runtime_max_tokens_per_rank=)``)."""
-    from moe_plugins.vllm.version import installed_vllm
-
-    version = tuple(int(p) for p in installed_vllm()[1].split(".")[:2])
-    return "0.7.2.post1" if version < (0, 34) else "0.7.4"
+    return "0.7.2.post1" if _vllm_release() < (0, 34) else "0.7.4"
 
 
 @contextlib.contextmanager
@@ -86,6 +91,7 @@ def flashinfer_for_vllm(device: str) -> Iterator[None]:
             yield
         return
     import importlib.machinery
+    import os
     import sys
 
     from tests.emulation import flashinfer_two_sided as emu
@@ -99,10 +105,19 @@ def flashinfer_for_vllm(device: str) -> Iterator[None]:
             if name.split(".")[0] == "flashinfer" and mod is not None and mod.__spec__ is None:
                 mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
                 mod.__path__ = []
+        # vLLM's has_flashinfer() also wants flashinfer's kernels: its JIT's nvcc and ninja, or
+        # the cubin package (VLLM_HAS_FLASHINFER_CUBIN, vLLM's switch); the emulated kernels are
+        # there, so it says so
+        saved = os.environ.get("VLLM_HAS_FLASHINFER_CUBIN")
+        os.environ["VLLM_HAS_FLASHINFER_CUBIN"] = "1"
         _clear_vllm_flashinfer_probes()
         try:
             yield
         finally:
+            if saved is None:
+                os.environ.pop("VLLM_HAS_FLASHINFER_CUBIN", None)
+            else:
+                os.environ["VLLM_HAS_FLASHINFER_CUBIN"] = saved
             _clear_vllm_flashinfer_probes()
 
 
@@ -111,8 +126,8 @@ def _clear_vllm_flashinfer_probes() -> None:
     test process installs the emulation after that."""
     from vllm.utils import flashinfer as fi
 
-    for name in ("has_flashinfer", "has_flashinfer_comm", "has_flashinfer_nvlink_one_sided",
-                 "has_flashinfer_nvlink_two_sided"):
+    for name in ("has_flashinfer_cubin", "has_flashinfer", "has_flashinfer_comm",
+                 "has_flashinfer_nvlink_one_sided", "has_flashinfer_nvlink_two_sided"):
         probe = getattr(fi, name, None)
         if probe is not None and hasattr(probe, "cache_clear"):
             probe.cache_clear()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.mnnvl.manager import (INSTALL_HINT, Dispatched, MnnvlManager, MnnvlTransport,
                                       TorchGroupComm, moe_ep_dispatch)
 from moe_plugins.groups import DistContext
-from moe_plugins.masking import checked_mask_request
+from moe_plugins.masking import MaskWord, checked_mask_request, library_word
 from moe_plugins.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -164,11 +164,13 @@ class _OneSidedTransport(MnnvlTransport):
         return self.comm
 
     def _rank_mask(self, comm: Any) -> Optional[torch.Tensor]:
-        """The active-rank mask of this call (1 = active), or None without rank masking."""
+        """The active-rank mask of this call (flashinfer's word: 1 = active), or None without
+        rank masking; our flags translated through the one contract (moe_plugins.masking)."""
         m = self.m
         if not m.options.enable_rank_mask:
             return None
-        active = [r for r in range(m.num_ranks) if r not in m.masked]
+        active = [r for r in range(m.num_ranks)
+                  if library_word(r in m.masked, m.mask_word) == 1]
         if hasattr(comm, "active_rank_mask"):  # 0.7.4
             return comm.active_rank_mask(active)
         from flashinfer.comm import moe_a2a_active_rank_mask  # 0.7.2.post1
@@ -226,6 +228,8 @@ class FlashInferOneSidedManager(MnnvlManager):
 
     backend_name = "flashinfer_nvlink_one_sided"
     row_align_bytes = 1  # the one-sided kernels take rows of any width
+    #: flashinfer's active_rank_mask: one bit per EP rank, 1 = active
+    mask_word: ClassVar[MaskWord] = MaskWord.ONE_ACTIVE
 
     def __init__(self, ctx: DistContext, cfg: DispatchConfig):
         options = cfg.backend_options if cfg.backend_options is not None \

@@ -48,8 +48,9 @@ SPEC = BackendSpec(
     # EP/DP, TP (each TP rank dispatches the rows it owns), row-scatter and SP (vLLM's
     # use_sequence_parallel_moe lists this backend). No dual-batch overlap: objects of one layout
     # share flashinfer's workspace, which refuses a second round before the first's combine.
-    # Rank masking is the manager's (set_rank_masked, enable_rank_mask); the library does not
-    # mask a failed peer by itself, and an engine's fault tolerance is not wired to it.
+    # Rank masking is the manager's (set_rank_masked, enable_rank_mask), not an engine's fault
+    # tolerance (rank_masking): the library never masks a silent peer by itself, its wait
+    # traps the kernel (docs/backends.md says why vLLM's polls cannot be served).
     capabilities=Capabilities(ep_dp=True, dp=True, tp=True, sp=True, row_scatter=True,
                               recv_hook=False, placements=True, micro_batch=False,
                               rank_masking=False),

@@ -6,9 +6,13 @@
 # prepare.sh and prepare17.sh, tests/gpu/README.md) and run on its own:
 #
 #   HALF=A bash scripts/gpu/ep_matrix.sh   kit: .gpu/whl .gpu/vllm_py-<version>.tgz .gpu/deepep-567632d.tgz
-#                                                .gpu17/nixl
-#          vLLM's path (deepep_ll, nixl_ep, deepep_ht at EP 2/4, SP at dp2 x tp2, DBO, CUDA graph),
-#          nixl_ep through our layer (EP 2/4, masking), nixl_ep faults
+#                                                .gpu17/nixl .gpu17/flashinfer (0.7.4)
+#          vLLM's path (deepep_ll, nixl_ep, deepep_ht at EP 2/4, SP at dp2 x tp2, DBO, CUDA graph;
+#          flashinfer_nvlink_one_sided at EP 2/4 beside vLLM's in-tree one-sided class, on
+#          flashinfer FI_VERSION, default 0.7.4 here: vLLM 0.34 calls its dispatch keyword
+#          runtime_max_tokens_per_rank, as its pin 0.7.3 does; FLASHINFER=0 leaves flashinfer
+#          out and those two jobs fail to import it), nixl_ep through our layer (EP 2/4,
+#          masking), nixl_ep faults
 #   HALF=B bash scripts/gpu/ep_matrix.sh   kit: .gpu/deepep-567632d.tgz .gpu17/flashinfer
 #          deepep_ll / deepep_ht / deepep_auto through our layer at EP 2/4/8 (+ deepep_ll masking),
 #          torch over gloo at EP 4, flashinfer two-sided at EP 2/4 (FI_VERSION: 0.7.2.post1, the
@@ -29,8 +33,9 @@
 #
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
 # ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), EP_MATRIX_FAULT_MARGIN_S
-# (a fault job's bound beyond the library's own timeout, default 60), FLASHINFER=0 (half B
-# without flashinfer's set-up, for ONLY= runs of DeepEP jobs), GPU_TESTS_S (> 0: the
+# (a fault job's bound beyond the library's own timeout, default 60), FLASHINFER=0 (either half
+# without flashinfer's set-up, for ONLY= runs of other jobs), FI_VERSION (flashinfer's release:
+# default 0.7.2.post1 in half B, 0.7.4 in half A), GPU_TESTS_S (> 0: the
 # one-rank GPU tests of the half's libraries first, bounded to that many seconds; MATRIX=0:
 # only those),
 # DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script),
@@ -63,6 +68,16 @@ if [ "$DEVICE" = cuda ]; then
       && OUT=$LOGS setup_nixl
     ok=$?
     PP=$(gpu_pythonpath deepep vllm nixl)
+    # flashinfer last, after moe-plugins (pip must not see its wheels), behind vLLM's kit on
+    # the path; its ninja on PATH too (vLLM's has_flashinfer() asks for nvcc and ninja)
+    if [ $ok -eq 0 ] && [ "${FLASHINFER:-1}" = 1 ]; then
+      if FI_VERSION=${FI_VERSION:-0.7.4} OUT=$LOGS setup_flashinfer; then
+        PP=$PP:$(gpu_pythonpath flashinfer)
+        export PATH=/tmp/fisite/bin:$PATH
+      else
+        echo "!! flashinfer set-up failed: the vllm/flashinfer_one_sided jobs will fail"
+      fi
+    fi
   else
     # moe-plugins first: pip must not see the kit's flashinfer wheels (flashinfer.sh)
     if [ "${FLASHINFER:-1}" = 1 ]; then

@@ -17,7 +17,7 @@
 #   setup_moe_plugins    pip install -e . (the entry points the registry reads)
 #   setup_nixl           .gpu17/nixl: NIXL EP's extension built against this torch into
 #                        /tmp/nixl_site/nixl_ep (nixl_ep.sh's stages 1-4; log nixl_build.log)
-#   setup_flashinfer     .gpu17/flashinfer -> /tmp/fisite (FI_VERSION), its all-to-all JIT-built
+#   setup_flashinfer     .gpu17/flashinfer -> /tmp/fisite (FI_VERSION), its all-to-alls JIT-built
 #                        (flashinfer.sh's stages 2-3; log fi_jit.log)
 #   gpu_pythonpath PARTS...   the PYTHONPATH for the parts set up (deepep vllm nixl flashinfer)
 #
@@ -134,7 +134,9 @@ PY
 
 # flashinfer FI_VERSION (default 0.7.2.post1; or 0.7.4): the stripped wheel of that version and
 # the wheels it imports, then its two-sided all-to-all module JIT-built with the host's nvcc
-# (0.7.2.post1: MnnvlMoe's "comm"; 0.7.4: moe_ep's "nvlink_two_sided_alltoall"). Install
+# (0.7.2.post1: MnnvlMoe's "comm"; 0.7.4: moe_ep's "nvlink_two_sided_alltoall"), and its
+# one-sided module (0.7.2.post1: comm's MoeAlltoAll; 0.7.4: "nvlink_one_sided_alltoall"; a
+# failure there is logged, not fatal). Install
 # moe-plugins before PYTHONPATH holds these wheels (flashinfer.sh: pip itself must not see them).
 setup_flashinfer() {
   local v=${FI_VERSION:-0.7.2.post1} kit=.gpu17/flashinfer
@@ -165,6 +167,18 @@ except ImportError:  # 0.7.4: moe_ep's NVLinkTwoSidedAlltoAll only
     name = "nvlink_two_sided_alltoall"
 build()
 print(f"{name} module built and loaded in {time.time() - t:.1f} s")
+t = time.time()
+try:  # the one-sided module too (its ranks would each wait on one JIT build otherwise)
+    try:  # 0.7.4: moe_ep's own module
+        from flashinfer.moe_ep.backends.split.comm.nvlink_one_sided.kernels import (
+            get_nvlink_one_sided_alltoall_module as build_one_sided)
+    except ImportError:  # 0.7.2.post1: the class wraps flashinfer.comm's MoeAlltoAll
+        from flashinfer.comm.trtllm_moe_alltoall import (
+            get_moe_alltoall_module as build_one_sided)
+    build_one_sided()
+    print(f"one-sided module built and loaded in {time.time() - t:.1f} s")
+except Exception as e:  # the one-sided jobs then fail with the same error; the others run
+    print(f"!! one-sided module not built: {type(e).__name__}: {e}")
 PY
   rc=$?; tail -25 "$OUT/fi_jit.log"
   if [ $rc -ne 0 ]; then

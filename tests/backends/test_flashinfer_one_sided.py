@@ -12,6 +12,7 @@ from moe_plugins.all2all.flashinfer_nvlink_one_sided import FlashInferOneSidedOp
 from moe_plugins.config import DispatchConfig, MoEConfig
 from moe_plugins.groups import DistContext
 from moe_plugins.layout import ParallelLayout
+from moe_plugins.masking import MaskWord, masked_from_library
 from moe_plugins.quant import NVFP4_BLOCK, QuantScheme, QuantSpec
 from moe_plugins.registry import BACKEND_EP_DP_TP_SUPPORT, BACKEND_SUPPORTED_QUANTS, get_backend
 from moe_plugins.runner.model import MoEWeights
@@ -128,7 +129,9 @@ def test_eplb_redundant_experts_and_rebalance(rank_pool, flavor):
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_a_masked_rank_is_left_out(rank_pool, flavor):
     """Ranks 0-2 mask rank 3 (masked=True, our contract; flashinfer's mask then has rank 3's
-    bit clear): nothing goes to it and their outputs are the reference without its experts."""
+    bit clear): nothing goes to it and their outputs are the reference without its experts.
+    The mask the library's kernels read (its word, 1 = active) gives back our flags on every
+    rank (moe_plugins.masking: one contract)."""
     world, dead = 4, 3
     layout, cfg = ParallelLayout(world, 1, True), _cfg(shared_intermediate=0)
     options = FlashInferOneSidedOptions(enable_rank_mask=True)
@@ -142,6 +145,8 @@ def test_a_masked_rank_is_left_out(rank_pool, flavor):
     for rank, r in enumerate(results):
         assert r["masked"] == ([dead] if rank != dead else [])
         assert r["dispatch"][0]["masked"]
+        words = [int(p in r["dispatch"][0]["active"]) for p in range(world)]  # as read
+        assert masked_from_library(words, MaskWord.ONE_ACTIVE) == r["masked"], words
 
 
 BAD_MASKS = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -148,6 +148,31 @@ class Mapping:
 
 
 # --- flashinfer.comm.mnnvl --------------------------------------------------------------------
+@runtime_checkable
+class CommBackend(Protocol):
+    """flashinfer.comm.abstractions.CommBackend (imported into flashinfer.comm.mnnvl): the
+    collective interface the MNNVL memory exchanges its handles through; vLLM's
+    ``mnnvl_compat.CustomCommunicator`` subclasses it."""
+
+    def Get_rank(self) -> int:  # noqa: N802 (flashinfer's MPI-style names)
+        ...
+
+    def Get_size(self) -> int:  # noqa: N802
+        ...
+
+    def allgather(self, data: Any) -> tuple[Any, ...]:
+        ...
+
+    def bcast(self, data: Any, root: int) -> Any:
+        ...
+
+    def barrier(self) -> None:
+        ...
+
+    def Split(self, color: int, key: int) -> "CommBackend":  # noqa: N802
+        ...
+
+
 @dataclass
 class MnnvlConfig:
     comm_backend: Any = None

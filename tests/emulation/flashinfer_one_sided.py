@@ -38,7 +38,8 @@ masked-off source's rows are dropped by the receiver (upstream it does not wait 
 workspace is a small placeholder allocation, the Lamport limit defaults to
 ``min(256, max_tokens_per_rank)`` (upstream derives it from the SM count), and the 0.7.2.post1
 ``MoeAlltoAll`` underneath is presented only through ``NVLinkOneSidedAlltoAll.alltoall``. Every
-dispatch and combine is logged in :data:`TRAFFIC` (shared with the two-sided emulation).
+dispatch and combine is logged in :data:`TRAFFIC` (shared with the two-sided emulation), a
+dispatch with the ranks its rank mask marks active as the kernels read it (``active``).
 """
 from __future__ import annotations
 
@@ -535,7 +536,8 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
         TRAFFIC.append(dict(op="moe_a2a_dispatch", transport="lamport" if lamport else
                             "cft" if cft else "fence", tokens_per_rank=tpr,
                             payloads=[(p.dtype, p.shape[1]) for p in payloads],
-                            masked=active is not None))
+                            masked=active is not None,
+                            active=None if active is None else sorted(active)))
         state.owner = self
         return _result(recv, hidden_states_scale is not None, topk_weights is not None, idx, tpr,
                        _gather_stats(eplb_local_stats, self.ep_size))
@@ -658,7 +660,8 @@ class _MoeAlltoAll:
         self.eplb_gathered_stats = _gather_stats(eplb_local_stats, self.ep_size)
         TRAFFIC.append(dict(op="moe_a2a_dispatch", transport="fence", tokens_per_rank=tpr,
                             payloads=[(p.dtype, p.shape[1]) for p in payloads],
-                            masked=active is not None))
+                            masked=active is not None,
+                            active=None if active is None else sorted(active)))
         return recv
 
     def combine(self, payload: torch.Tensor, tpr: int, output: Optional[torch.Tensor],

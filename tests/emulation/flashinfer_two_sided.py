@@ -65,8 +65,8 @@ import torch.distributed as dist
 
 from tests.emulation import flashinfer_one_sided as one_sided
 from tests.emulation.flashinfer_mnnvl import (_COMMUNICATION_REGISTRY, TRAFFIC, BootstrapConfig,
-                                              Mapping, MnnvlConfig, MnnvlMemory, MoEEpCommParams,
-                                              MoEEpCommunication, MoEEpDispatchResult,
+                                              CommBackend, Mapping, MnnvlConfig, MnnvlMemory,
+                                              MoEEpCommParams, MoEEpCommunication, MoEEpDispatchResult,
                                               QuantFormat, _check, _mnnvl_mapping_and_config,
                                               _uninitialized, create_communication)
 
@@ -549,8 +549,8 @@ def _build(flavor: str) -> dict[str, types.ModuleType]:
         "flashinfer": _module("flashinfer", __version__=version),
         "flashinfer.comm": _module("flashinfer.comm", Mapping=Mapping),
         "flashinfer.comm.mapping": _module("flashinfer.comm.mapping", Mapping=Mapping),
-        "flashinfer.comm.mnnvl": _module("flashinfer.comm.mnnvl", MnnvlConfig=MnnvlConfig,
-                                         MnnvlMemory=MnnvlMemory),
+        "flashinfer.comm.mnnvl": _module("flashinfer.comm.mnnvl", CommBackend=CommBackend,
+                                         MnnvlConfig=MnnvlConfig, MnnvlMemory=MnnvlMemory),
     }
     if flavor == "0.7.2.post1":
         mods["flashinfer.comm.trtllm_alltoall"] = _module(

@@ -46,6 +46,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "flashinfer/comm/trtllm_moe_alltoall.py": ("moe_a2a_active_rank_mask",),
     "flashinfer/comm/mapping.py": ("Mapping",),
     "flashinfer/comm/mnnvl.py": ("MnnvlConfig", "MnnvlMemory"),
+    "flashinfer/comm/abstractions.py": ("CommBackend",),
     "flashinfer/comm/trtllm_alltoall.py": (
         "MoEAlltoallInfo", "MnnvlMoe", "moe_prepare", "moe_comm",
         "get_moe_commworkspace_size_per_rank", "get_moe_prepare_workspace_size_per_rank"),

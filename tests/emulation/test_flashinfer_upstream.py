@@ -36,6 +36,9 @@ CALLED = {
     "NVLinkOneSidedAlltoAll": {"__init__", "dispatch", "combine", "destroy",
                                "get_combine_input_buffer"},
     "QuantFormat": set(),
+    # vLLM's in-tree managers' communicator (vllm/distributed/device_communicators/mnnvl_compat.py)
+    # subclasses it; the vLLM tests run those managers on the emulation
+    "CommBackend": {"Get_rank", "Get_size", "allgather", "bcast", "barrier", "Split"},
 }
 #: What the one-sided backend uses of one release only: 0.7.2.post1's checkpoints and mask
 #: helper sit on the wrapped MoeAlltoAll (``alltoall``) and in flashinfer.comm; 0.7.4 has them
@@ -79,6 +82,8 @@ def _methods(cls: type) -> dict[str, tuple]:
         for name, attr in vars(klass).items():
             if (name.startswith("_") and name not in _DUNDERS) or name in generated:
                 continue
+            if getattr(attr, "__name__", "") == "_no_init_or_replace_init":
+                continue  # the __init__ typing.Protocol gives a protocol class (CommBackend)
             if isinstance(attr, staticmethod):
                 out[name] = ("static", _parameters(attr.__func__))
             elif isinstance(attr, classmethod):
@@ -90,9 +95,13 @@ def _methods(cls: type) -> dict[str, tuple]:
     return out
 
 
+#: what typing.Protocol and abc set on a protocol class (CommBackend), not in its source
+_PROTOCOL_ATTRS = {"_abc_impl", "_is_protocol", "_is_runtime_protocol"}
+
+
 def _class_attrs(cls: type) -> set[str]:
     return {name for klass in cls.__mro__[:-1] for name, attr in vars(klass).items()
-            if not name.startswith("__") and not callable(attr)
+            if not name.startswith("__") and not callable(attr) and name not in _PROTOCOL_ATTRS
             and not isinstance(attr, (staticmethod, classmethod, property))
             and name not in getattr(klass, "__dataclass_fields__", {})}
 

@@ -4,7 +4,8 @@ for N ranks on one device, our prepare/finalize (``moe_plugins_deepep_ll``,
 ``moe_plugins_deepep_ht``, ``moe_plugins_nixl_ep``, built by vLLM's
 ``maybe_make_prepare_finalize``, i.e. our plugin's hook) beside vLLM's in-tree class
 (``DeepEPLLPrepareAndFinalize``, ``DeepEPHTPrepareAndFinalize``, ``NixlEPPrepareAndFinalize``) on
-the same library buffer, the same inputs and the same experts.
+the same library buffer, the same inputs and the same experts; ``moe_plugins_flashinfer_nvlink_
+one_sided`` beside vLLM's own one-sided manager and class (each its workspace: ep_vllm_one_sided).
 
 vLLM's state (``tests/vllm_glue/vllm_dist.vllm_parallel_state``: ``init_distributed_environment``
 reusing the harness's gloo world, ``initialize_model_parallel``, our plugin loaded as vLLM loads
@@ -48,6 +49,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from tests.gpu import ep_vllm_one_sided as one_sided
 from tests.gpu.cuda_graphs import capture
 from tests.gpu.ep_harness import rank_device, result, step
 from tests.gpu.ep_ranks import CFG, MAX_TOKENS, RAGGED, compare, vendor
@@ -55,9 +57,9 @@ from tests.gpu.ep_ranks import CFG, MAX_TOKENS, RAGGED, compare, vendor
 __all__ = ["vllm_job", "matrix_jobs", "OURS", "IN_TREE"]
 
 OURS = {"deepep_ll": "moe_plugins_deepep_ll", "deepep_ht": "moe_plugins_deepep_ht",
-        "nixl_ep": "moe_plugins_nixl_ep"}
+        "nixl_ep": "moe_plugins_nixl_ep", one_sided.NAME: one_sided.OURS_NAME}
 IN_TREE = {"deepep_ll": "DeepEPLLPrepareAndFinalize", "deepep_ht": "DeepEPHTPrepareAndFinalize",
-           "nixl_ep": "NixlEPPrepareAndFinalize"}
+           "nixl_ep": "NixlEPPrepareAndFinalize", one_sided.NAME: one_sided.IN_TREE_NAME}
 BATCHED = ("deepep_ll", "nixl_ep")
 #: DBO splits each rank's tokens in two micro-batches: at least 2 tokens per rank
 DBO_TOKENS = (9, 64, 2, 33, 17, 50, 4, 19)
@@ -83,13 +85,18 @@ def matrix_jobs(job_cls: Any, half: str, device: str, scale: str) -> list[Any]:
         return job_cls(name, half, "vllm", "+".join(b for b, _ in plan), ep, vllm_job,
                        (device, tp, plan), bound, rows)
 
-    if scale == "reduced":  # the normal suite's CPU run: one small world
+    # flashinfer's one-sided class in a world of its own (its library beside vLLM's kit)
+    fo = [(one_sided.NAME, [("ours=in-tree", "bf16")])]
+    if scale == "reduced":  # the normal suite's CPU run: one small world (two from vLLM 0.33)
         return [job("vllm/ep2", 2, 1, [("deepep_ll", [("ours=in-tree", "bf16"), ("dbo", "bf16")])],
-                    120.0)]
+                    120.0)] + ([job("vllm/flashinfer_one_sided/ep2", 2, 1, fo, 120.0)]
+                               if one_sided.in_tree_runs_here() else [])
     order = ("deepep_ll", "deepep_ht", "nixl_ep")
     return [job("vllm/ep2", 2, 1, [(b, _cases(b, 2)) for b in order], 360.0),
             job("vllm/ep4", 4, 1, [(b, _cases(b, 4)) for b in order], 420.0),
-            job("vllm/ep4-sp", 4, 2, [(b, [("sp", "bf16")]) for b in order], 360.0)]
+            job("vllm/ep4-sp", 4, 2, [(b, [("sp", "bf16")]) for b in order], 360.0),
+            job("vllm/flashinfer_one_sided/ep2", 2, 1, fo, 240.0),
+            job("vllm/flashinfer_one_sided/ep4", 4, 1, fo, 300.0)]
 
 
 @contextlib.contextmanager
@@ -274,6 +281,8 @@ class Sides:
     def _in_tree_pf(self, ours_pf: Any) -> Any:
         """vLLM's in-tree class as maybe_make_prepare_finalize builds it for its own name, on
         our manager's buffer (all2all_utils: the same arguments)."""
+        if self.backend == one_sided.NAME:  # vLLM's own manager and factory (that module)
+            return one_sided.in_tree_one_sided(self.moe, self.qc, self.dev)
         backend = ours_pf.backend
         buffer = backend.manager.buffer
         n_local = self.moe.num_local_experts
@@ -378,11 +387,13 @@ def _ref(s: Sides, x: torch.Tensor) -> torch.Tensor:
 
 
 def _case_equal(s: Sides, quant: str) -> dict:
-    n = RAGGED[(s.rank + (3 if s.fp8 else 0)) % len(RAGGED)]
+    counts = [RAGGED[(r + (3 if s.fp8 else 0)) % len(RAGGED)] for r in range(s.world)]
+    n = counts[s.rank]  # tp 1: one DP rank per EP rank
     x, w, ids = s.inputs(n, seed=11)
     xd, wd, idd = s.to_dev(x, w, ids)
-    ours = s.forward(s.ours, xd, wd, idd)
-    theirs = s.forward(s.in_tree, xd, wd, idd)
+    with one_sided.call_context(s.backend, counts):
+        ours = s.forward(s.ours, xd, wd, idd)
+        theirs = s.forward(s.in_tree, xd, wd, idd)
     s.sync()
     same, how = _equal_detail(ours.cpu(), theirs.cpu())
     ref = _ref(s, x)
@@ -507,12 +518,16 @@ def _case_sp(s: Sides) -> dict:
 
 @contextlib.contextmanager
 def vllm_world(rank: int, world: int, tp: int, backend: str, device: str,
-               dbo: bool) -> Iterator[Any]:
-    """The libraries (emulated on CPU), vLLM imported and its state for this rank
-    (:func:`vllm_state`, yields the VllmConfig); after the block, our EP manager and every
-    library buffer of the process are destroyed."""
-    with vendor("vllm", device), _emulated_gpu_backends(device):
+               dbo: bool, flashinfer: bool = False) -> Iterator[Any]:
+    """The libraries (emulated on CPU; ``flashinfer``: flashinfer's too), vLLM imported and its
+    state for this rank (:func:`vllm_state`, yields the VllmConfig); after the block, our EP
+    manager, vLLM's in-tree managers and every library buffer of the process are destroyed."""
+    with contextlib.ExitStack() as libraries:
+        libraries.enter_context(vendor("vllm", device))
+        libraries.enter_context(_emulated_gpu_backends(device))
         _import_vllm(device)
+        if flashinfer:
+            libraries.enter_context(one_sided.flashinfer_for_vllm(device))
         step(f"vLLM state: dp {world // tp} x tp {tp}, {OURS[backend]}" + (", DBO" if dbo else ""))
         with vllm_state(rank, world, tp, backend, device, dbo) as config:
             try:
@@ -523,6 +538,7 @@ def vllm_world(rank: int, world: int, tp: int, backend: str, device: str,
 
                 try:
                     ep_manager().destroy()
+                    one_sided.destroy_in_tree()
                 finally:
                     destroy_all_buffers()
 
@@ -536,7 +552,8 @@ def vllm_job(rank: int, world: int, device: str, tp: int,
     rows: list[dict] = []
     step("import vLLM")
     dbo = any(c == "dbo" for _, cases in plan for c, _ in cases)
-    with vllm_world(rank, world, tp, plan[0][0], device, dbo) as config:
+    flashinfer = any(b == one_sided.NAME for b, _ in plan)
+    with vllm_world(rank, world, tp, plan[0][0], device, dbo, flashinfer) as config:
         for backend, cases in plan:
             sides: dict[str, Sides] = {}
             for case, quant in cases:

@@ -75,7 +75,12 @@ def test_the_full_matrix_covers_the_issue():
     assert {(e, q) for e in (2, 4, 8) for q in ("bf16", "fp8_block128")} <= {
         (j.world, r[2]) for j in full for r in j.rows if r[:2] == ("deepep_auto", "auto-link")}
     vllm = {(r[0], j.world) for j in full if j.path == "vllm" for r in j.rows}
-    assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep") for e in (2, 4)} <= vllm
+    assert {(b, e) for b in ("deepep_ll", "deepep_ht", "nixl_ep", "flashinfer_nvlink_one_sided")
+            for e in (2, 4)} <= vllm
+    # ours beside vLLM's in-tree one-sided class: in half A, whose set-up has vLLM's kit and
+    # flashinfer (scripts/gpu/ep_matrix.sh); on CPU tests/vllm_glue/test_vllm_one_sided_in_tree.py
+    assert {j.half for j in full if j.path == "vllm"
+            and j.backend == "flashinfer_nvlink_one_sided"} == {"A"}
     faults = {(j.rows[0][0], j.rows[0][1]) for j in full if j.kind == "fault"}
     assert {("deepep_ll", "fault-refuse"), ("deepep_ll", "fault-kill"),
             ("deepep_ll", "fault-kill-watchdog"), ("deepep_ht", "fault-kill-watchdog"),

@@ -183,3 +183,29 @@ def test_vllm_tests_pass_under_release(release, tmp_path):
         f"extension: {other}"
     seen = [t for t in passed if t.endswith("test_ranks_import_the_vllm_under_test")]
     assert seen, f"vLLM {release}: the ranks' vLLM was not checked:\n{tail}"
+
+
+#: Releases before the newest whose in-tree flashinfer one-sided class (over flashinfer.moe_ep,
+#: from vLLM 0.33) ours is compared with bit for bit (the newest: the run above).
+ONE_SIDED_UNDER = tuple(r for r in CHECKED_RELEASES[:-1]
+                        if tuple(int(p) for p in r.split(".")[:2]) >= (0, 33))
+
+
+@pytest.mark.vllm
+@pytest.mark.multirank
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("release", ONE_SIDED_UNDER)
+def test_one_sided_in_tree_comparison_under_release(release, tmp_path):
+    """tests/vllm_glue/test_vllm_one_sided_in_tree.py (ours equal to vLLM's in-tree
+    FlashInferNVLinkOneSidedPrepareAndFinalize at EP 2 and 4 on the emulated flashinfer that
+    release pins) in a child pytest under ``release``'s Python: both cases pass."""
+    release_tree(release)
+    module = Path(__file__).with_name("test_vllm_one_sided_in_tree.py")
+    report = tmp_path / "one_sided.xml"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-rs",
+         "--junitxml", str(report), str(module)],
+        cwd=ROOT, env=release_env(release), capture_output=True, text=True, timeout=1140)
+    assert done.returncode == 0, f"vLLM {release}:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    outcomes = junit_outcomes(report)
+    assert len(outcomes) == 2 and all(o == "passed" for o, _ in outcomes.values()), outcomes

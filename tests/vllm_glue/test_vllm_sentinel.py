@@ -85,8 +85,8 @@ def _check_flow(results: list, dead: int) -> None:
     before = ranks.physical_to_logical()
     mask = [int(r == dead) for r in range(ranks.WORLD)]
     for rank, r in enumerate(results):
-        if rank == dead:
-            assert r["polls"] == [dict(fault=False, mask=[0] * ranks.WORLD)]
+        if rank == dead:  # (None: killed)
+            assert r is None or r["polls"] == [dict(fault=False, mask=[0] * ranks.WORLD)]
             continue
         assert r["polls"] == [dict(fault=False, mask=[0] * ranks.WORLD),
                               dict(fault=True, mask=mask), dict(fault=False, mask=mask)], r["polls"]
@@ -200,6 +200,43 @@ def test_nixl_ep_below_the_highest_rank(rank_pool, side):
     results = _run(rank_pool, "nixl_ep", side, 1)
     _check_flow(results, 1)
     _record("nixl_ep", side, 1, {"max_abs_diff": _compare(results, 1)})
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("side", ["ours", "in_tree"])
+def test_a_killed_rank(side):
+    """deepep_ll, rank 3 SIGKILLed inside its experts of step 2 (its dispatch received, its
+    combine never sent): the survivors' step 2 returns when the library's timeout (3 s, the
+    build's) masks it, without rank 3's terms; vLLM's polls and scale_down as above; steps 3
+    and 4 equal the reference with every expert. Every process ends."""
+    import os
+
+    from moe_plugins.runner.launch import RankPool
+
+    ranks = _ranks()
+    dead = ranks.DEAD
+    with RankPool(ranks.WORLD, timeout_s=60) as pool:
+        run = pool.run_bounded(ranks.sentinel_flow, "deepep_ll", side, dead, True,
+                               deadline_s=240, stop_on_death=False, stall_s=90)
+        pids = [p.pid for p in pool._procs]
+    for pid in pids:  # no stray process: every rank reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    victim = run.outcomes[dead]
+    assert victim.status == "died", victim.describe()
+    results = []
+    for o in run.outcomes:
+        if o.rank != dead:
+            assert o.status == "ok", o.describe()
+        results.append(o.value if o.rank != dead else None)
+    _check_flow(results, dead)
+    for rank, r in enumerate(results):
+        if r is not None:
+            assert [s.get("error") for s in r["steps"]] == [None] * 4, r["steps"]
+            assert ranks.KILL_TIMEOUT_S <= r["steps"][1]["seconds"] < ranks.KILL_TIMEOUT_S + 10
+    _record("deepep_ll", side, dead, {"killed": True, "faulted step s": max(
+        r["steps"][1]["seconds"] for r in results if r is not None),
+        "max_abs_diff": _compare(results, dead)})
 
 
 def test_fit_expert_output_takes_the_received_rows():

@@ -27,15 +27,18 @@ EPLB's redundant experts kept, the maps committed). What stands in, and why:
   torch function mode (:class:`_CudaOnCpu`) around the in-tree managers' calls;
 - the in-tree manager is put in the EP communicator's slot here, as vLLM's CUDA communicator
   does (its CPU communicator serves only allgather_reducescatter);
-- the engine side (the death's detection by the library's timeout, the engine sentinel's
-  request and its recovery store): rank 3 stops after step 1 and the survivors' library masks
-  it with its own mask call, as its timeout does; rank 0 hosts the recovery store.
+- the engine side (the engine sentinel's request and its recovery store, which rank 0 hosts);
+- the death: rank 3 stops after step 1 and the survivors' library masks it with its own mask
+  call, as its timeout does; or (deepep_ll) rank 3 SIGKILLs itself inside step 2 and the
+  survivors' library masks it at its kernel timeout (the emulated build's, 3 s).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import time
 from typing import Any, Iterator, Optional
 
 import torch
@@ -56,6 +59,7 @@ WORLD = 4
 DEAD = 3
 TOKENS = 6
 MAX_TOKENS = 8  # the layer's max tokens per DP rank: NIXL EP's kernels take (ranks x it) % 4 == 0
+KILL_TIMEOUT_S = 3.0  # the emulated DeepEP build's kernel timeout in the kill variant
 REDUNDANT = 8  # physical slots beyond the logical experts: 16 slots, 4 per rank
 IN_TREE = {"deepep_ll": "deepep_low_latency", "nixl_ep": "nixl_ep"}
 #: vLLM's EPLB router hash (vllm/model_executor/layers/fused_moe/eplb_triton.py)
@@ -188,17 +192,23 @@ def _recovery_store(rank: int) -> tuple[Any, int]:
     return store, int(box[0])
 
 
-def sentinel_flow(rank: int, world: int, backend: str, side: str, dead: int = DEAD) -> dict:
+def sentinel_flow(rank: int, world: int, backend: str, side: str, dead: int = DEAD,
+                  kill: bool = False) -> dict:
     """See the module doc. ``side``: "ours" or "in_tree". Steps: 1 every rank; rank ``dead``
-    stops; the survivors' library masks it; 2 the survivors (the faulted step); vLLM's polls;
+    stops and the survivors' library masks it, or (``kill``, deepep_ll) rank ``dead``
+    SIGKILLs itself inside its experts of step 2 and the survivors' library masks it at its
+    timeout (KILL_TIMEOUT_S, the build's); 2 the survivors (the faulted step); vLLM's polls;
     ``WorkerSentinel.scale_down`` removing DP rank ``dead``; 3 and 4 the survivors. Returns
     each step's output (or error), physical ids and seed, the polls and the EPLB maps after
     the scale-down."""
     assert world == WORLD
     name = "moe_plugins_" + backend if side == "ours" else IN_TREE[backend]
+    from tests.runner.watchdog_ranks import deepep_build
     from tests.vllm_glue.vllm_dist import vllm_parallel_state
 
-    with _store_fabric(), installed(vendor_module(backend)), vllm_parallel_state(
+    build = deepep_build(KILL_TIMEOUT_S) if kill else None
+    with _store_fabric(), installed(vendor_module(backend), deep_ep_build=build), \
+            vllm_parallel_state(
             0, 1, 1, name, data_parallel_size=world, data_parallel_rank=rank,
             enable_fault_tolerance=True) as config:
         from vllm.distributed import get_dp_group
@@ -206,7 +216,7 @@ def sentinel_flow(rank: int, world: int, backend: str, side: str, dead: int = DE
         _reset_in_tree_state()
         dp_group = get_dp_group().cpu_group
         try:
-            return _flow(rank, backend, side, config, dead)
+            return _flow(rank, backend, side, config, dead, kill)
         finally:
             _reset_in_tree_state()
             _restore_dp_group(dp_group)
@@ -228,7 +238,7 @@ def _restore_dp_group(original: Any) -> None:
         dist.destroy_process_group(original)
 
 
-def _flow(rank: int, backend: str, side: str, config: Any, dead: int) -> dict:
+def _flow(rank: int, backend: str, side: str, config: Any, dead: int, kill: bool) -> dict:
     from vllm.distributed import get_dp_group, get_ep_group
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.all2all_utils import get_ep_all2all_manager
@@ -272,9 +282,9 @@ def _flow(rank: int, backend: str, side: str, config: Any, dead: int) -> dict:
         with in_tree_mode:
             pf = _in_tree(manager, backend, moe)
     assert pf is not None
-    kernel = mk.FusedMoEKernel(pf, TorchBatchedExpertsModular(
-        moe, qc, max_num_tokens=pf.max_num_tokens_per_rank(),
-        num_dispatchers=pf.num_dispatchers()))
+    experts = TorchBatchedExpertsModular(moe, qc, max_num_tokens=pf.max_num_tokens_per_rank(),
+                                         num_dispatchers=pf.num_dispatchers())
+    kernel = mk.FusedMoEKernel(pf, experts)
     weights = MoEWeights.random(CFG, 0)
     per = num_physical // WORLD
     mine = torch.tensor(physical_to_logical()[rank * per:(rank + 1) * per])
@@ -311,15 +321,27 @@ def _flow(rank: int, backend: str, side: str, config: Any, dead: int) -> dict:
     steps = [step(1)]
     first_polls = polls()
     if rank == dead:
+        if kill:  # dies inside its experts of step 2: its dispatch received, its combine unsent
+            apply = experts.apply
+
+            def dying(*args: Any, **kwargs: Any) -> Any:
+                os.kill(os.getpid(), signal.SIGKILL)
+                return apply(*args, **kwargs)
+
+            experts.apply = dying  # type: ignore[method-assign]
+            step(2)
         return dict(steps=steps, polls=[first_polls])
-    # rank ``dead`` is gone: the survivors' library masks it (its timeout does that; here its own
-    # mask call, on the buffer the layer runs on)
-    lib = _library_buffer(pf, side)
-    if backend == "deepep_ll":
-        lib.low_latency_update_mask_buffer(dead, True)
-    else:
-        lib.update_mask_buffer(dead, mask=True)
+    if not kill:
+        # rank ``dead`` is gone: the survivors' library masks it (its timeout does that; here
+        # its own mask call, on the buffer the layer runs on)
+        lib = _library_buffer(pf, side)
+        if backend == "deepep_ll":
+            lib.low_latency_update_mask_buffer(dead, True)
+        else:
+            lib.update_mask_buffer(dead, mask=True)
+    started = time.monotonic()
     steps.append(step(2))
+    steps[-1]["seconds"] = time.monotonic() - started
     fault_polls = polls()
     alive = [r for r in range(WORLD) if r != dead]  # the engine sentinel's dense DP ranks
     request = FaultToleranceRequest(instruction="scale_down", params=dict(

@@ -238,125 +238,148 @@ def _restore_dp_group(original: Any) -> None:
         dist.destroy_process_group(original)
 
 
-def _flow(rank: int, backend: str, side: str, config: Any, dead: int, kill: bool) -> dict:
-    from vllm.distributed import get_dp_group, get_ep_group
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.all2all_utils import get_ep_all2all_manager
-    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
-                                                             FusedMoEParallelConfig,
-                                                             FusedMoEQuantConfig,
-                                                             RoutingMethodType)
-    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-    from vllm.v1.fault_tolerance.utils import FaultToleranceRequest
-    from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel
+class _Layer:
+    """One EPLB-placed MoE layer of this rank through vLLM's modular kernel: ours (our adapter
+    on our manager) or vLLM's in-tree manager and prepare/finalize, and vLLM's EPLB state."""
 
-    from tests.vllm_glue.vllm_modular_kernel_ranks import (TorchBatchedExpertsModular,
-                                                           contiguous_expert_map)
+    def __init__(self, rank: int, backend: str, side: str, config: Any) -> None:
+        from vllm.distributed import get_ep_group
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.all2all_utils import get_ep_all2all_manager
+        from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig,
+                                                                 FusedMoEParallelConfig,
+                                                                 FusedMoEQuantConfig,
+                                                                 RoutingMethodType)
+        import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
-    parallel = config.parallel_config
-    # EPLB with redundant experts, as `--enable-eplb --eplb-config '{"num_redundant_experts": 8}'`
-    # sets it (vLLM's config refuses EPLB on a CPU platform, so it is set after validation)
-    parallel.eplb_config.num_redundant_experts = REDUNDANT
-    ep = get_ep_group()
-    in_tree_mode = _CudaOnCpu() if side == "in_tree" else contextlib.nullcontext()
-    if side == "in_tree":  # what vLLM's CUDA communicator builds for the in-tree name
-        from vllm.distributed.device_communicators import all2all
+        from tests.vllm_glue.vllm_modular_kernel_ranks import (TorchBatchedExpertsModular,
+                                                               contiguous_expert_map)
 
-        cls = (all2all.DeepEPLLAll2AllManager if backend == "deepep_ll"
-               else all2all.NixlEPAll2AllManager)
-        ep.device_communicator.all2all_manager = cls(ep.cpu_group)
-    manager = get_ep_all2all_manager()
-    num_physical = CFG.num_experts + REDUNDANT
-    moe = FusedMoEConfig(
-        num_experts=num_physical, experts_per_token=CFG.num_topk, hidden_dim=CFG.hidden,
-        intermediate_size=CFG.intermediate, num_local_experts=num_physical // WORLD,
-        num_logical_experts=CFG.num_experts, activation=MoEActivation.SILU, device="cpu",
-        routing_method=RoutingMethodType.Renormalize,
-        moe_parallel_config=FusedMoEParallelConfig.make(
-            tp_size_=1, pcp_size_=1, dp_size_=WORLD, sp_size_=1, vllm_parallel_config=parallel),
-        in_dtype=CFG.dtype, max_num_tokens=MAX_TOKENS)
-    qc = FusedMoEQuantConfig.make()
-    if side == "ours":
-        pf = _ours(manager, backend, moe)
-    else:
-        with in_tree_mode:
-            pf = _in_tree(manager, backend, moe)
-    assert pf is not None
-    experts = TorchBatchedExpertsModular(moe, qc, max_num_tokens=pf.max_num_tokens_per_rank(),
-                                         num_dispatchers=pf.num_dispatchers())
-    kernel = mk.FusedMoEKernel(pf, experts)
-    weights = MoEWeights.random(CFG, 0)
-    per = num_physical // WORLD
-    mine = torch.tensor(physical_to_logical()[rank * per:(rank + 1) * per])
-    w13, w2 = weights.w13[mine].contiguous(), weights.w2[mine].contiguous()
-    expert_map = contiguous_expert_map(num_physical, WORLD, rank)
-    model_config = _ModelConfig()
-    eplb_state, eplb_model = _eplb_state(parallel, model_config)
-    store, port = _recovery_store(rank)
+        parallel = config.parallel_config
+        # EPLB with redundant experts, as `--enable-eplb --eplb-config
+        # '{"num_redundant_experts": 8}'` sets it (vLLM's config refuses EPLB on a CPU
+        # platform, so it is set after validation)
+        parallel.eplb_config.num_redundant_experts = REDUNDANT
+        self.rank, self.side = rank, side
+        self.mode = _CudaOnCpu() if side == "in_tree" else contextlib.nullcontext()
+        if side == "in_tree":  # what vLLM's CUDA communicator builds for the in-tree name
+            from vllm.distributed.device_communicators import all2all
 
-    def step(seed: int) -> dict:
-        x = demo_inputs(CFG, TOKENS, rank, seed)
-        topk_w, logical = route(x, weights.router, CFG.num_topk, CFG.renormalize)
-        ids = eplb_physical_ids(logical, eplb_model.logical_to_physical_map[0],
-                                eplb_model.logical_replica_count[0])
+            ep = get_ep_group()
+            cls = (all2all.DeepEPLLAll2AllManager if backend == "deepep_ll"
+                   else all2all.NixlEPAll2AllManager)
+            ep.device_communicator.all2all_manager = cls(ep.cpu_group)
+        self.manager = get_ep_all2all_manager()
+        self.num_physical = CFG.num_experts + REDUNDANT
+        moe = FusedMoEConfig(
+            num_experts=self.num_physical, experts_per_token=CFG.num_topk, hidden_dim=CFG.hidden,
+            intermediate_size=CFG.intermediate, num_local_experts=self.num_physical // WORLD,
+            num_logical_experts=CFG.num_experts, activation=MoEActivation.SILU, device="cpu",
+            routing_method=RoutingMethodType.Renormalize,
+            moe_parallel_config=FusedMoEParallelConfig.make(
+                tp_size_=1, pcp_size_=1, dp_size_=WORLD, sp_size_=1,
+                vllm_parallel_config=parallel),
+            in_dtype=CFG.dtype, max_num_tokens=MAX_TOKENS)
+        qc = FusedMoEQuantConfig.make()
+        with self.mode:
+            self.pf = (_ours(self.manager, backend, moe) if side == "ours"
+                       else _in_tree(self.manager, backend, moe))
+        self.experts = TorchBatchedExpertsModular(
+            moe, qc, max_num_tokens=self.pf.max_num_tokens_per_rank(),
+            num_dispatchers=self.pf.num_dispatchers())
+        self.kernel = mk.FusedMoEKernel(self.pf, self.experts)
+        self.activation = MoEActivation.SILU
+        self.weights = MoEWeights.random(CFG, 0)
+        per = self.num_physical // WORLD
+        mine = torch.tensor(physical_to_logical()[rank * per:(rank + 1) * per])
+        self.w13 = self.weights.w13[mine].contiguous()
+        self.w2 = self.weights.w2[mine].contiguous()
+        self.expert_map = contiguous_expert_map(self.num_physical, WORLD, rank)
+        self.model_config = _ModelConfig()
+        self.eplb_state, self.eplb_model = _eplb_state(parallel, self.model_config)
+
+    def step(self, seed: int) -> dict:
+        """One forward of this rank's tokens of ``seed``, routed through vLLM's EPLB maps:
+        its output, or the error it raised (vLLM's busy loop hands that to the sentinel)."""
+        x = demo_inputs(CFG, TOKENS, self.rank, seed)
+        topk_w, logical = route(x, self.weights.router, CFG.num_topk, CFG.renormalize)
+        ids = eplb_physical_ids(logical, self.eplb_model.logical_to_physical_map[0],
+                                self.eplb_model.logical_replica_count[0])
         try:
-            with in_tree_mode:
-                out = kernel.apply(hidden_states=x, w1=w13, w2=w2, topk_weights=topk_w,
-                                   topk_ids=ids.to(pf.topk_indices_dtype() or torch.int32),
-                                   activation=MoEActivation.SILU,
-                                   global_num_experts=num_physical, expert_map=expert_map,
-                                   apply_router_weight_on_input=False)
-        except Exception as e:  # what the step raised (vLLM's busy loop hands it to the sentinel)
+            with self.mode:
+                out = self.kernel.apply(
+                    hidden_states=x, w1=self.w13, w2=self.w2, topk_weights=topk_w,
+                    topk_ids=ids.to(self.pf.topk_indices_dtype() or torch.int32),
+                    activation=self.activation, global_num_experts=self.num_physical,
+                    expert_map=self.expert_map, apply_router_weight_on_input=False)
+        except Exception as e:
             return dict(seed=seed, ids=ids, error=(type(e).__name__, str(e).splitlines()[0]))
         return dict(seed=seed, out=out, ids=ids)
 
-    def polls() -> dict:
-        # vLLM's model runner polls query_fault after each step; on a fault get_output raises
-        # with query_active_mask, and the engine sentinel asks every worker for the mask
-        # (WorkerSentinel.query_mask, on a CUDA side stream: here what it wraps)
-        with in_tree_mode:
-            return dict(fault=bool(manager.query_fault()),
-                        mask=manager.query_active_mask().tolist())
+    def polls(self) -> dict:
+        """vLLM's model runner polls query_fault after each step; on a fault get_output raises
+        with query_active_mask, and the engine sentinel asks every worker for the mask
+        (WorkerSentinel.query_mask, on a CUDA side stream: here what it wraps)."""
+        with self.mode:
+            return dict(fault=bool(self.manager.query_fault()),
+                        mask=self.manager.query_active_mask().tolist())
 
-    steps = [step(1)]
-    first_polls = polls()
-    if rank == dead:
-        if kill:  # dies inside its experts of step 2: its dispatch received, its combine unsent
-            apply = experts.apply
+    def die_in_step(self, seed: int) -> None:
+        """SIGKILL this process inside its experts of the step: its dispatch received, its
+        combine never sent."""
+        apply = self.experts.apply
 
-            def dying(*args: Any, **kwargs: Any) -> Any:
-                os.kill(os.getpid(), signal.SIGKILL)
-                return apply(*args, **kwargs)
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return apply(*args, **kwargs)
 
-            experts.apply = dying  # type: ignore[method-assign]
-            step(2)
-        return dict(steps=steps, polls=[first_polls])
-    if not kill:
-        # rank ``dead`` is gone: the survivors' library masks it (its timeout does that; here
-        # its own mask call, on the buffer the layer runs on)
-        lib = _library_buffer(pf, side)
+        self.experts.apply = dying  # type: ignore[method-assign]
+        self.step(seed)
+
+    def mask_in_library(self, backend: str, dead: int) -> None:
+        """What the library's timeout does to a peer that stopped: its own mask call, on the
+        buffer the layer runs on."""
+        lib = self.pf.backend.manager.buffer if self.side == "ours" else self.pf.buffer
         if backend == "deepep_ll":
             lib.low_latency_update_mask_buffer(dead, True)
         else:
             lib.update_mask_buffer(dead, mask=True)
+
+
+def _flow(rank: int, backend: str, side: str, config: Any, dead: int, kill: bool) -> dict:
+    from vllm.distributed import get_dp_group
+    from vllm.v1.fault_tolerance.utils import FaultToleranceRequest
+    from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel
+
+    layer = _Layer(rank, backend, side, config)
+    store, port = _recovery_store(rank)
+    steps = [layer.step(1)]
+    first_polls = layer.polls()
+    if rank == dead:
+        if kill:
+            layer.die_in_step(2)
+        return dict(steps=steps, polls=[first_polls])
+    if not kill:
+        layer.mask_in_library(backend, dead)
     started = time.monotonic()
-    steps.append(step(2))
+    steps.append(layer.step(2))
     steps[-1]["seconds"] = time.monotonic() - started
-    fault_polls = polls()
+    fault_polls = layer.polls()
     alive = [r for r in range(WORLD) if r != dead]  # the engine sentinel's dense DP ranks
     request = FaultToleranceRequest(instruction="scale_down", params=dict(
         removed_dp_ranks=[dead], dead_dp_ranks=[dead], dp_master_ip="127.0.0.1",
-        dp_group_rank=alive.index(rank), dp_group_size=len(alive), recovery_round="sentinel-test",
-        recovery_store_port=port))
-    worker = _Worker(config, eplb_state, model_config)
-    with _no_accelerator_sync(), in_tree_mode:
+        dp_group_rank=alive.index(rank), dp_group_size=len(alive),
+        recovery_round="sentinel-test", recovery_store_port=port))
+    worker = _Worker(config, layer.eplb_state, layer.model_config)
+    with _no_accelerator_sync(), layer.mode:
         WorkerSentinel(worker).handle_command(request)
-    after_polls = polls()
-    steps += [step(3), step(4)]
+    after_polls = layer.polls()
+    steps += [layer.step(3), layer.step(4)]
+    eplb = layer.eplb_model
     return dict(steps=steps, polls=[first_polls, fault_polls, after_polls],
-                p2l=eplb_model.physical_to_logical_map[0].tolist(),
-                l2p=eplb_model.logical_to_physical_map[0].tolist(),
-                count=eplb_model.logical_replica_count[0].tolist(),
+                p2l=eplb.physical_to_logical_map[0].tolist(),
+                l2p=eplb.logical_to_physical_map[0].tolist(),
+                count=eplb.logical_replica_count[0].tolist(),
                 suppressed=worker.model_runner.eep_eplb_suppressed,
                 dead_dp_ranks=sorted(get_dp_group().dead_dp_ranks), hosted=store is not None)
 
@@ -407,8 +430,3 @@ def _in_tree(manager: Any, backend: str, moe: Any) -> Any:
     return NixlEPPrepareAndFinalize(
         handle, max_tokens_per_rank=moe.max_num_tokens, num_dispatchers=manager.max_num_ep_ranks,
         expert_capacity=moe.num_local_experts * manager.max_num_ep_ranks, use_fp8_dispatch=False)
-
-
-def _library_buffer(pf: Any, side: str) -> Any:
-    """The library buffer the layer's calls run on."""
-    return pf.backend.manager.buffer if side == "ours" else pf.buffer

@@ -12,12 +12,15 @@ group's communicator holds the all2all manager the sentinel reaches through
 ``EplbModelState`` maps; vLLM's router maps logical ids to physical ones through those maps
 (on CPU vLLM has no Triton kernel for it, so :func:`eplb_physical_ids` applies its rule here).
 
-What is vLLM's own code: the prepare/finalize factory (``maybe_make_prepare_finalize``), the
-modular kernel, the in-tree managers and prepare/finalize classes, ``WorkerSentinel.scale_down``
+What is vLLM's own code: the modular kernel, the in-tree managers and prepare/finalize classes
+(built with the arguments vLLM's ``maybe_make_prepare_finalize`` passes; ours as our factory
+builds it), vLLM's ``EplbState``, ``WorkerSentinel.scale_down``
 (``retry``: ``clean_buffers``, the survivors' DP group rebuilt over a recovery store,
 ``update_mask`` for each dead EP rank; then ``_redistribute_experts``: the dead slots marked,
 EPLB's redundant experts kept, the maps committed). What stands in, and why:
 
+- the experts: a torch batched-experts class that sizes its output as vLLM's batched experts
+  do (max tokens x the prepare/finalize's dispatchers rows per local expert);
 - the worker and its model runner (:class:`_Worker`): attribute holders for what the
   sentinel reads of them (the parallel config, the EPLB state, the request table); a MoE layer
   uses none of them;
@@ -28,8 +31,8 @@ EPLB's redundant experts kept, the maps committed). What stands in, and why:
 - the in-tree manager is put in the EP communicator's slot here, as vLLM's CUDA communicator
   does (its CPU communicator serves only allgather_reducescatter);
 - the engine side (the engine sentinel's request and its recovery store, which rank 0 hosts);
-- the death: rank 3 stops after step 1 and the survivors' library masks it with its own mask
-  call, as its timeout does; or (deepep_ll) rank 3 SIGKILLs itself inside step 2 and the
+- the death: the dead rank stops after step 1 and the survivors' library masks it with its own
+  mask call, as its timeout does; or (deepep_ll) it SIGKILLs itself inside step 2 and the
   survivors' library masks it at its kernel timeout (the emulated build's, 3 s).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ used) and the engine sentinel asks every worker for ``query_active_mask``; the o
 through EPLB's maps (its slots marked dead, each logical expert routed to its replicas on the
 survivors, the ones without a replica moved into a spare slot and reloaded from disk). Our
 manager answers the polls and masks (:mod:`moe_plugins.vllm.manager`); vLLM's router re-homes
-(docs/faults.md, "Under vLLM").
+(docs/faults.md, "When a rank dies under vLLM").
 
 One thing the layer itself must do: once the highest EP rank is masked, NIXL EP's receive
 layout spans only the ranks up to the highest active one (``active_rank_bound`` x max tokens

@@ -525,6 +525,10 @@ class SplitPhases(Protocol):
         recv_count int32 [num_local_experts] and the hook (None when not ``recv_hook``)."""
         ...
 
+    def expert_shape(self) -> Optional[torch.Size]:
+        """The shape the call in flight wants its expert outputs in; None without one."""
+        ...
+
     def combine_send(self, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, output: torch.Tensor | RowScatterTarget,
                      recv_hook: bool) -> tuple[Optional[Hook], torch.Tensor]:

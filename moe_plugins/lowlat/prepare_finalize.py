@@ -151,6 +151,11 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
                            self.manager.backend_name, type(experts).__name__,
                            self.cfg.quant.scheme.value)
 
+    def expert_shape(self) -> Optional[torch.Size]:
+        """The shape the call in flight wants its expert outputs in (the receive's
+        [num_local_experts, num_recv_slots, hidden]); None without a call in flight."""
+        return None if self._state is None else self._state[2]
+
     def reset_call_state(self) -> None:
         if self._state is not None:  # dispatched, never combined: peers wait in the combine
             self.faults.mark_broken("a call was abandoned between its dispatch and its combine")

@@ -56,6 +56,7 @@ from moe_plugins.strategy import ReductionStrategy, StrategyChoice
 from moe_plugins.vllm.batch_hint import batch_hint
 from moe_plugins.vllm.call_guard import CallGuard
 from moe_plugins.vllm.expert_ids import ExpertIds
+from moe_plugins.vllm.fault_tolerance import fit_expert_output
 from moe_plugins.vllm.receive_quant import (ReceiveQuant, experts_quantization, quantize_received,
                                             valid_rows)
 from moe_plugins.vllm.tokens_meta import vllm_tokens_meta
@@ -422,6 +423,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             # the call without this rank's tokens (refused) writes nothing
             target, done = self._rows.target(output, rows, owns_all, refusal is not None)
             if self._low_latency:  # their halves, without the result objects in between
+                expert_out = fit_expert_output(expert_out, backend.expert_shape())
                 hook, dest = backend.combine_send(expert_out, weights, ids, target, not blocking)
                 if hook is None:
                     backend.combine_received(dest, target)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import json
 import sys
 import tempfile
@@ -77,6 +78,9 @@ def _built(base: types.ModuleType, folder: Path, build: Optional[dict],
     package.mkdir(exist_ok=True)
     (package / "__init__.py").write_text("")
     module.__file__ = str(package / "__init__.py")
+    # found as an installed package is (importlib.util.find_spec, which vLLM's has_deep_ep asks)
+    module.__spec__ = importlib.machinery.ModuleSpec("deep_ep", None, origin=module.__file__,
+                                                     is_package=True)
     if build is not None:
         (package / "moe_plugins_build.json").write_text(json.dumps(build))
     attrs: dict[str, Any] = {"build": build, "__module__": base.__name__}

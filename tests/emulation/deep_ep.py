@@ -121,17 +121,19 @@ class DeepEPRuntime(EmulatedLowLatencyRuntime):
                  mask_enabled: bool, low_latency_mode: bool, num_qps_per_rank: int,
                  platform: Platform = Platform(), allow_nvlink: bool = True,
                  build: Optional[dict] = None):
+        build = build or {}
+        cycles = build.get("timeouts", {}).get("NUM_TIMEOUT_CYCLES", _NUM_TIMEOUT_CYCLES)
+        # the store fabric's waits (made in the base's __init__) follow the kernels' timeout
+        self.timeout_s = int(cycles) / _CYCLES_PER_S
         super().__init__(group, rank, num_ranks, num_rdma_bytes, mask_enabled)
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
         self.low_latency_dirty = False  # set by normal-mode calls (see the module doc)
-        build = build or {}
         self.num_rc_per_pe = platform.num_rc_per_pe(num_qps_per_rank)
         self.needs_ibgda = any(not platform.p2p(rank, peer, allow_nvlink)
                                for peer in range(num_ranks) if peer != rank)
         self.rc_qp_patched = _RC_QP_PATCH in build.get("patches", ())
-        cycles = build.get("timeouts", {}).get("NUM_TIMEOUT_CYCLES", _NUM_TIMEOUT_CYCLES)
-        self.kernel_timeout_s = int(cycles) / _CYCLES_PER_S
+        self.kernel_timeout_s = self.timeout_s
 
     def _checked_experts(self, num_experts: int) -> int:
         host_assert(self.low_latency_mode, "low_latency_mode")

@@ -157,7 +157,7 @@ def junit_outcomes(report: Path) -> dict[str, tuple[str, str]]:
 def test_vllm_tests_pass_under_release(release, tmp_path):
     """The suite's vLLM tests (vLLM's own modular kernel over our prepare/finalize on gloo ranks
     beside vLLM's in-tree classes: activation formats, DBO micro-batches, fault tolerance with
-    update_mask, sequence parallelism, the hooks) in a child pytest under ``release``'s Python
+    update_mask and scale_down, sequence parallelism, the hooks) in a child pytest under ``release``'s Python
     on vLLM's CPU platform (tests/conftest.py, MOE_PLUGINS_VLLM_RELEASE). Left out: the
     `vllm serve` runs (a release's Python alone cannot serve: no compiled extension) and this
     module. Every test the child collects must pass, or skip because that Python lacks vLLM's

@@ -319,19 +319,25 @@ _LIBRARY_TIMEOUT_SIGNS = ("unspecified launch failure", "DeepEP error: CPU recv 
                           "DeepEP error: timeout")
 
 
-def peer_gone(exc: BaseException) -> bool:
-    """``exc`` is a transport's error saying a peer's process went away (not one of ours)."""
-    return not isinstance(exc, _OURS) and any(s in str(exc) for s in _PEER_GONE_SIGNS)
+def _says_peer_gone(exc: BaseException) -> bool:
+    return any(s in str(exc) for s in _PEER_GONE_SIGNS)
 
 
 def transport_error(exc: BaseException) -> bool:
     """``exc`` is torch.distributed's own failure of a collective (a peer gone, the group's
-    timeout): a ``DistError`` (NCCL, the store), or a RuntimeError from gloo's transport."""
+    timeout): a ``DistError`` (NCCL, the store), or a RuntimeError from gloo's transport (its
+    text names gloo's source). Text alone from elsewhere (an expert's error) is not enough."""
     if isinstance(exc, _OURS):
         return False
     dist_error = getattr(torch.distributed, "DistError", None)
     return (dist_error is not None and isinstance(exc, dist_error)) or (
-        isinstance(exc, RuntimeError) and ("gloo/transport" in str(exc) or peer_gone(exc)))
+        isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """``exc`` is a transport's error (:func:`transport_error`) saying a peer's process went
+    away."""
+    return transport_error(exc) and _says_peer_gone(exc)
 
 
 def library_timeout_error(layer: str, library: str, timeout_s: Optional[float],
@@ -385,7 +391,7 @@ def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Opti
     call = faults.seq if call is None else call
     lines = str(exc).strip().splitlines()
     text = lines[-1] if lines else type(exc).__name__
-    gone = peer_gone(exc)
+    gone = _says_peer_gone(exc)  # (a collective's own error: its words suffice)
     timed_out = "imed out" in str(exc) or "imeout" in str(exc)
     peer = _PEER_RE.search(str(exc))
     limit = f" of {timeout_s:g} s" if timeout_s is not None else ""

@@ -90,7 +90,8 @@ class CallGuard:
         wrapped = call_fault_error(self.faults, self.name, self.backend_name,
                                    backend.library_timeout_s, self.ctx.timeout_s, call, error)
         if wrapped is not None:
-            self.faults.mark_broken(f"{self.name}: call {call} ended on a peer's loss or hang", error)
+            self.faults.mark_broken(f"{self.name}: call {call} ended on a peer's loss or hang",
+                                    error)
             raise wrapped from error
 
     def end_watch(self, watched: Optional[WatchedCall], backend: PrepareFinalize) -> None:

@@ -67,7 +67,8 @@ from moe_plugins.callbound import FaultNotice, notice_for
 T = TypeVar("T")
 
 __all__ = ["LayerBrokenError", "OutOfStepError", "PeerInputError", "CollectiveError",
-           "PeerMaskedError", "library_timeout_error",
+           "PeerMaskedError", "library_timeout_error", "call_fault_error", "peer_gone",
+           "transport_error",
            "GroupFaults", "group_faults", "config_digest", "collective_error", "told_error",
            "HEADER_WORDS",
            "clear_group_faults", "STATUS_OK", "STATUS_BAD_INPUT", "check_peers", "in_step",
@@ -109,6 +110,10 @@ class PeerMaskedError(RuntimeError):
     """The library masked a peer on its own during a call (its kernels timed out waiting for
     it): the call's result lacks that peer's experts and is not returned; the EP group is broken
     (later calls raise :class:`LayerBrokenError`)."""
+
+
+#: Our own fault errors: never wrapped again.
+_OURS = (LayerBrokenError, OutOfStepError, CollectiveError, PeerInputError, PeerMaskedError)
 
 
 def config_digest(*parts: object) -> int:
@@ -160,11 +165,13 @@ class GroupFaults:
     def mark_broken(self, what: str, exc: Optional[BaseException] = None) -> None:
         """Record the first mid-way failure (later ones are consequences of it) and tell the
         peers (:mod:`moe_plugins.callbound.fault_notice`: with the call bound on, their calls on the group
-        end at once with this cause)."""
+        end at once with this cause). A transport that saw a peer's process go is not told:
+        this rank did not fail, and each peer's own transport sees the loss (a notice would
+        name this rank as the one that failed)."""
         if self.broken is None:
             self.broken = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
             self._first = exc
-            if self.notice is not None:
+            if self.notice is not None and not (exc is not None and peer_gone(exc)):
                 self.notice.post(self.broken)
 
     def start(self, backend: object, layer: str, hidden_states: object, in_flight: bool,
@@ -267,6 +274,10 @@ def clear_group_faults(group: object = None) -> None:
 
 
 _PEER_RE = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|\[[0-9a-fA-F:.]+\]:\d+")
+#: What torch.distributed's transports say when a peer's process went away in a collective
+#: (gloo: "Connection closed by peer", "Read error ...: Connection reset by peer").
+_PEER_GONE_SIGNS = ("reset by peer", "closed by peer", "Connection closed", "Broken pipe", "EOF",
+                    "Connection refused")
 #: how long a failed collective waits for the store to say whether a peer failed first (s)
 NOTICE_READ_S = 2.0
 
@@ -308,6 +319,27 @@ _LIBRARY_TIMEOUT_SIGNS = ("unspecified launch failure", "DeepEP error: CPU recv 
                           "DeepEP error: timeout")
 
 
+def _says_peer_gone(exc: BaseException) -> bool:
+    return any(s in str(exc) for s in _PEER_GONE_SIGNS)
+
+
+def transport_error(exc: BaseException) -> bool:
+    """``exc`` is torch.distributed's own failure of a collective (a peer gone, the group's
+    timeout): a ``DistError`` (NCCL, the store), or a RuntimeError from gloo's transport (its
+    text names gloo's source). Text alone from elsewhere (an expert's error) is not enough."""
+    if isinstance(exc, _OURS):
+        return False
+    dist_error = getattr(torch.distributed, "DistError", None)
+    return (dist_error is not None and isinstance(exc, dist_error)) or (
+        isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """``exc`` is a transport's error (:func:`transport_error`) saying a peer's process went
+    away."""
+    return transport_error(exc) and _says_peer_gone(exc)
+
+
 def library_timeout_error(layer: str, library: str, timeout_s: Optional[float],
                           exc: BaseException) -> Optional[CollectiveError]:
     """The error to raise where a library's call (or the next CUDA call after one of its
@@ -315,8 +347,7 @@ def library_timeout_error(layer: str, library: str, timeout_s: Optional[float],
     seconds; None: the library has none, and nothing is wrapped): :class:`CollectiveError`
     saying that a peer died or hangs and every rank of the EP group must restart, to be raised
     ``from exc``; None when ``exc`` is something else."""
-    if timeout_s is None or not isinstance(exc, RuntimeError) or isinstance(
-            exc, (LayerBrokenError, OutOfStepError, CollectiveError, PeerMaskedError)):
+    if timeout_s is None or not isinstance(exc, RuntimeError) or isinstance(exc, _OURS):
         return None
     text = str(exc)
     if not any(sign in text for sign in _LIBRARY_TIMEOUT_SIGNS):
@@ -332,18 +363,35 @@ def library_timeout_error(layer: str, library: str, timeout_s: Optional[float],
         "$MOE_PLUGINS_CALL_TIMEOUT_S ends such a call earlier, with this package's error")
 
 
+def call_fault_error(faults: GroupFaults, layer: str, library: str,
+                     library_timeout_s: Optional[float], timeout_s: Optional[float], call: int,
+                     exc: BaseException) -> Optional[BaseException]:
+    """What a backend's call that failed with ``exc`` means, where the error reaches a layer's
+    call site (``MoELayer``, the vLLM adapter): the library's own timeout on a peer
+    (:func:`library_timeout_error`), or a collective inside the call whose transport failed
+    (a peer's process gone, the group's ``timeout_s``: :func:`collective_error`, naming
+    ``call``). None for anything else, which is raised as it is. Raise the result ``from
+    exc``."""
+    wrapped = library_timeout_error(layer, library, library_timeout_s, exc)
+    if wrapped is None and transport_error(exc):
+        return collective_error(faults, layer, f"a collective inside {library}'s call",
+                                timeout_s, exc, call)
+    return wrapped
+
+
 def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Optional[float],
-                     exc: BaseException) -> BaseException:
+                     exc: BaseException, call: Optional[int] = None) -> BaseException:
     """The error to raise for a collective of ``layer`` that failed with ``exc`` (issue or
     wait): a transport error (timeout, peer gone) becomes :class:`CollectiveError` naming the
-    layer, the collective, the call and the peers, and the group is marked broken (its
-    collectives are out of step now). Our own fault errors pass through unchanged."""
+    layer, the collective, the call (``call``, else the group's host-exchange count) and the
+    peers, and the group is marked broken (its collectives are out of step now). Our own fault
+    errors pass through unchanged."""
     if isinstance(exc, (LayerBrokenError, OutOfStepError, CollectiveError, PeerInputError)):
         return exc
+    call = faults.seq if call is None else call
     lines = str(exc).strip().splitlines()
     text = lines[-1] if lines else type(exc).__name__
-    gone = any(s in str(exc) for s in ("reset by peer", "closed by peer", "Connection closed",
-                                       "Broken pipe", "EOF", "Connection refused"))
+    gone = _says_peer_gone(exc)  # (a collective's own error: its words suffice)
     timed_out = "imed out" in str(exc) or "imeout" in str(exc)
     peer = _PEER_RE.search(str(exc))
     limit = f" of {timeout_s:g} s" if timeout_s is not None else ""
@@ -355,11 +403,11 @@ def collective_error(faults: GroupFaults, layer: str, what: str, timeout_s: Opti
            f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}")
     # a peer that failed mid-way posted its error (moe_plugins.callbound.fault_notice): the true cause
     told = faults.notice.read_within(NOTICE_READ_S) if faults.notice is not None else None
-    faults.mark_broken(f"{what} of call {faults.seq} did not complete", exc)
+    faults.mark_broken(f"{what} of call {call} did not complete", exc)
     first = (f"; first, a peer's call on this group failed mid-way and told its peers: {told}"
              if told else "")
     return CollectiveError(
-        f"{layer}: {what} (call {faults.seq}) did not complete on the EP group of ranks "
+        f"{layer}: {what} (call {call}) did not complete on the EP group of ranks "
         f"{list(faults.ranks)}: {cause}; the peer that did not answer: {who} "
         f"({type(exc).__name__}: {text}){first}. A rank that raised before this collective, "
         "or died, reports its own error")

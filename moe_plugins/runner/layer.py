@@ -12,7 +12,7 @@ from moe_plugins.config import DispatchConfig
 from moe_plugins.counters import CollectiveLog, DispatchStats
 from moe_plugins.runner.experts import TorchExperts
 from moe_plugins.faults import (PeerMaskedError, group_faults, in_step, is_in_step,
-                                is_owed_call, library_timeout_error)
+                                is_owed_call, call_fault_error)
 from moe_plugins.groups import DistContext, all_gather_rows
 from moe_plugins.interface import PrepareFinalize, PrepareResult, RowScatterTarget, capturing
 from moe_plugins.backend_manager import BackendManager, RankMasking
@@ -331,9 +331,10 @@ class MoELayer:
                 self._serve_without_tokens(e)
             if not is_in_step(e):
                 self.faults.mark_broken(f"{self.name} raised on this rank", e)
-            if self.pf is not None:  # the library's own timeout on a peer: say what it means
-                wrapped = library_timeout_error(self.name, self.backend_spec.name,
-                                                self.pf.library_timeout_s, e)
+            if self.pf is not None:  # a peer's loss or hang under the library: say what it means
+                wrapped = call_fault_error(self.faults, self.name, self.backend_spec.name,
+                                           self.pf.library_timeout_s, self.ctx.timeout_s,
+                                           self._num_calls, e)
                 if wrapped is not None:
                     raise wrapped from e
             raise

@@ -11,8 +11,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from moe_plugins.callbound import CallBound, WatchedCall, bound_host_waits
-from moe_plugins.faults import (GroupFaults, in_step, is_in_step, is_owed_call,
-                                library_timeout_error)
+from moe_plugins.faults import (GroupFaults, call_fault_error, in_step, is_in_step,
+                                is_owed_call)
 from moe_plugins.groups import DistContext
 from moe_plugins.interface import PrepareFinalize
 from moe_plugins.layout import OwnedRows
@@ -73,22 +73,25 @@ class CallGuard:
         return watched
 
     def send_failed(self, slot: int, backend: PrepareFinalize, watched: Optional[WatchedCall],
-                    error: BaseException) -> None:
+                    call: int, error: BaseException) -> None:
         """The dispatch of ``slot`` raised ``error``: forget a call with nothing in flight, end
         its watch (the error reached the caller), and raise a library timeout as what it
         means. Returns where the caller re-raises ``error``."""
         if is_in_step(error) or is_owed_call(error):  # nothing in flight: nothing to reset later
             del self.calls[slot]
         self.end_watch(watched, backend)
-        self.raise_library_timeout(backend, error)
+        self.raise_library_timeout(backend, call, error)
 
-    def raise_library_timeout(self, backend: PrepareFinalize, error: BaseException) -> None:
+    def raise_library_timeout(self, backend: PrepareFinalize, call: int,
+                              error: BaseException) -> None:
         """Where ``error`` is the library's own timeout on a peer (a trapped kernel, DeepEP's
-        host wait), raise what it means instead, from ``error`` (the group is broken)."""
-        wrapped = library_timeout_error(self.name, self.backend_name, backend.library_timeout_s,
-                                        error)
+        host wait) or a collective inside the call whose transport failed (a peer's process
+        gone), raise what it means instead, from ``error`` (the group is broken)."""
+        wrapped = call_fault_error(self.faults, self.name, self.backend_name,
+                                   backend.library_timeout_s, self.ctx.timeout_s, call, error)
         if wrapped is not None:
-            self.faults.mark_broken(f"{self.name}: the library timed out on a peer", error)
+            self.faults.mark_broken(f"{self.name}: call {call} ended on a peer's loss or hang",
+                                    error)
             raise wrapped from error
 
     def end_watch(self, watched: Optional[WatchedCall], backend: PrepareFinalize) -> None:

@@ -357,7 +357,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 return lambda: result
             sent = backend.prepare_async(x, weights, ids, quant)
         except BaseException as e:
-            self._guard.send_failed(slot, backend, watched, e)
+            self._guard.send_failed(slot, backend, watched, self.calls, e)
             raise
 
         def receiver() -> mk.PrepareResultType:
@@ -446,7 +446,7 @@ class MoEPluginsPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 hook, received = sent.hook, sent.receiver
         except BaseException as e:
             backend.reset_call_state()
-            self._guard.raise_library_timeout(backend, e)
+            self._guard.raise_library_timeout(backend, self.calls, e)
             raise
         finally:  # the combine is enqueued (a hang in a later receive stalls the next call)
             self._guard.end_watch(watched, backend)

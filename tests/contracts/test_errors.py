@@ -67,3 +67,39 @@ def test_a_library_timeout_on_a_peer_is_wrapped_with_what_it_means():
     assert library_timeout_error("L", "deepep_ll", 100.0, RuntimeError("shape mismatch")) is None
     assert library_timeout_error("L", "deepep_ll", 100.0, ValueError("unspecified launch failure")) is None
     assert library_timeout_error("L", "deepep_ll", 100.0, LayerBrokenError("x timeout")) is None
+
+
+def test_a_transport_failure_at_the_call_site_is_a_collective_error_and_nothing_else_is():
+    """At a layer's call site (call_fault_error): torch.distributed's own failures (gloo's
+    transport, by its source in the text; a DistError such as NCCL's) become CollectiveError
+    naming the layer, the library, the call and the group, and break the group; the library's
+    own timeout keeps its words; an expert's RuntimeError that merely reads like a transport's,
+    and our own errors, are left alone (None), the group untouched."""
+    import torch.distributed as dist
+
+    from moe_plugins.faults import (CollectiveError, GroupFaults, LayerBrokenError,
+                                    call_fault_error)
+
+    gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:433. This is typically caused by a remote "
+                        "worker crashing.")
+    faults = GroupFaults([0, 1, 2, 3], 0)
+    wrapped = call_fault_error(faults, "layer X", "deepep_ll", 100.0, 60.0, 7, gone)
+    assert isinstance(wrapped, CollectiveError)
+    assert str(wrapped).startswith(
+        "layer X: a collective inside deepep_ll's call (call 7) did not complete on the EP group "
+        "of ranks [0, 1, 2, 3]: a peer went away (its process died or left the group); the peer "
+        "that did not answer: peer [127.0.0.1]:433 (as the transport names it)"), str(wrapped)
+    assert faults.broken is not None and "Connection closed by peer" in faults.broken
+    nccl = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp: remote process exited")
+    assert isinstance(call_fault_error(GroupFaults([0, 1], 0), "L", "deepep_ht", 100.0, 60.0, 1,
+                                       nccl), CollectiveError)
+    trap = RuntimeError("CUDA error: unspecified launch failure")
+    assert "library's own timeout" in str(call_fault_error(GroupFaults([0, 1], 0), "L",
+                                                           "deepep_ll", 100.0, 60.0, 1, trap))
+    for other in (RuntimeError("EOF while reading the expert weights: Connection closed"),
+                  ValueError("gloo/transport"), LayerBrokenError("gloo/transport closed by peer"),
+                  CollectiveError("a peer went away")):
+        untouched = GroupFaults([0, 1], 0)
+        assert call_fault_error(untouched, "L", "deepep_ll", 100.0, 60.0, 1, other) is None
+        assert untouched.broken is None

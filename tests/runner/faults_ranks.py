@@ -315,3 +315,40 @@ def refused_layer_call(rank: int, world: int, backend: str, layout: ParallelLayo
                         out=outs[-1] if second[0] is None else None)
         finally:
             layer.destroy()
+
+
+def killed_mid_call(rank: int, world: int, victim: int, backend: str) -> dict:
+    """EP ``world``, ``backend`` on its emulated library (the vendor's package replaced by
+    tests/emulation, its collectives on gloo), no call bound set (the backstop): call 1 on every
+    rank; in call 2 the victim's process is killed (SIGKILL) inside its experts, after its
+    dispatch was sent, while its peers wait for it in the combine. Each survivor reports call
+    2's error (type, text, seconds from the start of the call) and call 3's (``step`` /
+    ``result`` of tests.gpu.ep_harness)."""
+    from tests.backends.low_latency_ranks import make_options
+    from tests.emulation import installed
+    from tests.gpu.ep_harness import result, step
+
+    cfg = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32,
+                    shared_intermediate=64, dtype=torch.bfloat16)  # DeepEP's activations
+    with installed("nixl_ep" if backend == "nixl_ep" else "deep_ep"):
+        ctx = make_dist_context(ParallelLayout(world, 1, True), timeout_s=60.0,
+                                fresh_ep_group=True)
+        layer = MoELayer(MoEWeights.random(cfg, 0), ctx, get_backend(backend), None, QuantSpec(),
+                         OverlapConfig(overlap=False), max_tokens_per_rank=8,
+                         backend_options=make_options(backend) if backend != "deepep_ht" else None)
+        x = demo_inputs(cfg, 6, rank, 0)
+        step("call 1")
+        out = layer(x)
+        if rank != victim:  # (a tensor is fetched from its process: a killed one has none)
+            result({"call": 1, "out": out})
+        if rank == victim:
+            def die(prep: object) -> torch.Tensor:
+                step("victim killed in call 2")
+                os.kill(os.getpid(), signal.SIGKILL)
+                raise AssertionError("unreachable")
+            layer.experts.apply = die  # type: ignore[method-assign]
+        for call in (2, 3):
+            step(f"call {call}")
+            got = _error(lambda: layer(x))
+            result({"call": call, "type": got[0], "error": got[1], "seconds": got[2]})
+        return {"returned": True}

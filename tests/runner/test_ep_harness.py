@@ -21,6 +21,12 @@ pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _is_a_failure(raised: BaseException) -> None:
+    """pytest.fail's own exception, not pytest.xfail's (an expected failure; its exception is a
+    subclass of fail's, so ``pytest.raises(pytest.fail.Exception)`` alone accepts it too)."""
+    assert type(raised) is pytest.fail.Exception, type(raised)
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -62,11 +68,14 @@ def test_a_hang_is_bounded_reported_with_its_step_and_leaves_no_process(where):
     assert "did not finish within 8 s" in run.summary()
     # a run that did not finish failed (never an expected failure): it showed nothing
     with pytest.raises(pytest.fail.Exception, match="hang did not finish within 8 s: .*"
-                                                    "(sleep|all_reduce)"):
+                                                    "(sleep|all_reduce)") as failed:
         verdict(run, "hang")
+    _is_a_failure(failed.value)
     # after a fault, ranks that did not end in time are what the run is there to catch
-    with pytest.raises(pytest.fail.Exception, match="did not end within 8 s after the fault"):
+    with pytest.raises(pytest.fail.Exception,
+                       match="did not end within 8 s after the fault") as failed:
         verdict(run, "hang", fault=True)
+    _is_a_failure(failed.value)
 
 
 def test_a_mismatch_is_a_failure_not_an_expected_failure():
@@ -75,8 +84,9 @@ def test_a_mismatch_is_a_failure_not_an_expected_failure():
     assert run.outcomes[0].status == "ok" and run.outcomes[1].status == "error"
     assert run.outcomes[1].results == [{"case": "compare", "ok": False, "max_abs_err": 0.5}]
     assert run.outcomes[1].error[0] == "AssertionError"
-    with pytest.raises(pytest.fail.Exception, match="rank 1 raised at step 'compare'"):
+    with pytest.raises(pytest.fail.Exception, match="rank 1 raised at step 'compare'") as failed:
         verdict(run, "mismatch")
+    _is_a_failure(failed.value)
 
 
 @pytest.mark.parametrize("how,cause", [("exit", "exit code 3"),
@@ -92,8 +102,9 @@ def test_a_dead_rank_is_reported_and_its_peer_ends(how, cause):
     assert run.stray == []
     rec = run.record()
     assert rec["ranks"][1]["cause"] == cause and rec["ranks"][0]["error"]["type"] == "RuntimeError"
-    with pytest.raises(pytest.fail.Exception, match="rank 1 died"):
+    with pytest.raises(pytest.fail.Exception, match="rank 1 died") as failed:
         verdict(run, "death")
+    _is_a_failure(failed.value)
 
 
 def test_a_dead_rank_stops_the_others_by_default():

@@ -319,3 +319,39 @@ def test_low_latency_backend_refusal_with_tp_inside_ep_breaks_instead_of_pairing
     for rank, r in enumerate(results[1:], start=1):
         assert r["first"][0] is not None, f"rank {rank} returned a result of the refused call"
         assert r["first"][2] < 3 * TIMEOUT_S
+
+
+@pytest.mark.parametrize("backend", ["deepep_ll", "deepep_ht", "nixl_ep"])
+def test_a_peer_killed_mid_call_ends_every_survivor_with_our_error(backend):
+    """EP 4 on the emulated library (its collectives on gloo), no call bound set: rank 1 is
+    killed (SIGKILL) inside its experts in call 2. Before, the survivors got gloo's raw
+    RuntimeError ("Connection closed by peer") within 0.5 s. Now each ends call 2 at once with
+    CollectiveError saying a peer went away, naming the layer and the call and quoting the
+    transport's error, blaming no survivor (a rank whose transport saw the loss tells its peers
+    nothing); its process lives and the next call raises LayerBrokenError. Call 1 was right."""
+    from tests.gpu.ep_harness import run_world
+
+    world, victim = 4, 1
+    run = run_world(frf.killed_mid_call, world, victim, backend, device="cpu", timeout_s=60,
+                    pg_timeout_s=60, stop_on_death=False)
+    assert run.outcomes[victim].status == "died", run.outcomes[victim].describe()
+    for rank, o in enumerate(run.outcomes):
+        if rank == victim:
+            continue
+        assert o.status == "ok", o.describe()
+        calls = {r["call"]: r for r in o.results}
+        second, third = calls[2], calls[3]
+        assert second["type"] == "CollectiveError", (rank, second)
+        assert (f"a collective inside {backend}'s call (call 2) did not complete on the EP "
+                "group of ranks [0, 1, 2, 3]: a peer went away") in second["error"], second
+        assert f"MoE layer ({backend}, dp=4" in second["error"], second
+        assert "by peer" in second["error"], second  # the transport's own words, quoted
+        assert "told its peers" not in second["error"], second
+        assert second["seconds"] < 5.0, second  # at once, not at a timeout (60 s) or bound
+        assert third["type"] == "LayerBrokenError" and third["seconds"] < 1.0, third
+    outs = [{"out": r["out"] for r in o.results if r.get("call") == 1} for o in run.outcomes]
+    cfg = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32,
+                    shared_intermediate=64, dtype=torch.bfloat16)
+    assert_matches_reference(outs, ParallelLayout(world, 1, True), cfg, 6,
+                             ranks=[r for r in range(world) if r != victim])
+    assert not run.stray

@@ -23,6 +23,8 @@ TIMEOUT_S = 4.0
 CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=64, shared_intermediate=64)
 LL_CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=2, intermediate=32, shared_intermediate=64,
                    dtype=torch.bfloat16)
+BF16_CFG = MoEConfig(hidden=128, num_experts=8, num_topk=2, intermediate=32,
+                     shared_intermediate=64, dtype=torch.bfloat16)
 TEXT = {"tokens": "but the ownership was computed for 6", "expert_map": "got expert_map"}
 
 
@@ -91,3 +93,43 @@ def test_a_hung_peer_ends_the_watched_rank_within_its_call_bound():
     seconds = [r["seconds"] for r in r0.results if r.get("call") == 2]
     assert seconds and 2.0 <= seconds[0] < 2.0 + 2.0, r0.results  # 2 shared cores: slack
     assert re.search(r"started [23]\.\d s ago", r0.error[1]), r0.error[1]
+
+
+@pytest.mark.parametrize("backend,fault,words", [
+    ("deepep_ht", "sit_out",
+     "deepep_ht's wait for a peer ended at the library's own timeout (about 2 s; RuntimeError: "
+     "DeepEP error: CPU recv timeout): a peer rank died or hangs in the middle of the call"),
+    ("deepep_ll", "kill",
+     "a collective inside deepep_ll's call (call 2) did not complete on the EP group of ranks "
+     "[0, 1]: a peer went away"),
+], ids=["library-timeout", "peer-killed"])
+def test_a_peer_lost_mid_call_reaches_the_adapters_caller_as_what_it_means(backend, fault,
+                                                                            words):
+    """vLLM's modular kernel over the adapter, dp 2 on the emulated DeepEP built with a 2 s
+    timeout, no call bound set. Rank 1 sits out call 2 (deepep_ht: rank 0's dispatch waits
+    on the host for the counts until DeepEP's own "CPU recv timeout"; the adapter's prepare
+    path) or is killed between its dispatch and its combine (deepep_ll: rank 0's combine
+    loses the peer in the library's transport; the finalize path). Rank 0's call raises
+    CollectiveError saying what happened and that every rank must restart, from the library's
+    error, not the library's raw RuntimeError; call 1 was right."""
+    from tests.gpu.ep_harness import run_world
+
+    library_s = 2.0
+    run = run_world(ranks.peer_lost_kernel_call, 2, backend, fault, 1, library_s, device="cpu",
+                    timeout_s=60, pg_timeout_s=60, stop_on_death=False)
+    survivor = run.outcomes[0]
+    calls = {r["call"]: r for r in survivor.results}
+    assert 2 in calls, survivor.describe()
+    got = calls[2]
+    assert got["type"] == "CollectiveError", got
+    assert words in got["error"], got
+    assert got["cause"] == "RuntimeError", got
+    assert "EP rank 0" in got["error"], got  # the adapter's layer, by its name
+    limit = library_s + 4.0 if fault == "sit_out" else 4.0  # at the library's timeout, or at once
+    assert got["seconds"] < limit, got
+    if fault == "sit_out":
+        assert "Restart every rank of the EP group" in got["error"], got
+        assert got["seconds"] >= library_s, got
+    assert_matches_reference([dict(out=calls[1]["out"])], ParallelLayout(2, 1, True),
+                             BF16_CFG, 6, ranks=[0])
+    assert not run.stray

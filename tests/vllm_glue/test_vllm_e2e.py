@@ -143,7 +143,10 @@ def _tail(path: Path, lines: int = 60) -> str:
 
 
 SERVERS = {
-    "one-rank": [],
+    # the reference server, without expert parallelism (none of ours runs): eager, since its
+    # compiled graphs would cost 2 minutes of CPU and test nothing of ours
+    "one-rank": ["--enforce-eager"],
+    # compiled: our prepare/finalize inside the graphs vLLM compiles
     "tp2-ep": ["-tp", "2", "--enable-expert-parallel"],
     # the switches travel through --additional-config: shared-expert overlap off here ...
     "dp2-ep": ["-dp", "2", "--enable-expert-parallel", "--enforce-eager",

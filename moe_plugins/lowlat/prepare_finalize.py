@@ -400,7 +400,7 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
             # bf16 and contiguous expert outputs, contiguous float32 weights: the runtime's
             # asserts check them where it is called directly (RuntimeCalls)
             if rt is None and fused_expert_output.dtype is not _BF16:
-                raise self._expert_dtype_error(fused_expert_output)
+                raise _expert_dtype_error(self.manager.backend_name, fused_expert_output)
             if topk_ids is not prepared_ids or topk_weights is not prepared_weights:
                 # the same routing only (equal values: prepare's casts serve as they are)
                 check_finalize_routing(prepared_ids, prepared_weights, topk_ids, topk_weights)
@@ -445,15 +445,15 @@ class LowLatencyPrepareFinalize(PrepareFinalize):
         """The runtime's combine raised ``error`` on (x, weights): as
         :meth:`_refused_dispatch`, for the expert outputs' dtype and the inputs' layout."""
         if x.dtype is not _BF16:
-            raise self._expert_dtype_error(x) from error
+            raise _expert_dtype_error(self.manager.backend_name, x) from error
         if x.is_contiguous() and weights.is_contiguous():
             raise error
         return x.contiguous(), weights.contiguous()
 
-    def _expert_dtype_error(self, fused_expert_output: torch.Tensor) -> TypeError:
-        return TypeError(f"{self.manager.backend_name}: expert outputs must be bfloat16 for the "
-                         f"combine kernel, got {fused_expert_output.dtype}")
 
+def _expert_dtype_error(backend_name: str, fused_expert_output: torch.Tensor) -> TypeError:
+    return TypeError(f"{backend_name}: expert outputs must be bfloat16 for the combine kernel, "
+                     f"got {fused_expert_output.dtype}")
 
 def low_latency_spec(name: str, prepare_finalize: type[LowLatencyPrepareFinalize],
                      manager: type[LowLatencyManager], description: str,

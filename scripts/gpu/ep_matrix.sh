@@ -6,7 +6,9 @@
 # prepare.sh and prepare17.sh, tests/gpu/README.md) and run on its own:
 #
 #   HALF=A bash scripts/gpu/ep_matrix.sh   kit: .gpu/whl .gpu/vllm_py-<version>.tgz .gpu/deepep-567632d.tgz
-#                                                .gpu17/nixl .gpu17/flashinfer (0.7.4)
+#                                                .gpu17/nixl .gpu17/flashinfer (0.7.4; or none,
+#                                                after a half B run with FI_VERSION=0.7.4 on
+#                                                the same host: the flashinfer it set up)
 #          vLLM's path (deepep_ll, nixl_ep, deepep_ht at EP 2/4, SP at dp2 x tp2, DBO, CUDA graph;
 #          flashinfer_nvlink_one_sided at EP 2/4 beside vLLM's in-tree one-sided class, on
 #          flashinfer FI_VERSION, default 0.7.4 here: vLLM 0.34 calls its dispatch keyword

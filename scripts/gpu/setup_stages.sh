@@ -18,7 +18,8 @@
 #   setup_nixl           .gpu17/nixl: NIXL EP's extension built against this torch into
 #                        /tmp/nixl_site/nixl_ep (nixl_ep.sh's stages 1-4; log nixl_build.log)
 #   setup_flashinfer     .gpu17/flashinfer -> /tmp/fisite (FI_VERSION), its all-to-alls JIT-built
-#                        (flashinfer.sh's stages 2-3; log fi_jit.log)
+#                        (flashinfer.sh's stages 2-3; log fi_jit.log); without the kit, the
+#                        version an earlier run set up in /tmp/fisite is used
 #   gpu_pythonpath PARTS...   the PYTHONPATH for the parts set up (deepep vllm nixl flashinfer)
 #
 # OUT must be set (logs go there). Stage lines: "== HH:MM:SS <what>".
@@ -141,13 +142,19 @@ PY
 setup_flashinfer() {
   local v=${FI_VERSION:-0.7.2.post1} kit=.gpu17/flashinfer
   stage "install flashinfer $v (stripped) and its missing dependencies into /tmp/fisite"
-  [ -f "$kit/flashinfer_python-$v-py3-none-any.whl" ] \
-    || { echo "no $kit/flashinfer_python-$v-py3-none-any.whl (scripts/gpu/prepare17.sh makes it)"; return 1; }
-  rm -rf /tmp/fisite
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
-    "$kit/flashinfer_python-$v-py3-none-any.whl" \
-    $(ls "$kit"/*.whl | grep -v '/flashinfer_python-') > "$OUT/fi_pip.log" 2>&1 \
-    || { tail -30 "$OUT/fi_pip.log"; return 1; }
+  if [ -f "$kit/flashinfer_python-$v-py3-none-any.whl" ]; then
+    rm -rf /tmp/fisite
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
+      "$kit/flashinfer_python-$v-py3-none-any.whl" \
+      $(ls "$kit"/*.whl | grep -v '/flashinfer_python-') > "$OUT/fi_pip.log" 2>&1 \
+      || { tail -30 "$OUT/fi_pip.log"; return 1; }
+  elif [ -d "/tmp/fisite/flashinfer_python-$v.dist-info" ]; then
+    # no kit in this checkout, but an earlier run on this host set this version up: use it
+    echo "no $kit/flashinfer_python-$v-py3-none-any.whl: flashinfer $v as an earlier run set it up in /tmp/fisite"
+  else
+    echo "no $kit/flashinfer_python-$v-py3-none-any.whl (scripts/gpu/prepare17.sh makes it) and none set up in /tmp/fisite"
+    return 1
+  fi
   export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
   export PATH=/usr/local/cuda/bin:$PATH CUDA_HOME=/usr/local/cuda
   nvidia-smi -q | grep -iE "fabric|clique|imex" | head -8 || true

@@ -1,16 +1,20 @@
 """The emulated low-latency kernels' fabric as one-sided puts and spin-waits (optional).
 
 The real kernels write each peer's messages into that peer's RDMA buffer (a put) and spin on
-a per-peer signal until it arrives; a rank masked in the mask buffer is neither sent to nor
-waited for, and the mask is read while spinning, so masking a peer from the host makes a
-kernel that waits for it return (DeepEP with ``enable_shrink``, NIXL EP). The default transport
-of :mod:`tests.emulation._ll_kernels` (a gloo all-to-all over the whole group) cannot model
-that: a dead or stopped member holds every rank's all-to-all. This fabric does, over the
-job's store: a put is one key per (generation, call, source, destination), a spin-wait polls
-the keys of the unmasked sources and re-reads the mask every poll. Cleaning the buffer (the
-mask clean of either library) starts a new generation: nothing of an older call is read
-again, as a zeroed buffer holds no signal of one. A wait for a peer longer than the library's
-timeout masks that peer (mask buffer present) or fails as a trapped kernel does.
+a per-peer signal until it arrives or the kernel timeout passes; a rank masked in the mask
+buffer is neither sent to nor waited for. The mask is read once, as each send and each wait
+begins, never while spinning (DeepEP 567632d csrc/kernels/internode_ll.cu and NIXL EP
+examples/device/ep/csrc/kernels/nixl_ep_ll.cu alike: ``if (not is_rank_masked(mask_buffer_ptr,
+src_rank)) { while (<signal not arrived> and <not timed out>); }``): masking a peer from the
+host skips it in the sends and waits that begin later, and does not end a wait already
+spinning on it, which only the peer's signal or the timeout ends (then the kernel masks the
+peer itself, or traps without a mask buffer). The default transport of
+:mod:`tests.emulation._ll_kernels` (a gloo all-to-all over the whole group) cannot model that:
+a dead or stopped member holds every rank's all-to-all. This fabric does, over the job's store:
+a put is one key per (generation, call, source, destination), a wait polls the keys of the
+sources unmasked when it began. Cleaning the buffer (the mask clean of either library) starts
+a new generation: nothing of an older call is read again, as a zeroed buffer holds no signal
+of one.
 
 Chosen per process by ``MOE_EMU_LL_FABRIC=store`` (the peer-loss tests set it); the default
 stays the all-to-all, which the other emulation tests use.
@@ -32,9 +36,9 @@ _BUFFERS: dict[str, int] = {}  # buffers built per transport group: each its own
 
 
 class StoreFabric:
-    """Puts and spin-waits of one emulated buffer. ``active``: the runtime's mask (read live);
-    ``timeout_s``: the library's wait bound; ``mask_enabled``: a timed-out peer is masked
-    (else the wait fails)."""
+    """Puts and spin-waits of one emulated buffer. ``active``: the runtime's mask (read as a
+    send or a wait begins); ``timeout_s``: the library's wait bound; ``mask_enabled``: a
+    timed-out peer is masked (else the wait fails, as a trapped kernel)."""
 
     def __init__(self, store: "dist.Store", prefix: str, rank: int, num_ranks: int,
                  active: Callable[[], list[bool]], mask: Callable[[int], None],
@@ -67,13 +71,12 @@ class StoreFabric:
         def wait() -> tuple[torch.Tensor, torch.Tensor]:
             got = {self.rank: own}
             start = time.monotonic()
+            active = self.active()  # once, as the wait begins: the kernels read it so
+            waiting = [r for r in range(self.num_ranks) if r != self.rank and active[r]]
             while True:
-                active = self.active()
-                waiting = [r for r in range(self.num_ranks)
-                           if r not in got and active[r]]
                 for r in waiting:
                     key = self._key(seq, r, self.rank)
-                    if self.store.check([key]):
+                    if r not in got and self.store.check([key]):
                         data = self.store.get(key)
                         self.store.delete_key(key)
                         got[r] = torch.frombuffer(bytearray(data), dtype=torch.uint8) \
@@ -83,12 +86,12 @@ class StoreFabric:
                     break
                 if time.monotonic() - start > self.timeout_s:
                     self._timed_out([r for r in waiting if r not in got])
+                    break
                 time.sleep(_POLL_S)
-            srcs = [r for r in sorted(got) if active[r] or r == self.rank]
-            recv = torch.cat([got[r] for r in srcs]) if srcs else torch.zeros(0, width,
-                                                                              dtype=torch.uint8)
+            srcs = sorted(got)  # a timed-out peer's rows are not received
+            recv = torch.cat([got[r] for r in srcs])
             src = torch.cat([torch.full((got[r].shape[0],), r, dtype=torch.int64)
-                             for r in srcs]) if srcs else torch.zeros(0, dtype=torch.int64)
+                             for r in srcs])
             return recv, src
 
         return wait

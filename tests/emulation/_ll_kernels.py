@@ -33,8 +33,9 @@ kernels/nixl_ep_ll.cu):
 
 Transport: one synchronous ``all_to_all_single`` of per-rank message counts, then one async
 ``all_to_all_single`` of the packed messages (uint8 rows: fp8 travels as bytes); or, with
-``MOE_EMU_LL_FABRIC=store``, one-sided puts and spin-waits that read the mask while waiting and
-mask a peer at the library's timeout (:mod:`tests.emulation._ll_fabric`). Not modelled: CUDA
+``MOE_EMU_LL_FABRIC=store``, one-sided puts and spin-waits that read the mask as each begins
+(as the kernels do: a mask set later does not end a wait already spinning) and mask a peer at
+the library's timeout (:mod:`tests.emulation._ll_fabric`). Not modelled: CUDA
 streams/events (``async_finish`` returns an event whose wait is a no-op), LogFMT and zero-copy
 combine, the normal (high-throughput) kernels.
 
@@ -188,8 +189,8 @@ class EmulatedLowLatencyRuntime:
         self.launches = 0
         self.rdma_bytes: Optional[torch.Tensor] = None  # uint8 [num_rdma_bytes], on first use
         self.destroyed = False
-        # puts and spin-waits that a host mask acts on (tests.emulation._ll_fabric), or None:
-        # the group all-to-all below
+        # puts and spin-waits that read the mask as each begins (tests.emulation._ll_fabric),
+        # or None: the group all-to-all below
         self.fabric = store_fabric_for(group, rank, num_ranks, lambda: self.active,
                                        lambda r: self.update_mask(r, True), self.timeout_s,
                                        mask_enabled)

@@ -313,3 +313,54 @@ def test_the_legacy_shape_has_the_current_lines_behaviour(rank_pool):
     for r in rank_pool(2).run(legacy_module_facts):
         assert r == dict(fabric=True, refused=True, version="2.1.0", extension="deep_ep._C",
                          elastic=True)
+
+
+def waits_against_a_silent_peer(rank: int, world: int, timeout_s: float) -> dict:
+    """Rank 0's store-fabric waits on rank 1, which sends only in the last case: masked after
+    the wait began, masked before it, and sending. Seconds each wait took and which ranks its
+    timeout masked."""
+    import threading
+    import time
+
+    from tests.emulation._ll_fabric import StoreFabric
+
+    store = dist.distributed_c10d._get_default_store()
+    out = {}
+    for case in ("masked-while-waiting", "masked-before", "sends"):
+        active, masked = [True, True], []
+        fabric = StoreFabric(store, f"emu_ll_test/{case}", rank, world, lambda: active,
+                             masked.append, timeout_s, mask_enabled=True)
+        msgs = torch.full((2, 4), rank + 1, dtype=torch.uint8)
+        dest = torch.tensor([0, 1])
+        if rank == 1:
+            if case == "sends":
+                fabric.send(msgs, dest)
+            dist.barrier()
+            continue
+        wait = fabric.send(msgs, dest)
+        if case == "masked-before":
+            active[1] = False
+        elif case == "masked-while-waiting":  # the host masks the peer 0.3 s into the wait
+            threading.Timer(0.3, active.__setitem__, (1, False)).start()
+        t0 = time.monotonic()
+        recv, src = wait()
+        out[case] = dict(seconds=time.monotonic() - t0, masked=masked, sources=src.tolist(),
+                         values=recv[:, 0].tolist())
+        dist.barrier()
+    return out
+
+
+def test_the_store_fabric_reads_the_mask_as_a_wait_begins_as_the_kernels_do(rank_pool):
+    """DeepEP 567632d (csrc/kernels/internode_ll.cu, the dispatch and combine receives and the
+    barrier) and NIXL EP (examples/device/ep/csrc/kernels/nixl_ep_ll.cu) read a peer's mask word
+    once before spinning on its signal: ``if (not is_rank_masked(..)) while (<no signal> and
+    <not timed out>);``. A mask the host sets while a wait spins does not end it: only the
+    timeout does, which then masks the peer itself. A peer masked before the wait is skipped."""
+    got = rank_pool(2).run(waits_against_a_silent_peer, 1.5)[0]
+    spinning = got["masked-while-waiting"]
+    assert spinning["seconds"] >= 1.5 and spinning["masked"] == [1], spinning
+    assert spinning["sources"] == [0]  # its own row only
+    before = got["masked-before"]
+    assert before["seconds"] < 1.5 and before["masked"] == [] and before["sources"] == [0]
+    sends = got["sends"]
+    assert sends["masked"] == [] and sends["sources"] == [0, 1] and sends["values"] == [1, 2]

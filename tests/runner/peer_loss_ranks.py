@@ -1,7 +1,10 @@
 """Rank functions of the peer-loss tests (tests/runner/test_peer_loss.py): an EP 4 layer on the
 emulated low-latency libraries (tests/emulation, with the store fabric: puts and spin-waits
-that a host mask acts on) under ``on_peer_loss``; one rank SIGKILLs or SIGSTOPs itself inside
-its experts of one call (its dispatch received, its combine not sent: mid-call).
+that read the library's mask as each begins, as the kernels do) under ``on_peer_loss``; one
+rank SIGKILLs or SIGSTOPs itself inside its experts of one call (its dispatch received, its
+combine not sent: mid-call). The libraries' kernel timeout is LIBRARY_TIMEOUT_S (DeepEP as
+built with it, NIXL EP's ``timeout_ms``): a survivor's wait already spinning on the lost peer
+ends there, whatever the host masks meanwhile.
 
 Every rank reports (``report_result``) each call it made: its seed, and its error's type (the
 outputs come back in the rank function's value). The victim writes the wall-clock time of its
@@ -35,12 +38,14 @@ from moe_plugins.survival.errors import RankEvictedError
 from tests.backends.low_latency_ranks import make_options, vendor_module
 from tests.emulation import installed
 from tests.emulation._ll_fabric import FABRIC_ENV
+from tests.runner.watchdog_ranks import deepep_build
 
 CFG = MoEConfig(hidden=2048, num_experts=8, num_topk=2, intermediate=32, shared_intermediate=64,
                 dtype=torch.bfloat16)
 TOKENS = 6
 VICTIM = 3
 FAULT_CALL = 3  # the victim's fault happens inside this call (1-based)
+LIBRARY_TIMEOUT_S = 4.0  # the kernels' wait for a peer: above detect_s (2 s), as it must be
 _STORE_PREFIX = "peer_loss_test/"
 
 
@@ -90,11 +95,11 @@ def survive(rank: int, world: int, backend: str, fault: str, redundant: bool = T
     os.environ[FABRIC_ENV] = "store"
     store = _store()
     placement = redundant_placement(world) if redundant else None
-    with installed(vendor_module(backend)):
+    with installed(vendor_module(backend), deep_ep_build=_build(backend)):
         ctx = cached_dist_context(ParallelLayout(world, 1, True))
         layer = MoELayer(MoEWeights.random(CFG, 0), ctx, get_backend(backend), None,
                          QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=TOKENS,
-                         backend_options=make_options(backend, **_shrink(backend)),
+                         backend_options=make_options(backend, **_library_options(backend)),
                          placement=placement, call_timeout_s=call_timeout_s,
                          on_peer_loss=PeerLossOptions(detect_s=detect_s, beat_s=detect_s / 8,
                                                       degraded=degraded, group_timeout_s=20.0))
@@ -107,8 +112,16 @@ def survive(rank: int, world: int, backend: str, fault: str, redundant: bool = T
             layer.destroy()
 
 
-def _shrink(backend: str) -> dict:
-    return {"enable_shrink": True} if backend.startswith("deepep") else {}
+def _build(backend: str) -> Optional[dict]:
+    """DeepEP's build record with LIBRARY_TIMEOUT_S (scripts/deepep/build.sh's timeout option)."""
+    return deepep_build(LIBRARY_TIMEOUT_S) if backend.startswith("deepep") else None
+
+
+def _library_options(backend: str) -> dict:
+    """DeepEP's mask buffer; NIXL EP's kernel timeout LIBRARY_TIMEOUT_S."""
+    if backend.startswith("deepep"):
+        return {"enable_shrink": True}
+    return {"timeout_ms": int(LIBRARY_TIMEOUT_S * 1000)}
 
 
 def _call(layer: MoELayer, rank: int, call: int) -> dict:

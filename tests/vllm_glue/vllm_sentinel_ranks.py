@@ -2,8 +2,9 @@
 death, step by step as vLLM calls it, on one side our manager and adapter
 (``moe_plugins_deepep_ll`` / ``moe_plugins_nixl_ep``), on the other vLLM's in-tree manager and
 prepare/finalize (``deepep_low_latency`` / ``nixl_ep``), over the emulated libraries with the
-store fabric (tests/emulation: puts and spin-waits a host mask acts on, so a rank that stopped
-holds nobody once masked). Imported only by tests that skip without vLLM 0.34's sentinel.
+store fabric (tests/emulation: puts and spin-waits that read the library's mask as each
+begins, as the kernels do, so a rank that stopped and was masked before a step holds nobody in
+it). Imported only by tests that skip without vLLM 0.34's sentinel.
 
 The ranks are vLLM DP ranks (``data_parallel_size`` = EP size, one TP rank each), so the EP
 group's communicator holds the all2all manager the sentinel reaches through

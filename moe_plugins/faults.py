@@ -109,7 +109,12 @@ class CollectiveError(RuntimeError):
 class PeerMaskedError(RuntimeError):
     """The library masked a peer on its own during a call (its kernels timed out waiting for
     it): the call's result lacks that peer's experts and is not returned; the EP group is broken
-    (later calls raise :class:`LayerBrokenError`)."""
+    (later calls raise :class:`LayerBrokenError`). ``masked_ranks``: the EP ranks it masked,
+    where known."""
+
+    def __init__(self, message: str, masked_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.masked_ranks = masked_ranks
 
 
 #: Our own fault errors: never wrapped again.

@@ -117,6 +117,12 @@ class CallBound:
         None: off)."""
         return self.timeout_s if self._warm else self.first_timeout_s
 
+    @property
+    def is_backstop(self) -> bool:
+        """The bound is the backstop (no bound set by the user): it follows the library's own
+        timeout, which ends a call first."""
+        return bool(self.why)
+
     def describe(self) -> str:
         """For the layers' INFO line: ``off``, or the bound and the start-up bound."""
         if self.timeout_s is None:

@@ -342,9 +342,13 @@ class MoELayer:
     def _check_library_masks(self) -> None:
         """A backend whose library masks a peer on its own (a kernel timeout: NIXL EP, DeepEP
         with ``enable_shrink``) returns results without that peer's experts and no error: after
-        each call (one host sync; not during a CUDA-graph capture) such a mask is an error."""
+        each call (one host sync; not during a CUDA-graph capture) such a mask is an error.
+        Under ``on_peer_loss`` it is a detection: the masked ranks are proposed as lost to the
+        group, and the continuation ends the call with ``PeerLostError``."""
         assert self._masks_by_library is not None
         lost = self._masks_by_library()
+        if lost and self._survival is not None and self._survival.watch.declare(lost):
+            return  # the group decided: the continuation ends this call with PeerLostError
         if lost:
             raise PeerMaskedError(
                 f"{self.name}: the library masked EP rank(s) {lost} during this call (their "
@@ -353,7 +357,7 @@ class MoELayer:
                 "calls raise LayerBrokenError). If a masked rank's process died, restart every "
                 "rank of the EP group (under vLLM, the engine); if every rank lives (a slow "
                 "peer), clean the buffers (layer.manager.clean_buffers()) on every rank and "
-                "rebuild the layer on new process groups on every rank")
+                "rebuild the layer on new process groups on every rank", tuple(lost))
 
     def _refuse(self, error: Exception) -> None:
         """This rank refuses the layer input: raise ``error`` in step with the peers. Every TP

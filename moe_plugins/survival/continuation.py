@@ -91,7 +91,10 @@ class LayerContinuation:
         why = refusal(layer.backend_spec, layer.manager, layer.ctx.layout, layer.pf is not None)
         if why:
             raise ValueError(f"{layer.name}: cannot continue after a peer's loss: {why}")
-        bound = layer._bound.timeout_s  # the faulted call must outlive detection and recovery
+        # a bound set by the user must outlive a faulted call's detection and recovery; the
+        # backstop lies past the library's own timeout, which masks the lost peer (a detection
+        # too: PeerWatch.declare) and so ends the faulted call first
+        bound = None if layer._bound.is_backstop else layer._bound.timeout_s
         if bound is not None and bound < options.detect_s + options.group_timeout_s:
             raise ValueError(
                 f"{layer.name}: the call bound ({bound:g} s) is shorter than a faulted call "

@@ -14,11 +14,16 @@ re-home and regroup from the same values. A rank that finds itself in the record
 *evicted*: it stops sending to its peers (its calls raise
 :class:`moe_plugins.survival.errors.RankEvictedError`).
 
-On a decision the thread masks every peer in the registered managers' buffers (the mask is
-read by the library's waits, so a call in flight on this rank returns, whatever it waited
-for); the caller's thread then recovers (:meth:`PeerWatch.recover`): a host group of the
-survivors (bounded), a barrier (every survivor left the faulted call), the buffers cleaned
-and the lost ranks masked, a second barrier (every survivor cleaned before anyone sends).
+On a decision the thread masks every peer in the registered managers' buffers. The libraries
+read a peer's mask word once, as each send and each wait begins (DeepEP 567632d, NIXL EP): the
+sends and waits of the call in flight that begin later skip every peer, so the rest of the
+call returns at once, but a wait already spinning on the lost peer ends only at the library's
+kernel timeout, which masks that peer too. A call that ends with a mask the library set on its
+own (its timeout came first) proposes those ranks itself (:meth:`PeerWatch.declare`): the
+library's timeout is a detection too. The caller's thread then recovers
+(:meth:`PeerWatch.recover`): a host group of the survivors (bounded), a barrier (every survivor
+left the faulted call), the buffers cleaned and the lost ranks masked, a second barrier (every
+survivor cleaned before anyone sends).
 
 The store is the one ``torch.distributed`` was initialized with; if its server goes away (its
 host process died) the thread says so once and stops: the library's timeout or the call bound
@@ -161,7 +166,9 @@ class PeerWatch:
             if self.faults is not None:  # a faulted call on this rank tells no watchdog
                 self.faults.notice = None
             # every peer masked BEFORE the decision is published: a caller that sees it
-            # recovers (cleans, masks the lost ranks only) after these masks, never before
+            # recovers (cleans, masks the lost ranks only) after these masks, never before;
+            # the call in flight sends to and waits for no peer from here on (a wait already
+            # spinning on a lost peer ends at the library's timeout)
             for m in self._live_managers():
                 for r in range(len(self.ranks)):
                     if r != self.me:
@@ -173,6 +180,23 @@ class PeerWatch:
         logger.warning("moe-plugins: EP ranks %s of group %s are lost (silent %s s)%s", newly,
                        self.prefix, silence, "; this rank was declared lost by its peers"
                        if self.evicted else "; masking them, continuing on the survivors")
+
+    def declare(self, ranks: Sequence[int]) -> bool:
+        """The library's kernels on this rank timed out waiting for EP ``ranks`` and masked
+        them (a call just ended): propose them as lost, as a suspecting thread does, and adopt
+        the group's record (this proposal, or one already taken). False where the store does
+        not answer (nothing decided)."""
+        if self.store_lost or self.evicted:
+            return False
+        key = self._key("loss", len(self.decisions) + 1)
+        proposal = ",".join(str(r) for r in sorted(ranks))
+        try:
+            record = self.store.compare_set(key, "", proposal)
+        except Exception as e:  # its host process died: the caller keeps the library's error
+            logger.debug("moe-plugins: no decision on %s: %s", proposal, e)
+            return False
+        self._adopt(record, time.monotonic())
+        return True
 
     def check_lease(self) -> None:
         """At a call's start, cheap: if this rank's own beats stopped for longer than half the

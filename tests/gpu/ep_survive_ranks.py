@@ -5,8 +5,11 @@ ranks; rank 3 SIGKILLs or SIGSTOPs itself inside its experts of call 3 (the stop
 continued by rank 0 after two of the survivors' later calls). Every survivor reports one row:
 passed when its faulted call raised the retryable ``PeerLostError`` naming rank 3 and each of
 its next ``calls_after`` calls equalled the single-process reference (computed before the first
-call, so the ranks stay in step), with the seconds from the death to its first correct call.
-On CPU it runs on the emulated libraries with the store fabric (tests/emulation/_ll_fabric.py).
+call, so the ranks stay in step), with the seconds from the death to its first correct call
+and the library's kernel timeout, which bounds it (a survivor's wait already spinning on the
+dead peer ends there: DeepEP as built, ``DEEPEP_TIMEOUT_S`` of scripts/deepep/build.sh; NIXL EP
+with ``timeout_ms`` NIXL_TIMEOUT_MS here). On CPU it runs on the emulated libraries with the
+store fabric (tests/emulation/_ll_fabric.py).
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ from tests.runner.peer_loss_ranks import (CFG, FAULT_CALL, TOKENS, VICTIM, _faul
                                           _store, _wake_victim, redundant_placement, seed_of)
 
 
+NIXL_TIMEOUT_MS = 10_000  # NIXL EP's kernel timeout in these jobs (its default: 30 s)
+
+
 def survive_job(rank: int, world: int, backend: str, device: str, fault: str,
                 calls_after: int = 20, detect_s: float = 3.0) -> None:
     """See the module doc; reports one row (case ``survive-<fault>``) per rank."""
@@ -41,7 +47,8 @@ def survive_job(rank: int, world: int, backend: str, device: str, fault: str,
     with vendor(backend, device):
         layers = _Layers(backend, world, device)
         try:
-            opts = {"enable_shrink": True} if backend.startswith("deepep") else {}
+            opts = {"enable_shrink": True} if backend.startswith("deepep") else \
+                {"timeout_ms": NIXL_TIMEOUT_MS}
             layer = layers.build(CFG, weights, 1, None, QuantSpec(),
                                  placement=redundant_placement(world),
                                  options=backend_options(backend, world, device, **opts),
@@ -51,6 +58,7 @@ def survive_job(rank: int, world: int, backend: str, device: str, fault: str,
                 if fault == "kill":  # its row first: it dies inside call FAULT_CALL
                     result(dict(row, status="passed",
                                 detail=f"victim: SIGKILLed inside call {FAULT_CALL}"))
+            row["library_timeout_s"] = layer.pf.library_timeout_s
             outcomes = _calls(layer, layers.dev, rank, fault, refs, store)
         finally:
             layers.destroy()

@@ -87,7 +87,8 @@ def _fault_inside(layer: MoELayer, fault: str, store: "dist.Store") -> None:
 
 def survive(rank: int, world: int, backend: str, fault: str, redundant: bool = True,
             degraded: bool = False, calls_after: int = 5, detect_s: float = 2.0,
-            call_timeout_s: Optional[float] = None) -> dict:
+            call_timeout_s: Optional[float] = None,
+            library_timeout_s: float = LIBRARY_TIMEOUT_S) -> dict:
     """One EP ``world`` layer under ``on_peer_loss``; rank VICTIM faults (``fault``: kill, stop)
     inside call FAULT_CALL. A survivor calls until its faulted call raises, then
     ``calls_after`` more; with ``fault == "stop"`` rank 0 continues the victim (SIGCONT) after
@@ -95,11 +96,12 @@ def survive(rank: int, world: int, backend: str, fault: str, redundant: bool = T
     os.environ[FABRIC_ENV] = "store"
     store = _store()
     placement = redundant_placement(world) if redundant else None
-    with installed(vendor_module(backend), deep_ep_build=_build(backend)):
+    with installed(vendor_module(backend), deep_ep_build=_build(backend, library_timeout_s)):
         ctx = cached_dist_context(ParallelLayout(world, 1, True))
         layer = MoELayer(MoEWeights.random(CFG, 0), ctx, get_backend(backend), None,
                          QuantSpec(), OverlapConfig(overlap=False), max_tokens_per_rank=TOKENS,
-                         backend_options=make_options(backend, **_library_options(backend)),
+                         backend_options=make_options(
+                             backend, **_library_options(backend, library_timeout_s)),
                          placement=placement, call_timeout_s=call_timeout_s,
                          on_peer_loss=PeerLossOptions(detect_s=detect_s, beat_s=detect_s / 8,
                                                       degraded=degraded, group_timeout_s=20.0))
@@ -112,16 +114,17 @@ def survive(rank: int, world: int, backend: str, fault: str, redundant: bool = T
             layer.destroy()
 
 
-def _build(backend: str) -> Optional[dict]:
-    """DeepEP's build record with LIBRARY_TIMEOUT_S (scripts/deepep/build.sh's timeout option)."""
-    return deepep_build(LIBRARY_TIMEOUT_S) if backend.startswith("deepep") else None
+def _build(backend: str, timeout_s: float) -> Optional[dict]:
+    """DeepEP's build record with kernel timeout ``timeout_s`` (scripts/deepep/build.sh's
+    timeout option)."""
+    return deepep_build(timeout_s) if backend.startswith("deepep") else None
 
 
-def _library_options(backend: str) -> dict:
-    """DeepEP's mask buffer; NIXL EP's kernel timeout LIBRARY_TIMEOUT_S."""
+def _library_options(backend: str, timeout_s: float) -> dict:
+    """DeepEP's mask buffer; NIXL EP's kernel timeout ``timeout_s``."""
     if backend.startswith("deepep"):
         return {"enable_shrink": True}
-    return {"timeout_ms": int(LIBRARY_TIMEOUT_S * 1000)}
+    return {"timeout_ms": int(timeout_s * 1000)}
 
 
 def _call(layer: MoELayer, rank: int, call: int) -> dict:

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -199,6 +200,7 @@ DEAD_WORKER_SERVERS = {
     "in-tree-tp2": ["-tp", "2", "--enforce-eager", "--all2all-backend", "allgather_reducescatter"],
 }
 STREAM_TOKENS = 240
+REQUEST_IN_FLIGHT_S = 2.0  # from sending the request to the kill: it reaches the engine
 SERVER_END_S = 60.0
 
 
@@ -214,14 +216,38 @@ def _session_processes(sid: int) -> dict[int, str]:
     return procs
 
 
+def _stream(port: int, body: dict, chunks: list, errors: list) -> None:
+    """Read a streamed completion: each token event into ``chunks``, an error event or a broken
+    stream into ``errors``."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    errors.append(event["error"])
+                    return
+                chunks.append(event)
+    except (urllib.error.URLError, ConnectionError, OSError) as e:  # the stream broke
+        errors.append(f"{type(e).__name__}: {e}")
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(DEAD_WORKER_SERVERS))
 def test_a_worker_killed_mid_request_fails_the_request_and_ends_the_server(tiny_model, tmp_path,
                                                                            name):
-    """tp 2: the TP-rank-1 worker is killed (SIGKILL) after the first streamed token of a
-    240-token request. vLLM's executor sees it die and shuts down; the request in flight ends
-    with an error, never with 240 tokens; the API server exits and leaves no process. Our
-    backend changes none of it (the in-tree server behaves alike)."""
+    """tp 2, after one request served: the TP-rank-1 worker is stopped (SIGSTOP), a 240-token
+    request sent, and the worker
+    killed (SIGKILL) while the request waits on it: the request is in flight however fast the
+    engine generates (a kill after the first streamed token can land after the last one on a
+    fast or loaded machine). vLLM's executor sees the worker die and shuts down; the request in
+    flight ends with an error, never with 240 tokens; the API server exits and leaves no
+    process. Our backend changes none of it (the in-tree server behaves alike)."""
     log_path = tmp_path / f"vllm-serve-{name}.log"
     procs: list[subprocess.Popen] = []
     with vllm_server(tiny_model["path"], DEAD_WORKER_SERVERS[name], log_path, procs) as port:
@@ -230,30 +256,23 @@ def test_a_worker_killed_mid_request_fails_the_request_and_ends_the_server(tiny_
                     if "Worker_TP1" in args]
         body = {"model": "tiny", "prompt": tiny_model["prompts"][0], "max_tokens": STREAM_TOKENS,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        chunks, errors = 0, []
-        try:
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-                for raw in resp:
-                    line = raw.decode(errors="replace").strip()
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[len("data: "):])
-                    if "error" in event:
-                        errors.append(event["error"])
-                        break
-                    chunks += 1
-                    if chunks == 1:
-                        os.kill(victim, signal.SIGKILL)
-                        killed = time.monotonic()
-        except (urllib.error.URLError, ConnectionError, OSError) as e:  # the stream broke
-            errors.append(f"{type(e).__name__}: {e}")
-        assert chunks >= 1, f"{name}: no token before the kill:\n{_tail(log_path)}"
+        # one request served first: every rank's MoE has run (ours logs it on its first call)
+        _post(port, {"model": "tiny", "prompt": tiny_model["prompts"][0],
+                     "max_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
+        chunks: list = []
+        errors: list = []
+        os.kill(victim, signal.SIGSTOP)  # the engine's next step waits on it
+        reader = threading.Thread(target=_stream, args=(port, body, chunks, errors), daemon=True)
+        reader.start()
+        time.sleep(REQUEST_IN_FLIGHT_S)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        reader.join(REQUEST_TIMEOUT_S)
+        assert not reader.is_alive(), f"{name}: the request still runs {REQUEST_TIMEOUT_S:.0f} s " \
+            f"after the kill:\n{_tail(log_path)}"
         request_s = time.monotonic() - killed
-        assert chunks < STREAM_TOKENS and errors, \
-            f"{name}: {chunks} tokens, errors {errors}: the request did not fail"
+        assert len(chunks) < STREAM_TOKENS and errors, \
+            f"{name}: {len(chunks)} tokens, errors {errors}: the request did not fail"
         try:
             server.wait(timeout=SERVER_END_S)
         except subprocess.TimeoutExpired:

@@ -149,10 +149,16 @@ class PeerWatch:
                 suspects.append(r)
         key = self._key("loss", len(self.decisions) + 1)
         if suspects:
-            proposal = ",".join(str(r) for r in sorted(suspects))
-            self._adopt(self.store.compare_set(key, "", proposal), now)
+            self._propose(suspects, now)
         elif self.store.check([key]):
             self._adopt(self.store.get(key), now)
+
+    def _propose(self, ranks: Sequence[int], now: float) -> None:
+        """Propose ``ranks`` as lost on the group's next decision key (the first proposal
+        stays) and adopt the record that stands."""
+        key = self._key("loss", len(self.decisions) + 1)
+        self._adopt(self.store.compare_set(key, "", ",".join(str(r) for r in sorted(ranks))),
+                    now)
 
     def _adopt(self, record: bytes | str, now: float) -> None:
         """Take the group's decision ``record`` ("r1,r2"): every peer is masked at once, so a
@@ -184,19 +190,17 @@ class PeerWatch:
     def declare(self, ranks: Sequence[int]) -> bool:
         """The library's kernels on this rank timed out waiting for EP ``ranks`` and masked
         them (a call just ended): propose them as lost, as a suspecting thread does, and adopt
-        the group's record (this proposal, or one already taken). False where the store does
-        not answer (nothing decided)."""
+        the group's record (this proposal, or one already taken). Whether a new decision was
+        adopted: False where none was (the store does not answer), and the caller keeps the
+        library's error."""
         if self.store_lost or self.evicted:
             return False
-        key = self._key("loss", len(self.decisions) + 1)
-        proposal = ",".join(str(r) for r in sorted(ranks))
+        epoch = self.epoch
         try:
-            record = self.store.compare_set(key, "", proposal)
-        except Exception as e:  # its host process died: the caller keeps the library's error
-            logger.debug("moe-plugins: no decision on %s: %s", proposal, e)
-            return False
-        self._adopt(record, time.monotonic())
-        return True
+            self._propose(ranks, time.monotonic())
+        except Exception as e:  # the store's host process died
+            logger.debug("moe-plugins: no decision on ranks %s: %s", list(ranks), e)
+        return self.epoch != epoch
 
     def check_lease(self) -> None:
         """At a call's start, cheap: if this rank's own beats stopped for longer than half the

@@ -347,7 +347,7 @@ class MoELayer:
         group, and the continuation ends the call with ``PeerLostError``."""
         assert self._masks_by_library is not None
         lost = self._masks_by_library()
-        if lost and self._survival is not None and self._survival.watch.declare(lost):
+        if lost and self._survival is not None and self._survival.library_masked(lost):
             return  # the group decided: the continuation ends this call with PeerLostError
         if lost:
             raise PeerMaskedError(

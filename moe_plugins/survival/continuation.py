@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from moe_plugins.faults import LayerBrokenError, group_faults, in_step
 from moe_plugins.backend_manager import RankMasking
@@ -132,6 +132,14 @@ class LayerContinuation:
         if watch.epoch != started:
             raise self._faulted(layer)
         return out
+
+    def library_masked(self, ranks: Sequence[int]) -> bool:
+        """The library masked EP ``ranks`` on its own during the call in flight: they are
+        declared to the group. True when a decision this layer has not adopted yet stands
+        (this declaration's, or one the watch's thread took meanwhile: its masks may land
+        after the library's), so the call ends in PeerLostError, not PeerMaskedError."""
+        self.watch.declare(ranks)
+        return self.watch.epoch != self.epoch
 
     def _faulted(self, layer: Any) -> BaseException:
         """The error of a call in flight during a decision, after adopting it."""

@@ -187,20 +187,17 @@ class PeerWatch:
                        self.prefix, silence, "; this rank was declared lost by its peers"
                        if self.evicted else "; masking them, continuing on the survivors")
 
-    def declare(self, ranks: Sequence[int]) -> bool:
+    def declare(self, ranks: Sequence[int]) -> None:
         """The library's kernels on this rank timed out waiting for EP ``ranks`` and masked
         them (a call just ended): propose them as lost, as a suspecting thread does, and adopt
-        the group's record (this proposal, or one already taken). Whether a new decision was
-        adopted: False where none was (the store does not answer), and the caller keeps the
-        library's error."""
+        the group's record (this proposal, or one already taken). Nothing where the store does
+        not answer: the caller, finding no decision, keeps the library's error."""
         if self.store_lost or self.evicted:
-            return False
-        epoch = self.epoch
+            return
         try:
             self._propose(ranks, time.monotonic())
         except Exception as e:  # the store's host process died
             logger.debug("moe-plugins: no decision on ranks %s: %s", list(ranks), e)
-        return self.epoch != epoch
 
     def check_lease(self) -> None:
         """At a call's start, cheap: if this rank's own beats stopped for longer than half the

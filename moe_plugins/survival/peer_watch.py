@@ -161,8 +161,9 @@ class PeerWatch:
                     now)
 
     def _adopt(self, record: bytes | str, now: float) -> None:
-        """Take the group's decision ``record`` ("r1,r2"): every peer is masked at once, so a
-        call in flight here returns; the caller's thread recovers."""
+        """Take the group's decision ``record`` ("r1,r2"): every peer is masked at once, so the
+        sends and waits of a call in flight here that begin later skip them (one already
+        spinning on a lost peer ends at the library's timeout); the caller's thread recovers."""
         text = record.decode() if isinstance(record, bytes) else record
         with self._lock:  # the thread and a caller's check_lease may read one record
             newly = sorted({int(r) for r in text.split(",") if r} - set(self.lost))

@@ -26,7 +26,8 @@ from moe_plugins.survival.errors import RankEvictedError
 from tests.gpu.ep_harness import result, step
 from tests.gpu.ep_ranks import _Layers, _forward, backend_options, compare, vendor
 from tests.runner.peer_loss_ranks import (CFG, FAULT_CALL, TOKENS, VICTIM, _fault_inside,
-                                          _store, _wake_victim, redundant_placement, seed_of)
+                                          _library_options, _store, _wake_victim,
+                                          redundant_placement, seed_of)
 
 
 NIXL_TIMEOUT_MS = 10_000  # NIXL EP's kernel timeout in these jobs (its default: 30 s)
@@ -47,8 +48,7 @@ def survive_job(rank: int, world: int, backend: str, device: str, fault: str,
     with vendor(backend, device):
         layers = _Layers(backend, world, device)
         try:
-            opts = {"enable_shrink": True} if backend.startswith("deepep") else \
-                {"timeout_ms": NIXL_TIMEOUT_MS}
+            opts = _library_options(backend, NIXL_TIMEOUT_MS / 1000)  # DeepEP's: as built
             layer = layers.build(CFG, weights, 1, None, QuantSpec(),
                                  placement=redundant_placement(world),
                                  options=backend_options(backend, world, device, **opts),

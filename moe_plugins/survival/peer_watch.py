@@ -14,16 +14,23 @@ re-home and regroup from the same values. A rank that finds itself in the record
 *evicted*: it stops sending to its peers (its calls raise
 :class:`moe_plugins.survival.errors.RankEvictedError`).
 
-On a decision the thread masks every peer in the registered managers' buffers. The libraries
-read a peer's mask word once, as each send and each wait begins (DeepEP 567632d, NIXL EP): the
-sends and waits of the call in flight that begin later skip every peer, so the rest of the
-call returns at once, but a wait already spinning on the lost peer ends only at the library's
-kernel timeout, which masks that peer too. A call that ends with a mask the library set on its
-own (its timeout came first) proposes those ranks itself (:meth:`PeerWatch.declare`): the
-library's timeout is a detection too. The caller's thread then recovers
-(:meth:`PeerWatch.recover`): a host group of the survivors (bounded), a barrier (every survivor
-left the faulted call), the buffers cleaned and the lost ranks masked, a second barrier (every
-survivor cleaned before anyone sends).
+The thread makes no CUDA call: a library call that launches a kernel keeps the interpreter
+lock, and a launch may wait in the driver behind the call in flight (a kernel spinning on the
+lost peer, another thread's synchronous copy), which would hold every thread of the process,
+this one's beats too. Nor would a mask it queued help the call in flight: the libraries read a
+peer's mask word once, as each send and each wait begins (DeepEP 567632d, NIXL EP), and a mask
+queued on a stream behind that call's kernels lands after them. A wait already spinning on the
+lost peer ends at the library's kernel timeout, which masks that peer; a call that ends with
+such a mask proposes those ranks itself (:meth:`PeerWatch.declare`): the library's timeout is
+a detection too. The caller's thread then recovers (:meth:`PeerWatch.recover`): a host group of
+the survivors (bounded), a barrier (every survivor left the faulted call), the buffers cleaned
+and the lost ranks masked, a second barrier (every survivor cleaned before anyone sends).
+
+The thread talks to the store on a connection of its own (``Store.clone``): a connection
+serves one operation at a time, and the caller's blocking ones (the survivors' group
+rendezvous in :meth:`PeerWatch.recover`, which waits for a survivor whose faulted call still
+spins on the lost peer) would otherwise hold the beats for their whole length, and the peers
+would take this live rank for lost.
 
 The store is the one ``torch.distributed`` was initialized with; if its server goes away (its
 host process died) the thread says so once and stops: the library's timeout or the call bound
@@ -58,7 +65,8 @@ class PeerWatch:
 
     def __init__(self, store: Any, prefix: str, ranks: Sequence[int], me: int, detect_s: float,
                  beat_s: float, group_timeout_s: float) -> None:
-        self.store, self.prefix, self.ranks, self.me = store, prefix, list(ranks), me
+        self.store, self.prefix, self.ranks, self.me = (_own_connection(store), prefix,
+                                                         list(ranks), me)
         self.detect_s, self.beat_s, self.group_timeout_s = detect_s, beat_s, group_timeout_s
         self.lost: tuple[int, ...] = ()  # EP ranks decided lost, ascending
         self.epoch = 0  # decisions adopted
@@ -161,9 +169,8 @@ class PeerWatch:
                     now)
 
     def _adopt(self, record: bytes | str, now: float) -> None:
-        """Take the group's decision ``record`` ("r1,r2"): every peer is masked at once, so the
-        sends and waits of a call in flight here that begin later skip them (one already
-        spinning on a lost peer ends at the library's timeout); the caller's thread recovers."""
+        """Take the group's decision ``record`` ("r1,r2"): the lost ranks and the epoch; the
+        caller's thread recovers (masks, cleans, regroups: :meth:`recover`)."""
         text = record.decode() if isinstance(record, bytes) else record
         with self._lock:  # the thread and a caller's check_lease may read one record
             newly = sorted({int(r) for r in text.split(",") if r} - set(self.lost))
@@ -172,14 +179,6 @@ class PeerWatch:
             silence = {r: round(now - self._seen[r][1], 3) for r in newly if r in self._seen}
             if self.faults is not None:  # a faulted call on this rank tells no watchdog
                 self.faults.notice = None
-            # every peer masked BEFORE the decision is published: a caller that sees it
-            # recovers (cleans, masks the lost ranks only) after these masks, never before;
-            # the call in flight sends to and waits for no peer from here on (a wait already
-            # spinning on a lost peer ends at the library's timeout)
-            for m in self._live_managers():
-                for r in range(len(self.ranks)):
-                    if r != self.me:
-                        m.set_rank_masked(r, True)
             self.decisions.append(dict(lost=newly, decided_at=time.time(), silent_s=silence))
             self.lost = tuple(sorted(set(self.lost) | set(newly)))
             self.evicted = self.me in self.lost
@@ -242,6 +241,21 @@ class PeerWatch:
                 self.store.set(self._key("hb", self.me), _LEFT)
             except Exception as e:
                 logger.debug("moe-plugins: could not mark rank as left (%s)", e)
+
+
+def _own_connection(store: Any) -> Any:
+    """A connection to ``store``'s server for the watch alone (module doc: why); ``store``
+    itself where its kind cannot be cloned (a WARNING: the caller's blocking store operations
+    then hold the beats)."""
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError) as e:
+        logger.warning("moe-plugins: the job's store (%s) gives no second connection (%s); the "
+                       "peer watch shares the caller's, so a blocking store operation of the "
+                       "caller holds this rank's heartbeat and a long one makes its peers take "
+                       "it for lost: use a TCPStore (torch.distributed's env:// or tcp://)",
+                       type(store).__name__, e)
+        return store
 
 
 _WATCHES: dict[str, PeerWatch] = {}

@@ -205,3 +205,33 @@ def refused(rank: int, world: int, backend: str, options: dict,
             return f"{type(e).__name__}: {e}"
         layer.destroy()
         return "built"
+
+
+def late_recovery(rank: int, world: int, late_s: float) -> dict:
+    """The watch alone, on ``world`` gloo ranks: the last rank SIGKILLs itself; once the
+    survivors decided it lost, rank 0 recovers at once while every other survivor keeps a call
+    in flight ``late_s`` longer (its faulted call still spinning on the dead peer, as a GPU
+    kernel does until the library's timeout) before it recovers. Rank 0's host-group rendezvous
+    waits for them meanwhile, a blocking operation on the job's store: its heartbeat must go on
+    (else its peers, whose calls are in flight, take it for lost). Returns what each survivor's
+    watch decided."""
+    from moe_plugins.survival.peer_watch import peer_watch_for
+    watch = peer_watch_for(None, detect_s=1.0, beat_s=0.1, group_timeout_s=30.0)
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(0.3)  # every survivor has seen a beat of this rank
+        os.kill(os.getpid(), signal.SIGKILL)
+    watch.calls_in_flight += 1
+    end = time.monotonic() + 20
+    while watch.epoch == 0:  # the decision about the killed rank
+        if time.monotonic() > end:
+            raise TimeoutError("no decision 20 s after a peer's death")
+        time.sleep(0.02)
+    if rank != 0:
+        time.sleep(late_s)
+    watch.calls_in_flight -= 1
+    watch.recover("late_recovery")
+    dist.barrier(group=watch.host_group)
+    time.sleep(2 * watch.detect_s)  # any later decision would be taken by now
+    return dict(lost=watch.lost, evicted=watch.evicted,
+                decisions=[d["lost"] for d in watch.decisions])

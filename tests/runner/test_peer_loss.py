@@ -182,3 +182,18 @@ def test_backends_without_rank_masking_refuse_the_option(rank_pool, backend, opt
     results = rank_pool(2).run(ranks.refused, backend, options, bound)
     for r in results:
         assert why in r, r
+
+
+def test_a_survivor_waiting_in_its_recovery_keeps_beating():
+    """Rank 0 recovers 3 s before the other survivors (their faulted calls still spinning):
+    its host-group rendezvous blocks on the job's store for those 3 s, and its heartbeat goes
+    on through them, so no survivor is taken for lost (on one store connection shared with the
+    rendezvous, its beats stopped and its peers evicted it)."""
+    with RankPool(4, timeout_s=60) as pool:
+        run = pool.run_bounded(ranks.late_recovery, 3.0, deadline_s=60, stop_on_death=False,
+                               stall_s=40)
+    outcomes = run.outcomes
+    assert outcomes[3].status == "died", outcomes[3].describe()
+    for o in outcomes[:3]:
+        assert o.status == "ok", o.describe()
+        assert o.value == dict(lost=(3,), evicted=False, decisions=[[3]]), (o.rank, o.value)

@@ -105,6 +105,9 @@ class DeepEPLLManager(LowLatencyManager):
     update_mask_method = "low_latency_update_mask_buffer"
     query_mask_method = "low_latency_query_mask_buffer"
     clean_mask_method = "low_latency_clean_mask_buffer"
+    # Buffer::destroy (567632d csrc/deep_ep.cpp) meets every rank in an NVSHMEM barrier
+    # (nvshmem_barrier_all, no timeout, the mask not consulted) before freeing the RDMA buffer
+    teardown_waits_for_every_rank = True
     options: DeepEPLLOptions
     deepep: DeepEPFound
 

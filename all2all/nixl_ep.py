@@ -96,6 +96,9 @@ class NixlEPManager(LowLatencyManager):
     combine_methods = ("low_latency_combine", "combine")
     update_mask_method = "update_mask_buffer"
     query_mask_method = "query_mask_buffer"
+    # Buffer::destroy (csrc/nixl_ep.cpp) waits for its NVLink peers only under the kernel
+    # timeout and deregisters its memory locally: it returns with a peer lost
+    teardown_waits_for_every_rank = False
     clean_mask_method = "clean_mask_buffer"
     # In low-latency mode NIXL EP masks a peer whose kernels time out (vLLM's in-tree NIXL EP
     # manager always declares fault tolerance for that reason).

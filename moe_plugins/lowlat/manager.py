@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,9 @@ class LowLatencyManager(BackendManager, ABC):
     combine_methods: ClassVar[tuple[str, ...]]
     update_mask_method: ClassVar[str]  # (rank, mask: bool) -> None
     query_mask_method: ClassVar[str]  # (int32 [num_ranks] tensor) -> None
+    #: whether the library's buffer teardown waits for every rank of the group with no
+    #: timeout (a barrier), so that it never returns once a rank is lost (:meth:`peers_lost`)
+    teardown_waits_for_every_rank: ClassVar[bool] = False
     clean_mask_method: ClassVar[str]  # () -> None: every rank the buffer reaches unmasked
     #: what the library's mask words say (both libraries: nonzero = masked, their update
     #: takes True = masked); our flag's one meaning is translated through it (masking.py)
@@ -126,7 +129,7 @@ class LowLatencyManager(BackendManager, ABC):
                          and f.name != "pad_hidden")
         key = (self.backend_name, id(self.group), self.rank, self.num_ranks, self.kernel_hidden,
                self.max_tokens_per_rank, self.num_experts, switches)
-        self.buffer = buffer_cache().acquire(key, self._create_logged, self._destroy_buffer)
+        self.buffer = buffer_cache().acquire(key, self._create_logged, self._teardown)
         self._key: Optional[tuple] = key
         self._buffer_key = key  # the buffer's, shared with the other managers of its key
         if self.padded and key not in _PADDING_LOGGED:
@@ -290,12 +293,37 @@ class LowLatencyManager(BackendManager, ABC):
     def _mask_len(self) -> int:
         return self.num_ranks
 
+    def peers_lost(self, ranks: Sequence[int]) -> None:
+        """EP ``ranks`` of this buffer's group were declared lost for good (their processes
+        died, or they were evicted: :mod:`moe_plugins.survival`). Where the library's teardown
+        waits for every rank (:attr:`teardown_waits_for_every_rank`), the buffer is then not
+        torn down (:meth:`destroy`): it would never return. Host state only."""
+        _LOST_PEERS.setdefault(self._buffer_key, set()).update(int(r) for r in ranks)
+
+    def _teardown(self, buffer: Any) -> None:
+        """The last release of the buffer: the library's teardown, unless it would wait for a
+        lost rank forever (:meth:`peers_lost`); then one WARNING and the buffer stays until
+        the process exits."""
+        lost = sorted(_LOST_PEERS.pop(self._buffer_key, ()))
+        _CALLER_MASKED.pop(self._buffer_key, None)
+        if lost and self.teardown_waits_for_every_rank:
+            logger.warning("%s: the buffer is not torn down: %s waits for every rank of the EP "
+                           "group there, with no timeout, and EP ranks %s are lost; its memory "
+                           "is freed when this process exits", self.backend_name, self.library,
+                           lost)
+            return
+        self._destroy_buffer(buffer)
+
     def destroy(self) -> None:
-        """Release this manager's share of the buffer (the last one destroys it); idempotent."""
+        """Release this manager's share of the buffer (the last one tears it down:
+        :meth:`_teardown`); idempotent."""
         if self._key is not None:
             key, self._key = self._key, None
             buffer_cache().release(key)
 
+
+# The EP ranks declared lost for good, per buffer (cache key): see LowLatencyManager.peers_lost.
+_LOST_PEERS: dict[tuple, set[int]] = {}
 
 # The ranks callers masked (set_rank_masked), per buffer (cache key): a mask the library set on
 # its own is one not in here.

@@ -180,4 +180,9 @@ class LayerContinuation:
         return lost
 
     def close(self, manager: Any) -> None:
+        """The layer is destroyed: a buffer whose teardown waits for every rank is left as is
+        once the group lost a rank (on survivors and an evicted rank alike: each knows the
+        decision, so none waits for the others' teardown)."""
+        if self.watch.lost:
+            manager.peers_lost(self.watch.lost)
         self.watch.unregister(manager)

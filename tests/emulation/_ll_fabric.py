@@ -96,6 +96,21 @@ class StoreFabric:
 
         return wait
 
+    def barrier(self, name: str, bound_s: float = 30.0) -> None:
+        """Every rank of the buffer meets here (a library barrier over all ranks that reads no
+        mask: DeepEP's teardown). The real one waits forever for a lost rank; this one raises
+        RuntimeError after ``bound_s`` naming the ranks that never came."""
+        keys = [f"{self.prefix}/{name}/{r}" for r in range(self.num_ranks)]
+        self.store.set(keys[self.rank], b"")
+        start = time.monotonic()
+        while not self.store.check(keys):
+            if time.monotonic() - start > bound_s:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise RuntimeError(f"emulation: the library's barrier {name!r} over every rank "
+                                   f"waited {bound_s:g} s for ranks {missing} (the real one "
+                                   "never returns)")
+            time.sleep(0.01)
+
     def _timed_out(self, ranks: list[int]) -> None:
         if not self.mask_enabled:
             raise RuntimeError("CUDA error: unspecified launch failure (emulation: a kernel "

@@ -135,6 +135,16 @@ class DeepEPRuntime(EmulatedLowLatencyRuntime):
         self.rc_qp_patched = _RC_QP_PATCH in build.get("patches", ())
         self.kernel_timeout_s = self.timeout_s
 
+    def destroy(self) -> None:
+        """567632d's ``Buffer::destroy``: before freeing the RDMA buffer every rank meets in an
+        NVSHMEM barrier (``internode::barrier()``, nvshmem_barrier_all: no timeout, the mask
+        not consulted), so with a rank lost it never returns. On the store fabric the barrier
+        is one on the store (:meth:`StoreFabric.barrier`), which raises after a bound instead of
+        waiting forever, so a test that meets it fails rather than hangs."""
+        if self.fabric is not None:
+            self.fabric.barrier("destroy")
+        super().destroy()
+
     def _checked_experts(self, num_experts: int) -> int:
         host_assert(self.low_latency_mode, "low_latency_mode")
         host_assert(not self.low_latency_dirty, "emulation: a normal-mode call used this buffer "

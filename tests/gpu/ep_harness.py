@@ -63,7 +63,7 @@ def _rank_init(device: str, env: dict[str, str], rank: int) -> None:
     With ``EP_HARNESS_DUMP_S`` and ``EP_HARNESS_DUMP_DIR`` set, every thread's Python stack is
     written to ``<dir>/rank<rank>-<pid>.txt`` every that many seconds (faulthandler's C thread:
     it writes also while a C call holds the interpreter lock), so where a rank that never ends
-    waits is in the run's logs."""
+    waits is in the run's logs; so are the stacks of a rank that crashes (SIGSEGV, SIGABRT)."""
     for k, v in env.items():
         os.environ.setdefault(k, v)
     dump_s, dump_dir = os.environ.get("EP_HARNESS_DUMP_S"), os.environ.get("EP_HARNESS_DUMP_DIR")
@@ -73,6 +73,7 @@ def _rank_init(device: str, env: dict[str, str], rank: int) -> None:
         os.makedirs(dump_dir, exist_ok=True)
         out = open(os.path.join(dump_dir, f"rank{rank}-{os.getpid()}.txt"), "w")  # noqa: SIM115
         faulthandler.dump_traceback_later(float(dump_s), repeat=True, file=out)
+        faulthandler.enable(file=out, all_threads=True)  # a crash (SIGSEGV) writes its stacks
     if device.startswith("cuda"):
         import torch
 

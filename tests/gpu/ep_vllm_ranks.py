@@ -343,17 +343,23 @@ class Sides:
     def forward(self, side: Side, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         """One MoE layer on device tensors: vLLM's kernel (shared expert inside it when it
-        overlaps) + the shared expert, as vLLM's runner; no TP reduction (tp 1, or SP)."""
+        overlaps) + the shared expert, as vLLM's runner (moe_runner.py) orders them: on a GPU,
+        a kernel that cannot overlap the shared expert (``supports_async()`` False, as the
+        one-sided classes) has it run on vLLM's side stream, launched before the dispatch and
+        waited for after the kernel; no TP reduction (tp 1, or SP)."""
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
         dtype = side.pf.topk_indices_dtype() or torch.int32
+        overlapping = side.shared.maybe_forward_async(x)
         routed = side.kernel.apply(hidden_states=x, w1=self.w13, w2=self.w2, topk_weights=w,
                                    topk_ids=ids.to(dtype), activation=MoEActivation.SILU,
                                    global_num_experts=CFG.num_experts, expert_map=self.expert_map,
                                    apply_router_weight_on_input=False, shared_experts=side.shared,
                                    shared_experts_input=x)
-        side.shared(x, SharedExpertsOrder.NO_OVERLAP)
+        if overlapping:
+            side.shared.wait()
+        side.shared(x, SharedExpertsOrder.NO_OVERLAP)  # runs only where nothing else ran it
         return routed + side.shared.output
 
     def to_dev(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:

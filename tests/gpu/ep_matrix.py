@@ -452,9 +452,10 @@ def current_versions(device: str) -> dict[str, str]:
         from moe_plugins.stack.deepep import describe_deepep
 
         found = describe_deepep(deep_ep)
-        fence = "pr642-combine-fence" in found.patches
+        prs = [p[2:].split("-")[0] for p in found.patches if p.startswith("pr")]
         out["deep_ep"] = (f"{found.commit or found.version or 'unknown'}"
-                          + (" with the PR #642 fence" if fence else " (without the fence)"))
+                          + (f" with the patches of PR #{', #'.join(prs)}" if prs
+                             else " (without patches)"))
     except ImportError:
         pass
     for key, dists in (("flashinfer", ("flashinfer-python",)),

@@ -260,6 +260,7 @@ def jobs(device: str, scale: str = "full") -> list[Job]:
             _layer_job(["deepep_auto"], 4, "B", device, scale, 300),
             _layer_job([fo], 2, "B", device, scale, 300),
             _layer_job([fo], 4, "B", device, scale, 420),
+            _mask_job(fo, "B", device, 180),
             _mask_job("deepep_ll", "B", device, 180),
             # one fault on each kind of transport before the slow EP 8 worlds
             _fault_job("torch", "kill", "B", device),

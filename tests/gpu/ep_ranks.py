@@ -527,8 +527,10 @@ def _mask_rows(layers: _Layers, rank: int, world: int, victim: int, seed: int,
 def mask_job(rank: int, world: int, backend: str, device: str, victim: int,
              seed: int = 0) -> list[dict]:
     """:func:`_mask_rows` in a world of its own; deepep_ll needs DeepEP's mask buffer
-    (``enable_shrink``), hence another buffer than the other deepep_ll layers'."""
-    opts = {"enable_shrink": True} if backend == "deepep_ll" else {}
+    (``enable_shrink``), hence another buffer than the other deepep_ll layers', and
+    flashinfer's one-sided kernels their mask compiled in (``enable_rank_mask``)."""
+    opts = {"deepep_ll": {"enable_shrink": True},
+            "flashinfer_nvlink_one_sided": {"enable_rank_mask": True}}.get(backend, {})
     rows: list[dict] = []
     step(f"{backend}: import the library")
     with vendor(backend, device):

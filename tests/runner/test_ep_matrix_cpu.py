@@ -102,7 +102,7 @@ def test_the_full_matrix_covers_the_issue():
     assert {"deepep_ll", "deepep_ht", "deepep_auto"} <= graphed
     assert not any(r[1] == "graph" for j in jobs("cpu") if j.path == "layer" for r in j.rows)
     masked = {r[0] for j in full for r in j.rows if r[1] == "mask"}
-    assert masked == {"deepep_ll", "nixl_ep"}
+    assert masked == {"deepep_ll", "nixl_ep", "flashinfer_nvlink_one_sided"}
     quants = {(r[0], r[2]) for j in full for r in j.rows}
     assert {("deepep_ll", "ue8m0"), ("nixl_ep", "ue8m0"), ("deepep_ht", "fp8_block128")} <= quants
 

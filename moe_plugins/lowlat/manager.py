@@ -307,10 +307,10 @@ class LowLatencyManager(BackendManager, ABC):
         lost = sorted(_LOST_PEERS.pop(self._buffer_key, ()))
         _CALLER_MASKED.pop(self._buffer_key, None)
         if lost and self.teardown_waits_for_every_rank:
-            logger.warning("%s: the buffer is not torn down: %s waits for every rank of the EP "
-                           "group there, with no timeout, and EP ranks %s are lost; its memory "
-                           "is freed when this process exits", self.backend_name, self.library,
-                           lost)
+            logger.warning("%s: the buffer is not torn down: the library's teardown waits for "
+                           "every rank of the EP group, with no timeout, and EP ranks %s are "
+                           "lost; its memory is freed when this process exits",
+                           self.backend_name, lost)
             return
         self._destroy_buffer(buffer)
 

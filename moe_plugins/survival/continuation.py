@@ -136,7 +136,8 @@ class LayerContinuation:
     def library_masked(self, ranks: Sequence[int]) -> bool:
         """The library masked EP ``ranks`` on its own during the call in flight: they are
         declared to the group. True when a decision this layer has not adopted yet stands
-        (this declaration's, or one the watch's thread took meanwhile), so the call ends in PeerLostError, not PeerMaskedError."""
+        (this declaration's, or one the watch's thread took meanwhile), so the call ends in
+        PeerLostError, not PeerMaskedError."""
         self.watch.declare(ranks)
         return self.watch.epoch != self.epoch
 

@@ -249,7 +249,7 @@ def _own_connection(store: Any) -> Any:
     then hold the beats)."""
     try:
         return store.clone()
-    except (AttributeError, RuntimeError, NotImplementedError) as e:  # a torch without Store.clone, a store without it
+    except (AttributeError, RuntimeError, NotImplementedError) as e:  # no Store.clone there
         logger.warning("moe-plugins: the job's store (%s) gives no second connection (%s); the "
                        "peer watch shares the caller's, so a blocking store operation of the "
                        "caller holds this rank's heartbeat and a long one makes its peers take "

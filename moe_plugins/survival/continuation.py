@@ -129,6 +129,7 @@ class LayerContinuation:
             raise self._faulted(layer) from e
         finally:
             watch.calls_in_flight -= 1
+        watch.check_lease()  # stopped during the call: the group may have decided meanwhile
         if watch.epoch != started:
             raise self._faulted(layer)
         return out

@@ -140,6 +140,13 @@ class PeerWatch:
     def _step(self) -> None:
         if self.evicted:
             return
+        # the group's decision first, then the beat: a caller that finds this rank's beat
+        # fresh (check_lease) finds a decision taken while this rank was stopped adopted too
+        key = self._key("loss", len(self.decisions) + 1)
+        if self.store.check([key]):
+            self._adopt(self.store.get(key), time.monotonic())
+            if self.evicted:
+                return
         self._beat()
         now = time.monotonic()
         suspects = []
@@ -155,11 +162,8 @@ class PeerWatch:
                 self._seen[r] = (value, now)
             elif value != _LEFT and self.calls_in_flight > 0 and now - seen[1] > self.detect_s:
                 suspects.append(r)
-        key = self._key("loss", len(self.decisions) + 1)
         if suspects:
             self._propose(suspects, now)
-        elif self.store.check([key]):
-            self._adopt(self.store.get(key), now)
 
     def _propose(self, ranks: Sequence[int], now: float) -> None:
         """Propose ``ranks`` as lost on the group's next decision key (the first proposal
@@ -200,9 +204,11 @@ class PeerWatch:
             logger.debug("moe-plugins: no decision on ranks %s: %s", list(ranks), e)
 
     def check_lease(self) -> None:
-        """At a call's start, cheap: if this rank's own beats stopped for longer than half the
-        detection time (it was stopped, or starved), its peers may have declared it lost:
-        read the decision now, before it sends anything."""
+        """At a call's start and end, cheap: if this rank's own beats stopped for longer than
+        half the detection time (it was stopped, or starved), its peers may have declared it
+        lost: read the decision now, before the call sends anything or returns its result
+        (a rank stopped mid-call and continued may complete that call from what its peers had
+        sent before deciding: a result, but one of a rank they no longer count on)."""
         if time.monotonic() - self.last_beat <= self.detect_s / 2 or self.store_lost:
             return
         key = self._key("loss", len(self.decisions) + 1)

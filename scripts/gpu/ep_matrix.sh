@@ -36,7 +36,8 @@
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
 # ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), EP_MATRIX_FAULT_MARGIN_S
 # (a fault job's bound beyond the library's own timeout, default 60), FLASHINFER=0 (either half
-# without flashinfer's set-up, for ONLY= runs of other jobs), FI_VERSION (flashinfer's release:
+# without flashinfer's set-up, for ONLY= runs of other jobs), DEEPEP=0 (half B without DeepEP's
+# build, for ONLY= runs of flashinfer's jobs), FI_VERSION (flashinfer's release:
 # default 0.7.2.post1 in half B, 0.7.4 in half A), GPU_TESTS_S (> 0: the
 # one-rank GPU tests of the half's libraries first, bounded to that many seconds; MATRIX=0:
 # only those),
@@ -82,7 +83,11 @@ if [ "$DEVICE" = cuda ]; then
     fi
   else
     # moe-plugins first: pip must not see the kit's flashinfer wheels (flashinfer.sh)
-    if [ "${FLASHINFER:-1}" = 1 ]; then
+    if [ "${FLASHINFER:-1}" = 1 ] && [ "${DEEPEP:-1}" = 0 ]; then  # flashinfer's jobs only
+      OUT=$LOGS setup_moe_plugins && OUT=$LOGS setup_flashinfer
+      ok=$?
+      PP=$(gpu_pythonpath flashinfer)
+    elif [ "${FLASHINFER:-1}" = 1 ]; then
       OUT=$LOGS setup_moe_plugins && OUT=$LOGS setup_deepep && OUT=$LOGS setup_flashinfer
       ok=$?
       PP=$(gpu_pythonpath deepep flashinfer)

@@ -142,11 +142,9 @@ class PeerWatch:
             return
         # the group's decision first, then the beat: a caller that finds this rank's beat
         # fresh (check_lease) finds a decision taken while this rank was stopped adopted too
-        key = self._key("loss", len(self.decisions) + 1)
-        if self.store.check([key]):
-            self._adopt(self.store.get(key), time.monotonic())
-            if self.evicted:
-                return
+        self._read_decision()
+        if self.evicted:
+            return
         self._beat()
         now = time.monotonic()
         suspects = []
@@ -211,6 +209,10 @@ class PeerWatch:
         sent before deciding: a result, but one of a rank they no longer count on)."""
         if time.monotonic() - self.last_beat <= self.detect_s / 2 or self.store_lost:
             return
+        self._read_decision()
+
+    def _read_decision(self) -> None:
+        """Adopt the group's next decision record where one was taken."""
         key = self._key("loss", len(self.decisions) + 1)
         if self.store.check([key]):
             self._adopt(self.store.get(key), time.monotonic())

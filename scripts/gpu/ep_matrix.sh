@@ -36,8 +36,8 @@
 # Options (environment): HALF (A|B), ONLY / SKIP (space-separated job-name substrings, e.g.
 # ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), EP_MATRIX_FAULT_MARGIN_S
 # (a fault job's bound beyond the library's own timeout, default 60), FLASHINFER=0 (either half
-# without flashinfer's set-up, for ONLY= runs of other jobs), DEEPEP=0 (half B without DeepEP's
-# build, for ONLY= runs of flashinfer's jobs), FI_VERSION (flashinfer's release:
+# without flashinfer's set-up, for ONLY= runs of other jobs), DEEPEP=0 (either half without
+# DeepEP's build, half A without NIXL's too, for ONLY= runs of flashinfer's jobs), FI_VERSION (flashinfer's release:
 # default 0.7.2.post1 in half B, 0.7.4 in half A), GPU_TESTS_S (> 0: the
 # one-rank GPU tests of the half's libraries first, bounded to that many seconds; MATRIX=0:
 # only those),
@@ -67,10 +67,16 @@ if [ "$DEVICE" = cuda ]; then
     echo "!! CUDA MPS seems active: DeepEP's low-latency kernels fail under MPS (not changed here)"
   fi
   if [ "$HALF" = A ]; then
-    OUT=$LOGS setup_vllm_py && OUT=$LOGS setup_deepep && OUT=$LOGS setup_moe_plugins \
-      && OUT=$LOGS setup_nixl
-    ok=$?
-    PP=$(gpu_pythonpath deepep vllm nixl)
+    if [ "${DEEPEP:-1}" = 0 ]; then  # vLLM's flashinfer jobs only
+      OUT=$LOGS setup_vllm_py && OUT=$LOGS setup_moe_plugins
+      ok=$?
+      PP=$(gpu_pythonpath vllm)
+    else
+      OUT=$LOGS setup_vllm_py && OUT=$LOGS setup_deepep && OUT=$LOGS setup_moe_plugins \
+        && OUT=$LOGS setup_nixl
+      ok=$?
+      PP=$(gpu_pythonpath deepep vllm nixl)
+    fi
     # flashinfer last, after moe-plugins (pip must not see its wheels), behind vLLM's kit on
     # the path; its ninja on PATH too (vLLM's has_flashinfer() asks for nvcc and ninja)
     if [ $ok -eq 0 ] && [ "${FLASHINFER:-1}" = 1 ]; then

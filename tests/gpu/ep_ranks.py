@@ -62,7 +62,7 @@ FLASHINFER = "flashinfer_nvlink_two_sided"
 FLASHINFER_ONE_SIDED = "flashinfer_nvlink_one_sided"
 FLASHINFERS = (FLASHINFER, FLASHINFER_ONE_SIDED)  # both on flashinfer's MNNVL memory
 QUANTS = {"bf16": QuantSpec(), "fp8_block128": QuantSpec(QuantScheme.FP8_BLOCK128),
-          "ue8m0": QuantSpec(QuantScheme.FP8_BLOCK128)}
+          "ue8m0": QuantSpec(QuantScheme.FP8_BLOCK128), "nvfp4": QuantSpec(QuantScheme.NVFP4)}
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,9 @@ class Case:
     (also yields the ``rebalance`` row), ``row_scatter``, ``sp``, ``mask`` (yields
     ``mask-before``, ``mask``, ``unmask``: :func:`mask_job`'s calls), ``graph`` (CUDA only: the
     layer captured in a CUDA graph and replayed on new inputs, :func:`_graph_rows`)); ``quant`` (``bf16``,
-    ``fp8_block128``, ``ue8m0``: FP8 with packed UE8M0 scales for experts that ask for them);
+    ``fp8_block128``, ``ue8m0``: FP8 with packed UE8M0 scales for experts that ask for them,
+    ``nvfp4``: packed e2m1 with e4m3 scales per 16 elements, quantized by our prepare in torch
+    and moved as bytes by the library, so it runs on a GPU without NVFP4 tensor cores);
     ``tp`` (2: dp = ep / 2 x tp 2); ``offset`` into the ragged token counts."""
 
     name: str

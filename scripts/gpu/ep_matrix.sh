@@ -134,7 +134,8 @@ LEFT=$(( CALL_S - ($(date +%s) - T0) ))
 # every process the matrix starts inherits this: afterwards none may be left
 export EP_MATRIX_TAG="ep-matrix-$$-$T0"
 # DUMP_S: where a rank that does not end waits: every DUMP_S s each rank writes every thread's
-# Python stack (faulthandler), and, where py-spy is installed, its native stack is taken too
+# Python stack (from a thread of its own: tests/gpu/ep_harness.py), and, where py-spy is
+# installed, its native stack is taken too
 if [ -n "${DUMP_S:-}" ]; then
   export EP_HARNESS_DUMP_S=$DUMP_S EP_HARNESS_DUMP_DIR=$LOGS/stacks
   mkdir -p "$EP_HARNESS_DUMP_DIR"

@@ -8,7 +8,8 @@
 # (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/). DeepEP's build takes CUDA_HOME,
 # TORCH_CUDA_ARCH_LIST and MAX_JOBS from the environment (defaults /usr/local/cuda, 9.0, 16).
 #
-#   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc
+#   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc (kept
+#                        where an earlier run set up the same kit)
 #                        (VLLM_VERSION: by default the newest release checked, scripts/vllm_versions.py; that release's Python
 #                        without its compiled extension; benchmarks/vllm_stand_ins.py)
 #   setup_deepep         .gpu/deepep-567632d.tgz with its patches, built in /tmp/deepep by
@@ -28,12 +29,21 @@ stage() { echo "== $(date +%T) $*"; }
 
 setup_vllm_py() {
   stage "install the kit's wheels and vLLM's Python"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .gpu/whl/*.whl || return 1
   local v=${VLLM_VERSION:-$(python3 "$(dirname "${BASH_SOURCE[0]}")/../vllm_versions.py" newest)}
+  # the same kit set up by an earlier run on this host is kept (with the bytecode its imports
+  # compiled: a first import of vLLM's modules by 4 ranks at once takes over a minute)
+  local kit
+  kit="$v $(cat .gpu/whl/*.whl ".gpu/vllm_py-$v.tgz" | md5sum | cut -c1-32)"
+  if [ -f /tmp/vsrc/.kit ] && [ "$(cat /tmp/vsrc/.kit)" = "$kit" ]; then
+    echo "vLLM $v's Python and the kit's wheels as an earlier run set them up (/tmp/vsrc, /tmp/site)"
+    return 0
+  fi
+  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .gpu/whl/*.whl || return 1
   rm -rf /tmp/vsrc && mkdir -p /tmp/vsrc && tar -xzf ".gpu/vllm_py-$v.tgz" -C /tmp/vsrc || return 1
   mkdir -p "/tmp/vsrc/vllm-$v.dist-info"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > "/tmp/vsrc/vllm-$v.dist-info/METADATA"
+  echo "$kit" > /tmp/vsrc/.kit
   echo "vLLM $v's Python in /tmp/vsrc"
 }
 

@@ -29,6 +29,7 @@ import datetime
 import functools
 import json
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -61,9 +62,9 @@ def rank_device(device: str) -> "Any":
 def _rank_init(device: str, env: dict[str, str], rank: int) -> None:
     """First thing in every rank process (RankPool's ``init``), before the process group.
     With ``EP_HARNESS_DUMP_S`` and ``EP_HARNESS_DUMP_DIR`` set, every thread's Python stack is
-    written to ``<dir>/rank<rank>-<pid>.txt`` every that many seconds (faulthandler's C thread:
-    it writes also while a C call holds the interpreter lock), so where a rank that never ends
-    waits is in the run's logs; so are the stacks of a rank that crashes (SIGSEGV, SIGABRT)."""
+    written to ``<dir>/rank<rank>-<pid>.txt`` every that many seconds (:func:`_dump_stacks`), so
+    where a rank that never ends waits is in the run's logs; so are the stacks of a rank that
+    crashes (faulthandler's fatal-signal handler: SIGSEGV, SIGABRT)."""
     for k, v in env.items():
         os.environ.setdefault(k, v)
     dump_s, dump_dir = os.environ.get("EP_HARNESS_DUMP_S"), os.environ.get("EP_HARNESS_DUMP_DIR")
@@ -72,12 +73,43 @@ def _rank_init(device: str, env: dict[str, str], rank: int) -> None:
 
         os.makedirs(dump_dir, exist_ok=True)
         out = open(os.path.join(dump_dir, f"rank{rank}-{os.getpid()}.txt"), "w")  # noqa: SIM115
-        faulthandler.dump_traceback_later(float(dump_s), repeat=True, file=out)
+        _dump_stacks(out, float(dump_s))
         faulthandler.enable(file=out, all_threads=True)  # a crash (SIGSEGV) writes its stacks
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.set_device(0)  # every rank on the one GPU
+
+
+def _dump_stacks(out: Any, every_s: float) -> threading.Thread:
+    """Every ``every_s`` seconds, every thread's Python stack into ``out``, from a daemon thread
+    that holds the interpreter lock while it reads them (``sys._current_frames``), so no frame
+    changes under it. Not faulthandler's timer (``dump_traceback_later``): its C thread reads
+    the other threads' frames without the lock, and a frame being pushed or popped meanwhile
+    crashes the process (CPython issues #131580, #140815): ranks importing vLLM died of SIGSEGV
+    in that dump. The cost: a rank whose thread holds the lock in a C call writes nothing until
+    the call returns (scripts/gpu/ep_matrix.sh then takes native stacks with py-spy)."""
+    import sys
+    import traceback
+
+    def loop() -> None:
+        start, n = time.monotonic(), 0
+        while True:
+            time.sleep(every_s)
+            n += 1
+            names = {t.ident: t.name for t in threading.enumerate()}
+            lines = [f"== dump {n} at {time.monotonic() - start:.1f} s\n"]
+            for ident, frame in sys._current_frames().items():
+                if ident == threading.get_ident():
+                    continue
+                lines.append(f"Thread {ident:#x} ({names.get(ident, '?')}), most recent call last:\n")
+                lines += traceback.format_stack(frame)
+            out.write("".join(lines) + "\n")
+            out.flush()
+
+    thread = threading.Thread(target=loop, name="ep-harness-stack-dump", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass

@@ -67,6 +67,36 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _own_process_group() -> None:
+    """POSIX: this rank leads a process group of its own, so whatever it starts (a library's
+    JIT build: ninja, the compiler) ends with it when the pool kills it (:func:`_signal_rank`);
+    a process it started would otherwise outlive it."""
+    if hasattr(os, "setpgid"):
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+
+
+def _signal_rank(proc: Any, sig: int) -> None:
+    """``sig`` to a rank process (``multiprocessing.Process``) and every process of its group
+    (:func:`_own_process_group`), also once the rank itself has ended (the group lives while a
+    process it started does); to the rank alone before it has its group. Called right after
+    the rank ends, never later: its pid then still names only its group."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        return
+    except (OSError, AttributeError):  # no such group (yet, or any more); no killpg
+        pass
+    if proc.exitcode is None:  # still our unreaped child: the pid is its own
+        try:
+            os.kill(proc.pid, sig)
+        except OSError:
+            pass
+
+
 def _rendezvous_store(timeout_s: float) -> "torch.distributed.TCPStore":
     """The pool's rendezvous: a TCPStore served by this (parent) process on a port the OS
     picks and this process keeps, so two pools starting at once never race for one port (a
@@ -102,6 +132,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue[Any]", resul
             timeout_s: float, init: Optional[Callable[[int], None]]) -> None:
     global _REPORT
     _die_with_parent()
+    _own_process_group()
     _REPORT = lambda kind, payload: results.put((rank, kind, payload))  # noqa: E731
     import torch.distributed as dist
 
@@ -474,21 +505,18 @@ class RankPool(Generic[T]):
         return all(p.is_alive() for p in self._procs)
 
     def terminate(self) -> None:
-        """End every rank at once (SIGTERM, then SIGKILL after 2 s)."""
+        """End every rank at once, and what each started (its process group): SIGTERM, then
+        SIGKILL after 2 s; the group of a rank that ended gets SIGKILL too."""
         for p in self._procs:
             if p.is_alive():
-                p.terminate()
+                _signal_rank(p, signal.SIGTERM)
                 # a stopped rank acts on SIGTERM only once continued; a running one ignores this
-                # (the process is our unreaped child: its pid cannot be another's yet)
-                try:
-                    os.kill(p.pid, signal.SIGCONT)  # type: ignore[arg-type]
-                except OSError:
-                    pass
+                _signal_rank(p, signal.SIGCONT)
         for p in self._procs:
             p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=2)
+            # the rank if still running, and what it started (which may outlive its SIGTERM)
+            _signal_rank(p, signal.SIGKILL)
+            p.join(timeout=2)
 
     def close(self) -> None:
         for q, p in zip(self._tasks, self._procs):
@@ -500,7 +528,7 @@ class RankPool(Generic[T]):
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():
-                p.kill()
+                _signal_rank(p, signal.SIGKILL)
                 p.join(timeout=2)
         self._store = None  # the rendezvous port is free again
 

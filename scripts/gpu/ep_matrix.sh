@@ -80,7 +80,7 @@ if [ "$DEVICE" = cuda ]; then
     # flashinfer last, after moe-plugins (pip must not see its wheels), behind vLLM's kit on
     # the path; its ninja on PATH too (vLLM's has_flashinfer() asks for nvcc and ninja)
     if [ $ok -eq 0 ] && [ "${FLASHINFER:-1}" = 1 ]; then
-      if FI_VERSION=${FI_VERSION:-0.7.4} OUT=$LOGS setup_flashinfer; then
+      if FI_VERSION=${FI_VERSION:-0.7.4} OUT=$LOGS setup_flashinfer "$PP"; then
         PP=$PP:$(gpu_pythonpath flashinfer)
         export PATH=/tmp/fisite/bin:$PATH
       else

@@ -18,9 +18,12 @@
 #   setup_moe_plugins    pip install -e . (the entry points the registry reads)
 #   setup_nixl           .gpu17/nixl: NIXL EP's extension built against this torch into
 #                        /tmp/nixl_site/nixl_ep (nixl_ep.sh's stages 1-4; log nixl_build.log)
-#   setup_flashinfer     .gpu17/flashinfer -> /tmp/fisite (FI_VERSION), its all-to-alls JIT-built
-#                        (flashinfer.sh's stages 2-3; log fi_jit.log); without the kit, the
-#                        version an earlier run set up in /tmp/fisite is used
+#   setup_flashinfer [PATH]  .gpu17/flashinfer -> /tmp/fisite (FI_VERSION), its all-to-alls
+#                        JIT-built (flashinfer.sh's stages 2-3; log fi_jit.log); without the kit,
+#                        the version an earlier run set up in /tmp/fisite is used. PATH: what the
+#                        jobs put on PYTHONPATH before /tmp/fisite (vLLM's kit: its pin of
+#                        apache-tvm-ffi is then the one the modules are built against, as the
+#                        jobs load them; a module built against another is rebuilt by the jobs)
 #   gpu_pythonpath PARTS...   the PYTHONPATH for the parts set up (deepep vllm nixl flashinfer)
 #
 # OUT must be set (logs go there). Stage lines: "== HH:MM:SS <what>".
@@ -171,9 +174,12 @@ setup_flashinfer() {
 
   stage "import flashinfer and JIT-build the all-to-all module (build log: fi_jit.log)"
   local rc
-  PYTHONPATH=/tmp/fisite${PYTHONPATH:+:$PYTHONPATH} python3 - > "$OUT/fi_jit.log" 2>&1 <<'PY'
-import time, torch, flashinfer
-print("torch", torch.__version__, "flashinfer", flashinfer.__version__, flashinfer.__file__)
+  # flashinfer's JIT cache is keyed by the build's flags, which name the include directory of
+  # the apache-tvm-ffi imported: build with the path the jobs will have
+  PYTHONPATH=${1:+$1:}/tmp/fisite${PYTHONPATH:+:$PYTHONPATH} python3 - > "$OUT/fi_jit.log" 2>&1 <<'PY'
+import time, torch, flashinfer, tvm_ffi
+print("torch", torch.__version__, "flashinfer", flashinfer.__version__, flashinfer.__file__,
+      "apache-tvm-ffi", getattr(tvm_ffi, "__version__", "?"), tvm_ffi.__file__)
 t = time.time()
 try:  # 0.7.2.post1: MnnvlMoe (its moe_ep runs on the same module)
     from flashinfer.comm.trtllm_alltoall import get_comm_alltoall_module as build

@@ -1,9 +1,12 @@
 """Rank functions of the harness tests (tests/runner/test_ep_harness.py): steps, results, a
-hang in a step or in a collective, a mismatch, a rank that dies. Plain CPU code."""
+hang in a step or in a collective, a hang beside a process the rank started, a mismatch, a
+rank that dies. Plain CPU code."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -41,6 +44,18 @@ def hang(rank: int, world: int, where: str, pid_dir: Optional[str] = None) -> No
         dist.all_reduce(torch.ones(1))
     else:
         step("sleep instead of the all_reduce")
+        while True:
+            time.sleep(1)
+
+
+def hang_beside_a_child(rank: int, world: int, pid_file: str) -> None:
+    """Rank 1 starts a process that runs for 5 minutes (as a library's JIT build starts its
+    compiler), writes that process's pid into ``pid_file``, and hangs; rank 0 returns."""
+    step("start")
+    if rank == 1:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        Path(pid_file).write_text(str(child.pid))
+        step("wait for the child")
         while True:
             time.sleep(1)
 

@@ -78,6 +78,32 @@ def test_a_hang_is_bounded_reported_with_its_step_and_leaves_no_process(where):
     _is_a_failure(failed.value)
 
 
+def test_a_process_a_killed_rank_started_ends_with_it(tmp_path):
+    """A rank killed at the bound takes what it started with it (its process group): a
+    library's JIT build (ninja, the compiler) left running would hold the host's cores and its
+    build directory's lock for the next run."""
+    pid_file = tmp_path / "child"
+    run = run_world(fns.hang_beside_a_child, 2, str(pid_file), device="cpu", timeout_s=8)
+    assert run.timed_out and run.stray == []
+    child = int(pid_file.read_text())
+    end = time.monotonic() + 5
+    while not _gone(child) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert _gone(child), f"process {child}, started by the killed rank 1, outlived it"
+
+
+def test_the_stack_dumps_name_where_a_hanging_rank_waits(tmp_path):
+    """EP_HARNESS_DUMP_S: every rank writes every thread's Python stack that often (from a
+    thread holding the interpreter lock), so a rank that hangs shows where."""
+    env = {"EP_HARNESS_DUMP_S": "1", "EP_HARNESS_DUMP_DIR": str(tmp_path)}
+    run = run_world(fns.hang, 2, "sleep", device="cpu", timeout_s=8, env=env)
+    assert run.timed_out
+    (dump,) = tmp_path.glob("rank1-*.txt")
+    text = dump.read_text()
+    assert "== dump 2 at " in text, text[:2000]
+    assert "MainThread" in text and "in hang" in text and "time.sleep(1)" in text, text[-3000:]
+
+
 def test_a_mismatch_is_a_failure_not_an_expected_failure():
     run = run_world(fns.mismatch, 2, device="cpu", timeout_s=60)
     assert not run.timed_out and not run.ok

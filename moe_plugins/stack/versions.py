@@ -109,10 +109,9 @@ LIBRARIES: tuple[Library, ...] = (
                  "(and torch 2.15.0 where none is installed: "
                  "`pip install -e '.[flashinfer]' 'torch==2.14.0'` keeps 2.14.0); "
                  "with `[vllm]`, vLLM 0.33.0's pin: 0.7.2.post1"),
-        cpu_only=("flashinfer_nvlink_one_sided: 0.7.2.post1 (on a GPU: 0.7.4 only), and "
-                  "beside vLLM's in-tree one-sided class, which has not passed on a GPU yet "
-                  "(on the emulation under vLLM 0.33.0 on 0.7.2.post1, its pin, and 0.34.0 on "
-                  "0.7.4, which has the API of the 0.7.3 it pins); "
+        cpu_only=("flashinfer_nvlink_one_sided: 0.7.2.post1 (on a GPU: 0.7.4 only, through "
+                  "our layer and beside vLLM 0.34.0's in-tree one-sided class; beside vLLM "
+                  "0.33.0's, on its pin 0.7.2.post1, on the emulation only); "
                   "flashinfer_nvlink_two_sided: none (the CPU suite also runs the emulation of "
                   "both)"),
         rows=lambda r: str(r.get("backend") or "").startswith("flashinfer_nvlink_"),),

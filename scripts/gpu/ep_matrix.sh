@@ -37,8 +37,8 @@
 # ONLY="layer/deepep_ll fault/torch"), CALL_S, MIN_JOB_S (default 45), EP_MATRIX_FAULT_MARGIN_S
 # (a fault job's bound beyond the library's own timeout, default 60), FLASHINFER=0 (either half
 # without flashinfer's set-up, for ONLY= runs of other jobs), DEEPEP=0 (either half without
-# DeepEP's build, half A without NIXL's too, for ONLY= runs of flashinfer's jobs), FI_VERSION (flashinfer's release:
-# default 0.7.2.post1 in half B, 0.7.4 in half A), GPU_TESTS_S (> 0: the
+# DeepEP's build, half A without NIXL's too, for ONLY= runs of flashinfer's jobs), FI_VERSION
+# (flashinfer's release: default 0.7.2.post1 in half B, 0.7.4 in half A), GPU_TESTS_S (> 0: the
 # one-rank GPU tests of the half's libraries first, bounded to that many seconds; MATRIX=0:
 # only those),
 # DEVICE=cpu (no set-up, the emulated libraries: the CPU dry run of this very script),

@@ -8,8 +8,8 @@
 # (.gpu/) and scripts/gpu/prepare17.sh (.gpu17/). DeepEP's build takes CUDA_HOME,
 # TORCH_CUDA_ARCH_LIST and MAX_JOBS from the environment (defaults /usr/local/cuda, 9.0, 16).
 #
-#   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc (kept
-#                        where an earlier run set up the same kit)
+#   setup_vllm_py        .gpu/whl/*.whl -> /tmp/site, .gpu/vllm_py-$VLLM_VERSION.tgz -> /tmp/vsrc
+#                        (kept where an earlier run set up the same kit)
 #                        (VLLM_VERSION: by default the newest release checked, scripts/vllm_versions.py; that release's Python
 #                        without its compiled extension; benchmarks/vllm_stand_ins.py)
 #   setup_deepep         .gpu/deepep-567632d.tgz with its patches, built in /tmp/deepep by

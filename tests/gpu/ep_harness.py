@@ -102,7 +102,8 @@ def _dump_stacks(out: Any, every_s: float) -> threading.Thread:
             for ident, frame in sys._current_frames().items():
                 if ident == threading.get_ident():
                     continue
-                lines.append(f"Thread {ident:#x} ({names.get(ident, '?')}), most recent call last:\n")
+                name = names.get(ident, "?")
+                lines.append(f"Thread {ident:#x} ({name}), most recent call last:\n")
                 lines += traceback.format_stack(frame)
             out.write("".join(lines) + "\n")
             out.flush()
